@@ -1,0 +1,34 @@
+//! The rules: the reference YAML format, validated and compiled into an immutable [`RuleSet`] that
+//! requests are matched against. The current set lives in [`Rules`] and is swapped whole.
+
+mod loader;
+mod matcher;
+mod model;
+mod yaml;
+
+use std::sync::Arc;
+
+use arc_swap::ArcSwapOption;
+
+pub use loader::{load, LoadError, Loaded};
+pub use matcher::{EntryRef, Wildcard};
+pub use model::{Domain, Level, Limit, Node, RuleSet, Unit};
+pub use yaml::{parse_file, DomainFile};
+
+/// The rule set requests are decided against; empty until the first successful load.
+#[derive(Debug, Default)]
+pub struct Rules {
+    current: ArcSwapOption<RuleSet>,
+}
+
+impl Rules {
+    /// The current snapshot, if any rules were ever loaded.
+    pub fn snapshot(&self) -> Option<Arc<RuleSet>> {
+        self.current.load_full()
+    }
+
+    /// Replaces the current snapshot.
+    pub fn replace(&self, rules: RuleSet) {
+        self.current.store(Some(Arc::new(rules)));
+    }
+}

@@ -1,0 +1,441 @@
+//! The compiled rules: a tree per domain that a request's descriptor entries walk level by level.
+//!
+//! Built from validated files by [`RuleSet::build`], which applies the reference service's semantic checks
+//! (units, unlimited, replaces, duplicates, share_threshold) with its messages. A `RuleSet` is immutable;
+//! a reload builds a new one and swaps it in whole.
+
+use std::{collections::HashMap, fmt, sync::Arc};
+
+use super::{
+    matcher::Wildcard,
+    yaml::{DescriptorSpec, DomainFile},
+};
+
+/// Length of a rate limit window. Months are 30 days and years 365 days, as in the reference service;
+/// windows are aligned to the Unix epoch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Unit {
+    Second,
+    Minute,
+    Hour,
+    Day,
+    Week,
+    Month,
+    Year,
+}
+
+impl Unit {
+    /// Parses a unit name in any case (`second`, `MINUTE`, ...).
+    pub fn from_name(name: &str) -> Option<Unit> {
+        Some(match name.to_ascii_uppercase().as_str() {
+            "SECOND" => Unit::Second,
+            "MINUTE" => Unit::Minute,
+            "HOUR" => Unit::Hour,
+            "DAY" => Unit::Day,
+            "WEEK" => Unit::Week,
+            "MONTH" => Unit::Month,
+            "YEAR" => Unit::Year,
+            _ => return None,
+        })
+    }
+
+    /// The wire number of the unit (the same in the request and response enums; WEEK is 7).
+    pub fn from_wire(n: i32) -> Option<Unit> {
+        Some(match n {
+            1 => Unit::Second,
+            2 => Unit::Minute,
+            3 => Unit::Hour,
+            4 => Unit::Day,
+            5 => Unit::Month,
+            6 => Unit::Year,
+            7 => Unit::Week,
+            _ => return None,
+        })
+    }
+
+    pub fn to_wire(self) -> i32 {
+        match self {
+            Unit::Second => 1,
+            Unit::Minute => 2,
+            Unit::Hour => 3,
+            Unit::Day => 4,
+            Unit::Month => 5,
+            Unit::Year => 6,
+            Unit::Week => 7,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Unit::Second => "SECOND",
+            Unit::Minute => "MINUTE",
+            Unit::Hour => "HOUR",
+            Unit::Day => "DAY",
+            Unit::Week => "WEEK",
+            Unit::Month => "MONTH",
+            Unit::Year => "YEAR",
+        }
+    }
+
+    pub fn seconds(self) -> u64 {
+        match self {
+            Unit::Second => 1,
+            Unit::Minute => 60,
+            Unit::Hour => 3_600,
+            Unit::Day => 86_400,
+            Unit::Week => 604_800,
+            Unit::Month => 2_592_000,
+            Unit::Year => 31_536_000,
+        }
+    }
+}
+
+impl fmt::Display for Unit {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// The `rate_limit` of a rule.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Limit {
+    /// Hits allowed per window; 0 denies every counted hit.
+    pub requests_per_unit: u32,
+    /// The window; meaningless when `unlimited`.
+    pub unit: Unit,
+    /// Never limited and never counted.
+    pub unlimited: bool,
+    /// Name reported in `current_limit.name` and targeted by `replaces`.
+    pub name: Option<Arc<str>>,
+    /// Names of limits this one drops from the same request.
+    pub replaces: Box<[Arc<str>]>,
+}
+
+/// A descriptor node of the rules tree.
+#[derive(Debug, Clone)]
+pub struct Node {
+    /// `domain.key_value.key` path of the node, as `/rlconfig` and error messages name it.
+    pub full_key: Box<str>,
+    /// The limit, when the node has one; a node without limit and without children is an allow-list entry.
+    pub limit: Option<Limit>,
+    /// Over-limit answers of this rule are turned into OK (the counting still happens).
+    pub shadow_mode: bool,
+    /// The rule takes part in the quota-mode overall decision (see the limiter).
+    pub quota_mode: bool,
+    /// Metric naming flags, kept for the metrics of the rule.
+    pub detailed_metric: bool,
+    pub value_to_metric: bool,
+    /// The node's wildcard shares one counter across all values it matches.
+    pub share_threshold: bool,
+    /// Free-form metadata of the rule.
+    pub metadata: Option<Arc<serde_json::Map<String, serde_json::Value>>>,
+    /// For each level from the domain down to this node, the value counter keys use instead of the
+    /// request's: the wildcard pattern of a `share_threshold` node, `None` elsewhere. Empty when no level
+    /// shares.
+    pub shared_values: Box<[Option<Box<str>>]>,
+    /// Nested descriptors.
+    pub children: Level,
+}
+
+/// The descriptor nodes at one depth under one parent.
+#[derive(Debug, Clone, Default)]
+pub struct Level {
+    /// Nodes by composite key: `key_value` for valued nodes, `key` for the key-only default node.
+    pub exact: HashMap<Box<str>, Node>,
+    /// Wildcard-valued nodes, in file order; they match against the request's `key_value`.
+    pub wildcards: Vec<(Wildcard, Node)>,
+}
+
+/// One domain's rules.
+#[derive(Debug, Clone, Default)]
+pub struct Domain {
+    pub root: Level,
+}
+
+/// Every loaded domain: an immutable snapshot.
+#[derive(Debug, Clone, Default)]
+pub struct RuleSet {
+    pub domains: HashMap<String, Domain>,
+}
+
+impl RuleSet {
+    /// Builds the rule set from parsed files, in the order given. Errors are prefixed with the file name.
+    pub fn build(files: &[(String, DomainFile)], merge_domains: bool) -> Result<RuleSet, String> {
+        let mut set = RuleSet::default();
+        for (file_name, file) in files {
+            set.add_file(file, merge_domains)
+                .map_err(|e| format!("{file_name}: {e}"))?;
+        }
+        Ok(set)
+    }
+
+    fn add_file(&mut self, file: &DomainFile, merge_domains: bool) -> Result<(), String> {
+        if file.domain.is_empty() {
+            return Err("config file cannot have empty domain".into());
+        }
+        if self.domains.contains_key(&file.domain) && !merge_domains {
+            return Err(format!("duplicate domain '{}' in config file", file.domain));
+        }
+        let domain = self.domains.entry(file.domain.clone()).or_default();
+        add_level(&mut domain.root, &file.descriptors, &file.domain, &[])
+    }
+
+    /// Every rule with a limit, one line each, sorted: what `/rlconfig` shows.
+    pub fn describe(&self) -> Vec<String> {
+        fn walk(level: &Level, out: &mut Vec<String>) {
+            let nodes = level
+                .exact
+                .values()
+                .chain(level.wildcards.iter().map(|(_, n)| n));
+            for node in nodes {
+                if let Some(limit) = &node.limit {
+                    out.push(if limit.unlimited {
+                        format!(
+                            "{}: unlimited, shadow_mode: {}, quota_mode: {}",
+                            node.full_key, node.shadow_mode, node.quota_mode
+                        )
+                    } else {
+                        format!(
+                            "{}: unit={} requests_per_unit={}, shadow_mode: {}, quota_mode: {}",
+                            node.full_key,
+                            limit.unit,
+                            limit.requests_per_unit,
+                            node.shadow_mode,
+                            node.quota_mode
+                        )
+                    });
+                }
+                walk(&node.children, out);
+            }
+        }
+        let mut out = Vec::new();
+        for domain in self.domains.values() {
+            walk(&domain.root, &mut out);
+        }
+        out.sort();
+        out
+    }
+}
+
+fn add_level(
+    level: &mut Level,
+    specs: &[DescriptorSpec],
+    parent_key: &str,
+    parent_shared: &[Option<Box<str>>],
+) -> Result<(), String> {
+    for spec in specs {
+        if spec.key.is_empty() {
+            return Err("descriptor has empty key".into());
+        }
+        let composite = if spec.value.is_empty() {
+            spec.key.clone()
+        } else {
+            format!("{}_{}", spec.key, spec.value)
+        };
+        let full_key = format!("{parent_key}.{composite}");
+        let duplicate = level.exact.contains_key(composite.as_str())
+            || level
+                .wildcards
+                .iter()
+                .any(|(w, _)| w.pattern() == composite);
+        if duplicate {
+            return Err(format!("duplicate descriptor composite key '{full_key}'"));
+        }
+        let limit = spec.rate_limit.as_ref().map(compile_limit).transpose()?;
+        let is_wildcard = spec.value.contains('*');
+        if spec.share_threshold && !is_wildcard {
+            return Err(format!(
+                "share_threshold can only be used with wildcard values (containing '*'), but found key '{composite}'"
+            ));
+        }
+        let mut shared_values = parent_shared.to_vec();
+        shared_values.push(spec.share_threshold.then(|| spec.value.as_str().into()));
+        let shared_values: Box<[Option<Box<str>>]> = if shared_values.iter().any(Option::is_some) {
+            shared_values.into()
+        } else {
+            Box::new([])
+        };
+        let mut node = Node {
+            full_key: full_key.clone().into(),
+            limit,
+            shadow_mode: spec.shadow_mode,
+            quota_mode: spec.quota_mode,
+            detailed_metric: spec.detailed_metric,
+            value_to_metric: spec.value_to_metric,
+            share_threshold: spec.share_threshold,
+            metadata: spec.metadata.clone().map(Arc::new),
+            shared_values: shared_values.clone(),
+            children: Level::default(),
+        };
+        let child_shared = if shared_values.is_empty() {
+            vec![None; parent_shared.len() + 1]
+        } else {
+            shared_values.to_vec()
+        };
+        add_level(
+            &mut node.children,
+            &spec.descriptors,
+            &full_key,
+            &child_shared,
+        )?;
+        if is_wildcard {
+            level.wildcards.push((Wildcard::new(&composite), node));
+        } else {
+            level.exact.insert(composite.into(), node);
+        }
+    }
+    Ok(())
+}
+
+fn compile_limit(spec: &super::yaml::RateLimitSpec) -> Result<Limit, String> {
+    let unit = spec.parsed_unit();
+    if spec.unlimited {
+        if unit.is_some() {
+            return Err("should not specify rate limit unit when unlimited".into());
+        }
+    } else if unit.is_none() {
+        return Err(format!("invalid rate limit unit '{}'", spec.unit));
+    }
+    let name = (!spec.name.is_empty()).then(|| Arc::<str>::from(spec.name.as_str()));
+    let mut replaces = Vec::with_capacity(spec.replaces.len());
+    for r in &spec.replaces {
+        if r.is_empty() {
+            return Err("should not have an empty replaces entry".into());
+        }
+        if name.as_deref() == Some(r.as_str()) {
+            return Err("replaces should not contain name of same descriptor".into());
+        }
+        replaces.push(Arc::<str>::from(r.as_str()));
+    }
+    Ok(Limit {
+        requests_per_unit: spec.requests_per_unit,
+        unit: unit.unwrap_or(Unit::Second),
+        unlimited: spec.unlimited,
+        name,
+        replaces: replaces.into(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rules::yaml::parse_file;
+
+    fn build(files: &[(&str, &str)], merge: bool) -> Result<RuleSet, String> {
+        let parsed = files
+            .iter()
+            .map(|(name, text)| Ok((name.to_string(), parse_file(text)?)))
+            .collect::<Result<Vec<_>, String>>()
+            .map_err(|e| format!("{}: {e}", files[0].0))?;
+        RuleSet::build(&parsed, merge)
+    }
+
+    fn build_err(text: &str) -> String {
+        build(&[("config.f.yaml", text)], false).unwrap_err()
+    }
+
+    #[test]
+    fn every_semantic_error_uses_the_reference_message() {
+        let cases = [
+            ("descriptors: []\n", "config.f.yaml: config file cannot have empty domain"),
+            ("", "config.f.yaml: config file cannot have empty domain"),
+            ("domain: d\ndescriptors:\n  - value: v\n", "config.f.yaml: descriptor has empty key"),
+            (
+                "domain: d\ndescriptors:\n  - key: a\n    value: b\n  - key: a\n    value: b\n",
+                "config.f.yaml: duplicate descriptor composite key 'd.a_b'",
+            ),
+            (
+                "domain: d\ndescriptors:\n  - key: a_b\n  - key: a\n    value: b\n",
+                "config.f.yaml: duplicate descriptor composite key 'd.a_b'",
+            ),
+            (
+                "domain: d\ndescriptors:\n  - key: a\n    descriptors:\n      - key: s\n      - key: s\n",
+                "config.f.yaml: duplicate descriptor composite key 'd.a.s'",
+            ),
+            (
+                "domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: fortnight, requests_per_unit: 1}\n",
+                "config.f.yaml: invalid rate limit unit 'fortnight'",
+            ),
+            (
+                "domain: d\ndescriptors:\n  - key: a\n    rate_limit: {requests_per_unit: 1}\n",
+                "config.f.yaml: invalid rate limit unit ''",
+            ),
+            (
+                "domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: second, unlimited: true}\n",
+                "config.f.yaml: should not specify rate limit unit when unlimited",
+            ),
+            (
+                "domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: second, requests_per_unit: 1, replaces: [{name: ''}]}\n",
+                "config.f.yaml: should not have an empty replaces entry",
+            ),
+            (
+                "domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: second, requests_per_unit: 1, name: x, replaces: [{name: x}]}\n",
+                "config.f.yaml: replaces should not contain name of same descriptor",
+            ),
+            (
+                "domain: d\ndescriptors:\n  - key: a\n    value: b\n    share_threshold: true\n",
+                "config.f.yaml: share_threshold can only be used with wildcard values (containing '*'), but found key 'a_b'",
+            ),
+        ];
+        for (text, want) in cases {
+            assert_eq!(build_err(text), want, "{text}");
+        }
+    }
+
+    #[test]
+    fn duplicate_domains_are_refused_unless_merging() {
+        let a = ("config.a.yaml", "domain: d\ndescriptors:\n  - key: a\n");
+        let b = ("config.b.yaml", "domain: d\ndescriptors:\n  - key: b\n");
+        assert_eq!(
+            build(&[a, b], false).unwrap_err(),
+            "config.b.yaml: duplicate domain 'd' in config file"
+        );
+        let merged = build(&[a, b], true).unwrap();
+        let root = &merged.domains["d"].root;
+        assert!(root.exact.contains_key("a") && root.exact.contains_key("b"));
+        let b_again = ("config.c.yaml", "domain: d\ndescriptors:\n  - key: a\n");
+        assert_eq!(
+            build(&[a, b_again], true).unwrap_err(),
+            "config.c.yaml: duplicate descriptor composite key 'd.a'"
+        );
+    }
+
+    #[test]
+    fn all_units_and_special_limits_compile() {
+        let set = build(
+            &[(
+                "f",
+                "domain: d\ndescriptors:\n  - {key: s, rate_limit: {unit: second, requests_per_unit: 1}}\n  - {key: w, rate_limit: {unit: WEEK, requests_per_unit: 1}}\n  - {key: m, rate_limit: {unit: month, requests_per_unit: 1}}\n  - {key: y, rate_limit: {unit: year, requests_per_unit: 1}}\n  - {key: u, rate_limit: {unlimited: true}}\n  - {key: z, rate_limit: {unit: hour, requests_per_unit: 0}}\n",
+            )],
+            false,
+        )
+        .unwrap();
+        let root = &set.domains["d"].root;
+        let unit = |k: &str| root.exact[k].limit.as_ref().unwrap().unit.seconds();
+        assert_eq!(unit("s"), 1);
+        assert_eq!(unit("w"), 604_800);
+        assert_eq!(unit("m"), 2_592_000);
+        assert_eq!(unit("y"), 31_536_000);
+        assert!(root.exact["u"].limit.as_ref().unwrap().unlimited);
+        assert_eq!(root.exact["z"].limit.as_ref().unwrap().requests_per_unit, 0);
+    }
+
+    #[test]
+    fn rlconfig_lists_every_limited_rule() {
+        let set = build(
+            &[(
+                "f",
+                "domain: d\ndescriptors:\n  - key: a\n    value: b\n    rate_limit: {unit: minute, requests_per_unit: 5}\n    descriptors:\n      - key: c\n        shadow_mode: true\n        rate_limit: {unit: hour, requests_per_unit: 7}\n  - key: free\n",
+            )],
+            false,
+        )
+        .unwrap();
+        assert_eq!(
+            set.describe(),
+            vec![
+                "d.a_b.c: unit=HOUR requests_per_unit=7, shadow_mode: true, quota_mode: false",
+                "d.a_b: unit=MINUTE requests_per_unit=5, shadow_mode: false, quota_mode: false",
+            ]
+        );
+    }
+}

@@ -1,0 +1,500 @@
+//! Reading one rules file: YAML text -> generic tree -> key validation -> typed [`DomainFile`].
+//!
+//! The reference service parses in two passes (validate every map key against one flat set of names, then
+//! decode into typed structs) and its error texts are part of what operators grep for, so both passes and
+//! their messages are kept here.
+
+use std::fmt;
+
+use serde::de::{Deserialize, Deserializer, MapAccess, SeqAccess, Visitor};
+
+use super::model::Unit;
+
+/// Every key name accepted anywhere in a rules file (one flat set, as the reference checks it).
+const VALID_KEYS: &[&str] = &[
+    "domain",
+    "key",
+    "value",
+    "descriptors",
+    "rate_limit",
+    "unit",
+    "requests_per_unit",
+    "unlimited",
+    "shadow_mode",
+    "quota_mode",
+    "name",
+    "replaces",
+    "detailed_metric",
+    "value_to_metric",
+    "share_threshold",
+    "metadata",
+];
+
+/// A YAML node, keeping map order (wildcards match in file order) and non-string keys (to reject them).
+#[derive(Debug, Clone, PartialEq)]
+pub enum Yaml {
+    Null,
+    Bool(bool),
+    Int(i64),
+    /// Integers above `i64::MAX`.
+    BigUint(u64),
+    Float(f64),
+    String(String),
+    List(Vec<Yaml>),
+    Map(Vec<(Yaml, Yaml)>),
+}
+
+impl fmt::Display for Yaml {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Yaml::Null => f.write_str("null"),
+            Yaml::Bool(b) => write!(f, "{b}"),
+            Yaml::Int(i) => write!(f, "{i}"),
+            Yaml::BigUint(u) => write!(f, "{u}"),
+            Yaml::Float(x) => write!(f, "{x}"),
+            Yaml::String(s) => f.write_str(s),
+            Yaml::List(items) => {
+                f.write_str("[")?;
+                for (i, item) in items.iter().enumerate() {
+                    if i > 0 {
+                        f.write_str(" ")?;
+                    }
+                    write!(f, "{item}")?;
+                }
+                f.write_str("]")
+            }
+            Yaml::Map(entries) => {
+                f.write_str("map[")?;
+                for (i, (k, v)) in entries.iter().enumerate() {
+                    if i > 0 {
+                        f.write_str(" ")?;
+                    }
+                    write!(f, "{k}:{v}")?;
+                }
+                f.write_str("]")
+            }
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for Yaml {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct YamlVisitor;
+        impl<'de> Visitor<'de> for YamlVisitor {
+            type Value = Yaml;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("any YAML value")
+            }
+            fn visit_bool<E>(self, v: bool) -> Result<Yaml, E> {
+                Ok(Yaml::Bool(v))
+            }
+            fn visit_i64<E>(self, v: i64) -> Result<Yaml, E> {
+                Ok(Yaml::Int(v))
+            }
+            fn visit_u64<E>(self, v: u64) -> Result<Yaml, E> {
+                Ok(i64::try_from(v).map_or(Yaml::BigUint(v), Yaml::Int))
+            }
+            fn visit_i128<E>(self, v: i128) -> Result<Yaml, E> {
+                Ok(i64::try_from(v).map_or(Yaml::Float(v as f64), Yaml::Int))
+            }
+            fn visit_u128<E>(self, v: u128) -> Result<Yaml, E> {
+                Ok(u64::try_from(v).map_or(Yaml::Float(v as f64), |v| {
+                    i64::try_from(v).map_or(Yaml::BigUint(v), Yaml::Int)
+                }))
+            }
+            fn visit_f64<E>(self, v: f64) -> Result<Yaml, E> {
+                Ok(Yaml::Float(v))
+            }
+            fn visit_str<E>(self, v: &str) -> Result<Yaml, E> {
+                Ok(Yaml::String(v.to_owned()))
+            }
+            fn visit_string<E>(self, v: String) -> Result<Yaml, E> {
+                Ok(Yaml::String(v))
+            }
+            fn visit_unit<E>(self) -> Result<Yaml, E> {
+                Ok(Yaml::Null)
+            }
+            fn visit_none<E>(self) -> Result<Yaml, E> {
+                Ok(Yaml::Null)
+            }
+            fn visit_some<D: Deserializer<'de>>(self, d: D) -> Result<Yaml, D::Error> {
+                Yaml::deserialize(d)
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Yaml, A::Error> {
+                let mut items = Vec::new();
+                while let Some(item) = seq.next_element()? {
+                    items.push(item);
+                }
+                Ok(Yaml::List(items))
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Yaml, A::Error> {
+                let mut entries = Vec::new();
+                while let Some((k, v)) = map.next_entry()? {
+                    entries.push((k, v));
+                }
+                Ok(Yaml::Map(entries))
+            }
+        }
+        d.deserialize_any(YamlVisitor)
+    }
+}
+
+/// A rules file as written, after both passes of validation.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DomainFile {
+    pub domain: String,
+    pub descriptors: Vec<DescriptorSpec>,
+}
+
+/// One descriptor node of a rules file.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct DescriptorSpec {
+    pub key: String,
+    pub value: String,
+    pub rate_limit: Option<RateLimitSpec>,
+    pub descriptors: Vec<DescriptorSpec>,
+    pub shadow_mode: bool,
+    pub quota_mode: bool,
+    pub detailed_metric: bool,
+    pub value_to_metric: bool,
+    pub share_threshold: bool,
+    pub metadata: Option<serde_json::Map<String, serde_json::Value>>,
+}
+
+/// The `rate_limit` block of a descriptor node, before unit validation.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct RateLimitSpec {
+    pub unit: String,
+    pub requests_per_unit: u32,
+    pub unlimited: bool,
+    pub name: String,
+    pub replaces: Vec<String>,
+}
+
+impl RateLimitSpec {
+    /// The unit, when it names one.
+    pub fn parsed_unit(&self) -> Option<Unit> {
+        Unit::from_name(&self.unit)
+    }
+}
+
+/// Parses and validates the text of one rules file. Messages are those of the reference service, without
+/// the `<file>: ` prefix the caller adds.
+pub fn parse_file(text: &str) -> Result<DomainFile, String> {
+    // YAML 1.2 booleans only, so that values such as `on`, `no` or `y` stay text, and numbers with a
+    // leading zero stay text too (`value: 010` is the string "010").
+    let mut options = serde_saphyr::Options::default();
+    options.strict_booleans = true;
+    options.leading_zero_numbers_as_strings = true;
+    let docs: Vec<Yaml> = serde_saphyr::from_multiple_with_options(text, options)
+        .map_err(|e| format!("error loading config file: {}", one_line(&e.to_string())))?;
+    // Like the reference, only the first document counts.
+    let root = docs.into_iter().next().unwrap_or(Yaml::Null);
+    validate_keys(&root)?;
+    let mut domain = String::new();
+    let mut descriptors = Vec::new();
+    if let Yaml::Map(entries) = &root {
+        for (k, v) in entries {
+            match key_str(k) {
+                "domain" => domain = scalar_string(v, "domain")?,
+                "descriptors" => descriptors = descriptor_list(v)?,
+                _ => {}
+            }
+        }
+    } else if !matches!(root, Yaml::Null) {
+        return Err(unmarshal_error(&root, "the file", "a map"));
+    }
+    Ok(DomainFile {
+        domain,
+        descriptors,
+    })
+}
+
+fn one_line(text: &str) -> String {
+    text.lines().next().unwrap_or_default().trim().to_owned()
+}
+
+/// First pass: map keys must be strings from [`VALID_KEYS`]; list items must be maps; leaves must be
+/// strings, integers, booleans or null. `metadata` contents are free-form.
+fn validate_keys(node: &Yaml) -> Result<(), String> {
+    match node {
+        Yaml::Map(entries) => {
+            for (k, v) in entries {
+                let Yaml::String(name) = k else {
+                    return Err(format!("config error, key is not of type string: {k}"));
+                };
+                if !VALID_KEYS.contains(&name.as_str()) {
+                    return Err(format!("config error, unknown key '{name}'"));
+                }
+                if name != "metadata" {
+                    validate_keys(v)?;
+                }
+            }
+            Ok(())
+        }
+        Yaml::List(items) => {
+            for item in items {
+                if !matches!(item, Yaml::Map(_)) {
+                    return Err(format!(
+                        "config error, yaml file contains list of type other than map: {item}"
+                    ));
+                }
+                validate_keys(item)?;
+            }
+            Ok(())
+        }
+        Yaml::Null | Yaml::Bool(_) | Yaml::Int(_) | Yaml::String(_) => Ok(()),
+        Yaml::BigUint(_) | Yaml::Float(_) => Err("error checking config".into()),
+    }
+}
+
+/// Key of a map entry already checked by [`validate_keys`].
+fn key_str(k: &Yaml) -> &str {
+    match k {
+        Yaml::String(s) => s,
+        _ => "",
+    }
+}
+
+fn unmarshal_error(found: &Yaml, field: &str, expected: &str) -> String {
+    format!("error loading config file: yaml: unmarshal errors: cannot unmarshal `{found}` into {field} (expected {expected})")
+}
+
+/// A string field; like the reference's YAML decoder, integer and boolean scalars are taken as text.
+fn scalar_string(v: &Yaml, field: &str) -> Result<String, String> {
+    match v {
+        Yaml::Null => Ok(String::new()),
+        Yaml::String(s) => Ok(s.clone()),
+        Yaml::Int(i) => Ok(i.to_string()),
+        Yaml::Bool(b) => Ok(b.to_string()),
+        other => Err(unmarshal_error(other, field, "a string")),
+    }
+}
+
+fn boolean(v: &Yaml, field: &str) -> Result<bool, String> {
+    match v {
+        Yaml::Null => Ok(false),
+        Yaml::Bool(b) => Ok(*b),
+        other => Err(unmarshal_error(other, field, "true or false")),
+    }
+}
+
+fn list<'a>(v: &'a Yaml, field: &str) -> Result<&'a [Yaml], String> {
+    match v {
+        Yaml::Null => Ok(&[]),
+        Yaml::List(items) => Ok(items),
+        other => Err(unmarshal_error(other, field, "a list")),
+    }
+}
+
+fn map<'a>(v: &'a Yaml, field: &str) -> Result<&'a [(Yaml, Yaml)], String> {
+    match v {
+        Yaml::Null => Ok(&[]),
+        Yaml::Map(entries) => Ok(entries),
+        other => Err(unmarshal_error(other, field, "a map")),
+    }
+}
+
+fn descriptor_list(v: &Yaml) -> Result<Vec<DescriptorSpec>, String> {
+    list(v, "descriptors")?.iter().map(descriptor).collect()
+}
+
+fn descriptor(v: &Yaml) -> Result<DescriptorSpec, String> {
+    let mut spec = DescriptorSpec::default();
+    for (k, v) in map(v, "descriptor")? {
+        match key_str(k) {
+            "key" => spec.key = scalar_string(v, "key")?,
+            "value" => spec.value = scalar_string(v, "value")?,
+            "rate_limit" if !matches!(v, Yaml::Null) => spec.rate_limit = Some(rate_limit(v)?),
+            "descriptors" => spec.descriptors = descriptor_list(v)?,
+            "shadow_mode" => spec.shadow_mode = boolean(v, "shadow_mode")?,
+            "quota_mode" => spec.quota_mode = boolean(v, "quota_mode")?,
+            "detailed_metric" => spec.detailed_metric = boolean(v, "detailed_metric")?,
+            "value_to_metric" => spec.value_to_metric = boolean(v, "value_to_metric")?,
+            "share_threshold" => spec.share_threshold = boolean(v, "share_threshold")?,
+            "metadata" => spec.metadata = metadata(v)?,
+            _ => {}
+        }
+    }
+    Ok(spec)
+}
+
+fn rate_limit(v: &Yaml) -> Result<RateLimitSpec, String> {
+    let mut spec = RateLimitSpec::default();
+    for (k, v) in map(v, "rate_limit")? {
+        match key_str(k) {
+            "unit" => spec.unit = scalar_string(v, "unit")?,
+            "requests_per_unit" => {
+                spec.requests_per_unit = match v {
+                    Yaml::Null => 0,
+                    Yaml::Int(i) => u32::try_from(*i)
+                        .map_err(|_| unmarshal_error(v, "requests_per_unit", "a uint32"))?,
+                    other => return Err(unmarshal_error(other, "requests_per_unit", "a uint32")),
+                }
+            }
+            "unlimited" => spec.unlimited = boolean(v, "unlimited")?,
+            "name" => spec.name = scalar_string(v, "name")?,
+            "replaces" => {
+                for item in list(v, "replaces")? {
+                    let mut name = String::new();
+                    for (k, v) in map(item, "replaces")? {
+                        if key_str(k) == "name" {
+                            name = scalar_string(v, "name")?;
+                        }
+                    }
+                    spec.replaces.push(name);
+                }
+            }
+            _ => {}
+        }
+    }
+    Ok(spec)
+}
+
+fn metadata(v: &Yaml) -> Result<Option<serde_json::Map<String, serde_json::Value>>, String> {
+    match v {
+        Yaml::Null => Ok(None),
+        Yaml::Map(entries) => Ok(Some(to_json_map(entries)?)),
+        other => Err(format!(
+            "error parsing metadata: expected a map, found `{other}`"
+        )),
+    }
+}
+
+fn to_json(v: &Yaml) -> Result<serde_json::Value, String> {
+    use serde_json::Value;
+    Ok(match v {
+        Yaml::Null => Value::Null,
+        Yaml::Bool(b) => Value::Bool(*b),
+        Yaml::Int(i) => Value::from(*i),
+        Yaml::BigUint(u) => Value::from(*u),
+        Yaml::Float(x) => serde_json::Number::from_f64(*x)
+            .map(Value::Number)
+            .ok_or_else(|| format!("error parsing metadata: {x} is not a finite number"))?,
+        Yaml::String(s) => Value::String(s.clone()),
+        Yaml::List(items) => Value::Array(items.iter().map(to_json).collect::<Result<_, _>>()?),
+        Yaml::Map(entries) => Value::Object(to_json_map(entries)?),
+    })
+}
+
+fn to_json_map(
+    entries: &[(Yaml, Yaml)],
+) -> Result<serde_json::Map<String, serde_json::Value>, String> {
+    let mut out = serde_json::Map::new();
+    for (k, v) in entries {
+        let Yaml::String(k) = k else {
+            return Err(format!("error parsing metadata: key `{k}` is not a string"));
+        };
+        out.insert(k.clone(), to_json(v)?);
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_a_nested_file_in_order() {
+        let f = parse_file(
+            "---\ndomain: web\ndescriptors:\n  - key: a\n    value: 8080\n    rate_limit: {unit: Minute, requests_per_unit: 5, name: n}\n  - key: b\n    descriptors:\n      - key: c\n        shadow_mode: true\n",
+        )
+        .unwrap();
+        assert_eq!(f.domain, "web");
+        assert_eq!(f.descriptors.len(), 2);
+        assert_eq!(f.descriptors[0].value, "8080");
+        let rl = f.descriptors[0].rate_limit.as_ref().unwrap();
+        assert_eq!(rl.parsed_unit(), Some(Unit::Minute));
+        assert_eq!((rl.requests_per_unit, rl.name.as_str()), (5, "n"));
+        assert!(f.descriptors[1].descriptors[0].shadow_mode);
+    }
+
+    #[test]
+    fn yaml_1_1_booleans_and_leading_zeros_stay_text() {
+        let f = parse_file(
+            "domain: d
+descriptors:
+  - {key: y, value: on}
+  - {key: n, value: 010}
+",
+        )
+        .unwrap();
+        assert_eq!(
+            (
+                f.descriptors[0].key.as_str(),
+                f.descriptors[0].value.as_str()
+            ),
+            ("y", "on")
+        );
+        assert_eq!(
+            (
+                f.descriptors[1].key.as_str(),
+                f.descriptors[1].value.as_str()
+            ),
+            ("n", "010")
+        );
+    }
+
+    #[test]
+    fn only_the_first_document_counts() {
+        let f = parse_file("domain: one\n---\ndomain: two\n").unwrap();
+        assert_eq!(f.domain, "one");
+    }
+
+    #[test]
+    fn first_pass_errors_use_the_reference_messages() {
+        let cases = [
+            (
+                "domain: d\ndescriptors:\n  - key: a\n    ratelimit: {}\n",
+                "config error, unknown key 'ratelimit'",
+            ),
+            (
+                "domain: d\n0.25: x\n",
+                "config error, key is not of type string: 0.25",
+            ),
+            (
+                "domain: d\ndescriptors:\n  - just_a_string\n",
+                "config error, yaml file contains list of type other than map: just_a_string",
+            ),
+            (
+                "domain: d\ndescriptors:\n  - key: a\n    value: 1.5\n",
+                "error checking config",
+            ),
+            (
+                "domain: d\ndescriptors:\n  - key: a\n    rate_limit:\n      requestsperunit: 1\n",
+                "config error, unknown key 'requestsperunit'",
+            ),
+        ];
+        for (text, want) in cases {
+            assert_eq!(parse_file(text).unwrap_err(), want, "{text}");
+        }
+    }
+
+    #[test]
+    fn syntax_and_type_errors_say_error_loading_config_file() {
+        let err = parse_file("domain: d\ndescriptors:\n  - key: [a\n").unwrap_err();
+        assert!(err.starts_with("error loading config file: "), "{err}");
+        let err = parse_file(
+            "domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: second, requests_per_unit: -1}\n",
+        )
+        .unwrap_err();
+        assert!(
+            err.starts_with("error loading config file: yaml: unmarshal errors:"),
+            "{err}"
+        );
+        assert!(err.contains("requests_per_unit"), "{err}");
+    }
+
+    #[test]
+    fn metadata_is_free_form_but_must_be_a_map() {
+        let f = parse_file(
+            "domain: d\ndescriptors:\n  - key: a\n    metadata: {team: x, nested: {anything_goes: 1.5}}\n",
+        )
+        .unwrap();
+        let m = f.descriptors[0].metadata.as_ref().unwrap();
+        assert_eq!(m["team"], "x");
+        let err =
+            parse_file("domain: d\ndescriptors:\n  - key: a\n    metadata: [1, 2]\n").unwrap_err();
+        assert!(err.starts_with("error parsing metadata: "), "{err}");
+    }
+}

@@ -1,0 +1,808 @@
+//! Process settings: typed, documented field by field, validated once before any port is bound.
+//!
+//! Sources, in rising precedence:
+//! 1. built-in defaults ([`Settings::default`]);
+//! 2. an optional settings file (`--config FILE`, YAML or TOML by extension);
+//! 3. `RATELIMITD_*` environment variables, `__` separating nested keys
+//!    (`RATELIMITD_GRPC__PORT=9000`);
+//! 4. the environment variables of the reference service (`GRPC_PORT`, `LOG_LEVEL`, ...), which keep their
+//!    exact names and meanings so that an existing Deployment can switch image.
+//!
+//! Every error names the setting and the bad value; `main` turns it into exit code 64.
+
+use std::{
+    collections::HashMap,
+    fmt,
+    net::{IpAddr, SocketAddr},
+    path::{Path, PathBuf},
+    str::FromStr,
+    time::Duration,
+};
+
+use serde::{Deserialize, Serialize};
+
+/// A setting that could not be read or does not make sense.
+#[derive(Debug, thiserror::Error)]
+pub enum SettingsError {
+    #[error("invalid setting {name}={value:?}: {reason}")]
+    Invalid {
+        name: String,
+        value: String,
+        reason: String,
+    },
+    #[error("settings file {path}: {reason}")]
+    File { path: PathBuf, reason: String },
+    #[error("invalid settings: {0}")]
+    Source(String),
+}
+
+impl SettingsError {
+    fn invalid(name: &str, value: impl fmt::Display, reason: impl fmt::Display) -> Self {
+        Self::Invalid {
+            name: name.to_owned(),
+            value: value.to_string(),
+            reason: reason.to_string(),
+        }
+    }
+}
+
+/// Everything `ratelimitd serve` needs to know, after all sources are merged.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Settings {
+    /// The gRPC listener (Envoy RLS, health, reflection). Env `GRPC_HOST`, `GRPC_PORT`; default 0.0.0.0:8081.
+    pub grpc: Listen,
+    /// The HTTP listener (`/healthcheck`, `/json`, `/rlconfig`). Env `HOST`, `PORT`; default 0.0.0.0:8080.
+    pub http: Listen,
+    /// Logging. Env `LOG_LEVEL` (default warn, as the reference), `LOG_FORMAT` (`text` or `json`).
+    pub log: LogSettings,
+    /// Where the rules files are and how they are read.
+    pub rules: RulesSettings,
+    /// Where counters live. Env `BACKEND_TYPE`; only `memory` exists so far.
+    pub backend: BackendKind,
+    /// The embedded memory store.
+    pub memory: MemorySettings,
+    /// Bounds on what one request may carry; larger requests are refused with INVALID_ARGUMENT.
+    pub request_limits: RequestLimits,
+    /// Answer OK to every request while still counting and reporting per-descriptor statuses.
+    /// Env `SHADOW_MODE`; default false.
+    pub shadow_mode: bool,
+    /// Count every descriptor of a denied request, as the reference service does by default.
+    /// Default false: a denied request consumes nothing. Env `STOP_CACHE_KEY_INCREMENT_WHEN_OVERLIMIT=false`
+    /// sets this to true.
+    pub consume_on_deny: bool,
+    /// Fraction of a limit above which hits count as "near limit" in metrics. Env `NEAR_LIMIT_RATIO`; default 0.8.
+    pub near_limit_ratio: f64,
+    /// Rate limit headers added to responses (`off` or `envoy`). Env `LIMIT_RESPONSE_HEADERS_ENABLED=true`
+    /// selects `envoy`.
+    pub response_headers: ResponseHeaders,
+    /// Header names of the `envoy` header mode. Env `LIMIT_LIMIT_HEADER`, `LIMIT_REMAINING_HEADER`,
+    /// `LIMIT_RESET_HEADER`.
+    pub header_names: HeaderNames,
+    /// Health reports NOT_SERVING until rules with at least one domain are loaded.
+    /// Env `HEALTHY_WITH_AT_LEAST_ONE_CONFIG_LOADED`; default false.
+    pub healthy_with_at_least_one_config_loaded: bool,
+    /// Shutdown behaviour on SIGTERM/SIGINT.
+    pub shutdown: ShutdownSettings,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Self {
+            grpc: Listen {
+                host: "0.0.0.0".into(),
+                port: 8081,
+            },
+            http: Listen {
+                host: "0.0.0.0".into(),
+                port: 8080,
+            },
+            log: LogSettings::default(),
+            rules: RulesSettings::default(),
+            backend: BackendKind::Memory,
+            memory: MemorySettings::default(),
+            request_limits: RequestLimits::default(),
+            shadow_mode: false,
+            consume_on_deny: false,
+            near_limit_ratio: 0.8,
+            response_headers: ResponseHeaders::Off,
+            header_names: HeaderNames::default(),
+            healthy_with_at_least_one_config_loaded: false,
+            shutdown: ShutdownSettings::default(),
+        }
+    }
+}
+
+/// A host and port to listen on.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Listen {
+    /// IP address to bind, e.g. `0.0.0.0` or `127.0.0.1`.
+    pub host: String,
+    /// TCP port; 0 picks a free one.
+    pub port: u16,
+}
+
+impl Listen {
+    /// The socket address to bind.
+    pub fn addr(&self, name: &str) -> Result<SocketAddr, SettingsError> {
+        let ip: IpAddr = self
+            .host
+            .parse()
+            .map_err(|_| SettingsError::invalid(name, &self.host, "not an IP address"))?;
+        Ok(SocketAddr::new(ip, self.port))
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct LogSettings {
+    /// `trace`, `debug`, `info`, `warn` or `error` (any case); default `warn`.
+    pub level: LogLevel,
+    /// `text` (default) or `json`.
+    pub format: LogFormat,
+}
+
+impl Default for LogSettings {
+    fn default() -> Self {
+        Self {
+            level: LogLevel::Warn,
+            format: LogFormat::Text,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogLevel {
+    Trace,
+    Debug,
+    Info,
+    Warn,
+    Error,
+}
+
+impl FromStr for LogLevel {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "trace" => Ok(Self::Trace),
+            "debug" => Ok(Self::Debug),
+            "info" => Ok(Self::Info),
+            "warn" | "warning" => Ok(Self::Warn),
+            "error" | "fatal" | "panic" => Ok(Self::Error),
+            _ => Err("expected one of trace, debug, info, warn, error".into()),
+        }
+    }
+}
+
+impl LogLevel {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Trace => "trace",
+            Self::Debug => "debug",
+            Self::Info => "info",
+            Self::Warn => "warn",
+            Self::Error => "error",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+impl FromStr for LogFormat {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "text" => Ok(Self::Text),
+            "json" => Ok(Self::Json),
+            _ => Err("expected text or json".into()),
+        }
+    }
+}
+
+/// Where the rules live. With `path` set, every file under it is a rules file. Otherwise, when
+/// `runtime_root` is set, the reference layout applies (see [`RulesSettings::source`]); with neither,
+/// rules come from `./config` when that folder exists.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RulesSettings {
+    /// A folder of rules files, read recursively.
+    pub path: Option<PathBuf>,
+    /// Env `RUNTIME_ROOT`: root of the reference layout.
+    pub runtime_root: Option<PathBuf>,
+    /// Env `RUNTIME_SUBDIRECTORY`: folder under the root.
+    pub runtime_subdirectory: String,
+    /// Env `RUNTIME_APPDIRECTORY` (default `config`): folder holding the rules files.
+    pub runtime_appdirectory: String,
+    /// Env `RUNTIME_WATCH_ROOT` (default true): read `root/subdirectory` and keep the files whose dotted
+    /// path starts with `appdirectory.`; false reads `root/subdirectory/appdirectory` directly
+    /// (the layout of a Kubernetes ConfigMap mount).
+    pub runtime_watch_root: bool,
+    /// Env `RUNTIME_IGNOREDOTFILES` (default false): skip files and folders whose name starts with a dot.
+    pub ignore_dotfiles: bool,
+    /// Env `MERGE_DOMAIN_CONFIG` (default false): files naming the same domain are merged instead of
+    /// rejected.
+    pub merge_domains: bool,
+}
+
+impl Default for RulesSettings {
+    fn default() -> Self {
+        Self {
+            path: None,
+            runtime_root: None,
+            runtime_subdirectory: String::new(),
+            runtime_appdirectory: "config".into(),
+            runtime_watch_root: true,
+            ignore_dotfiles: false,
+            merge_domains: false,
+        }
+    }
+}
+
+/// How the rules directory is walked.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RulesSource {
+    /// The folder walked recursively.
+    pub root: PathBuf,
+    /// With the reference `RUNTIME_WATCH_ROOT=true` layout: only files whose dotted relative path starts
+    /// with this prefix (e.g. `config.`) are rules, and they are named by that dotted path.
+    pub key_prefix: Option<String>,
+    /// Skip names starting with a dot.
+    pub ignore_dotfiles: bool,
+    /// Merge files of the same domain.
+    pub merge_domains: bool,
+}
+
+impl RulesSettings {
+    /// Resolves the settings into the folder to read.
+    pub fn source(&self) -> RulesSource {
+        let (root, key_prefix) = match (&self.path, &self.runtime_root) {
+            (Some(path), _) => (path.clone(), None),
+            (None, Some(runtime_root)) => {
+                let base = join_nonempty(runtime_root, &self.runtime_subdirectory);
+                if self.runtime_watch_root {
+                    (base, Some(format!("{}.", self.runtime_appdirectory)))
+                } else {
+                    (join_nonempty(&base, &self.runtime_appdirectory), None)
+                }
+            }
+            (None, None) => (PathBuf::from("config"), None),
+        };
+        RulesSource {
+            root,
+            key_prefix,
+            ignore_dotfiles: self.ignore_dotfiles,
+            merge_domains: self.merge_domains,
+        }
+    }
+}
+
+fn join_nonempty(base: &Path, part: &str) -> PathBuf {
+    if part.is_empty() {
+        base.to_path_buf()
+    } else {
+        base.join(part)
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BackendKind {
+    /// Counters in this process's memory: exact for one replica, lost on restart.
+    Memory,
+}
+
+impl FromStr for BackendKind {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "memory" => Ok(Self::Memory),
+            "redis" | "" => {
+                Err("the redis backend is not available in this build; use memory".into())
+            }
+            _ => Err("expected memory".into()),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct MemorySettings {
+    /// Most counters held at once (default 1 000 000, about 100 bytes each). When the bound is reached and
+    /// no expired counter can be reclaimed, requests needing a new counter fail with UNAVAILABLE
+    /// ("memory store full") rather than evicting live counters, so no count is ever lost silently.
+    pub max_keys: usize,
+    /// How often expired windows are reclaimed (default `5s`).
+    #[serde(with = "humantime_serde_compat")]
+    pub sweep_interval: Duration,
+}
+
+impl Default for MemorySettings {
+    fn default() -> Self {
+        Self {
+            max_keys: 1_000_000,
+            sweep_interval: Duration::from_secs(5),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RequestLimits {
+    /// Most descriptors in one request (default 64).
+    pub max_descriptors: usize,
+    /// Most entries in one descriptor (default 16).
+    pub max_entries: usize,
+    /// Longest entry key, in bytes (default 1024).
+    pub max_key_bytes: usize,
+    /// Longest entry value, in bytes (default 1024).
+    pub max_value_bytes: usize,
+}
+
+impl Default for RequestLimits {
+    fn default() -> Self {
+        Self {
+            max_descriptors: 64,
+            max_entries: 16,
+            max_key_bytes: 1024,
+            max_value_bytes: 1024,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ResponseHeaders {
+    /// No headers.
+    #[default]
+    Off,
+    /// The reference's three headers (limit, remaining, reset) of the descriptor closest to its limit,
+    /// plus `Retry-After` on OVER_LIMIT.
+    Envoy,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct HeaderNames {
+    pub limit: String,
+    pub remaining: String,
+    pub reset: String,
+}
+
+impl Default for HeaderNames {
+    fn default() -> Self {
+        Self {
+            limit: "RateLimit-Limit".into(),
+            remaining: "RateLimit-Remaining".into(),
+            reset: "RateLimit-Reset".into(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ShutdownSettings {
+    /// After SIGTERM, keep answering (with health NOT_SERVING) this long before closing the listeners, so
+    /// that load balancers stop sending traffic first (default `0s`).
+    #[serde(with = "humantime_serde_compat")]
+    pub drain_delay: Duration,
+    /// Longest wait for in-flight calls once the listeners are closed (default `20s`).
+    #[serde(with = "humantime_serde_compat")]
+    pub grace_period: Duration,
+}
+
+impl Default for ShutdownSettings {
+    fn default() -> Self {
+        Self {
+            drain_delay: Duration::ZERO,
+            grace_period: Duration::from_secs(20),
+        }
+    }
+}
+
+/// Durations written as `250ms`, `10s`, `1m` in files and env variables.
+mod humantime_serde_compat {
+    use std::time::Duration;
+
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&humantime::format_duration(*d).to_string())
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+        let text = String::deserialize(d)?;
+        humantime::parse_duration(&text).map_err(|e| {
+            serde::de::Error::custom(format!(
+                "invalid duration {text:?} ({e}); write e.g. 250ms, 10s, 1m"
+            ))
+        })
+    }
+}
+
+impl Settings {
+    /// Loads settings from the optional file and the given environment (normally `std::env::vars()`).
+    pub fn load(
+        file: Option<&Path>,
+        env: &HashMap<String, String>,
+    ) -> Result<Settings, SettingsError> {
+        let defaults = config::Config::try_from(&Settings::default())
+            .map_err(|e| SettingsError::Source(e.to_string()))?;
+        let mut builder = config::Config::builder().add_source(defaults);
+        if let Some(path) = file {
+            let format = match path.extension().and_then(|e| e.to_str()) {
+                Some("yaml" | "yml") => config::FileFormat::Yaml,
+                Some("toml") => config::FileFormat::Toml,
+                _ => {
+                    return Err(SettingsError::File {
+                        path: path.to_owned(),
+                        reason: "unknown format: name it *.yaml, *.yml or *.toml".into(),
+                    })
+                }
+            };
+            let text = std::fs::read_to_string(path).map_err(|e| SettingsError::File {
+                path: path.to_owned(),
+                reason: e.to_string(),
+            })?;
+            builder = builder.add_source(config::File::from_str(&text, format));
+        }
+        let prefixed: config::Map<String, String> = env
+            .iter()
+            .filter(|(k, _)| k.starts_with("RATELIMITD_"))
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        builder = builder.add_source(
+            config::Environment::with_prefix("RATELIMITD")
+                .prefix_separator("_")
+                .separator("__")
+                .try_parsing(true)
+                .source(Some(prefixed)),
+        );
+        let merged = builder.build().map_err(|e| from_config_error(file, e))?;
+        let mut settings: Settings = merged
+            .try_deserialize()
+            .map_err(|e| from_config_error(file, e))?;
+        settings.apply_reference_env(env)?;
+        settings.validate()?;
+        Ok(settings)
+    }
+
+    /// Applies the environment variables of the reference service, which win over everything else.
+    fn apply_reference_env(&mut self, env: &HashMap<String, String>) -> Result<(), SettingsError> {
+        let get = |name: &str| env.get(name).map(|v| v.trim()).filter(|v| !v.is_empty());
+        if let Some(v) = get("HOST") {
+            self.http.host = v.to_owned();
+        }
+        if let Some(v) = get("PORT") {
+            self.http.port = parse(v, "PORT")?;
+        }
+        if let Some(v) = get("GRPC_HOST") {
+            self.grpc.host = v.to_owned();
+        }
+        if let Some(v) = get("GRPC_PORT") {
+            self.grpc.port = parse(v, "GRPC_PORT")?;
+        }
+        if let Some(v) = get("LOG_LEVEL") {
+            self.log.level = parse(v, "LOG_LEVEL")?;
+        }
+        if let Some(v) = get("LOG_FORMAT") {
+            self.log.format = parse(v, "LOG_FORMAT")?;
+        }
+        if let Some(v) = get("RUNTIME_ROOT") {
+            self.rules.runtime_root = Some(PathBuf::from(v));
+        }
+        if let Some(v) = env.get("RUNTIME_SUBDIRECTORY") {
+            self.rules.runtime_subdirectory = v.trim().to_owned();
+        }
+        if let Some(v) = get("RUNTIME_APPDIRECTORY") {
+            self.rules.runtime_appdirectory = v.to_owned();
+        }
+        if let Some(v) = get("RUNTIME_WATCH_ROOT") {
+            self.rules.runtime_watch_root = parse_bool(v, "RUNTIME_WATCH_ROOT")?;
+        }
+        if let Some(v) = get("RUNTIME_IGNOREDOTFILES") {
+            self.rules.ignore_dotfiles = parse_bool(v, "RUNTIME_IGNOREDOTFILES")?;
+        }
+        if let Some(v) = get("MERGE_DOMAIN_CONFIG") {
+            self.rules.merge_domains = parse_bool(v, "MERGE_DOMAIN_CONFIG")?;
+        }
+        if let Some(v) = get("BACKEND_TYPE") {
+            self.backend = parse(v, "BACKEND_TYPE")?;
+        }
+        if let Some(v) = get("SHADOW_MODE") {
+            self.shadow_mode = parse_bool(v, "SHADOW_MODE")?;
+        }
+        if let Some(v) = get("STOP_CACHE_KEY_INCREMENT_WHEN_OVERLIMIT") {
+            self.consume_on_deny = !parse_bool(v, "STOP_CACHE_KEY_INCREMENT_WHEN_OVERLIMIT")?;
+        }
+        if let Some(v) = get("LIMIT_RESPONSE_HEADERS_ENABLED") {
+            self.response_headers = if parse_bool(v, "LIMIT_RESPONSE_HEADERS_ENABLED")? {
+                ResponseHeaders::Envoy
+            } else {
+                ResponseHeaders::Off
+            };
+        }
+        if let Some(v) = get("LIMIT_LIMIT_HEADER") {
+            self.header_names.limit = v.to_owned();
+        }
+        if let Some(v) = get("LIMIT_REMAINING_HEADER") {
+            self.header_names.remaining = v.to_owned();
+        }
+        if let Some(v) = get("LIMIT_RESET_HEADER") {
+            self.header_names.reset = v.to_owned();
+        }
+        if let Some(v) = get("HEALTHY_WITH_AT_LEAST_ONE_CONFIG_LOADED") {
+            self.healthy_with_at_least_one_config_loaded =
+                parse_bool(v, "HEALTHY_WITH_AT_LEAST_ONE_CONFIG_LOADED")?;
+        }
+        if let Some(v) = get("NEAR_LIMIT_RATIO") {
+            self.near_limit_ratio = parse(v, "NEAR_LIMIT_RATIO")?;
+        }
+        Ok(())
+    }
+
+    /// Checks what types alone cannot.
+    fn validate(&self) -> Result<(), SettingsError> {
+        self.grpc.addr("grpc.host")?;
+        self.http.addr("http.host")?;
+        if !(self.near_limit_ratio > 0.0 && self.near_limit_ratio <= 1.0) {
+            return Err(SettingsError::invalid(
+                "near_limit_ratio",
+                self.near_limit_ratio,
+                "must be greater than 0 and at most 1",
+            ));
+        }
+        if self.memory.max_keys == 0 {
+            return Err(SettingsError::invalid(
+                "memory.max_keys",
+                0,
+                "must be at least 1",
+            ));
+        }
+        if self.memory.sweep_interval.is_zero() {
+            return Err(SettingsError::invalid(
+                "memory.sweep_interval",
+                "0s",
+                "must be longer than zero",
+            ));
+        }
+        let limits = &self.request_limits;
+        for (name, value) in [
+            ("request_limits.max_descriptors", limits.max_descriptors),
+            ("request_limits.max_entries", limits.max_entries),
+            ("request_limits.max_key_bytes", limits.max_key_bytes),
+            ("request_limits.max_value_bytes", limits.max_value_bytes),
+        ] {
+            if value == 0 {
+                return Err(SettingsError::invalid(name, value, "must be at least 1"));
+            }
+        }
+        for (name, value) in [
+            ("header_names.limit", &self.header_names.limit),
+            ("header_names.remaining", &self.header_names.remaining),
+            ("header_names.reset", &self.header_names.reset),
+        ] {
+            let valid = !value.is_empty()
+                && value
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b));
+            if !valid {
+                return Err(SettingsError::invalid(
+                    name,
+                    value,
+                    "not a valid HTTP header name",
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+fn parse<T: FromStr>(value: &str, name: &str) -> Result<T, SettingsError>
+where
+    T::Err: fmt::Display,
+{
+    value
+        .parse()
+        .map_err(|e| SettingsError::invalid(name, value, e))
+}
+
+/// Booleans as Go's `strconv.ParseBool` reads them, which is what the reference accepts.
+fn parse_bool(value: &str, name: &str) -> Result<bool, SettingsError> {
+    match value {
+        "1" | "t" | "T" | "true" | "TRUE" | "True" => Ok(true),
+        "0" | "f" | "F" | "false" | "FALSE" | "False" => Ok(false),
+        _ => Err(SettingsError::invalid(
+            name,
+            value,
+            "expected true or false",
+        )),
+    }
+}
+
+fn from_config_error(file: Option<&Path>, e: config::ConfigError) -> SettingsError {
+    match file {
+        Some(path) => SettingsError::File {
+            path: path.to_owned(),
+            reason: e.to_string(),
+        },
+        None => SettingsError::Source(e.to_string()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env(pairs: &[(&str, &str)]) -> HashMap<String, String> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    #[test]
+    fn defaults_serve_on_the_reference_ports_with_memory_and_local_rules() {
+        let s = Settings::load(None, &env(&[])).unwrap();
+        assert_eq!(s.grpc.addr("grpc").unwrap().to_string(), "0.0.0.0:8081");
+        assert_eq!(s.http.addr("http").unwrap().to_string(), "0.0.0.0:8080");
+        assert_eq!(s.backend, BackendKind::Memory);
+        assert_eq!(s.log.level, LogLevel::Warn);
+        assert_eq!(s.rules.source().root, PathBuf::from("config"));
+        assert!(!s.consume_on_deny);
+    }
+
+    #[test]
+    fn precedence_is_defaults_then_file_then_prefixed_env_then_reference_env() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("s.yaml");
+        std::fs::write(
+            &file,
+            "grpc:\n  port: 7000\nhttp:\n  port: 7001\nlog:\n  level: info\n",
+        )
+        .unwrap();
+        let s = Settings::load(Some(&file), &env(&[])).unwrap();
+        assert_eq!(
+            (s.grpc.port, s.http.port, s.log.level),
+            (7000, 7001, LogLevel::Info)
+        );
+
+        let s = Settings::load(
+            Some(&file),
+            &env(&[
+                ("RATELIMITD_GRPC__PORT", "7100"),
+                ("RATELIMITD_HTTP__PORT", "7101"),
+            ]),
+        )
+        .unwrap();
+        assert_eq!((s.grpc.port, s.http.port), (7100, 7101));
+
+        let s = Settings::load(
+            Some(&file),
+            &env(&[("RATELIMITD_GRPC__PORT", "7100"), ("GRPC_PORT", "7200")]),
+        )
+        .unwrap();
+        assert_eq!(s.grpc.port, 7200);
+    }
+
+    #[test]
+    fn toml_files_are_read_too() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("s.toml");
+        std::fs::write(&file, "shadow_mode = true\n[memory]\nmax_keys = 10\n").unwrap();
+        let s = Settings::load(Some(&file), &env(&[])).unwrap();
+        assert!(s.shadow_mode);
+        assert_eq!(s.memory.max_keys, 10);
+    }
+
+    #[test]
+    fn reference_env_vars_keep_their_meaning() {
+        let s = Settings::load(
+            None,
+            &env(&[
+                ("HOST", "127.0.0.1"),
+                ("PORT", "9080"),
+                ("LOG_LEVEL", "DEBUG"),
+                ("LOG_FORMAT", "json"),
+                ("SHADOW_MODE", "true"),
+                ("STOP_CACHE_KEY_INCREMENT_WHEN_OVERLIMIT", "false"),
+                ("LIMIT_RESPONSE_HEADERS_ENABLED", "true"),
+                ("LIMIT_REMAINING_HEADER", "X-Left"),
+                ("MERGE_DOMAIN_CONFIG", "1"),
+                ("HEALTHY_WITH_AT_LEAST_ONE_CONFIG_LOADED", "T"),
+                ("NEAR_LIMIT_RATIO", "0.5"),
+                ("BACKEND_TYPE", "memory"),
+            ]),
+        )
+        .unwrap();
+        assert_eq!(s.http.addr("http").unwrap().to_string(), "127.0.0.1:9080");
+        assert_eq!(s.log.level, LogLevel::Debug);
+        assert_eq!(s.log.format, LogFormat::Json);
+        assert!(s.shadow_mode);
+        assert!(s.consume_on_deny);
+        assert_eq!(s.response_headers, ResponseHeaders::Envoy);
+        assert_eq!(s.header_names.remaining, "X-Left");
+        assert!(s.rules.merge_domains);
+        assert!(s.healthy_with_at_least_one_config_loaded);
+        assert_eq!(s.near_limit_ratio, 0.5);
+    }
+
+    #[test]
+    fn runtime_layouts_resolve_like_the_reference() {
+        let s = Settings::load(
+            None,
+            &env(&[
+                ("RUNTIME_ROOT", "/srv/data"),
+                ("RUNTIME_SUBDIRECTORY", "ratelimit"),
+            ]),
+        )
+        .unwrap();
+        let src = s.rules.source();
+        assert_eq!(src.root, PathBuf::from("/srv/data/ratelimit"));
+        assert_eq!(src.key_prefix.as_deref(), Some("config."));
+
+        let s = Settings::load(
+            None,
+            &env(&[
+                ("RUNTIME_ROOT", "/srv/data"),
+                ("RUNTIME_SUBDIRECTORY", "ratelimit"),
+                ("RUNTIME_APPDIRECTORY", "rules"),
+                ("RUNTIME_WATCH_ROOT", "false"),
+                ("RUNTIME_IGNOREDOTFILES", "true"),
+            ]),
+        )
+        .unwrap();
+        let src = s.rules.source();
+        assert_eq!(src.root, PathBuf::from("/srv/data/ratelimit/rules"));
+        assert_eq!(src.key_prefix, None);
+        assert!(src.ignore_dotfiles);
+    }
+
+    #[test]
+    fn a_wrong_setting_names_the_setting_and_the_value() {
+        for (name, value) in [
+            ("GRPC_PORT", "80800"),
+            ("PORT", "http"),
+            ("LOG_LEVEL", "loud"),
+            ("LOG_FORMAT", "xml"),
+            ("SHADOW_MODE", "yes please"),
+            ("BACKEND_TYPE", "memcache"),
+            ("NEAR_LIMIT_RATIO", "1.5"),
+            ("HOST", "my host"),
+        ] {
+            let err = Settings::load(None, &env(&[(name, value)]))
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(value), "{name}: {err}");
+        }
+        let err = Settings::load(None, &env(&[("GRPC_PORT", "80800")]))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("GRPC_PORT"), "{err}");
+        let err = Settings::load(None, &env(&[("RATELIMITD_MEMORY__MAX_KEYS", "lots")]))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("max_keys") && err.contains("lots"), "{err}");
+    }
+
+    #[test]
+    fn a_broken_settings_file_is_reported_with_its_path() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("s.yaml");
+        std::fs::write(&file, "grpc:\n  prot: 1\n").unwrap();
+        let err = Settings::load(Some(&file), &env(&[]))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("s.yaml") && err.contains("prot"), "{err}");
+        let err = Settings::load(Some(&dir.path().join("missing.yaml")), &env(&[]))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("missing.yaml"), "{err}");
+    }
+}

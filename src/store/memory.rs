@@ -1,0 +1,418 @@
+//! The embedded store: counters in a sharded map inside this process.
+//!
+//! A batch locks the shards its keys live in, in ascending shard order (so concurrent batches cannot
+//! deadlock), decides every check, and consumes only when the request is allowed: atomic per request.
+//! Counters carry their expiry (end of window); [`MemoryStore::sweep`] reclaims expired ones, so memory
+//! follows the live keys, not the keys ever seen. The number of counters is bounded by `max_keys`: when
+//! full, expired counters are reclaimed first, and if none can be, the batch fails with
+//! [`StoreError::Full`] without touching anything.
+
+use std::{
+    collections::HashMap,
+    hash::{BuildHasher, RandomState},
+    sync::{
+        atomic::{AtomicUsize, Ordering},
+        Mutex, MutexGuard,
+    },
+};
+
+use super::{keys, Applied, Batch, CounterStore, Outcome, StoreError};
+use crate::algorithm::fixed_window;
+
+const SHARDS: usize = 64;
+
+#[derive(Debug, Clone, Copy)]
+struct Counter {
+    count: u64,
+    /// Seconds since the epoch at which the window ends and the counter is dead.
+    expires_at: u64,
+}
+
+type Shard = HashMap<Box<str>, Counter>;
+
+/// Counters in memory. Exact for one replica; replicas do not share it.
+#[derive(Debug)]
+pub struct MemoryStore {
+    shards: Box<[Mutex<Shard>]>,
+    hasher: RandomState,
+    max_keys: usize,
+    len: AtomicUsize,
+}
+
+impl MemoryStore {
+    pub fn new(max_keys: usize) -> Self {
+        Self {
+            shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
+            hasher: RandomState::new(),
+            max_keys,
+            len: AtomicUsize::new(0),
+        }
+    }
+
+    /// Number of counters held, expired or not.
+    pub fn len(&self) -> usize {
+        self.len.load(Ordering::Relaxed)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Drops every counter whose window has ended; returns how many.
+    pub fn sweep(&self, now_secs: u64) -> usize {
+        (0..self.shards.len())
+            .map(|i| self.purge(&mut lock(&self.shards[i]), now_secs))
+            .sum()
+    }
+
+    fn purge(&self, shard: &mut Shard, now_secs: u64) -> usize {
+        let before = shard.len();
+        shard.retain(|_, c| c.expires_at > now_secs);
+        let removed = before - shard.len();
+        self.len.fetch_sub(removed, Ordering::Relaxed);
+        removed
+    }
+
+    fn shard_of(&self, key: &str) -> usize {
+        (self.hasher.hash_one(key) as usize) % self.shards.len()
+    }
+
+    /// Reserves room for `new_keys` counters, reclaiming expired ones in the locked shards if needed.
+    fn reserve(
+        &self,
+        new_keys: usize,
+        guards: &mut [(usize, MutexGuard<'_, Shard>)],
+        now_secs: u64,
+    ) -> Result<(), StoreError> {
+        if new_keys == 0 {
+            return Ok(());
+        }
+        for attempt in 0..2 {
+            let before = self.len.fetch_add(new_keys, Ordering::Relaxed);
+            if before + new_keys <= self.max_keys {
+                return Ok(());
+            }
+            self.len.fetch_sub(new_keys, Ordering::Relaxed);
+            if attempt == 0 {
+                for (_, shard) in guards.iter_mut() {
+                    self.purge(shard, now_secs);
+                }
+                // Other shards too, without waiting for them: blocking here could deadlock with a batch
+                // that holds them and waits for ours.
+                for (i, shard) in self.shards.iter().enumerate() {
+                    if guards.iter().all(|(held, _)| *held != i) {
+                        if let Ok(mut shard) = shard.try_lock() {
+                            self.purge(&mut shard, now_secs);
+                        }
+                    }
+                }
+            }
+        }
+        Err(StoreError::Full {
+            max_keys: self.max_keys,
+        })
+    }
+
+    fn apply_now(&self, batch: &Batch, now_millis: u64) -> Result<Applied, StoreError> {
+        let now = now_millis / 1000;
+        let keys: Vec<(usize, String)> = batch
+            .checks
+            .iter()
+            .map(|c| {
+                let key = keys::with_window(&c.key, fixed_window::window_start(now, c.window));
+                (self.shard_of(&key), key)
+            })
+            .collect();
+        let mut shard_ids: Vec<usize> = keys.iter().map(|(s, _)| *s).collect();
+        shard_ids.sort_unstable();
+        shard_ids.dedup();
+        let mut guards: Vec<(usize, MutexGuard<'_, Shard>)> = shard_ids
+            .iter()
+            .map(|&i| (i, lock(&self.shards[i])))
+            .collect();
+        // Index into `guards` of each check's shard.
+        let slots: Vec<usize> = keys
+            .iter()
+            .map(|(shard, _)| shard_ids.partition_point(|i| i < shard))
+            .collect();
+
+        // Counts as they stand, with the costs of earlier checks on the same key of this batch added,
+        // as if the checks ran one after another.
+        let mut counts = Vec::with_capacity(keys.len());
+        for (i, (_, key)) in keys.iter().enumerate() {
+            let stored = guards[slots[i]]
+                .1
+                .get(key.as_str())
+                .filter(|c| c.expires_at > now)
+                .map_or(0, |c| c.count);
+            let earlier: u64 = (0..i)
+                .filter(|&j| keys[j].1 == *key)
+                .map(|j| batch.checks[j].cost)
+                .sum();
+            counts.push(stored.saturating_add(earlier));
+        }
+        let verdicts: Vec<fixed_window::Verdict> = batch
+            .checks
+            .iter()
+            .zip(&counts)
+            .map(|(c, &count)| fixed_window::check(count, c.limit, c.cost))
+            .collect();
+        let denied = batch.is_denied(|i| verdicts[i].allowed);
+        let consume = !denied || batch.consume_on_deny;
+
+        if consume {
+            let mut new_keys = 0;
+            for (i, (_, key)) in keys.iter().enumerate() {
+                let first_in_batch = !keys[..i].iter().any(|(_, k)| k == key);
+                let live = guards[slots[i]]
+                    .1
+                    .get(key.as_str())
+                    .is_some_and(|c| c.expires_at > now);
+                if first_in_batch && !live && batch.checks[i].cost > 0 {
+                    new_keys += 1;
+                }
+            }
+            self.reserve(new_keys, &mut guards, now)?;
+            for (i, (check, (_, key))) in batch.checks.iter().zip(&keys).enumerate() {
+                if check.cost == 0 {
+                    continue;
+                }
+                let expires_at = fixed_window::window_start(now, check.window) + check.window;
+                let map = &mut guards[slots[i]].1;
+                match map.get_mut(key.as_str()) {
+                    Some(c) if c.expires_at > now => c.count = c.count.saturating_add(check.cost),
+                    // An expired counter still occupies its slot until a sweep: reuse it.
+                    Some(c) => {
+                        *c = Counter {
+                            count: check.cost,
+                            expires_at,
+                        }
+                    }
+                    None => {
+                        map.insert(
+                            key.as_str().into(),
+                            Counter {
+                                count: check.cost,
+                                expires_at,
+                            },
+                        );
+                    }
+                }
+            }
+        }
+
+        let outcomes = batch
+            .checks
+            .iter()
+            .zip(&verdicts)
+            .zip(&counts)
+            .map(|((check, verdict), &count)| {
+                let left = if consume { verdict.count_after } else { count };
+                Outcome {
+                    allowed: verdict.allowed,
+                    remaining: if verdict.allowed {
+                        fixed_window::remaining(left, check.limit)
+                    } else {
+                        0
+                    },
+                    reset_after: fixed_window::seconds_until_reset(now, check.window),
+                }
+            })
+            .collect();
+        Ok(Applied { denied, outcomes })
+    }
+}
+
+/// A poisoned shard only means another thread panicked mid-update of plain counters; the map itself is
+/// still consistent, so keep serving.
+fn lock(shard: &Mutex<Shard>) -> MutexGuard<'_, Shard> {
+    shard
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+impl CounterStore for MemoryStore {
+    async fn apply(&self, batch: &Batch, now_millis: u64) -> Result<Applied, StoreError> {
+        self.apply_now(batch, now_millis)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::{Check, Role};
+
+    fn check(key: &str, limit: u64, window: u64, cost: u64, role: Role) -> Check {
+        Check {
+            key: key.into(),
+            limit,
+            window,
+            cost,
+            role,
+        }
+    }
+
+    fn run(store: &MemoryStore, batch: &Batch, now_secs: u64) -> Applied {
+        store.apply_now(batch, now_secs * 1000).unwrap()
+    }
+
+    #[test]
+    fn a_denied_request_consumes_nothing_by_default() {
+        let store = MemoryStore::new(100);
+        let batch = Batch {
+            checks: vec![
+                check("a_", 10, 60, 1, Role::Enforce),
+                check("b_", 2, 60, 1, Role::Enforce),
+            ],
+            consume_on_deny: false,
+        };
+        for _ in 0..2 {
+            assert!(!run(&store, &batch, 1000).denied);
+        }
+        let third = run(&store, &batch, 1000);
+        assert!(third.denied);
+        // `a` was not consumed by the denied request: 10 - 2 hits left.
+        assert_eq!(
+            third.outcomes[0],
+            Outcome {
+                allowed: true,
+                remaining: 8,
+                reset_after: 20
+            }
+        );
+        assert_eq!(third.outcomes[1].remaining, 0);
+        let only_a = Batch {
+            checks: vec![check("a_", 10, 60, 1, Role::Enforce)],
+            consume_on_deny: false,
+        };
+        assert_eq!(run(&store, &only_a, 1000).outcomes[0].remaining, 7);
+    }
+
+    #[test]
+    fn consume_on_deny_counts_every_descriptor_like_the_reference() {
+        let store = MemoryStore::new(100);
+        let batch = Batch {
+            checks: vec![
+                check("a_", 10, 60, 1, Role::Enforce),
+                check("b_", 1, 60, 1, Role::Enforce),
+            ],
+            consume_on_deny: true,
+        };
+        assert!(!run(&store, &batch, 1000).denied);
+        let second = run(&store, &batch, 1000);
+        assert!(second.denied);
+        assert_eq!(second.outcomes[0].remaining, 8);
+        assert_eq!(run(&store, &batch, 1000).outcomes[0].remaining, 7);
+    }
+
+    #[test]
+    fn windows_reset_at_the_epoch_aligned_boundary() {
+        let store = MemoryStore::new(100);
+        let batch = Batch {
+            checks: vec![check("a_", 1, 60, 1, Role::Enforce)],
+            consume_on_deny: false,
+        };
+        assert!(!run(&store, &batch, 1259).denied);
+        assert!(run(&store, &batch, 1259).denied);
+        assert!(!run(&store, &batch, 1260).denied);
+    }
+
+    #[test]
+    fn shadow_checks_never_deny_and_quota_checks_deny_only_together() {
+        let store = MemoryStore::new(100);
+        let shadow = Batch {
+            checks: vec![check("s_", 0, 60, 1, Role::Shadow)],
+            consume_on_deny: false,
+        };
+        let applied = run(&store, &shadow, 0);
+        assert!(!applied.denied && !applied.outcomes[0].allowed);
+
+        let quota = Batch {
+            checks: vec![
+                check("q1_", 0, 60, 1, Role::Quota),
+                check("q2_", 5, 60, 1, Role::Quota),
+            ],
+            consume_on_deny: false,
+        };
+        assert!(!run(&store, &quota, 0).denied);
+        let all_over = Batch {
+            checks: vec![
+                check("q1_", 0, 60, 1, Role::Quota),
+                check("q3_", 0, 60, 1, Role::Quota),
+            ],
+            consume_on_deny: false,
+        };
+        assert!(run(&store, &all_over, 0).denied);
+    }
+
+    #[test]
+    fn the_same_key_twice_in_one_request_counts_twice() {
+        let store = MemoryStore::new(100);
+        let batch = Batch {
+            checks: vec![
+                check("a_", 1, 60, 1, Role::Enforce),
+                check("a_", 1, 60, 1, Role::Enforce),
+            ],
+            consume_on_deny: true,
+        };
+        let applied = run(&store, &batch, 0);
+        assert!(applied.outcomes[0].allowed && !applied.outcomes[1].allowed);
+    }
+
+    #[test]
+    fn zero_cost_checks_without_creating_counters() {
+        let store = MemoryStore::new(100);
+        let batch = Batch {
+            checks: vec![check("a_", 3, 60, 0, Role::Enforce)],
+            consume_on_deny: false,
+        };
+        assert_eq!(run(&store, &batch, 0).outcomes[0].remaining, 3);
+        assert!(store.is_empty());
+    }
+
+    #[test]
+    fn the_key_bound_reclaims_expired_counters_then_refuses_new_ones() {
+        let store = MemoryStore::new(2);
+        let one = |k: &str| Batch {
+            checks: vec![check(k, 5, 1, 1, Role::Enforce)],
+            consume_on_deny: false,
+        };
+        run(&store, &one("a_"), 10);
+        run(&store, &one("b_"), 10);
+        let err = store.apply_now(&one("c_"), 10_000).unwrap_err();
+        assert!(err.to_string().contains("memory.max_keys"), "{err}");
+        // Existing counters keep working while full.
+        assert!(!run(&store, &one("a_"), 10).denied);
+        // Once their windows end, their room is reused without waiting for a sweep.
+        assert!(!run(&store, &one("c_"), 11).denied);
+        assert_eq!(store.len(), 1);
+        assert_eq!(store.sweep(12), 1);
+        assert!(store.is_empty());
+    }
+
+    #[test]
+    fn sweeping_keeps_memory_flat_under_key_churn() {
+        let store = MemoryStore::new(1_000_000);
+        for second in 0..50u64 {
+            for k in 0..200 {
+                let batch = Batch {
+                    checks: vec![check(
+                        &format!("churn{second}_{k}_"),
+                        5,
+                        1,
+                        1,
+                        Role::Enforce,
+                    )],
+                    consume_on_deny: false,
+                };
+                run(&store, &batch, second);
+            }
+            store.sweep(second);
+            assert!(
+                store.len() <= 200,
+                "second {second}: {} counters",
+                store.len()
+            );
+        }
+    }
+}

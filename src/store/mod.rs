@@ -1,0 +1,133 @@
+//! Where counters live. Every store implements [`CounterStore`]: one call decides a whole request
+//! atomically, so that a denied request can leave every counter untouched.
+
+pub mod keys;
+pub mod memory;
+
+use std::future::Future;
+
+pub use memory::MemoryStore;
+
+/// How a check's verdict weighs in the request's decision.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    /// Over the limit denies the request.
+    Enforce,
+    /// Counted and reported, but never denies (`shadow_mode` rules).
+    Shadow,
+    /// Denies only when every quota check of the request is over (`quota_mode` rules).
+    Quota,
+}
+
+/// One counter to check (and consume) for one request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Check {
+    /// The counter key without its window suffix (see [`keys`]); the store appends the window start.
+    pub key: String,
+    /// Hits allowed per window.
+    pub limit: u64,
+    /// Window length in seconds.
+    pub window: u64,
+    /// Hits this request adds; 0 only checks.
+    pub cost: u64,
+    pub role: Role,
+}
+
+/// Every check of one request.
+#[derive(Debug, Clone, Default)]
+pub struct Batch {
+    pub checks: Vec<Check>,
+    /// Consume every counter even when the request is denied (the reference service's behaviour).
+    pub consume_on_deny: bool,
+}
+
+impl Batch {
+    /// Whether a request with these per-check verdicts is denied: an enforced check is over, or the
+    /// request has quota checks and all of them are over.
+    pub fn is_denied(&self, allowed: impl Fn(usize) -> bool) -> bool {
+        let mut quota_checks = 0;
+        let mut quota_over = 0;
+        for (i, check) in self.checks.iter().enumerate() {
+            match check.role {
+                Role::Enforce if !allowed(i) => return true,
+                Role::Quota => {
+                    quota_checks += 1;
+                    if !allowed(i) {
+                        quota_over += 1;
+                    }
+                }
+                _ => {}
+            }
+        }
+        quota_checks > 0 && quota_over == quota_checks
+    }
+}
+
+/// The result of one check.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Outcome {
+    /// This counter alone allows the request's cost.
+    pub allowed: bool,
+    /// Hits left in the window after this request (0 when over).
+    pub remaining: u64,
+    /// Seconds until the counter is fully reset.
+    pub reset_after: u64,
+}
+
+/// The result of a batch, one outcome per check in order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Applied {
+    /// The request as a whole is denied (see [`Batch::is_denied`]).
+    pub denied: bool,
+    pub outcomes: Vec<Outcome>,
+}
+
+/// Why a store could not decide.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum StoreError {
+    #[error("memory store full: {max_keys} counters in use (memory.max_keys)")]
+    Full { max_keys: usize },
+}
+
+/// A place that keeps counters and decides batches atomically.
+pub trait CounterStore: Send + Sync {
+    /// Checks every counter of the batch at `now_millis`; consumes them all when the request is allowed
+    /// (or when `consume_on_deny`), none otherwise.
+    fn apply(
+        &self,
+        batch: &Batch,
+        now_millis: u64,
+    ) -> impl Future<Output = Result<Applied, StoreError>> + Send;
+}
+
+/// The configured store.
+#[derive(Debug)]
+pub enum Store {
+    Memory(MemoryStore),
+}
+
+impl Store {
+    /// Periodic housekeeping: reclaims expired counters of the memory store.
+    pub fn maintain(&self, now_secs: u64) {
+        match self {
+            Store::Memory(store) => {
+                let removed = store.sweep(now_secs);
+                if removed > 0 {
+                    tracing::debug!(
+                        removed,
+                        remaining = store.len(),
+                        "expired counters reclaimed"
+                    );
+                }
+            }
+        }
+    }
+}
+
+impl CounterStore for Store {
+    async fn apply(&self, batch: &Batch, now_millis: u64) -> Result<Applied, StoreError> {
+        match self {
+            Store::Memory(store) => store.apply(batch, now_millis).await,
+        }
+    }
+}

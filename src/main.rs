@@ -1,1 +1,131 @@
-fn main() {}
+//! The `ratelimitd` binary: parse the command line, load settings, start logging, run.
+
+use std::{collections::HashMap, path::PathBuf, process::ExitCode};
+
+use clap::{Parser, Subcommand};
+use ratelimitd::{rules, server, settings::Settings, telemetry};
+use tokio_util::sync::CancellationToken;
+
+/// Exit code for a wrong setting (EX_USAGE), as linkerd and sysexits use it.
+const EXIT_BAD_SETTINGS: u8 = 64;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "ratelimitd",
+    version,
+    about = "Envoy-compatible rate limit decision service"
+)]
+struct Cli {
+    /// Settings file (YAML or TOML); environment variables override it.
+    #[arg(long, global = true, value_name = "FILE")]
+    config: Option<PathBuf>,
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Run the service (the default).
+    Serve,
+    /// Load every rules file in DIR as `serve` would, and report the first error.
+    CheckConfig {
+        /// Folder of rules files.
+        dir: PathBuf,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let env: HashMap<String, String> = std::env::vars().collect();
+    let settings = match Settings::load(cli.config.as_deref(), &env) {
+        Ok(s) => s,
+        Err(err) => {
+            eprintln!("ratelimitd: {err}");
+            return ExitCode::from(EXIT_BAD_SETTINGS);
+        }
+    };
+    match cli.command.unwrap_or(Command::Serve) {
+        Command::CheckConfig { dir } => check_config(&settings, dir),
+        Command::Serve => serve(settings),
+    }
+}
+
+fn check_config(settings: &Settings, dir: PathBuf) -> ExitCode {
+    let mut source = settings.rules.source();
+    source.root = dir;
+    source.key_prefix = None;
+    if !source.root.is_dir() {
+        println!(
+            "error loading rate limit configs: {}: not a directory",
+            source.root.display()
+        );
+        return ExitCode::FAILURE;
+    }
+    match rules::load(&source) {
+        Ok(_) => {
+            println!("all rate limit configs ok");
+            ExitCode::SUCCESS
+        }
+        Err(err) => {
+            println!("error loading rate limit configs: {err}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn serve(settings: Settings) -> ExitCode {
+    telemetry::init_logging(&settings.log);
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(err) => {
+            eprintln!("ratelimitd: cannot start the runtime: {err}");
+            return ExitCode::FAILURE;
+        }
+    };
+    runtime.block_on(async move {
+        let listeners = match server::Listeners::bind(&settings).await {
+            Ok(l) => l,
+            Err(err) => {
+                tracing::error!("{err}");
+                eprintln!("ratelimitd: {err}");
+                return ExitCode::FAILURE;
+            }
+        };
+        let shutdown = CancellationToken::new();
+        tokio::spawn(cancel_on_signal(shutdown.clone()));
+        match server::run(settings, listeners, shutdown).await {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(err) => {
+                tracing::error!("{err}");
+                eprintln!("ratelimitd: {err}");
+                ExitCode::FAILURE
+            }
+        }
+    })
+}
+
+/// Cancels `shutdown` on SIGTERM or SIGINT.
+async fn cancel_on_signal(shutdown: CancellationToken) {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = term.recv() => {}
+                    _ = tokio::signal::ctrl_c() => {}
+                }
+            }
+            Err(err) => {
+                tracing::warn!("cannot watch SIGTERM ({err}); only SIGINT stops the service");
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = tokio::signal::ctrl_c().await;
+    shutdown.cancel();
+}

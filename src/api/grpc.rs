@@ -1,0 +1,118 @@
+//! `envoy.service.ratelimit.v3.RateLimitService` over tonic, and the wire <-> domain conversions.
+
+use std::sync::Arc;
+
+use tonic::{Request, Response, Status};
+
+use super::to_status;
+use crate::{
+    limiter::{self, Code, Limiter},
+    proto::{
+        self, rate_limit_response as wire,
+        rate_limit_service_server::{RateLimitService, RateLimitServiceServer},
+        RateLimitRequest, RateLimitResponse,
+    },
+    rules::Unit,
+};
+
+/// The gRPC rate limit service.
+#[derive(Debug, Clone)]
+pub struct RateLimitApi {
+    limiter: Arc<Limiter>,
+}
+
+impl RateLimitApi {
+    pub fn new(limiter: Arc<Limiter>) -> Self {
+        Self { limiter }
+    }
+
+    pub fn into_server(self) -> RateLimitServiceServer<Self> {
+        RateLimitServiceServer::new(self)
+    }
+}
+
+#[tonic::async_trait]
+impl RateLimitService for RateLimitApi {
+    async fn should_rate_limit(
+        &self,
+        request: Request<RateLimitRequest>,
+    ) -> Result<Response<RateLimitResponse>, Status> {
+        let request = from_wire(request.into_inner());
+        match self.limiter.should_rate_limit(&request).await {
+            Ok(response) => Ok(Response::new(to_wire(response))),
+            Err(err) => {
+                tracing::debug!(domain = %request.domain, error = %err, "request not decided");
+                Err(to_status(&err))
+            }
+        }
+    }
+}
+
+/// Converts a wire request into the limiter's request.
+pub fn from_wire(request: RateLimitRequest) -> limiter::Request {
+    limiter::Request {
+        domain: request.domain,
+        hits_addend: request.hits_addend,
+        descriptors: request
+            .descriptors
+            .into_iter()
+            .map(|d| limiter::Descriptor {
+                entries: d
+                    .entries
+                    .into_iter()
+                    .map(|e| limiter::Entry {
+                        key: e.key,
+                        value: e.value,
+                    })
+                    .collect(),
+                limit: d.limit.map(|l| limiter::LimitOverride {
+                    requests_per_unit: l.requests_per_unit,
+                    unit: Unit::from_wire(l.unit),
+                }),
+                hits_addend: d.hits_addend,
+            })
+            .collect(),
+    }
+}
+
+fn code_to_wire(code: Code) -> i32 {
+    match code {
+        Code::Ok => wire::Code::Ok as i32,
+        Code::OverLimit => wire::Code::OverLimit as i32,
+    }
+}
+
+/// Converts the limiter's response into the wire response.
+pub fn to_wire(response: limiter::Response) -> RateLimitResponse {
+    RateLimitResponse {
+        overall_code: code_to_wire(response.overall_code),
+        statuses: response
+            .statuses
+            .into_iter()
+            .map(|s| wire::DescriptorStatus {
+                code: code_to_wire(s.code),
+                current_limit: s.current_limit.map(|l| wire::RateLimit {
+                    requests_per_unit: l.requests_per_unit,
+                    unit: l.unit.to_wire(),
+                    name: l.name.map(|n| n.to_string()).unwrap_or_default(),
+                }),
+                limit_remaining: s.limit_remaining,
+                duration_until_reset: s.duration_until_reset.map(|secs| prost_types::Duration {
+                    seconds: i64::try_from(secs).unwrap_or(i64::MAX),
+                    nanos: 0,
+                }),
+                quota: None,
+            })
+            .collect(),
+        response_headers_to_add: response
+            .response_headers
+            .into_iter()
+            .map(|(key, value)| proto::HeaderValue {
+                key,
+                value,
+                raw_value: Vec::new(),
+            })
+            .collect(),
+        ..RateLimitResponse::default()
+    }
+}

@@ -1,0 +1,58 @@
+//! Health as callers see it: the gRPC health service (names `""` and `ratelimit`) and `/healthcheck`.
+//!
+//! Serving means: not shutting down and, with `healthy_with_at_least_one_config_loaded`, rules with at
+//! least one domain loaded.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use tonic_health::{server::HealthReporter, ServingStatus};
+
+/// The gRPC health service name of the rate limit service (the reference's).
+pub const SERVICE_NAME: &str = "ratelimit";
+
+#[derive(Debug)]
+pub struct Health {
+    reporter: HealthReporter,
+    require_rules: bool,
+    rules_loaded: AtomicBool,
+    shutting_down: AtomicBool,
+}
+
+impl Health {
+    pub fn new(reporter: HealthReporter, require_rules: bool) -> Self {
+        Self {
+            reporter,
+            require_rules,
+            rules_loaded: AtomicBool::new(false),
+            shutting_down: AtomicBool::new(false),
+        }
+    }
+
+    pub fn is_serving(&self) -> bool {
+        !self.shutting_down.load(Ordering::SeqCst)
+            && (!self.require_rules || self.rules_loaded.load(Ordering::SeqCst))
+    }
+
+    /// Records a successful rules load with this many domains.
+    pub async fn rules_loaded(&self, domains: usize) {
+        self.rules_loaded.store(domains > 0, Ordering::SeqCst);
+        self.publish().await;
+    }
+
+    /// Turns NOT_SERVING for good.
+    pub async fn shutting_down(&self) {
+        self.shutting_down.store(true, Ordering::SeqCst);
+        self.publish().await;
+    }
+
+    pub async fn publish(&self) {
+        let status = if self.is_serving() {
+            ServingStatus::Serving
+        } else {
+            ServingStatus::NotServing
+        };
+        for name in ["", SERVICE_NAME] {
+            self.reporter.set_service_status(name, status).await;
+        }
+    }
+}

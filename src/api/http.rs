@@ -1,0 +1,75 @@
+//! The HTTP side port: `/healthcheck`, `/json` and `/rlconfig`, as the reference service serves them.
+
+use std::sync::Arc;
+
+use axum::{
+    body::Bytes,
+    extract::State,
+    http::{header, StatusCode},
+    response::{IntoResponse, Response},
+    routing::{any, get},
+    Router,
+};
+
+use super::{health::Health, json};
+use crate::limiter::{Code, Limiter};
+
+#[derive(Debug, Clone)]
+struct AppState {
+    limiter: Arc<Limiter>,
+    health: Arc<Health>,
+}
+
+/// The HTTP routes.
+pub fn router(limiter: Arc<Limiter>, health: Arc<Health>) -> Router {
+    Router::new()
+        .route("/healthcheck", get(healthcheck))
+        .route("/json", any(decide_json))
+        .route("/rlconfig", get(rlconfig))
+        .with_state(AppState { limiter, health })
+}
+
+/// 200 `OK` while serving, 500 otherwise.
+async fn healthcheck(State(state): State<AppState>) -> Response {
+    if state.health.is_serving() {
+        (StatusCode::OK, "OK").into_response()
+    } else {
+        StatusCode::INTERNAL_SERVER_ERROR.into_response()
+    }
+}
+
+/// A protobuf-JSON `RateLimitRequest` in, the response out: 200 for OK, 429 for OVER_LIMIT, 400 for a
+/// request that cannot be read or decided.
+async fn decide_json(State(state): State<AppState>, body: Bytes) -> Response {
+    let request = match json::parse_request(&body) {
+        Ok(r) => r,
+        Err(err) => {
+            tracing::debug!(error = %err, "bad /json request");
+            return (StatusCode::BAD_REQUEST, "Bad Request\n").into_response();
+        }
+    };
+    match state.limiter.should_rate_limit(&request).await {
+        Ok(response) => {
+            let status = match response.overall_code {
+                Code::Ok => StatusCode::OK,
+                Code::OverLimit => StatusCode::TOO_MANY_REQUESTS,
+            };
+            let body = json::render_response(&response).to_string();
+            (status, [(header::CONTENT_TYPE, "application/json")], body).into_response()
+        }
+        Err(err) => (StatusCode::BAD_REQUEST, format!("{err}\n")).into_response(),
+    }
+}
+
+/// The loaded rules, one line each.
+async fn rlconfig(State(state): State<AppState>) -> Response {
+    let text = match state.limiter.rules().snapshot() {
+        Some(rules) => rules
+            .describe()
+            .into_iter()
+            .map(|line| line + "\n")
+            .collect::<String>(),
+        None => String::new(),
+    };
+    ([(header::CONTENT_TYPE, "text/plain; charset=utf-8")], text).into_response()
+}

@@ -1,0 +1,417 @@
+//! Deciding a request: descriptors -> matched rules -> one batch of checks -> the store -> statuses,
+//! overall code and headers.
+//!
+//! The request and response types here are the domain's own; the API layer converts the wire types at
+//! the edge. Shadow mode, quota mode, unlimited rules, `replaces` and request overrides are applied here,
+//! with the reference service's semantics.
+
+mod headers;
+
+use std::sync::Arc;
+
+use crate::{
+    clock::Clock,
+    rules::{EntryRef, Node, Rules, Unit},
+    settings::{HeaderNames, RequestLimits, ResponseHeaders},
+    store::{keys, Batch, Check, CounterStore, Role, Store, StoreError},
+};
+
+/// A rate limit request.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Request {
+    pub domain: String,
+    pub descriptors: Vec<Descriptor>,
+    /// Hits every descriptor costs unless it says otherwise; 0 is read as 1.
+    pub hits_addend: u32,
+}
+
+/// One descriptor of a request.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Descriptor {
+    pub entries: Vec<Entry>,
+    /// A limit chosen by the caller instead of the rules' (honoured only for known domains).
+    pub limit: Option<LimitOverride>,
+    /// Hits this descriptor costs; `Some(0)` checks without counting.
+    pub hits_addend: Option<u64>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Entry {
+    pub key: String,
+    pub value: String,
+}
+
+impl EntryRef for Entry {
+    fn key(&self) -> &str {
+        &self.key
+    }
+    fn value(&self) -> &str {
+        &self.value
+    }
+}
+
+/// A caller-chosen limit. `unit` is `None` when the wire value names no unit (UNKNOWN).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LimitOverride {
+    pub requests_per_unit: u32,
+    pub unit: Option<Unit>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Code {
+    Ok,
+    OverLimit,
+}
+
+/// The limit a descriptor was checked against.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CurrentLimit {
+    pub requests_per_unit: u32,
+    pub unit: Unit,
+    pub name: Option<Arc<str>>,
+}
+
+/// The answer for one descriptor.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DescriptorStatus {
+    pub code: Code,
+    /// Absent when no limit applied (no matching rule, allow-listed, unlimited or replaced).
+    pub current_limit: Option<CurrentLimit>,
+    pub limit_remaining: u32,
+    /// Seconds until the counter resets; set whenever `current_limit` is.
+    pub duration_until_reset: Option<u64>,
+}
+
+impl DescriptorStatus {
+    fn unlimited() -> Self {
+        Self {
+            code: Code::Ok,
+            current_limit: None,
+            limit_remaining: u32::MAX,
+            duration_until_reset: None,
+        }
+    }
+
+    fn no_limit() -> Self {
+        Self {
+            code: Code::Ok,
+            current_limit: None,
+            limit_remaining: 0,
+            duration_until_reset: None,
+        }
+    }
+}
+
+/// The answer for a request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Response {
+    pub overall_code: Code,
+    /// One per request descriptor, in order.
+    pub statuses: Vec<DescriptorStatus>,
+    /// Headers for the caller to add to its response.
+    pub response_headers: Vec<(String, String)>,
+}
+
+/// Why a request could not be decided.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum LimitError {
+    #[error("rate limit domain must not be empty")]
+    EmptyDomain,
+    #[error("rate limit descriptor list must not be empty")]
+    NoDescriptors,
+    #[error("no rate limit configuration loaded")]
+    NoRules,
+    #[error("request too large: {what} is {actual}, the limit is {max} ({setting})")]
+    TooLarge {
+        what: String,
+        actual: usize,
+        max: usize,
+        setting: &'static str,
+    },
+    #[error("descriptor {index}: rate limit override has unit UNKNOWN; use SECOND, MINUTE, HOUR, DAY, WEEK, MONTH or YEAR")]
+    UnknownOverrideUnit { index: usize },
+    #[error("{0}")]
+    Store(#[from] StoreError),
+}
+
+impl LimitError {
+    /// The request itself is at fault (as opposed to the service being unable to decide).
+    pub fn is_invalid_request(&self) -> bool {
+        matches!(
+            self,
+            Self::EmptyDomain
+                | Self::NoDescriptors
+                | Self::TooLarge { .. }
+                | Self::UnknownOverrideUnit { .. }
+        )
+    }
+}
+
+/// Everything that shapes decisions besides rules and counters.
+#[derive(Debug, Clone, Default)]
+pub struct Options {
+    /// Prepended to every counter key (`CACHE_KEY_PREFIX`).
+    pub key_prefix: String,
+    /// Global shadow mode: the overall code is always OK.
+    pub shadow_mode: bool,
+    pub consume_on_deny: bool,
+    pub response_headers: ResponseHeaders,
+    pub header_names: HeaderNames,
+    pub request_limits: RequestLimits,
+}
+
+/// Decides requests against the current rules and a store.
+#[derive(Debug)]
+pub struct Limiter {
+    rules: Arc<Rules>,
+    store: Arc<Store>,
+    clock: Clock,
+    options: Options,
+}
+
+/// What a descriptor resolved to before counting.
+enum Resolved<'a> {
+    NoLimit,
+    /// An unlimited rule: never counted, but its `replaces` still apply.
+    Unlimited(&'a Node),
+    Limited {
+        limit: CurrentLimit,
+        /// The rule, when the limit came from one (not from a request override).
+        node: Option<&'a Node>,
+        role: Role,
+    },
+}
+
+impl Limiter {
+    pub fn new(rules: Arc<Rules>, store: Arc<Store>, clock: Clock, options: Options) -> Self {
+        Self {
+            rules,
+            store,
+            clock,
+            options,
+        }
+    }
+
+    pub fn rules(&self) -> &Arc<Rules> {
+        &self.rules
+    }
+
+    /// Decides one request.
+    pub async fn should_rate_limit(&self, request: &Request) -> Result<Response, LimitError> {
+        self.validate(request)?;
+        let rules = self.rules.snapshot().ok_or(LimitError::NoRules)?;
+        let domain = rules.domains.get(&request.domain);
+
+        let mut scratch = String::new();
+        let mut resolved = Vec::with_capacity(request.descriptors.len());
+        for (index, descriptor) in request.descriptors.iter().enumerate() {
+            let Some(domain) = domain else {
+                resolved.push(Resolved::NoLimit);
+                continue;
+            };
+            if let Some(over) = &descriptor.limit {
+                let unit = over.unit.ok_or(LimitError::UnknownOverrideUnit { index })?;
+                resolved.push(Resolved::Limited {
+                    limit: CurrentLimit {
+                        requests_per_unit: over.requests_per_unit,
+                        unit,
+                        name: None,
+                    },
+                    node: None,
+                    role: Role::Enforce,
+                });
+                continue;
+            }
+            let node = domain.find(&descriptor.entries, &mut scratch);
+            resolved.push(match node.and_then(|n| n.limit.as_ref().map(|l| (n, l))) {
+                None => Resolved::NoLimit,
+                Some((node, limit)) if limit.unlimited => Resolved::Unlimited(node),
+                Some((node, limit)) => Resolved::Limited {
+                    limit: CurrentLimit {
+                        requests_per_unit: limit.requests_per_unit,
+                        unit: limit.unit,
+                        name: limit.name.clone(),
+                    },
+                    node: Some(node),
+                    role: if node.shadow_mode {
+                        Role::Shadow
+                    } else if node.quota_mode {
+                        Role::Quota
+                    } else {
+                        Role::Enforce
+                    },
+                },
+            });
+        }
+        apply_replaces(&mut resolved);
+
+        let mut batch = Batch {
+            checks: Vec::with_capacity(resolved.len()),
+            consume_on_deny: self.options.consume_on_deny,
+        };
+        for (descriptor, r) in request.descriptors.iter().zip(&resolved) {
+            if let Resolved::Limited { limit, node, role } = r {
+                let mut key = String::new();
+                let shared = node.map_or(&[][..], |n| &n.shared_values[..]);
+                keys::counter_key(
+                    &mut key,
+                    &self.options.key_prefix,
+                    &request.domain,
+                    descriptor.entries.iter().enumerate().map(|(i, e)| {
+                        let value = shared.get(i).and_then(|v| v.as_deref());
+                        (e.key.as_str(), value.unwrap_or(&e.value))
+                    }),
+                );
+                batch.checks.push(Check {
+                    key,
+                    limit: u64::from(limit.requests_per_unit),
+                    window: limit.unit.seconds(),
+                    cost: descriptor
+                        .hits_addend
+                        .unwrap_or(u64::from(request.hits_addend.max(1))),
+                    role: *role,
+                });
+            }
+        }
+
+        let applied = if batch.checks.is_empty() {
+            None
+        } else {
+            Some(self.store.apply(&batch, self.clock.now_millis()).await?)
+        };
+
+        let mut outcomes = applied.iter().flat_map(|a| a.outcomes.iter());
+        let roles: Vec<Option<Role>> = resolved
+            .iter()
+            .map(|r| match r {
+                Resolved::Limited { role, .. } => Some(*role),
+                _ => None,
+            })
+            .collect();
+        let statuses: Vec<DescriptorStatus> = resolved
+            .into_iter()
+            .map(|r| match r {
+                Resolved::NoLimit => DescriptorStatus::no_limit(),
+                Resolved::Unlimited(_) => DescriptorStatus::unlimited(),
+                Resolved::Limited { limit, role, .. } => {
+                    let outcome = outcomes
+                        .next()
+                        .copied()
+                        .expect("the store answers every check");
+                    let over = !outcome.allowed && role != Role::Shadow;
+                    DescriptorStatus {
+                        code: if over { Code::OverLimit } else { Code::Ok },
+                        current_limit: Some(limit),
+                        limit_remaining: u32::try_from(outcome.remaining).unwrap_or(u32::MAX),
+                        duration_until_reset: Some(outcome.reset_after),
+                    }
+                }
+            })
+            .collect();
+
+        let denied = applied.as_ref().is_some_and(|a| a.denied);
+        let overall_code = if denied && !self.options.shadow_mode {
+            Code::OverLimit
+        } else {
+            Code::Ok
+        };
+        let response_headers = headers::build(
+            self.options.response_headers,
+            &self.options.header_names,
+            &statuses,
+            &roles,
+            overall_code,
+        );
+        Ok(Response {
+            overall_code,
+            statuses,
+            response_headers,
+        })
+    }
+
+    fn validate(&self, request: &Request) -> Result<(), LimitError> {
+        if request.domain.is_empty() {
+            return Err(LimitError::EmptyDomain);
+        }
+        if request.descriptors.is_empty() {
+            return Err(LimitError::NoDescriptors);
+        }
+        let limits = &self.options.request_limits;
+        let too_large = |what: String, actual: usize, max: usize, setting: &'static str| {
+            if actual > max {
+                Err(LimitError::TooLarge {
+                    what,
+                    actual,
+                    max,
+                    setting,
+                })
+            } else {
+                Ok(())
+            }
+        };
+        too_large(
+            "the number of descriptors".into(),
+            request.descriptors.len(),
+            limits.max_descriptors,
+            "request_limits.max_descriptors",
+        )?;
+        for (i, d) in request.descriptors.iter().enumerate() {
+            too_large(
+                format!("the number of entries of descriptor {i}"),
+                d.entries.len(),
+                limits.max_entries,
+                "request_limits.max_entries",
+            )?;
+            for (j, e) in d.entries.iter().enumerate() {
+                too_large(
+                    format!("the key length of descriptor {i} entry {j}"),
+                    e.key.len(),
+                    limits.max_key_bytes,
+                    "request_limits.max_key_bytes",
+                )?;
+                too_large(
+                    format!("the value length of descriptor {i} entry {j}"),
+                    e.value.len(),
+                    limits.max_value_bytes,
+                    "request_limits.max_value_bytes",
+                )?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Drops every matched limit whose name another matched limit of the same request replaces
+/// (unlimited limits replace too). Overrides have no name and are never replaced.
+fn apply_replaces(resolved: &mut [Resolved<'_>]) {
+    let replaced: Vec<Arc<str>> = resolved
+        .iter()
+        .filter_map(|r| match r {
+            Resolved::Unlimited(node)
+            | Resolved::Limited {
+                node: Some(node), ..
+            } => node.limit.as_ref(),
+            _ => None,
+        })
+        .flat_map(|limit| limit.replaces.iter().cloned())
+        .collect();
+    if replaced.is_empty() {
+        return;
+    }
+    for r in resolved.iter_mut() {
+        if let Resolved::Limited {
+            limit: CurrentLimit {
+                name: Some(name), ..
+            },
+            ..
+        } = r
+        {
+            if replaced.contains(name) {
+                *r = Resolved::NoLimit;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

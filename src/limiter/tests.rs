@@ -1,0 +1,374 @@
+//! Decision semantics on the memory store with a manual clock.
+
+use super::*;
+use crate::{
+    rules::{parse_file, RuleSet},
+    store::MemoryStore,
+};
+
+const RULES: &str = r#"
+domain: d
+descriptors:
+  - key: k
+    rate_limit: {unit: minute, requests_per_unit: 3, name: k_limit}
+  - key: small
+    rate_limit: {unit: minute, requests_per_unit: 1}
+  - key: shadow
+    shadow_mode: true
+    rate_limit: {unit: minute, requests_per_unit: 1}
+  - key: quota_a
+    quota_mode: true
+    rate_limit: {unit: minute, requests_per_unit: 1}
+  - key: quota_b
+    quota_mode: true
+    rate_limit: {unit: minute, requests_per_unit: 2}
+  - key: free
+    rate_limit: {unlimited: true}
+  - key: banned
+    rate_limit: {unit: minute, requests_per_unit: 0, name: banned_limit}
+  - key: vip
+    rate_limit:
+      unit: minute
+      requests_per_unit: 2
+      replaces: [{name: banned_limit}]
+  - key: files
+    value: "files/*"
+    share_threshold: true
+    rate_limit: {unit: minute, requests_per_unit: 2}
+  - key: allowed
+"#;
+
+fn limiter_with(options: Options, clock: Clock) -> Limiter {
+    let rules = Rules::default();
+    rules.replace(RuleSet::build(&[("f".into(), parse_file(RULES).unwrap())], false).unwrap());
+    Limiter::new(
+        Arc::new(rules),
+        Arc::new(Store::Memory(MemoryStore::new(1000))),
+        clock,
+        options,
+    )
+}
+
+fn limiter() -> Limiter {
+    // 2222 s: 58 s before the end of a minute window, as in the reference's header test.
+    limiter_with(Options::default(), Clock::manual(2_222_000))
+}
+
+fn desc(entries: &[(&str, &str)]) -> Descriptor {
+    Descriptor {
+        entries: entries
+            .iter()
+            .map(|(k, v)| Entry {
+                key: k.to_string(),
+                value: v.to_string(),
+            })
+            .collect(),
+        ..Descriptor::default()
+    }
+}
+
+fn req(descriptors: Vec<Descriptor>) -> Request {
+    Request {
+        domain: "d".into(),
+        descriptors,
+        hits_addend: 0,
+    }
+}
+
+async fn ask(l: &Limiter, r: &Request) -> Response {
+    l.should_rate_limit(r).await.unwrap()
+}
+
+#[tokio::test]
+async fn counts_up_to_the_limit_then_denies_with_status_details() {
+    let l = limiter();
+    let r = req(vec![desc(&[("k", "v")])]);
+    for left in [2, 1, 0] {
+        let resp = ask(&l, &r).await;
+        assert_eq!(resp.overall_code, Code::Ok);
+        assert_eq!(
+            resp.statuses[0],
+            DescriptorStatus {
+                code: Code::Ok,
+                current_limit: Some(CurrentLimit {
+                    requests_per_unit: 3,
+                    unit: Unit::Minute,
+                    name: Some("k_limit".into())
+                }),
+                limit_remaining: left,
+                duration_until_reset: Some(58),
+            }
+        );
+    }
+    let resp = ask(&l, &r).await;
+    assert_eq!(resp.overall_code, Code::OverLimit);
+    assert_eq!(resp.statuses[0].code, Code::OverLimit);
+    assert_eq!(resp.statuses[0].limit_remaining, 0);
+}
+
+#[tokio::test]
+async fn a_new_window_starts_a_new_count() {
+    let clock = Clock::manual(2_222_000);
+    let l = limiter_with(Options::default(), clock.clone());
+    let r = req(vec![desc(&[("small", "")])]);
+    assert_eq!(ask(&l, &r).await.overall_code, Code::Ok);
+    assert_eq!(ask(&l, &r).await.overall_code, Code::OverLimit);
+    clock.advance_millis(58_000);
+    let resp = ask(&l, &r).await;
+    assert_eq!(resp.overall_code, Code::Ok);
+    assert_eq!(resp.statuses[0].duration_until_reset, Some(60));
+}
+
+#[tokio::test]
+async fn hits_addend_per_request_and_per_descriptor() {
+    let l = limiter();
+    let mut r = req(vec![desc(&[("k", "a")])]);
+    r.hits_addend = 2;
+    assert_eq!(ask(&l, &r).await.statuses[0].limit_remaining, 1);
+    // Per-descriptor 0 checks without counting and beats the request-level addend.
+    r.descriptors[0].hits_addend = Some(0);
+    assert_eq!(ask(&l, &r).await.statuses[0].limit_remaining, 1);
+    r.descriptors[0].hits_addend = Some(2);
+    assert_eq!(ask(&l, &r).await.overall_code, Code::OverLimit);
+    // Request-level 0 means 1.
+    r.hits_addend = 0;
+    r.descriptors[0].hits_addend = None;
+    assert_eq!(ask(&l, &r).await.statuses[0].limit_remaining, 0);
+}
+
+#[tokio::test]
+async fn a_denied_request_consumes_none_of_its_descriptors() {
+    let l = limiter();
+    let both = req(vec![desc(&[("k", "x")]), desc(&[("small", "")])]);
+    assert_eq!(ask(&l, &both).await.overall_code, Code::Ok);
+    let denied = ask(&l, &both).await;
+    assert_eq!(denied.overall_code, Code::OverLimit);
+    assert_eq!(denied.statuses[0].code, Code::Ok);
+    assert_eq!(denied.statuses[0].limit_remaining, 2);
+    // `k` still has 2 left: the denied request did not take one.
+    let k = ask(&l, &req(vec![desc(&[("k", "x")])])).await;
+    assert_eq!(k.statuses[0].limit_remaining, 1);
+}
+
+#[tokio::test]
+async fn consume_on_deny_counts_every_descriptor() {
+    let options = Options {
+        consume_on_deny: true,
+        ..Options::default()
+    };
+    let l = limiter_with(options, Clock::manual(2_222_000));
+    let both = req(vec![desc(&[("k", "x")]), desc(&[("small", "")])]);
+    ask(&l, &both).await;
+    let denied = ask(&l, &both).await;
+    assert_eq!(denied.overall_code, Code::OverLimit);
+    assert_eq!(denied.statuses[0].limit_remaining, 1);
+}
+
+#[tokio::test]
+async fn shadow_rules_report_ok_and_global_shadow_only_changes_the_overall_code() {
+    let l = limiter();
+    let r = req(vec![desc(&[("shadow", "")])]);
+    ask(&l, &r).await;
+    let resp = ask(&l, &r).await;
+    assert_eq!(resp.overall_code, Code::Ok);
+    assert_eq!(resp.statuses[0].code, Code::Ok);
+    assert_eq!(resp.statuses[0].limit_remaining, 0);
+
+    let options = Options {
+        shadow_mode: true,
+        ..Options::default()
+    };
+    let l = limiter_with(options, Clock::manual(2_222_000));
+    let r = req(vec![desc(&[("small", "")])]);
+    ask(&l, &r).await;
+    let resp = ask(&l, &r).await;
+    assert_eq!(resp.overall_code, Code::Ok);
+    assert_eq!(resp.statuses[0].code, Code::OverLimit);
+}
+
+#[tokio::test]
+async fn quota_rules_deny_only_when_all_of_them_are_over() {
+    let l = limiter();
+    let r = req(vec![desc(&[("quota_a", "")]), desc(&[("quota_b", "")])]);
+    assert_eq!(ask(&l, &r).await.overall_code, Code::Ok);
+    // quota_a is over, quota_b is not: still OK, and the status still says OVER_LIMIT.
+    let resp = ask(&l, &r).await;
+    assert_eq!(resp.overall_code, Code::Ok);
+    assert_eq!(resp.statuses[0].code, Code::OverLimit);
+    assert_eq!(ask(&l, &r).await.overall_code, Code::OverLimit);
+}
+
+#[tokio::test]
+async fn unlimited_replaces_allow_list_and_unknown_domain() {
+    let l = limiter();
+    let resp = ask(
+        &l,
+        &req(vec![desc(&[("free", "")]), desc(&[("allowed", "x")])]),
+    )
+    .await;
+    assert_eq!(resp.statuses[0], DescriptorStatus::unlimited());
+    assert_eq!(resp.statuses[0].limit_remaining, 4_294_967_295);
+    assert_eq!(resp.statuses[1], DescriptorStatus::no_limit());
+
+    assert_eq!(
+        ask(&l, &req(vec![desc(&[("banned", "")])]))
+            .await
+            .overall_code,
+        Code::OverLimit
+    );
+    let both = req(vec![desc(&[("banned", "")]), desc(&[("vip", "")])]);
+    let resp = ask(&l, &both).await;
+    assert_eq!(resp.overall_code, Code::Ok);
+    assert_eq!(resp.statuses[0], DescriptorStatus::no_limit());
+    assert_eq!(resp.statuses[1].limit_remaining, 1);
+
+    let mut other = req(vec![desc(&[("k", "v")])]);
+    other.domain = "nobody".into();
+    other.descriptors[0].limit = Some(LimitOverride {
+        requests_per_unit: 1,
+        unit: None,
+    });
+    // Unknown domain: OK without a limit, even with an override.
+    assert_eq!(
+        ask(&l, &other).await.statuses[0],
+        DescriptorStatus::no_limit()
+    );
+}
+
+#[tokio::test]
+async fn overrides_replace_the_rules_for_known_domains() {
+    let l = limiter();
+    let mut r = req(vec![desc(&[("anything", "x"), ("deep", "y")])]);
+    r.descriptors[0].limit = Some(LimitOverride {
+        requests_per_unit: 1,
+        unit: Some(Unit::Hour),
+    });
+    let resp = ask(&l, &r).await;
+    assert_eq!(
+        resp.statuses[0].current_limit,
+        Some(CurrentLimit {
+            requests_per_unit: 1,
+            unit: Unit::Hour,
+            name: None
+        })
+    );
+    assert_eq!(ask(&l, &r).await.overall_code, Code::OverLimit);
+
+    r.descriptors[0].limit = Some(LimitOverride {
+        requests_per_unit: 1,
+        unit: None,
+    });
+    let err = l.should_rate_limit(&r).await.unwrap_err();
+    assert!(err.is_invalid_request());
+    assert!(err.to_string().contains("UNKNOWN"), "{err}");
+}
+
+#[tokio::test]
+async fn share_threshold_values_share_one_counter() {
+    let l = limiter();
+    assert_eq!(
+        ask(&l, &req(vec![desc(&[("files", "files/a")])]))
+            .await
+            .overall_code,
+        Code::Ok
+    );
+    assert_eq!(
+        ask(&l, &req(vec![desc(&[("files", "files/b")])]))
+            .await
+            .overall_code,
+        Code::Ok
+    );
+    assert_eq!(
+        ask(&l, &req(vec![desc(&[("files", "files/c")])]))
+            .await
+            .overall_code,
+        Code::OverLimit
+    );
+}
+
+#[tokio::test]
+async fn headers_describe_the_descriptor_closest_to_its_limit() {
+    let options = Options {
+        response_headers: ResponseHeaders::Envoy,
+        ..Options::default()
+    };
+    let l = limiter_with(options, Clock::manual(2_222_000));
+    let r = req(vec![desc(&[("k", "h")]), desc(&[("quota_b", "")])]);
+    let resp = ask(&l, &r).await;
+    let want = |l: &str, r: &str, s: &str| {
+        vec![
+            ("RateLimit-Limit".to_string(), l.to_string()),
+            ("RateLimit-Remaining".to_string(), r.to_string()),
+            ("RateLimit-Reset".to_string(), s.to_string()),
+        ]
+    };
+    // k has 2 left, quota_b 1: the first with the smallest remaining wins.
+    assert_eq!(resp.response_headers, want("2", "1", "58"));
+
+    let over = req(vec![desc(&[("small", "")])]);
+    ask(&l, &over).await;
+    let resp = ask(&l, &over).await;
+    let mut expected = want("1", "0", "58");
+    expected.push(("Retry-After".into(), "58".into()));
+    assert_eq!(resp.response_headers, expected);
+
+    // No limited descriptor, no headers.
+    let resp = ask(&l, &req(vec![desc(&[("allowed", "")])])).await;
+    assert!(resp.response_headers.is_empty());
+}
+
+#[tokio::test]
+async fn malformed_requests_are_refused_with_what_to_fix() {
+    let l = limiter();
+    let empty_domain = Request {
+        domain: String::new(),
+        descriptors: vec![desc(&[("k", "v")])],
+        hits_addend: 0,
+    };
+    let err = l.should_rate_limit(&empty_domain).await.unwrap_err();
+    assert_eq!(err.to_string(), "rate limit domain must not be empty");
+    let err = l.should_rate_limit(&req(vec![])).await.unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "rate limit descriptor list must not be empty"
+    );
+
+    let many = req((0..65).map(|_| desc(&[("k", "v")])).collect());
+    let err = l.should_rate_limit(&many).await.unwrap_err();
+    assert!(
+        err.to_string().contains("request_limits.max_descriptors"),
+        "{err}"
+    );
+    let wide = req(vec![desc(&[("k", "v"); 17])]);
+    let err = l.should_rate_limit(&wide).await.unwrap_err();
+    assert!(
+        err.to_string().contains("request_limits.max_entries"),
+        "{err}"
+    );
+    let long_value = "v".repeat(1025);
+    let err = l
+        .should_rate_limit(&req(vec![desc(&[("k", &long_value)])]))
+        .await
+        .unwrap_err();
+    assert!(
+        err.to_string().contains("request_limits.max_value_bytes"),
+        "{err}"
+    );
+    assert!(err.is_invalid_request());
+}
+
+#[tokio::test]
+async fn no_rules_loaded_is_unavailable_not_invalid() {
+    let l = Limiter::new(
+        Arc::new(Rules::default()),
+        Arc::new(Store::Memory(MemoryStore::new(10))),
+        Clock::manual(0),
+        Options::default(),
+    );
+    let err = l
+        .should_rate_limit(&req(vec![desc(&[("k", "v")])]))
+        .await
+        .unwrap_err();
+    assert_eq!(err.to_string(), "no rate limit configuration loaded");
+    assert!(!err.is_invalid_request());
+}

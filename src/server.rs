@@ -1,0 +1,225 @@
+//! Wiring: builds the parts from settings, serves gRPC and HTTP, and owns the one shutdown path.
+//!
+//! Shutdown: the `shutdown` token is cancelled (SIGTERM/SIGINT in `main`, the test harness in tests) ->
+//! health turns NOT_SERVING -> after `shutdown.drain_delay` the listeners stop accepting -> in-flight
+//! calls finish within `shutdown.grace_period` -> background tasks stop -> `run` returns.
+
+use std::{net::SocketAddr, sync::Arc};
+
+use tokio::net::TcpListener;
+use tokio_stream::wrappers::TcpListenerStream;
+use tokio_util::{sync::CancellationToken, task::TaskTracker};
+
+use crate::{
+    api::{grpc::RateLimitApi, health::Health, http},
+    clock::Clock,
+    limiter::{self, Limiter},
+    proto,
+    rules::{self, Rules},
+    settings::{BackendKind, Settings},
+    store::{MemoryStore, Store},
+};
+
+/// Why the server could not start or stopped abnormally.
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    #[error("cannot listen for {what} on {addr}: {source}")]
+    Bind {
+        what: &'static str,
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+    #[error("{0}")]
+    Setup(String),
+    #[error("{what} server failed: {reason}")]
+    Serve { what: &'static str, reason: String },
+}
+
+/// The bound listeners. Binding is separate from serving so that tests can bind port 0 and learn the
+/// address first.
+#[derive(Debug)]
+pub struct Listeners {
+    pub grpc: TcpListener,
+    pub http: TcpListener,
+}
+
+impl Listeners {
+    /// Binds the addresses of the settings.
+    pub async fn bind(settings: &Settings) -> Result<Self, ServerError> {
+        let grpc_addr = settings
+            .grpc
+            .addr("grpc.host")
+            .map_err(|e| ServerError::Setup(e.to_string()))?;
+        let http_addr = settings
+            .http
+            .addr("http.host")
+            .map_err(|e| ServerError::Setup(e.to_string()))?;
+        let bind = |what, addr| async move {
+            TcpListener::bind(addr)
+                .await
+                .map_err(|source| ServerError::Bind { what, addr, source })
+        };
+        Ok(Self {
+            grpc: bind("gRPC", grpc_addr).await?,
+            http: bind("HTTP", http_addr).await?,
+        })
+    }
+}
+
+/// Runs the service until `shutdown` is cancelled and the drain is over.
+pub async fn run(
+    settings: Settings,
+    listeners: Listeners,
+    shutdown: CancellationToken,
+) -> Result<(), ServerError> {
+    run_with_clock(settings, listeners, shutdown, Clock::System).await
+}
+
+/// [`run`] with an injected clock.
+pub async fn run_with_clock(
+    settings: Settings,
+    listeners: Listeners,
+    shutdown: CancellationToken,
+    clock: Clock,
+) -> Result<(), ServerError> {
+    let (reporter, health_service) = tonic_health::server::health_reporter();
+    let health = Arc::new(Health::new(
+        reporter,
+        settings.healthy_with_at_least_one_config_loaded,
+    ));
+    health.publish().await;
+
+    let rules = Arc::new(Rules::default());
+    load_rules(&settings, &rules, &health).await;
+
+    let store = Arc::new(match settings.backend {
+        BackendKind::Memory => Store::Memory(MemoryStore::new(settings.memory.max_keys)),
+    });
+    let limiter = Arc::new(Limiter::new(
+        rules,
+        store.clone(),
+        clock.clone(),
+        limiter::Options {
+            key_prefix: String::new(),
+            shadow_mode: settings.shadow_mode,
+            consume_on_deny: settings.consume_on_deny,
+            response_headers: settings.response_headers,
+            header_names: settings.header_names.clone(),
+            request_limits: settings.request_limits.clone(),
+        },
+    ));
+
+    let tasks = TaskTracker::new();
+    let stop_tasks = CancellationToken::new();
+    {
+        let (store, stop, clock) = (store.clone(), stop_tasks.clone(), clock.clone());
+        let every = settings.memory.sweep_interval;
+        tasks.spawn(async move {
+            let mut tick = tokio::time::interval(every);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tokio::select! {
+                    _ = stop.cancelled() => break,
+                    _ = tick.tick() => store.maintain(clock.now_secs()),
+                }
+            }
+        });
+    }
+
+    let reflection = |builder: tonic_reflection::server::Builder<'static>| {
+        builder
+            .register_encoded_file_descriptor_set(proto::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+    };
+    let reflection_v1 = reflection(tonic_reflection::server::Builder::configure())
+        .build_v1()
+        .map_err(|e| ServerError::Setup(format!("reflection: {e}")))?;
+    let reflection_v1alpha = reflection(tonic_reflection::server::Builder::configure())
+        .build_v1alpha()
+        .map_err(|e| ServerError::Setup(format!("reflection: {e}")))?;
+
+    let stop_accepting = CancellationToken::new();
+    let grpc_addr = listeners.grpc.local_addr().ok();
+    let http_addr = listeners.http.local_addr().ok();
+    let grpc = tonic::transport::Server::builder()
+        .add_service(health_service)
+        .add_service(reflection_v1)
+        .add_service(reflection_v1alpha)
+        .add_service(RateLimitApi::new(limiter.clone()).into_server())
+        .serve_with_incoming_shutdown(
+            TcpListenerStream::new(listeners.grpc),
+            stop_accepting.clone().cancelled_owned(),
+        );
+    let http = axum::serve(listeners.http, http::router(limiter, health.clone()))
+        .with_graceful_shutdown(stop_accepting.clone().cancelled_owned());
+    let mut grpc = tokio::spawn(grpc);
+    let mut http = tokio::spawn(async move { http.await });
+    if let (Some(g), Some(h)) = (grpc_addr, http_addr) {
+        tracing::warn!("Listening for gRPC on '{g}', HTTP on '{h}'");
+    }
+
+    let early = tokio::select! {
+        _ = shutdown.cancelled() => None,
+        r = &mut grpc => Some(("gRPC", r.map_err(|e| e.to_string()).and_then(|r| r.map_err(|e| e.to_string())))),
+        r = &mut http => Some(("HTTP", r.map_err(|e| e.to_string()).and_then(|r| r.map_err(|e| e.to_string())))),
+    };
+    health.shutting_down().await;
+    if let Some((what, result)) = early {
+        stop_accepting.cancel();
+        stop_tasks.cancel();
+        let reason = result
+            .err()
+            .unwrap_or_else(|| "stopped unexpectedly".into());
+        return Err(ServerError::Serve { what, reason });
+    }
+
+    tracing::warn!(
+        drain_delay = ?settings.shutdown.drain_delay,
+        grace_period = ?settings.shutdown.grace_period,
+        "shutting down: health is NOT_SERVING"
+    );
+    tokio::time::sleep(settings.shutdown.drain_delay).await;
+    stop_accepting.cancel();
+    let drained = tokio::time::timeout(settings.shutdown.grace_period, async {
+        let _ = (&mut grpc).await;
+        let _ = (&mut http).await;
+    })
+    .await;
+    if drained.is_err() {
+        tracing::warn!("grace period over: closing the remaining connections");
+        grpc.abort();
+        http.abort();
+    }
+    stop_tasks.cancel();
+    tasks.close();
+    tasks.wait().await;
+    tracing::warn!("shutdown complete");
+    Ok(())
+}
+
+/// Loads the rules at start. A broken rules folder does not stop the service: it answers UNAVAILABLE
+/// ("no rate limit configuration loaded") until rules load, as the reference service does.
+async fn load_rules(settings: &Settings, rules: &Rules, health: &Health) {
+    let source = settings.rules.source();
+    match rules::load(&source) {
+        Ok(loaded) => {
+            let domains = loaded.rules.domains.len();
+            let mut names: Vec<&String> = loaded.rules.domains.keys().collect();
+            names.sort();
+            for domain in names {
+                tracing::info!(domain = %domain, "loading domain: {domain}");
+            }
+            tracing::warn!(
+                path = %source.root.display(),
+                files = loaded.files.len(),
+                domains,
+                "rules loaded"
+            );
+            rules.replace(loaded.rules);
+            health.rules_loaded(domains).await;
+        }
+        Err(err) => {
+            tracing::error!(path = %source.root.display(), "Error loading new configuration: {err}");
+        }
+    }
+}

@@ -1,0 +1,259 @@
+//! The `ratelimitd` binary: command line, settings errors, serving with defaults, SIGTERM.
+
+use std::{
+    io::{BufRead, BufReader},
+    net::SocketAddr,
+    path::Path,
+    process::{Child, Command, Stdio},
+    time::{Duration, Instant},
+};
+
+mod common;
+
+const BIN: &str = env!("CARGO_BIN_EXE_ratelimitd");
+const RULES: &str = "domain: web\ndescriptors:\n  - key: user\n    rate_limit: {unit: minute, requests_per_unit: 2}\n";
+
+fn ratelimitd(args: &[&str], env: &[(&str, &str)], cwd: &Path) -> Command {
+    let mut cmd = Command::new(BIN);
+    cmd.args(args).env_clear().current_dir(cwd);
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd
+}
+
+#[test]
+fn help_and_version() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = ratelimitd(&["--help"], &[], dir.path()).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success());
+    for word in ["serve", "check-config", "--config", "--version"] {
+        assert!(text.contains(word), "--help lacks {word}: {text}");
+    }
+    let out = ratelimitd(&["--version"], &[], dir.path())
+        .output()
+        .unwrap();
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        format!("ratelimitd {}", env!("CARGO_PKG_VERSION"))
+    );
+}
+
+#[test]
+fn check_config_reports_ok_or_the_first_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let examples = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/config");
+    let out = ratelimitd(
+        &["check-config", examples.to_str().unwrap()],
+        &[],
+        dir.path(),
+    )
+    .output()
+    .unwrap();
+    assert_eq!(out.status.code(), Some(0));
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "all rate limit configs ok\n"
+    );
+
+    std::fs::write(dir.path().join("a.yaml"), RULES).unwrap();
+    std::fs::write(
+        dir.path().join("b.yaml"),
+        "domain: other\ndescriptors:\n  - key: k\n    rate_limit: {unit: eon, requests_per_unit: 1}\n",
+    )
+    .unwrap();
+    let out = ratelimitd(&["check-config", "."], &[], dir.path())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "error loading rate limit configs: b.yaml: invalid rate limit unit 'eon'\n"
+    );
+
+    // Duplicate domains pass only with MERGE_DOMAIN_CONFIG.
+    std::fs::write(
+        dir.path().join("b.yaml"),
+        "domain: web\ndescriptors:\n  - key: other\n",
+    )
+    .unwrap();
+    let out = ratelimitd(&["check-config", "."], &[], dir.path())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("duplicate domain 'web'"));
+    let out = ratelimitd(
+        &["check-config", "."],
+        &[("MERGE_DOMAIN_CONFIG", "true")],
+        dir.path(),
+    )
+    .output()
+    .unwrap();
+    assert_eq!(out.status.code(), Some(0));
+}
+
+#[test]
+fn a_wrong_setting_exits_64_naming_it() {
+    let dir = tempfile::tempdir().unwrap();
+    for (name, value) in [
+        ("GRPC_PORT", "eighty"),
+        ("LOG_FORMAT", "yaml"),
+        ("RATELIMITD_SHUTDOWN__GRACE_PERIOD", "soon"),
+    ] {
+        let out = ratelimitd(&[], &[(name, value)], dir.path())
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(64), "{name}: {err}");
+        assert!(err.contains(value), "{name}: {err}");
+        assert_eq!(err.lines().count(), 1, "one line: {err}");
+    }
+    let out = ratelimitd(&["--config", "missing.yaml"], &[], dir.path())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(64));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("missing.yaml"));
+}
+
+/// A running binary, killed on drop.
+struct Running {
+    child: Child,
+    grpc: SocketAddr,
+    http: SocketAddr,
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Starts the binary and reads the listening addresses from its log.
+fn start(cmd: &mut Command) -> Running {
+    let child = cmd
+        .stderr(Stdio::piped())
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let unbound: SocketAddr = ([0, 0, 0, 0], 0).into();
+    // Owned by the guard from here on, so that a failed assertion still kills the process.
+    let mut running = Running {
+        child,
+        grpc: unbound,
+        http: unbound,
+    };
+    let mut lines = BufReader::new(running.child.stderr.take().unwrap()).lines();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        assert!(Instant::now() < deadline, "no listening line in time");
+        let line = lines.next().expect("ratelimitd exited early").unwrap();
+        if let Some(rest) = line.split("Listening for gRPC on '").nth(1) {
+            running.grpc = rest.split('\'').next().unwrap().parse().unwrap();
+            running.http = rest
+                .split("HTTP on '")
+                .nth(1)
+                .and_then(|r| r.split('\'').next())
+                .unwrap()
+                .parse()
+                .unwrap();
+            // Keep draining the log so the child never blocks on a full pipe.
+            std::thread::spawn(move || for _ in lines {});
+            return running;
+        }
+    }
+}
+
+#[test]
+fn with_no_settings_it_serves_reference_ports_and_local_config_rules() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::create_dir(dir.path().join("config")).unwrap();
+    std::fs::write(dir.path().join("config/web.yaml"), RULES).unwrap();
+    let running = start(&mut ratelimitd(&[], &[], dir.path()));
+    assert_eq!(running.grpc.to_string(), "0.0.0.0:8081");
+    assert_eq!(running.http.to_string(), "0.0.0.0:8080");
+    let body = r#"{"domain":"web","descriptors":[{"entries":[{"key":"user","value":"x"}]}]}"#;
+    let local = "127.0.0.1:8080".parse().unwrap();
+    assert_eq!(common::http_request(local, "POST", "/json", body).0, 200);
+    assert_eq!(common::http_request(local, "POST", "/json", body).0, 200);
+    assert_eq!(common::http_request(local, "POST", "/json", body).0, 429);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_drains_and_exits_zero_within_the_grace_period() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::create_dir(dir.path().join("config")).unwrap();
+    std::fs::write(dir.path().join("config/web.yaml"), RULES).unwrap();
+    let mut running = start(&mut ratelimitd(
+        &[],
+        &[
+            ("GRPC_HOST", "127.0.0.1"),
+            ("GRPC_PORT", "0"),
+            ("HOST", "127.0.0.1"),
+            ("PORT", "0"),
+            ("RATELIMITD_SHUTDOWN__GRACE_PERIOD", "3s"),
+        ],
+        dir.path(),
+    ));
+
+    // Load from 8 callers, each on its own connection, until the server goes away.
+    let mut callers = Vec::new();
+    for i in 0..8 {
+        let addr = running.grpc;
+        callers.push(tokio::spawn(async move {
+            let mut client =
+                ratelimitd::proto::RateLimitServiceClient::connect(format!("http://{addr}"))
+                    .await
+                    .unwrap();
+            let mut answered = 0u32;
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while Instant::now() < deadline {
+                let user = format!("caller{i}");
+                let r = common::request("web", vec![common::descriptor(&[("user", &user)])]);
+                match client.should_rate_limit(r).await {
+                    Ok(_) => answered += 1,
+                    Err(status) => {
+                        eprintln!("caller {i} ended with {status:?}");
+                        return (answered, Some(status.code()));
+                    }
+                }
+            }
+            (answered, None)
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let pid = running.child.id().to_string();
+    assert!(Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .unwrap()
+        .success());
+    let sent = Instant::now();
+    let status = loop {
+        if let Some(status) = running.child.try_wait().unwrap() {
+            break status;
+        }
+        assert!(
+            sent.elapsed() < Duration::from_secs(6),
+            "no exit within the grace period"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert_eq!(status.code(), Some(0));
+    for caller in callers {
+        let (answered, ended) = caller.await.unwrap();
+        assert!(
+            answered > 0,
+            "every caller was answered before the shutdown"
+        );
+        // After the shutdown, calls fail because the connection is gone, never with a server error.
+        assert!(
+            matches!(
+                ended,
+                Some(tonic::Code::Unavailable | tonic::Code::Cancelled)
+            ),
+            "{ended:?}"
+        );
+    }
+}

@@ -1,0 +1,185 @@
+//! Test harness: starts ratelimitd in-process on 127.0.0.1:0 with rules written to a temporary folder,
+//! and talks to it with the generated gRPC client and plain HTTP/1.1 over real sockets.
+#![allow(dead_code)]
+
+use std::{
+    io::{Read, Write},
+    net::{SocketAddr, TcpStream},
+    time::Duration,
+};
+
+use ratelimitd::{
+    clock::Clock,
+    proto::{
+        rate_limit_descriptor::{Entry, RateLimitOverride},
+        RateLimitDescriptor, RateLimitRequest, RateLimitServiceClient,
+    },
+    server::{self, Listeners},
+    settings::Settings,
+};
+use tokio::{net::TcpListener, task::JoinHandle};
+use tokio_util::sync::CancellationToken;
+use tonic::transport::Channel;
+
+pub struct TestServer {
+    pub grpc_addr: SocketAddr,
+    pub http_addr: SocketAddr,
+    pub clock: Clock,
+    pub shutdown: CancellationToken,
+    pub handle: JoinHandle<Result<(), server::ServerError>>,
+    _rules: tempfile::TempDir,
+}
+
+impl TestServer {
+    /// Starts a server with the given rules files and settings changes, at a fixed manual time.
+    pub async fn start(rules: &[(&str, &str)], tweak: impl FnOnce(&mut Settings)) -> Self {
+        // 2 222 s after the epoch: 58 s before the end of a minute window.
+        Self::start_at(rules, 2_222_000, tweak).await
+    }
+
+    pub async fn start_at(
+        rules: &[(&str, &str)],
+        now_millis: u64,
+        tweak: impl FnOnce(&mut Settings),
+    ) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        for (name, text) in rules {
+            std::fs::write(dir.path().join(name), text).unwrap();
+        }
+        let mut settings = Settings::default();
+        settings.rules.path = Some(dir.path().to_owned());
+        settings.shutdown.grace_period = Duration::from_secs(5);
+        tweak(&mut settings);
+        let listeners = Listeners {
+            grpc: TcpListener::bind("127.0.0.1:0").await.unwrap(),
+            http: TcpListener::bind("127.0.0.1:0").await.unwrap(),
+        };
+        let grpc_addr = listeners.grpc.local_addr().unwrap();
+        let http_addr = listeners.http.local_addr().unwrap();
+        let clock = Clock::manual(now_millis);
+        let shutdown = CancellationToken::new();
+        let handle = tokio::spawn(server::run_with_clock(
+            settings,
+            listeners,
+            shutdown.clone(),
+            clock.clone(),
+        ));
+        Self {
+            grpc_addr,
+            http_addr,
+            clock,
+            shutdown,
+            handle,
+            _rules: dir,
+        }
+    }
+
+    pub async fn client(&self) -> RateLimitServiceClient<Channel> {
+        RateLimitServiceClient::connect(format!("http://{}", self.grpc_addr))
+            .await
+            .unwrap()
+    }
+
+    pub async fn channel(&self) -> Channel {
+        Channel::from_shared(format!("http://{}", self.grpc_addr))
+            .unwrap()
+            .connect()
+            .await
+            .unwrap()
+    }
+
+    /// Stops the server and waits for it to return.
+    pub async fn stop(self) {
+        self.shutdown.cancel();
+        self.handle.await.unwrap().unwrap();
+    }
+
+    /// Sends one HTTP/1.1 request and returns (status, body).
+    pub async fn http(&self, method: &str, path: &str, body: &str) -> (u16, String) {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut stream = tokio::net::TcpStream::connect(self.http_addr)
+            .await
+            .unwrap();
+        stream
+            .write_all(raw_request(method, path, body).as_bytes())
+            .await
+            .unwrap();
+        let mut response = String::new();
+        tokio::time::timeout(
+            Duration::from_secs(10),
+            stream.read_to_string(&mut response),
+        )
+        .await
+        .expect("HTTP answer in time")
+        .unwrap();
+        parse_response(&response)
+    }
+}
+
+fn raw_request(method: &str, path: &str, body: &str) -> String {
+    format!(
+        "{method} {path} HTTP/1.1\r\nHost: test\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+}
+
+fn parse_response(response: &str) -> (u16, String) {
+    let status = response
+        .split(' ')
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    let body = response
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default();
+    (status, body)
+}
+
+pub fn http_request(addr: SocketAddr, method: &str, path: &str, body: &str) -> (u16, String) {
+    let mut stream = TcpStream::connect(addr).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    stream
+        .write_all(raw_request(method, path, body).as_bytes())
+        .unwrap();
+    let mut response = String::new();
+    stream.read_to_string(&mut response).unwrap();
+    parse_response(&response)
+}
+
+/// A descriptor from (key, value) pairs.
+pub fn descriptor(entries: &[(&str, &str)]) -> RateLimitDescriptor {
+    RateLimitDescriptor {
+        entries: entries
+            .iter()
+            .map(|(k, v)| Entry {
+                key: k.to_string(),
+                value: v.to_string(),
+            })
+            .collect(),
+        ..RateLimitDescriptor::default()
+    }
+}
+
+/// A descriptor with a request override.
+pub fn with_override(
+    mut d: RateLimitDescriptor,
+    requests_per_unit: u32,
+    unit: i32,
+) -> RateLimitDescriptor {
+    d.limit = Some(RateLimitOverride {
+        requests_per_unit,
+        unit,
+    });
+    d
+}
+
+pub fn request(domain: &str, descriptors: Vec<RateLimitDescriptor>) -> RateLimitRequest {
+    RateLimitRequest {
+        domain: domain.into(),
+        descriptors,
+        hits_addend: 0,
+    }
+}

@@ -1,0 +1,173 @@
+//! The HTTP side port, gRPC health and reflection, over real sockets.
+
+mod common;
+
+use common::TestServer;
+use ratelimitd::api::health::SERVICE_NAME;
+use tokio_stream::StreamExt;
+use tonic_health::pb::{
+    health_check_response::ServingStatus, health_client::HealthClient, HealthCheckRequest,
+};
+use tonic_reflection::pb::v1::{
+    server_reflection_client::ServerReflectionClient, server_reflection_request::MessageRequest,
+    server_reflection_response::MessageResponse, ServerReflectionRequest,
+};
+
+const RULES: &str = "domain: web\ndescriptors:\n  - key: user\n    rate_limit: {unit: minute, requests_per_unit: 1, name: per_user}\n";
+
+#[tokio::test]
+async fn json_endpoint_answers_200_429_and_400() {
+    let s = TestServer::start(&[("web.yaml", RULES)], |_| {}).await;
+    let body = r#"{"domain":"web","descriptors":[{"entries":[{"key":"user","value":"u1"}]}]}"#;
+    let (code, text) = s.http("POST", "/json", body).await;
+    assert_eq!(code, 200);
+    let json: serde_json::Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(json["overallCode"], "OK");
+    assert_eq!(json["statuses"][0]["currentLimit"]["name"], "per_user");
+    assert_eq!(json["statuses"][0]["durationUntilReset"], "58s");
+
+    let (code, text) = s.http("POST", "/json", body).await;
+    assert_eq!(code, 429);
+    let json: serde_json::Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(json["overallCode"], "OVER_LIMIT");
+
+    assert_eq!(s.http("POST", "/json", "{not json").await.0, 400);
+    assert_eq!(
+        s.http("POST", "/json", r#"{"domian":"web"}"#).await,
+        (400, "Bad Request\n".into())
+    );
+    let (code, text) = s
+        .http("POST", "/json", r#"{"domain":"web","descriptors":[]}"#)
+        .await;
+    assert_eq!(
+        (code, text.as_str()),
+        (400, "rate limit descriptor list must not be empty\n")
+    );
+    s.stop().await;
+}
+
+#[tokio::test]
+async fn rlconfig_lists_the_loaded_rules() {
+    let s = TestServer::start(&[("web.yaml", RULES)], |_| {}).await;
+    let (code, text) = s.http("GET", "/rlconfig", "").await;
+    assert_eq!(code, 200);
+    assert_eq!(
+        text,
+        "web.user: unit=MINUTE requests_per_unit=1, shadow_mode: false, quota_mode: false\n"
+    );
+    s.stop().await;
+}
+
+async fn grpc_health(s: &TestServer, service: &str) -> ServingStatus {
+    let mut health = HealthClient::new(s.channel().await);
+    let resp = health
+        .check(HealthCheckRequest {
+            service: service.into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    ServingStatus::try_from(resp.status).unwrap()
+}
+
+#[tokio::test]
+async fn health_is_serving_on_both_names_and_on_healthcheck() {
+    let s = TestServer::start(&[("web.yaml", RULES)], |_| {}).await;
+    assert_eq!(grpc_health(&s, "").await, ServingStatus::Serving);
+    assert_eq!(grpc_health(&s, SERVICE_NAME).await, ServingStatus::Serving);
+    assert_eq!(s.http("GET", "/healthcheck", "").await, (200, "OK".into()));
+    s.stop().await;
+}
+
+#[tokio::test]
+async fn health_waits_for_a_domain_when_asked_to() {
+    let s = TestServer::start(&[], |s| s.healthy_with_at_least_one_config_loaded = true).await;
+    assert_eq!(
+        grpc_health(&s, SERVICE_NAME).await,
+        ServingStatus::NotServing
+    );
+    assert_eq!(s.http("GET", "/healthcheck", "").await.0, 500);
+    s.stop().await;
+}
+
+#[tokio::test]
+async fn drain_reports_not_serving_while_still_answering() {
+    let s = TestServer::start(&[("web.yaml", RULES)], |s| {
+        s.shutdown.drain_delay = std::time::Duration::from_millis(800);
+    })
+    .await;
+    let mut client = s.client().await;
+    s.shutdown.cancel();
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    assert_eq!(
+        grpc_health(&s, SERVICE_NAME).await,
+        ServingStatus::NotServing
+    );
+    assert_eq!(s.http("GET", "/healthcheck", "").await.0, 500);
+    let resp = client
+        .should_rate_limit(common::request(
+            "web",
+            vec![common::descriptor(&[("user", "d")])],
+        ))
+        .await;
+    assert!(
+        resp.is_ok(),
+        "calls during the drain delay are still answered"
+    );
+    let started = std::time::Instant::now();
+    s.handle.await.unwrap().unwrap();
+    assert!(started.elapsed() < std::time::Duration::from_secs(5));
+    assert!(
+        std::net::TcpStream::connect(s.http_addr).is_err(),
+        "the HTTP listener is closed after the drain"
+    );
+}
+
+#[tokio::test]
+async fn reflection_lists_the_services() {
+    let s = TestServer::start(&[("web.yaml", RULES)], |_| {}).await;
+    let mut reflection = ServerReflectionClient::new(s.channel().await);
+    let outbound = tokio_stream::iter(vec![ServerReflectionRequest {
+        host: String::new(),
+        message_request: Some(MessageRequest::ListServices(String::new())),
+    }]);
+    let mut inbound = reflection
+        .server_reflection_info(outbound)
+        .await
+        .unwrap()
+        .into_inner();
+    let reply = inbound.next().await.unwrap().unwrap();
+    let Some(MessageResponse::ListServicesResponse(list)) = reply.message_response else {
+        panic!("unexpected reflection reply: {reply:?}");
+    };
+    let names: Vec<String> = list.service.into_iter().map(|s| s.name).collect();
+    for want in [
+        "envoy.service.ratelimit.v3.RateLimitService",
+        "grpc.health.v1.Health",
+        "grpc.reflection.v1.ServerReflection",
+    ] {
+        assert!(
+            names.iter().any(|n| n == want),
+            "{want} missing from {names:?}"
+        );
+    }
+
+    // The service's file descriptor resolves with its imports (what grpcurl needs to call it).
+    let outbound = tokio_stream::iter(vec![ServerReflectionRequest {
+        host: String::new(),
+        message_request: Some(MessageRequest::FileContainingSymbol(
+            "envoy.service.ratelimit.v3.RateLimitService".into(),
+        )),
+    }]);
+    let mut inbound = reflection
+        .server_reflection_info(outbound)
+        .await
+        .unwrap()
+        .into_inner();
+    let reply = inbound.next().await.unwrap().unwrap();
+    let Some(MessageResponse::FileDescriptorResponse(files)) = reply.message_response else {
+        panic!("unexpected reflection reply: {reply:?}");
+    };
+    assert!(!files.file_descriptor_proto.is_empty());
+    s.stop().await;
+}

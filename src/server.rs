@@ -114,16 +114,7 @@ pub async fn run_with_clock(
     {
         let (store, stop, clock) = (store.clone(), stop_tasks.clone(), clock.clone());
         let every = settings.memory.sweep_interval;
-        tasks.spawn(async move {
-            let mut tick = tokio::time::interval(every);
-            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            loop {
-                tokio::select! {
-                    _ = stop.cancelled() => break,
-                    _ = tick.tick() => store.maintain(clock.now_secs()),
-                }
-            }
-        });
+        tasks.spawn(async move { store.maintain(&clock, every, stop).await });
     }
 
     let reflection = |builder: tonic_reflection::server::Builder<'static>| {

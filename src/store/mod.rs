@@ -4,7 +4,11 @@
 pub mod keys;
 pub mod memory;
 
-use std::future::Future;
+use std::{future::Future, time::Duration};
+
+use tokio_util::sync::CancellationToken;
+
+use crate::clock::Clock;
 
 pub use memory::MemoryStore;
 
@@ -107,18 +111,22 @@ pub enum Store {
 }
 
 impl Store {
-    /// Periodic housekeeping: reclaims expired counters of the memory store.
-    pub fn maintain(&self, now_secs: u64) {
-        match self {
-            Store::Memory(store) => {
-                let removed = store.sweep(now_secs);
-                if removed > 0 {
-                    tracing::debug!(
-                        removed,
-                        remaining = store.len(),
-                        "expired counters reclaimed"
-                    );
-                }
+    /// Housekeeping every `every` until `stop`: reclaims expired counters of the memory store, so that its
+    /// memory follows the keys in use.
+    pub async fn maintain(&self, clock: &Clock, every: Duration, stop: CancellationToken) {
+        let mut tick = tokio::time::interval(every);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = stop.cancelled() => break,
+                _ = tick.tick() => match self {
+                    Store::Memory(store) => {
+                        let removed = store.sweep(clock.now_secs());
+                        if removed > 0 {
+                            tracing::debug!(removed, remaining = store.len(), "expired counters reclaimed");
+                        }
+                    }
+                },
             }
         }
     }
@@ -129,5 +137,44 @@ impl CounterStore for Store {
         match self {
             Store::Memory(store) => store.apply(batch, now_millis).await,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn maintenance_reclaims_expired_counters_in_the_background() {
+        let store = std::sync::Arc::new(Store::Memory(MemoryStore::new(100)));
+        let clock = Clock::manual(10_000);
+        let batch = Batch {
+            checks: (0..10)
+                .map(|i| Check {
+                    key: format!("k{i}_"),
+                    limit: 5,
+                    window: 1,
+                    cost: 1,
+                    role: Role::Enforce,
+                })
+                .collect(),
+            consume_on_deny: false,
+        };
+        store.apply(&batch, clock.now_millis()).await.unwrap();
+        let Store::Memory(memory) = &*store;
+        assert_eq!(memory.len(), 10);
+
+        let stop = CancellationToken::new();
+        let task = tokio::spawn({
+            let (store, clock, stop) = (store.clone(), clock.clone(), stop.clone());
+            async move { store.maintain(&clock, Duration::from_secs(5), stop).await }
+        });
+        tokio::time::sleep(Duration::from_secs(6)).await;
+        assert_eq!(memory.len(), 10, "still inside their window");
+        clock.advance_millis(1_000);
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        assert!(memory.is_empty(), "swept once the window ended");
+        stop.cancel();
+        task.await.unwrap();
     }
 }

@@ -17,7 +17,7 @@ use crate::{
     proto,
     rules::{self, Rules},
     settings::{BackendKind, Settings},
-    store::{MemoryStore, Store},
+    store::{MemoryStore, RedisStore, Store},
 };
 
 /// Why the server could not start or stopped abnormally.
@@ -83,17 +83,23 @@ pub async fn run_with_clock(
     clock: Clock,
 ) -> Result<(), ServerError> {
     let (reporter, health_service) = tonic_health::server::health_reporter();
+    let backend = settings.backend();
     let health = Arc::new(Health::new(
         reporter,
         settings.healthy_with_at_least_one_config_loaded,
+        backend == BackendKind::Memory,
     ));
     health.publish().await;
 
     let rules = Arc::new(Rules::default());
     load_rules(&settings, &rules, &health).await;
 
-    let store = Arc::new(match settings.backend {
+    let store = Arc::new(match backend {
         BackendKind::Memory => Store::Memory(MemoryStore::new(settings.memory.max_keys)),
+        BackendKind::Redis => Store::Redis(
+            RedisStore::connect(&settings.redis, settings.expiration_jitter_max_seconds)
+                .map_err(|e| ServerError::Setup(e.to_string()))?,
+        ),
     });
     let limiter = Arc::new(Limiter::new(
         rules,
@@ -106,6 +112,7 @@ pub async fn run_with_clock(
             response_headers: settings.response_headers,
             header_names: settings.header_names.clone(),
             request_limits: settings.request_limits.clone(),
+            on_backend_error: settings.on_backend_error,
         },
     ));
 
@@ -115,6 +122,29 @@ pub async fn run_with_clock(
         let (store, stop, clock) = (store.clone(), stop_tasks.clone(), clock.clone());
         let every = settings.memory.sweep_interval;
         tasks.spawn(async move { store.maintain(&clock, every, stop).await });
+    }
+
+    if let Store::Redis(redis) = &*store {
+        let (redis, health, stop) = (redis.clone(), health.clone(), stop_tasks.clone());
+        tasks.spawn(async move {
+            loop {
+                tokio::select! {
+                    _ = stop.cancelled() => return,
+                    result = redis.ready() => match result {
+                        Ok(()) => {
+                            tracing::warn!("Redis connected and scripts loaded: serving");
+                            health.backend_ready().await;
+                            return;
+                        }
+                        Err(err) => tracing::error!("Redis not ready, retrying: {err}"),
+                    },
+                }
+                tokio::select! {
+                    _ = stop.cancelled() => return,
+                    _ = tokio::time::sleep(std::time::Duration::from_secs(1)) => {}
+                }
+            }
+        });
     }
 
     let reflection = |builder: tonic_reflection::server::Builder<'static>| {
@@ -184,6 +214,9 @@ pub async fn run_with_clock(
     stop_tasks.cancel();
     tasks.close();
     tasks.wait().await;
+    if let Store::Redis(redis) = &*store {
+        redis.close().await;
+    }
     tracing::warn!("shutdown complete");
     Ok(())
 }

@@ -58,10 +58,20 @@ pub struct Settings {
     pub log: LogSettings,
     /// Where the rules files are and how they are read.
     pub rules: RulesSettings,
-    /// Where counters live. Env `BACKEND_TYPE`; only `memory` exists so far.
-    pub backend: BackendKind,
+    /// Where counters live: `memory` or `redis`. Env `BACKEND_TYPE`; default `redis` when a Redis URL is
+    /// set, else `memory`.
+    pub backend: Option<BackendKind>,
     /// The embedded memory store.
     pub memory: MemorySettings,
+    /// The Redis store.
+    pub redis: RedisSettings,
+    /// What to answer when the backend cannot decide. Env `RATELIMITD_ON_BACKEND_ERROR`; default `error`.
+    pub on_backend_error: OnBackendError,
+    /// Prepended to every counter key, so that several services can share one Redis. Env `CACHE_KEY_PREFIX`.
+    pub cache_key_prefix: String,
+    /// Counters created in Redis live for their window plus a random 0..N seconds, spreading expiries.
+    /// Env `EXPIRATION_JITTER_MAX_SECONDS`; default 300.
+    pub expiration_jitter_max_seconds: u64,
     /// Bounds on what one request may carry; larger requests are refused with INVALID_ARGUMENT.
     pub request_limits: RequestLimits,
     /// Answer OK to every request while still counting and reporting per-descriptor statuses.
@@ -99,8 +109,12 @@ impl Default for Settings {
             },
             log: LogSettings::default(),
             rules: RulesSettings::default(),
-            backend: BackendKind::Memory,
+            backend: None,
             memory: MemorySettings::default(),
+            redis: RedisSettings::default(),
+            on_backend_error: OnBackendError::Error,
+            cache_key_prefix: String::new(),
+            expiration_jitter_max_seconds: 300,
             request_limits: RequestLimits::default(),
             shadow_mode: false,
             consume_on_deny: false,
@@ -296,6 +310,8 @@ fn join_nonempty(base: &Path, part: &str) -> PathBuf {
 pub enum BackendKind {
     /// Counters in this process's memory: exact for one replica, lost on restart.
     Memory,
+    /// Counters in Redis, shared by every replica.
+    Redis,
 }
 
 impl FromStr for BackendKind {
@@ -303,10 +319,139 @@ impl FromStr for BackendKind {
     fn from_str(s: &str) -> Result<Self, String> {
         match s.to_ascii_lowercase().as_str() {
             "memory" => Ok(Self::Memory),
-            "redis" | "" => {
-                Err("the redis backend is not available in this build; use memory".into())
-            }
-            _ => Err("expected memory".into()),
+            "redis" => Ok(Self::Redis),
+            _ => Err("expected memory or redis".into()),
+        }
+    }
+}
+
+/// What to answer when the backend cannot decide (Redis down, slow, or refusing).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OnBackendError {
+    /// gRPC UNAVAILABLE with the cause; Envoy's `failure_mode_deny` decides.
+    #[default]
+    Error,
+    /// Answer OK (fail open).
+    Allow,
+    /// Answer OVER_LIMIT for every limited descriptor (fail closed).
+    Deny,
+}
+
+impl FromStr for OnBackendError {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "error" => Ok(Self::Error),
+            "allow" => Ok(Self::Allow),
+            "deny" => Ok(Self::Deny),
+            _ => Err("expected error, allow or deny".into()),
+        }
+    }
+}
+
+/// How ratelimitd reaches Redis.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RedisTopology {
+    /// One server (`host:port`, a `redis://` URL, or a unix socket path).
+    Single,
+    /// A master found through Sentinel (`mastername,host:port,host:port...`).
+    Sentinel,
+    /// Redis Cluster (`host:port,host:port...` seed nodes).
+    Cluster,
+}
+
+impl FromStr for RedisTopology {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "single" => Ok(Self::Single),
+            "sentinel" => Ok(Self::Sentinel),
+            "cluster" => Ok(Self::Cluster),
+            _ => Err("expected single, sentinel or cluster".into()),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SocketType {
+    Tcp,
+    Unix,
+}
+
+impl FromStr for SocketType {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "tcp" => Ok(Self::Tcp),
+            "unix" => Ok(Self::Unix),
+            _ => Err("expected tcp or unix".into()),
+        }
+    }
+}
+
+/// A secret setting: kept out of `Debug` output, logs and error messages.
+#[derive(Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct Secret(pub String);
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(if self.0.is_empty() {
+            "\"\""
+        } else {
+            "\"<redacted>\""
+        })
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RedisSettings {
+    /// Env `REDIS_URL`: `host:port`, `redis://` or `rediss://` URL, a unix socket path,
+    /// `mastername,host:port,...` for Sentinel, or comma-separated seed nodes for Cluster. Setting it makes
+    /// `redis` the default backend.
+    pub url: String,
+    /// Env `REDIS_TYPE` (`single`, `sentinel`, `cluster`); default `single`.
+    pub topology: RedisTopology,
+    /// Env `REDIS_SOCKET_TYPE` (`tcp` or `unix`). Unset: `unix` when the URL is a path, else `tcp`.
+    pub socket_type: Option<SocketType>,
+    /// Env `REDIS_AUTH`: `password` or `user:password` (Redis ACL user).
+    pub auth: Secret,
+    /// Env `REDIS_TLS`: connect with TLS (also implied by a `rediss://` URL).
+    pub tls: bool,
+    /// Env `REDIS_POOL_SIZE` (default 10): connections per Redis node; commands are pipelined on each.
+    pub pool_size: usize,
+    /// Env `REDIS_TIMEOUT` (default `10ms`): the longest a request waits for Redis before the
+    /// `on_backend_error` policy answers. Keep it below Envoy's rate limit timeout (20 ms by default).
+    #[serde(with = "humantime_serde_compat")]
+    pub timeout: Duration,
+    /// Longest wait for a connection to be set up (default `2s`).
+    #[serde(with = "humantime_serde_compat")]
+    pub connect_timeout: Duration,
+    /// Consecutive failed requests that open the circuit breaker (default 5). While open, requests are
+    /// answered at once by the `on_backend_error` policy, without waiting for Redis.
+    pub breaker_failures: u32,
+    /// How long the breaker stays open before one request probes Redis again (default `500ms`).
+    #[serde(with = "humantime_serde_compat")]
+    pub breaker_open_for: Duration,
+}
+
+impl Default for RedisSettings {
+    fn default() -> Self {
+        Self {
+            url: String::new(),
+            topology: RedisTopology::Single,
+            socket_type: None,
+            auth: Secret::default(),
+            tls: false,
+            pool_size: 10,
+            timeout: Duration::from_millis(10),
+            connect_timeout: Duration::from_secs(2),
+            breaker_failures: 5,
+            breaker_open_for: Duration::from_millis(500),
         }
     }
 }
@@ -513,7 +658,35 @@ impl Settings {
             self.rules.merge_domains = parse_bool(v, "MERGE_DOMAIN_CONFIG")?;
         }
         if let Some(v) = get("BACKEND_TYPE") {
-            self.backend = parse(v, "BACKEND_TYPE")?;
+            self.backend = Some(parse(v, "BACKEND_TYPE")?);
+        }
+        if let Some(v) = get("REDIS_URL") {
+            self.redis.url = v.to_owned();
+        }
+        if let Some(v) = get("REDIS_TYPE") {
+            self.redis.topology = parse(v, "REDIS_TYPE")?;
+        }
+        if let Some(v) = get("REDIS_SOCKET_TYPE") {
+            self.redis.socket_type = Some(parse(v, "REDIS_SOCKET_TYPE")?);
+        }
+        if let Some(v) = env.get("REDIS_AUTH").filter(|v| !v.is_empty()) {
+            self.redis.auth = Secret(v.clone());
+        }
+        if let Some(v) = get("REDIS_TLS") {
+            self.redis.tls = parse_bool(v, "REDIS_TLS")?;
+        }
+        if let Some(v) = get("REDIS_POOL_SIZE") {
+            self.redis.pool_size = parse(v, "REDIS_POOL_SIZE")?;
+        }
+        if let Some(v) = get("REDIS_TIMEOUT") {
+            self.redis.timeout = humantime::parse_duration(v)
+                .map_err(|e| SettingsError::invalid("REDIS_TIMEOUT", v, e))?;
+        }
+        if let Some(v) = env.get("CACHE_KEY_PREFIX") {
+            self.cache_key_prefix = v.clone();
+        }
+        if let Some(v) = get("EXPIRATION_JITTER_MAX_SECONDS") {
+            self.expiration_jitter_max_seconds = parse(v, "EXPIRATION_JITTER_MAX_SECONDS")?;
         }
         if let Some(v) = get("SHADOW_MODE") {
             self.shadow_mode = parse_bool(v, "SHADOW_MODE")?;
@@ -547,8 +720,47 @@ impl Settings {
         Ok(())
     }
 
+    /// The backend in use: the configured one, else `redis` when a Redis URL is set, else `memory`.
+    pub fn backend(&self) -> BackendKind {
+        self.backend.unwrap_or(if self.redis.url.is_empty() {
+            BackendKind::Memory
+        } else {
+            BackendKind::Redis
+        })
+    }
+
     /// Checks what types alone cannot.
     fn validate(&self) -> Result<(), SettingsError> {
+        if self.backend() == BackendKind::Redis {
+            if self.redis.url.trim().is_empty() {
+                return Err(SettingsError::invalid(
+                    "REDIS_URL",
+                    "",
+                    "the redis backend needs a Redis address",
+                ));
+            }
+            if self.redis.pool_size == 0 {
+                return Err(SettingsError::invalid(
+                    "REDIS_POOL_SIZE",
+                    0,
+                    "must be at least 1",
+                ));
+            }
+            if self.redis.timeout.is_zero() {
+                return Err(SettingsError::invalid(
+                    "REDIS_TIMEOUT",
+                    "0s",
+                    "must be longer than zero",
+                ));
+            }
+            if self.redis.breaker_failures == 0 {
+                return Err(SettingsError::invalid(
+                    "redis.breaker_failures",
+                    0,
+                    "must be at least 1",
+                ));
+            }
+        }
         self.grpc.addr("grpc.host")?;
         self.http.addr("http.host")?;
         if !(self.near_limit_ratio > 0.0 && self.near_limit_ratio <= 1.0) {
@@ -652,7 +864,7 @@ mod tests {
         let s = Settings::load(None, &env(&[])).unwrap();
         assert_eq!(s.grpc.addr("grpc").unwrap().to_string(), "0.0.0.0:8081");
         assert_eq!(s.http.addr("http").unwrap().to_string(), "0.0.0.0:8080");
-        assert_eq!(s.backend, BackendKind::Memory);
+        assert_eq!(s.backend(), BackendKind::Memory);
         assert_eq!(s.log.level, LogLevel::Warn);
         assert_eq!(s.rules.source().root, PathBuf::from("config"));
         assert!(!s.consume_on_deny);
@@ -718,6 +930,7 @@ mod tests {
                 ("HEALTHY_WITH_AT_LEAST_ONE_CONFIG_LOADED", "T"),
                 ("NEAR_LIMIT_RATIO", "0.5"),
                 ("BACKEND_TYPE", "memory"),
+                ("REDIS_URL", "redis:6379"),
             ]),
         )
         .unwrap();
@@ -731,6 +944,53 @@ mod tests {
         assert!(s.rules.merge_domains);
         assert!(s.healthy_with_at_least_one_config_loaded);
         assert_eq!(s.near_limit_ratio, 0.5);
+        assert_eq!(
+            s.backend(),
+            BackendKind::Memory,
+            "BACKEND_TYPE wins over REDIS_URL"
+        );
+    }
+
+    #[test]
+    fn redis_settings_from_the_reference_variables() {
+        let s = Settings::load(
+            None,
+            &env(&[
+                ("REDIS_URL", "mymaster,10.0.0.1:26379,10.0.0.2:26379"),
+                ("REDIS_TYPE", "SENTINEL"),
+                ("REDIS_AUTH", "app:s3cret"),
+                ("REDIS_POOL_SIZE", "4"),
+                ("REDIS_TIMEOUT", "25ms"),
+                ("CACHE_KEY_PREFIX", "svc:"),
+                ("EXPIRATION_JITTER_MAX_SECONDS", "0"),
+                ("RATELIMITD_ON_BACKEND_ERROR", "allow"),
+            ]),
+        )
+        .unwrap();
+        assert_eq!(s.backend(), BackendKind::Redis, "a Redis URL selects redis");
+        assert_eq!(s.redis.topology, RedisTopology::Sentinel);
+        assert_eq!(s.redis.auth.0, "app:s3cret");
+        assert_eq!(
+            (s.redis.pool_size, s.redis.timeout),
+            (4, Duration::from_millis(25))
+        );
+        assert_eq!(s.cache_key_prefix, "svc:");
+        assert_eq!(s.expiration_jitter_max_seconds, 0);
+        assert_eq!(s.on_backend_error, OnBackendError::Allow);
+        let shown = format!("{s:?}");
+        assert!(
+            !shown.contains("s3cret"),
+            "the password never shows: {shown}"
+        );
+
+        let err = Settings::load(None, &env(&[("BACKEND_TYPE", "redis")])).unwrap_err();
+        assert!(err.to_string().contains("REDIS_URL"), "{err}");
+        let err = Settings::load(None, &env(&[("REDIS_URL", "h:1"), ("REDIS_TYPE", "ring")]))
+            .unwrap_err();
+        assert!(
+            err.to_string().contains("REDIS_TYPE") && err.to_string().contains("ring"),
+            "{err}"
+        );
     }
 
     #[test]

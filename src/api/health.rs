@@ -1,7 +1,9 @@
 //! Health as callers see it: the gRPC health service (names `""` and `ratelimit`) and `/healthcheck`.
 //!
-//! Serving means: not shutting down and, with `healthy_with_at_least_one_config_loaded`, rules with at
-//! least one domain loaded.
+//! Serving means: not shutting down, the backend reached once since start (Redis: connected and scripts
+//! loaded), and, with `healthy_with_at_least_one_config_loaded`, rules with at least one domain loaded.
+//! Like the reference service, a backend lost after start does not turn health off: that would take
+//! every replica out of its load balancer at once, and `on_backend_error` decides what callers get.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -15,22 +17,32 @@ pub struct Health {
     reporter: HealthReporter,
     require_rules: bool,
     rules_loaded: AtomicBool,
+    backend_ready: AtomicBool,
     shutting_down: AtomicBool,
 }
 
 impl Health {
-    pub fn new(reporter: HealthReporter, require_rules: bool) -> Self {
+    /// `backend_ready`: whether the backend needs no waiting (the memory store).
+    pub fn new(reporter: HealthReporter, require_rules: bool, backend_ready: bool) -> Self {
         Self {
             reporter,
             require_rules,
             rules_loaded: AtomicBool::new(false),
+            backend_ready: AtomicBool::new(backend_ready),
             shutting_down: AtomicBool::new(false),
         }
     }
 
     pub fn is_serving(&self) -> bool {
         !self.shutting_down.load(Ordering::SeqCst)
+            && self.backend_ready.load(Ordering::SeqCst)
             && (!self.require_rules || self.rules_loaded.load(Ordering::SeqCst))
+    }
+
+    /// Records that the backend was reached.
+    pub async fn backend_ready(&self) {
+        self.backend_ready.store(true, Ordering::SeqCst);
+        self.publish().await;
     }
 
     /// Records a successful rules load with this many domains.

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use crate::{
     clock::Clock,
     rules::{EntryRef, Node, Rules, Unit},
-    settings::{HeaderNames, RequestLimits, ResponseHeaders},
+    settings::{HeaderNames, OnBackendError, RequestLimits, ResponseHeaders},
     store::{keys, Batch, Check, CounterStore, Role, Store, StoreError},
 };
 
@@ -158,6 +158,8 @@ pub struct Options {
     pub response_headers: ResponseHeaders,
     pub header_names: HeaderNames,
     pub request_limits: RequestLimits,
+    /// What to answer when the store cannot decide.
+    pub on_backend_error: OnBackendError,
 }
 
 /// Decides requests against the current rules and a store.
@@ -277,7 +279,10 @@ impl Limiter {
         let applied = if batch.checks.is_empty() {
             None
         } else {
-            Some(self.store.apply(&batch, self.clock.now_millis()).await?)
+            match self.store.apply(&batch, self.clock.now_millis()).await {
+                Ok(applied) => Some(applied),
+                Err(err) => return self.backend_failed(err, resolved, &batch),
+            }
         };
 
         let mut outcomes = applied.iter().flat_map(|a| a.outcomes.iter());
@@ -326,6 +331,49 @@ impl Limiter {
             overall_code,
             statuses,
             response_headers,
+        })
+    }
+
+    /// The answer when the store cannot decide, by the `on_backend_error` policy: the error itself, every
+    /// limited descriptor allowed (reported without a limit, since nothing was counted), or every
+    /// enforced descriptor denied.
+    fn backend_failed(
+        &self,
+        err: StoreError,
+        resolved: Vec<Resolved<'_>>,
+        batch: &Batch,
+    ) -> Result<Response, LimitError> {
+        tracing::debug!(error = %err, policy = ?self.options.on_backend_error, "backend failed");
+        let deny = match self.options.on_backend_error {
+            OnBackendError::Error => return Err(LimitError::Store(err)),
+            OnBackendError::Allow => false,
+            OnBackendError::Deny => true,
+        };
+        let statuses: Vec<DescriptorStatus> = resolved
+            .into_iter()
+            .map(|r| match r {
+                Resolved::NoLimit => DescriptorStatus::no_limit(),
+                Resolved::Unlimited(_) => DescriptorStatus::unlimited(),
+                Resolved::Limited { limit, role, .. } if deny && role != Role::Shadow => {
+                    DescriptorStatus {
+                        code: Code::OverLimit,
+                        current_limit: Some(limit),
+                        limit_remaining: 0,
+                        duration_until_reset: None,
+                    }
+                }
+                Resolved::Limited { .. } => DescriptorStatus::no_limit(),
+            })
+            .collect();
+        let denied = deny && batch.is_denied(|_| false);
+        Ok(Response {
+            overall_code: if denied && !self.options.shadow_mode {
+                Code::OverLimit
+            } else {
+                Code::Ok
+            },
+            statuses,
+            response_headers: Vec::new(),
         })
     }
 

@@ -1,16 +1,19 @@
 //! Where counters live. Every store implements [`CounterStore`]: one call decides a whole request
 //! atomically, so that a denied request can leave every counter untouched.
 
+mod breaker;
 pub mod keys;
 pub mod memory;
+pub mod redis;
 
-use std::{future::Future, time::Duration};
+use std::{future::Future, sync::Arc, time::Duration};
 
 use tokio_util::sync::CancellationToken;
 
 use crate::clock::Clock;
 
 pub use memory::MemoryStore;
+pub use redis::RedisStore;
 
 /// How a check's verdict weighs in the request's decision.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -91,6 +94,14 @@ pub struct Applied {
 pub enum StoreError {
     #[error("memory store full: {max_keys} counters in use (memory.max_keys)")]
     Full { max_keys: usize },
+    #[error("{0}")]
+    Backend(String),
+    #[error("redis did not answer within {0:?} (redis.timeout)")]
+    Timeout(Duration),
+    #[error("redis unavailable: circuit breaker open after repeated failures")]
+    CircuitOpen,
+    #[error("invalid redis settings: {0}")]
+    Config(String),
 }
 
 /// A place that keeps counters and decides batches atomically.
@@ -108,6 +119,7 @@ pub trait CounterStore: Send + Sync {
 #[derive(Debug)]
 pub enum Store {
     Memory(MemoryStore),
+    Redis(Arc<RedisStore>),
 }
 
 impl Store {
@@ -126,6 +138,8 @@ impl Store {
                             tracing::debug!(removed, remaining = store.len(), "expired counters reclaimed");
                         }
                     }
+                    // Redis expires its own keys.
+                    Store::Redis(_) => break,
                 },
             }
         }
@@ -136,6 +150,7 @@ impl CounterStore for Store {
     async fn apply(&self, batch: &Batch, now_millis: u64) -> Result<Applied, StoreError> {
         match self {
             Store::Memory(store) => store.apply(batch, now_millis).await,
+            Store::Redis(store) => store.apply(batch, now_millis).await,
         }
     }
 }
@@ -146,7 +161,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn maintenance_reclaims_expired_counters_in_the_background() {
-        let store = std::sync::Arc::new(Store::Memory(MemoryStore::new(100)));
+        let store = Arc::new(Store::Memory(MemoryStore::new(100)));
         let clock = Clock::manual(10_000);
         let batch = Batch {
             checks: (0..10)
@@ -161,7 +176,9 @@ mod tests {
             consume_on_deny: false,
         };
         store.apply(&batch, clock.now_millis()).await.unwrap();
-        let Store::Memory(memory) = &*store;
+        let Store::Memory(memory) = &*store else {
+            unreachable!()
+        };
         assert_eq!(memory.len(), 10);
 
         let stop = CancellationToken::new();

@@ -2,6 +2,8 @@
 //! and talks to it with the generated gRPC client and plain HTTP/1.1 over real sockets.
 #![allow(dead_code)]
 
+pub mod redis;
+
 use std::{
     io::{Read, Write},
     net::{SocketAddr, TcpStream},
@@ -42,6 +44,15 @@ impl TestServer {
         now_millis: u64,
         tweak: impl FnOnce(&mut Settings),
     ) -> Self {
+        Self::start_with_clock(rules, Clock::manual(now_millis), tweak).await
+    }
+
+    /// Starts a server with the given clock (e.g. `Clock::System` for a Redis backend).
+    pub async fn start_with_clock(
+        rules: &[(&str, &str)],
+        clock: Clock,
+        tweak: impl FnOnce(&mut Settings),
+    ) -> Self {
         let dir = tempfile::tempdir().unwrap();
         for (name, text) in rules {
             std::fs::write(dir.path().join(name), text).unwrap();
@@ -56,7 +67,6 @@ impl TestServer {
         };
         let grpc_addr = listeners.grpc.local_addr().unwrap();
         let http_addr = listeners.http.local_addr().unwrap();
-        let clock = Clock::manual(now_millis);
         let shutdown = CancellationToken::new();
         let handle = tokio::spawn(server::run_with_clock(
             settings,
@@ -86,6 +96,29 @@ impl TestServer {
             .connect()
             .await
             .unwrap()
+    }
+
+    /// Waits until the gRPC health service reports SERVING for `ratelimit`.
+    pub async fn wait_serving(&self, within: Duration) {
+        use tonic_health::pb::{health_check_response::ServingStatus, health_client::HealthClient};
+        let mut health = HealthClient::new(self.channel().await);
+        let deadline = tokio::time::Instant::now() + within;
+        loop {
+            let status = health
+                .check(tonic_health::pb::HealthCheckRequest {
+                    service: "ratelimit".into(),
+                })
+                .await
+                .map(|r| r.into_inner().status);
+            if matches!(status, Ok(s) if s == ServingStatus::Serving as i32) {
+                return;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "not SERVING within {within:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
     }
 
     /// Stops the server and waits for it to return.

@@ -1,0 +1,311 @@
+//! Real redis-server processes for tests: standalone, a 3-master Cluster (optionally with replicas),
+//! and Sentinel (one master, one replica, three sentinels). Each process is killed when its guard drops.
+#![allow(dead_code)]
+
+use std::{
+    net::TcpListener,
+    path::PathBuf,
+    process::{Child, Command, Stdio},
+    thread::sleep,
+    time::{Duration, Instant},
+};
+
+/// A free loopback TCP port (bound, read, released).
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn require(binary: &str) {
+    let found = Command::new("sh")
+        .args(["-c", &format!("command -v {binary}")])
+        .stdout(Stdio::null())
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false);
+    assert!(
+        found,
+        "{binary} not found: run scripts/test, which installs redis-server, redis-tools and redis-sentinel"
+    );
+}
+
+/// Runs redis-cli against a port and returns its output.
+pub fn cli(port: u16, args: &[&str]) -> String {
+    let out = Command::new("redis-cli")
+        .args(["-p", &port.to_string()])
+        .args(args)
+        .output()
+        .expect("redis-cli runs");
+    String::from_utf8_lossy(&out.stdout).trim().to_string()
+}
+
+/// One redis-server (or redis-sentinel) process.
+pub struct RedisProcess {
+    pub port: u16,
+    args: Vec<String>,
+    dir: tempfile::TempDir,
+    child: Option<Child>,
+    sentinel: bool,
+}
+
+impl RedisProcess {
+    /// A standalone server on a free port, no persistence.
+    pub fn start(extra: &[&str]) -> Self {
+        Self::spawn(free_port(), extra, false)
+    }
+
+    /// A standalone server on the given port.
+    pub fn start_on(port: u16) -> Self {
+        Self::spawn(port, &[], false)
+    }
+
+    fn spawn(port: u16, extra: &[&str], sentinel: bool) -> Self {
+        require(if sentinel {
+            "redis-sentinel"
+        } else {
+            "redis-server"
+        });
+        require("redis-cli");
+        let dir = tempfile::tempdir().unwrap();
+        let mut process = Self {
+            port,
+            args: extra.iter().map(|s| s.to_string()).collect(),
+            dir,
+            child: None,
+            sentinel,
+        };
+        process.launch();
+        process
+    }
+
+    fn launch(&mut self) {
+        let mut cmd;
+        if self.sentinel {
+            let conf = self.dir.path().join("sentinel.conf");
+            if !conf.exists() {
+                std::fs::write(&conf, self.args.join("\n") + "\n").unwrap();
+            }
+            cmd = Command::new("redis-sentinel");
+            cmd.arg(&conf)
+                .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"]);
+        } else {
+            cmd = Command::new("redis-server");
+            cmd.args([
+                "--port",
+                &self.port.to_string(),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                self.dir.path().to_str().unwrap(),
+            ])
+            .args(&self.args);
+        }
+        let child = cmd
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("redis starts");
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while cli(self.port, &["PING"]) != "PONG" {
+            assert!(
+                Instant::now() < deadline,
+                "redis on {} did not answer PING",
+                self.port
+            );
+            sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// SIGKILL, as a crash.
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts again on the same port (empty: no persistence).
+    pub fn restart(&mut self) {
+        self.kill();
+        self.launch();
+    }
+
+    pub fn cli(&self, args: &[&str]) -> String {
+        cli(self.port, args)
+    }
+
+    pub fn addr(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+
+    pub fn dir(&self) -> PathBuf {
+        self.dir.path().to_owned()
+    }
+}
+
+impl Drop for RedisProcess {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// A Redis Cluster of three masters, each optionally with one replica.
+pub struct RedisCluster {
+    pub masters: Vec<RedisProcess>,
+    pub replicas: Vec<RedisProcess>,
+}
+
+impl RedisCluster {
+    pub fn start(with_replicas: bool) -> Self {
+        let node = || {
+            RedisProcess::start(&[
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                "nodes.conf",
+                "--cluster-node-timeout",
+                "1000",
+            ])
+        };
+        let masters: Vec<RedisProcess> = (0..3).map(|_| node()).collect();
+        let replicas: Vec<RedisProcess> = if with_replicas {
+            (0..3).map(|_| node()).collect()
+        } else {
+            Vec::new()
+        };
+        let mut args = vec!["--cluster".to_string(), "create".to_string()];
+        args.extend(masters.iter().chain(&replicas).map(|n| n.addr()));
+        args.extend([
+            "--cluster-replicas".to_string(),
+            if with_replicas { "1" } else { "0" }.to_string(),
+            "--cluster-yes".to_string(),
+        ]);
+        let out = Command::new("redis-cli")
+            .args(&args)
+            .output()
+            .expect("redis-cli --cluster create runs");
+        assert!(
+            out.status.success(),
+            "cluster create failed: {}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+        let cluster = Self { masters, replicas };
+        cluster.wait_ok();
+        cluster
+    }
+
+    /// Waits until every live node reports `cluster_state:ok` and every replica is in sync (a replica
+    /// that never synced refuses to take over its master's slots).
+    pub fn wait_ok(&self) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let all_ok = self
+                .masters
+                .iter()
+                .chain(&self.replicas)
+                .filter(|n| n.child.is_some())
+                .all(|n| n.cli(&["CLUSTER", "INFO"]).contains("cluster_state:ok"))
+                && self.replicas.iter().filter(|n| n.child.is_some()).all(|n| {
+                    let info = n.cli(&["INFO", "replication"]);
+                    !info.contains("role:slave") || info.contains("master_link_status:up")
+                });
+            if all_ok {
+                return;
+            }
+            assert!(Instant::now() < deadline, "cluster did not become ok");
+            sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// Seed nodes for REDIS_URL.
+    pub fn url(&self) -> String {
+        self.masters
+            .iter()
+            .map(RedisProcess::addr)
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    /// Sums INFO commandstats calls of a command over the masters.
+    pub fn calls(&self, command: &str) -> u64 {
+        self.masters
+            .iter()
+            .filter(|n| n.child.is_some())
+            .map(|n| command_calls(&n.cli(&["INFO", "commandstats"]), command))
+            .sum()
+    }
+}
+
+/// A Sentinel set: one master, one replica, three sentinels watching `mymaster`.
+pub struct SentinelSet {
+    pub master: RedisProcess,
+    pub replica: RedisProcess,
+    pub sentinels: Vec<RedisProcess>,
+}
+
+impl SentinelSet {
+    pub fn start() -> Self {
+        let master = RedisProcess::start(&[]);
+        let replica = RedisProcess::start(&["--replicaof", "127.0.0.1", &master.port.to_string()]);
+        let sentinels = (0..3)
+            .map(|_| {
+                let conf = [
+                    format!("sentinel monitor mymaster 127.0.0.1 {} 2", master.port),
+                    "sentinel down-after-milliseconds mymaster 1000".to_string(),
+                    "sentinel failover-timeout mymaster 3000".to_string(),
+                    "sentinel parallel-syncs mymaster 1".to_string(),
+                ];
+                let conf: Vec<&str> = conf.iter().map(String::as_str).collect();
+                RedisProcess::spawn(free_port(), &conf, true)
+            })
+            .collect();
+        let set = Self {
+            master,
+            replica,
+            sentinels,
+        };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !set
+            .replica
+            .cli(&["INFO", "replication"])
+            .contains("master_link_status:up")
+        {
+            assert!(Instant::now() < deadline, "replica did not sync");
+            sleep(Duration::from_millis(100));
+        }
+        set
+    }
+
+    pub fn url(&self) -> String {
+        let mut parts = vec!["mymaster".to_string()];
+        parts.extend(self.sentinels.iter().map(RedisProcess::addr));
+        parts.join(",")
+    }
+
+    /// The port Sentinel currently names as master.
+    pub fn master_port(&self) -> u16 {
+        let out = self.sentinels[0].cli(&["SENTINEL", "get-master-addr-by-name", "mymaster"]);
+        out.lines()
+            .nth(1)
+            .and_then(|p| p.trim().parse().ok())
+            .unwrap_or(0)
+    }
+}
+
+/// Calls of `command` in an `INFO commandstats` text.
+pub fn command_calls(info: &str, command: &str) -> u64 {
+    info.lines()
+        .find(|l| l.starts_with(&format!("cmdstat_{command}:")))
+        .and_then(|l| l.split("calls=").nth(1))
+        .and_then(|rest| rest.split(',').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0)
+}

@@ -1,0 +1,409 @@
+//! The Redis backend end to end: ratelimitd instances on real redis-server processes (standalone,
+//! Cluster, Sentinel), called over gRPC, with Redis failing underneath.
+
+mod common;
+
+use std::{
+    sync::{
+        atomic::{AtomicU32, Ordering},
+        Arc,
+    },
+    time::{Duration, Instant},
+};
+
+use common::{
+    descriptor,
+    redis::{command_calls, RedisCluster, RedisProcess, SentinelSet},
+    request, TestServer,
+};
+use ratelimitd::{
+    clock::Clock,
+    proto::rate_limit_response::Code,
+    settings::{OnBackendError, RedisTopology, Settings},
+};
+
+const RULES: &str = r#"
+domain: fleet
+descriptors:
+  - key: user
+    rate_limit: {unit: hour, requests_per_unit: 200}
+  - key: ip
+    rate_limit: {unit: hour, requests_per_unit: 1000}
+  - key: login
+    rate_limit: {unit: minute, requests_per_unit: 5}
+"#;
+
+fn on_redis(url: String, topology: RedisTopology) -> impl FnOnce(&mut Settings) {
+    move |s: &mut Settings| {
+        s.redis.url = url;
+        s.redis.topology = topology;
+        s.redis.timeout = Duration::from_millis(500);
+        s.redis.pool_size = 2;
+        s.expiration_jitter_max_seconds = 0;
+    }
+}
+
+async fn start(url: String, topology: RedisTopology) -> TestServer {
+    start_tweaked(url, topology, |_| {}).await
+}
+
+async fn start_tweaked(
+    url: String,
+    topology: RedisTopology,
+    more: impl FnOnce(&mut Settings),
+) -> TestServer {
+    let base = on_redis(url, topology);
+    let s = TestServer::start_with_clock(&[("fleet.yaml", RULES)], Clock::System, |s| {
+        base(s);
+        more(s);
+    })
+    .await;
+    s.wait_serving(Duration::from_secs(20)).await;
+    s
+}
+
+/// 30 concurrent callers spread over the instances send `per_caller` requests each; returns how many
+/// were allowed.
+async fn hammer(
+    servers: &[TestServer],
+    descriptors: Vec<Vec<(&'static str, &'static str)>>,
+    per_caller: u32,
+) -> u32 {
+    let allowed = Arc::new(AtomicU32::new(0));
+    let mut callers = Vec::new();
+    for i in 0..30 {
+        let mut client = servers[i % servers.len()].client().await;
+        let (allowed, descriptors) = (allowed.clone(), descriptors.clone());
+        callers.push(tokio::spawn(async move {
+            for _ in 0..per_caller {
+                let r = request("fleet", descriptors.iter().map(|d| descriptor(d)).collect());
+                let resp = client
+                    .should_rate_limit(r)
+                    .await
+                    .expect("answered")
+                    .into_inner();
+                if resp.overall_code == Code::Ok as i32 {
+                    allowed.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }));
+    }
+    for c in callers {
+        c.await.unwrap();
+    }
+    allowed.load(Ordering::Relaxed)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_instances_on_one_redis_admit_exactly_the_limit() {
+    let redis = RedisProcess::start(&[]);
+    let mut fleet = Vec::new();
+    for _ in 0..3 {
+        fleet.push(start(redis.addr(), RedisTopology::Single).await);
+    }
+    let evalsha_before = command_calls(&redis.cli(&["INFO", "commandstats"]), "evalsha");
+    // 30 callers x 10 requests = 300 requests on a limit of 200 per hour.
+    let allowed = hammer(&fleet, vec![vec![("user", "shared")]], 10).await;
+    assert_eq!(allowed, 200);
+
+    // One script call per request, and the TTL was set once, when the counter was created.
+    let stats = redis.cli(&["INFO", "commandstats"]);
+    assert_eq!(command_calls(&stats, "evalsha") - evalsha_before, 300);
+    assert_eq!(command_calls(&stats, "expire"), 1);
+    assert_eq!(
+        command_calls(&stats, "incrby"),
+        200,
+        "denied requests wrote nothing"
+    );
+    let keys = redis.cli(&["--scan", "--pattern", "fleet_user_shared_*"]);
+    assert_eq!(keys.lines().count(), 1);
+    assert_eq!(redis.cli(&["GET", keys.trim()]), "200");
+    for s in fleet {
+        s.stop().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_fleet_never_admits_more_than_the_limit_across_slots() {
+    let cluster = RedisCluster::start(false);
+    let mut fleet = Vec::new();
+    for _ in 0..3 {
+        fleet.push(start(cluster.url(), RedisTopology::Cluster).await);
+    }
+    // Two descriptors whose counters live in different hash slots.
+    let allowed = hammer(
+        &fleet,
+        vec![vec![("user", "spread")], vec![("ip", "10.9.8.7")]],
+        10,
+    )
+    .await;
+    assert_eq!(allowed, 200);
+    // The ip counter holds exactly the admitted requests: what denied requests took was given back.
+    let ip_count: u64 = cluster
+        .masters
+        .iter()
+        .flat_map(|m| {
+            let keys = m.cli(&["--scan", "--pattern", "fleet_ip_10.9.8.7_*"]);
+            keys.lines()
+                .map(|k| m.cli(&["GET", k]).parse::<u64>().unwrap_or(0))
+                .collect::<Vec<_>>()
+        })
+        .sum();
+    assert_eq!(ip_count, 200);
+    for s in fleet {
+        s.stop().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn counters_keep_the_reference_layout_for_a_shared_migration() {
+    let redis = RedisProcess::start(&[]);
+    let s = start(redis.addr(), RedisTopology::Single).await;
+    let mut c = s.client().await;
+    let resp = c
+        .should_rate_limit(request("fleet", vec![descriptor(&[("login", "alice")])]))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(resp.statuses[0].limit_remaining, 4);
+    let key = redis.cli(&["--scan", "--pattern", "fleet_login_alice_*"]);
+    let window_start: u64 = key.trim().rsplit('_').next().unwrap().parse().unwrap();
+    assert_eq!(
+        window_start % 60,
+        0,
+        "epoch-aligned minute window in the key: {key}"
+    );
+    assert_eq!(redis.cli(&["GET", key.trim()]), "1");
+    let ttl: u64 = redis.cli(&["TTL", key.trim()]).parse().unwrap();
+    assert!((1..=60).contains(&ttl), "window + jitter 0: {ttl}");
+
+    // A counter written by another service under the same layout (e.g. the reference service during a
+    // migration) is counted against.
+    redis.cli(&["INCRBY", key.trim(), "3"]);
+    let resp = c
+        .should_rate_limit(request("fleet", vec![descriptor(&[("login", "alice")])]))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(resp.statuses[0].limit_remaining, 0);
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_with_skewed_clocks_count_in_the_redis_window() {
+    let redis = RedisProcess::start(&[]);
+    let on_time = start(redis.addr(), RedisTopology::Single).await;
+    // A replica whose clock is two hours ahead.
+    let skewed_clock = Clock::manual(Clock::System.now_millis() + 2 * 3_600_000);
+    let base = on_redis(redis.addr(), RedisTopology::Single);
+    let skewed = TestServer::start_with_clock(&[("fleet.yaml", RULES)], skewed_clock, base).await;
+    skewed.wait_serving(Duration::from_secs(20)).await;
+
+    let r = request("fleet", vec![descriptor(&[("login", "skew")])]);
+    let mut a = on_time.client().await;
+    let mut b = skewed.client().await;
+    for i in 0..5 {
+        let c = if i % 2 == 0 { &mut a } else { &mut b };
+        let resp = c.should_rate_limit(r.clone()).await.unwrap().into_inner();
+        assert_eq!(resp.overall_code, Code::Ok as i32);
+    }
+    let resp = b.should_rate_limit(r.clone()).await.unwrap().into_inner();
+    assert_eq!(
+        resp.overall_code,
+        Code::OverLimit as i32,
+        "both counted in one window"
+    );
+    assert_eq!(
+        redis
+            .cli(&["--scan", "--pattern", "fleet_login_skew_*"])
+            .lines()
+            .count(),
+        1
+    );
+    on_time.stop().await;
+    skewed.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scripts_are_reloaded_after_a_flush() {
+    let redis = RedisProcess::start(&[]);
+    let s = start(redis.addr(), RedisTopology::Single).await;
+    let mut c = s.client().await;
+    let r = request("fleet", vec![descriptor(&[("login", "flush")])]);
+    c.should_rate_limit(r.clone()).await.unwrap();
+    redis.cli(&["SCRIPT", "FLUSH"]);
+    let resp = c.should_rate_limit(r).await.unwrap().into_inner();
+    assert_eq!(resp.statuses[0].limit_remaining, 3);
+    s.stop().await;
+}
+
+/// Sends `n` requests one after another; returns (answers per code, slowest answer).
+async fn probe(s: &TestServer, n: u32) -> (std::collections::BTreeMap<String, u32>, Duration) {
+    let mut c = s.client().await;
+    let mut codes = std::collections::BTreeMap::new();
+    let mut slowest = Duration::ZERO;
+    for i in 0..n {
+        let user = format!("probe{i}");
+        let r = request("fleet", vec![descriptor(&[("user", &user)])]);
+        let started = Instant::now();
+        let code = match c.should_rate_limit(r).await {
+            Ok(resp) => format!(
+                "{:?}",
+                Code::try_from(resp.into_inner().overall_code).unwrap()
+            ),
+            Err(status) => {
+                eprintln!("probe error: {}", status.message());
+                format!("{:?}", status.code())
+            }
+        };
+        slowest = slowest.max(started.elapsed());
+        *codes.entry(code).or_default() += 1;
+    }
+    (codes, slowest)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_down_is_answered_promptly_by_policy_and_recovered_without_restart() {
+    let mut redis = RedisProcess::start(&[]);
+    let error = start_tweaked(redis.addr(), RedisTopology::Single, |s| {
+        s.redis.timeout = Duration::from_millis(50);
+    })
+    .await;
+    let allow = start_tweaked(redis.addr(), RedisTopology::Single, |s| {
+        s.redis.timeout = Duration::from_millis(50);
+        s.on_backend_error = OnBackendError::Allow;
+    })
+    .await;
+    let deny = start_tweaked(redis.addr(), RedisTopology::Single, |s| {
+        s.redis.timeout = Duration::from_millis(50);
+        s.on_backend_error = OnBackendError::Deny;
+    })
+    .await;
+    redis.kill();
+
+    for (server, want) in [
+        (&error, "Unavailable"),
+        (&allow, "Ok"),
+        (&deny, "OverLimit"),
+    ] {
+        let (codes, slowest) = probe(server, 100).await;
+        assert_eq!(codes.get(want), Some(&100), "{want}: {codes:?}");
+        // At most the command timeout plus scheduling; the breaker answers the rest at once.
+        assert!(
+            slowest < Duration::from_millis(400),
+            "slowest answer {slowest:?}"
+        );
+    }
+    let mut c = error.client().await;
+    let err = c
+        .should_rate_limit(request("fleet", vec![descriptor(&[("user", "x")])]))
+        .await
+        .unwrap_err();
+    assert!(err.message().contains("redis"), "{}", err.message());
+
+    redis.restart();
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let (codes, _) = probe(&error, 1).await;
+        if codes.contains_key("Ok") {
+            break;
+        }
+        assert!(Instant::now() < deadline, "no recovery: {codes:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let (codes, _) = probe(&allow, 20).await;
+    assert_eq!(codes.get("Ok"), Some(&20));
+    for s in [error, allow, deny] {
+        s.stop().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn starts_before_redis_and_serves_once_it_is_up() {
+    let port = common::redis::free_port();
+    let s = TestServer::start_with_clock(
+        &[("fleet.yaml", RULES)],
+        Clock::System,
+        on_redis(format!("127.0.0.1:{port}"), RedisTopology::Single),
+    )
+    .await;
+    let (http_code, _) = s.http("GET", "/healthcheck", "").await;
+    assert_eq!(http_code, 500, "NOT_SERVING until Redis is reached");
+    let started = Instant::now();
+    let (codes, _) = probe(&s, 3).await;
+    assert_eq!(codes.get("Unavailable"), Some(&3));
+    assert!(started.elapsed() < Duration::from_secs(3));
+
+    let _redis = RedisProcess::start_on(port);
+    s.wait_serving(Duration::from_secs(20)).await;
+    let (codes, _) = probe(&s, 3).await;
+    assert_eq!(codes.get("Ok"), Some(&3));
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn follows_a_sentinel_failover() {
+    let mut set = SentinelSet::start();
+    let s = start(set.url(), RedisTopology::Sentinel).await;
+    let (codes, _) = probe(&s, 5).await;
+    assert_eq!(codes.get("Ok"), Some(&5));
+
+    let old_master = set.master.port;
+    set.master.kill();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while set.master_port() == old_master {
+        assert!(Instant::now() < deadline, "sentinel did not fail over");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(set.master_port(), set.replica.port);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let (codes, _) = probe(&s, 1).await;
+        if codes.contains_key("Ok") {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no recovery after failover: {codes:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let (codes, _) = probe(&s, 10).await;
+    assert_eq!(codes.get("Ok"), Some(&10), "{codes:?}");
+    assert!(set
+        .replica
+        .cli(&["INFO", "replication"])
+        .contains("role:master"));
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn recovers_when_a_cluster_master_dies_and_its_replica_takes_over() {
+    let mut cluster = RedisCluster::start(true);
+    let s = start(cluster.url(), RedisTopology::Cluster).await;
+    let (codes, _) = probe(&s, 30).await;
+    assert_eq!(codes.get("Ok"), Some(&30));
+
+    assert!(cluster.masters[0].cli(&["ROLE"]).starts_with("master"));
+    cluster.masters[0].kill();
+    let killed = Instant::now();
+    let deadline = Instant::now() + Duration::from_secs(40);
+    let mut failures = 0;
+    loop {
+        let (codes, _) = probe(&s, 30).await;
+        if codes.get("Ok") == Some(&30) {
+            eprintln!(
+                "recovered {:?} after the kill, {failures} failed rounds",
+                killed.elapsed()
+            );
+            break;
+        }
+        failures += 1;
+        assert!(
+            Instant::now() < deadline,
+            "no recovery after {failures} rounds: {codes:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    s.stop().await;
+}

@@ -1,0 +1,363 @@
+//! `ratelimitd-bench`: a load generator for any Envoy rate limit service (RLS v3 over gRPC).
+//!
+//! Closed loop (`--concurrency` callers, each sending its next request when the last is answered) or
+//! open loop (`--rate` requests per second on a fixed schedule, latency measured from the scheduled
+//! time so a stalled server is not hidden). Keys are drawn uniformly, from a Zipf distribution, or are
+//! one hot key. Reports req/s, latency percentiles and answer counts as text or JSON.
+
+use std::{
+    collections::BTreeMap,
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use clap::{Parser, ValueEnum};
+use rand::{rngs::SmallRng, Rng, SeedableRng};
+use ratelimitd::proto::{
+    rate_limit_descriptor::Entry, rate_limit_response::Code, RateLimitDescriptor, RateLimitRequest,
+    RateLimitServiceClient,
+};
+use tonic::transport::{Channel, Endpoint};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Distribution {
+    /// Every key equally likely.
+    Uniform,
+    /// Zipf with exponent 1: a few keys get most of the traffic.
+    Zipf,
+    /// Every request on key 0 (an attack on one key).
+    Hot,
+}
+
+#[derive(Debug, Clone, Parser)]
+#[command(
+    name = "ratelimitd-bench",
+    version,
+    about = "Load generator for Envoy rate limit services"
+)]
+struct Args {
+    /// Address of the rate limit service.
+    #[arg(long, default_value = "127.0.0.1:8081")]
+    addr: String,
+    /// Domain of the requests.
+    #[arg(long, default_value = "bench")]
+    domain: String,
+    /// Entry key of every descriptor; values are `<n>` for key number n (plus `-<i>` for the i-th
+    /// descriptor of a request).
+    #[arg(long, default_value = "user")]
+    key: String,
+    /// Descriptors per request.
+    #[arg(long, default_value_t = 1)]
+    descriptors: usize,
+    /// Distinct keys.
+    #[arg(long, default_value_t = 10_000)]
+    keys: u64,
+    #[arg(long, value_enum, default_value_t = Distribution::Uniform)]
+    distribution: Distribution,
+    /// Concurrent callers (closed loop), or callers sharing the schedule (open loop).
+    #[arg(long, default_value_t = 32)]
+    concurrency: usize,
+    /// HTTP/2 connections the callers share.
+    #[arg(long, default_value_t = 4)]
+    connections: usize,
+    /// Target requests per second (open loop); 0 runs closed loop.
+    #[arg(long, default_value_t = 0)]
+    rate: u64,
+    /// How long to send.
+    #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
+    duration: Duration,
+    /// Unmeasured warm-up before the run.
+    #[arg(long, default_value = "1s", value_parser = humantime::parse_duration)]
+    warmup: Duration,
+    /// Per-request deadline.
+    #[arg(long, default_value = "1s", value_parser = humantime::parse_duration)]
+    timeout: Duration,
+    /// Print one JSON object instead of text.
+    #[arg(long)]
+    json: bool,
+    /// A label for the run, echoed in the report.
+    #[arg(long, default_value = "")]
+    label: String,
+}
+
+/// Samples key numbers.
+struct KeySampler {
+    distribution: Distribution,
+    keys: u64,
+    /// Cumulative Zipf weights (zipf only).
+    cdf: Vec<f64>,
+}
+
+impl KeySampler {
+    fn new(distribution: Distribution, keys: u64) -> Self {
+        let keys = keys.max(1);
+        let cdf = if distribution == Distribution::Zipf {
+            let mut total = 0.0;
+            (1..=keys)
+                .map(|k| {
+                    total += 1.0 / k as f64;
+                    total
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
+        Self {
+            distribution,
+            keys,
+            cdf,
+        }
+    }
+
+    fn sample(&self, rng: &mut SmallRng) -> u64 {
+        match self.distribution {
+            Distribution::Uniform => rng.random_range(0..self.keys),
+            Distribution::Hot => 0,
+            Distribution::Zipf => {
+                let x = rng.random_range(0.0..self.cdf[self.cdf.len() - 1]);
+                self.cdf.partition_point(|&c| c < x) as u64
+            }
+        }
+    }
+}
+
+#[derive(Debug, Default)]
+struct Tally {
+    /// Requests answered during the warm-up (not measured).
+    warmup: u64,
+    latencies_us: Vec<u32>,
+    ok: u64,
+    over_limit: u64,
+    errors: BTreeMap<String, u64>,
+}
+
+impl Tally {
+    fn merge(&mut self, other: Tally) {
+        self.warmup += other.warmup;
+        self.latencies_us.extend(other.latencies_us);
+        self.ok += other.ok;
+        self.over_limit += other.over_limit;
+        for (k, v) in other.errors {
+            *self.errors.entry(k).or_default() += v;
+        }
+    }
+}
+
+fn request(args: &Args, sampler: &KeySampler, rng: &mut SmallRng) -> RateLimitRequest {
+    let descriptors = (0..args.descriptors)
+        .map(|i| {
+            let key = sampler.sample(rng);
+            let value = if args.descriptors == 1 {
+                key.to_string()
+            } else {
+                format!("{key}-{i}")
+            };
+            RateLimitDescriptor {
+                entries: vec![Entry {
+                    key: args.key.clone(),
+                    value,
+                }],
+                ..RateLimitDescriptor::default()
+            }
+        })
+        .collect();
+    RateLimitRequest {
+        domain: args.domain.clone(),
+        descriptors,
+        hits_addend: 0,
+    }
+}
+
+async fn caller(
+    args: Arc<Args>,
+    sampler: Arc<KeySampler>,
+    channel: Channel,
+    id: usize,
+    start: Instant,
+    measure_from: Instant,
+    end: Instant,
+) -> Tally {
+    let mut client = RateLimitServiceClient::new(channel);
+    let mut rng = SmallRng::seed_from_u64(id as u64 + 1);
+    let mut tally = Tally::default();
+    // Open loop: this caller's share of the schedule.
+    let interval = (args.rate > 0)
+        .then(|| Duration::from_secs_f64(args.concurrency as f64 / args.rate as f64));
+    let mut next = start
+        + interval.map_or(Duration::ZERO, |i| {
+            i.mul_f64(id as f64 / args.concurrency as f64)
+        });
+    loop {
+        if interval.is_some() {
+            if next >= end {
+                break;
+            }
+            tokio::time::sleep_until(next.into()).await;
+        } else if Instant::now() >= end {
+            break;
+        }
+        let scheduled = if interval.is_some() {
+            next
+        } else {
+            Instant::now()
+        };
+        let mut r = tonic::Request::new(request(&args, &sampler, &mut rng));
+        r.set_timeout(args.timeout);
+        let result = client.should_rate_limit(r).await;
+        let done = Instant::now();
+        if let Some(interval) = interval {
+            next += interval;
+        }
+        if scheduled < measure_from {
+            tally.warmup += 1;
+            continue;
+        }
+        tally
+            .latencies_us
+            .push(u32::try_from(done.duration_since(scheduled).as_micros()).unwrap_or(u32::MAX));
+        match result {
+            Ok(resp) => match Code::try_from(resp.into_inner().overall_code) {
+                Ok(Code::Ok) => tally.ok += 1,
+                Ok(Code::OverLimit) => tally.over_limit += 1,
+                _ => *tally.errors.entry("UNKNOWN code".into()).or_default() += 1,
+            },
+            Err(status) => {
+                *tally
+                    .errors
+                    .entry(format!("{:?}", status.code()))
+                    .or_default() += 1
+            }
+        }
+    }
+    tally
+}
+
+fn percentile(sorted: &[u32], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let rank = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
+    f64::from(sorted[rank.clamp(1, sorted.len()) - 1]) / 1000.0
+}
+
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let args = Arc::new(Args::parse());
+    if args.concurrency == 0 || args.connections == 0 || args.descriptors == 0 {
+        return Err("--concurrency, --connections and --descriptors must be at least 1".into());
+    }
+    let mut channels = Vec::with_capacity(args.connections);
+    for _ in 0..args.connections {
+        let endpoint = Endpoint::from_shared(format!("http://{}", args.addr))?
+            .tcp_nodelay(true)
+            .connect_timeout(Duration::from_secs(5));
+        channels.push(endpoint.connect().await?);
+    }
+    let sampler = Arc::new(KeySampler::new(args.distribution, args.keys));
+    let start = Instant::now();
+    let measure_from = start + args.warmup;
+    let end = measure_from + args.duration;
+    let tasks: Vec<_> = (0..args.concurrency)
+        .map(|id| {
+            tokio::spawn(caller(
+                args.clone(),
+                sampler.clone(),
+                channels[id % channels.len()].clone(),
+                id,
+                start,
+                measure_from,
+                end,
+            ))
+        })
+        .collect();
+    let mut total = Tally::default();
+    for task in tasks {
+        total.merge(task.await?);
+    }
+    let elapsed = args.duration.as_secs_f64();
+    total.latencies_us.sort_unstable();
+    let sent = total.latencies_us.len();
+    let errors: u64 = total.errors.values().sum();
+    let (p50, p90, p99, p999) = (
+        percentile(&total.latencies_us, 50.0),
+        percentile(&total.latencies_us, 90.0),
+        percentile(&total.latencies_us, 99.0),
+        percentile(&total.latencies_us, 99.9),
+    );
+    let max = percentile(&total.latencies_us, 100.0);
+    let rps = sent as f64 / elapsed;
+    if args.json {
+        let report = serde_json::json!({
+            "label": args.label,
+            "addr": args.addr,
+            "mode": if args.rate > 0 { "open" } else { "closed" },
+            "target_rate": args.rate,
+            "concurrency": args.concurrency,
+            "connections": args.connections,
+            "descriptors": args.descriptors,
+            "keys": args.keys,
+            "distribution": format!("{:?}", args.distribution).to_lowercase(),
+            "duration_s": elapsed,
+            "requests": sent,
+            "warmup_requests": total.warmup,
+            "rps": rps,
+            "ok": total.ok,
+            "over_limit": total.over_limit,
+            "errors": errors,
+            "errors_by_code": total.errors,
+            "latency_ms": {"p50": p50, "p90": p90, "p99": p99, "p99_9": p999, "max": max},
+        });
+        println!("{report}");
+    } else {
+        println!(
+            "{}{} requests in {:.1}s: {:.0} req/s ({} mode, {} callers, {} connections, {} descriptor(s), {} {:?} keys)",
+            if args.label.is_empty() { String::new() } else { format!("[{}] ", args.label) },
+            sent,
+            elapsed,
+            rps,
+            if args.rate > 0 { "open" } else { "closed" },
+            args.concurrency,
+            args.connections,
+            args.descriptors,
+            args.keys,
+            args.distribution,
+        );
+        println!(
+            "latency ms: p50 {p50:.3}  p90 {p90:.3}  p99 {p99:.3}  p99.9 {p999:.3}  max {max:.3}"
+        );
+        println!(
+            "answers: OK {}  OVER_LIMIT {}  errors {errors} {:?}",
+            total.ok, total.over_limit, total.errors
+        );
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn zipf_favours_low_keys_and_hot_is_one_key() {
+        let mut rng = SmallRng::seed_from_u64(7);
+        let zipf = KeySampler::new(Distribution::Zipf, 1000);
+        let draws: Vec<u64> = (0..10_000).map(|_| zipf.sample(&mut rng)).collect();
+        let first = draws.iter().filter(|&&k| k == 0).count();
+        let last_half = draws.iter().filter(|&&k| k >= 500).count();
+        assert!(
+            first > last_half / 2,
+            "key 0: {first}, keys 500..: {last_half}"
+        );
+        assert!(draws.iter().all(|&k| k < 1000));
+        let hot = KeySampler::new(Distribution::Hot, 1000);
+        assert!((0..100).all(|_| hot.sample(&mut rng) == 0));
+    }
+
+    #[test]
+    fn percentiles_by_rank() {
+        let v: Vec<u32> = (1..=1000).map(|x| x * 1000).collect();
+        assert_eq!(percentile(&v, 50.0), 500.0);
+        assert_eq!(percentile(&v, 99.0), 990.0);
+        assert_eq!(percentile(&v, 100.0), 1000.0);
+    }
+}

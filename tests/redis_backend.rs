@@ -279,7 +279,57 @@ async fn redis_down_is_answered_promptly_by_policy_and_recovered_without_restart
         s.on_backend_error = OnBackendError::Deny;
     })
     .await;
+
+    // Load on all three while Redis is killed under it.
+    let mut loads = Vec::new();
+    for server in [&error, &allow, &deny] {
+        for caller in 0..5 {
+            let mut c = server.client().await;
+            loads.push(tokio::spawn(async move {
+                let mut codes = std::collections::BTreeMap::<String, u32>::new();
+                let mut slowest = Duration::ZERO;
+                let end = Instant::now() + Duration::from_millis(1500);
+                let mut i = 0;
+                while Instant::now() < end {
+                    i += 1;
+                    let user = format!("load{caller}-{i}");
+                    let r = request("fleet", vec![descriptor(&[("user", &user)])]);
+                    let started = Instant::now();
+                    let code = match c.should_rate_limit(r).await {
+                        Ok(resp) => format!(
+                            "{:?}",
+                            Code::try_from(resp.into_inner().overall_code).unwrap()
+                        ),
+                        Err(status) => format!("{:?}", status.code()),
+                    };
+                    slowest = slowest.max(started.elapsed());
+                    *codes.entry(code).or_default() += 1;
+                }
+                (codes, slowest)
+            }));
+        }
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
     redis.kill();
+    let mut results = Vec::new();
+    for load in loads {
+        results.push(load.await.unwrap());
+    }
+    for (i, (codes, slowest)) in results.iter().enumerate() {
+        let allowed: &[&str] = match i / 5 {
+            0 => &["Ok", "Unavailable"],
+            1 => &["Ok"],
+            _ => &["Ok", "OverLimit"],
+        };
+        assert!(
+            codes.keys().all(|c| allowed.contains(&c.as_str())),
+            "caller {i}: {codes:?}"
+        );
+        assert!(
+            slowest < &Duration::from_millis(400),
+            "caller {i}: slowest answer {slowest:?}"
+        );
+    }
 
     for (server, want) in [
         (&error, "Unavailable"),
@@ -405,5 +455,143 @@ async fn recovers_when_a_cluster_master_dies_and_its_replica_takes_over() {
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connects_with_a_password_an_acl_user_and_over_a_unix_socket() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("redis.sock");
+    let redis = RedisProcess::start(&[
+        "--requirepass",
+        "topsecret",
+        "--unixsocket",
+        socket.to_str().unwrap(),
+        "--unixsocketperm",
+        "700",
+    ]);
+    assert_eq!(
+        redis.cli(&[
+            "ACL",
+            "SETUSER",
+            "limiter",
+            "on",
+            ">limiterpw",
+            "~*",
+            "+@all"
+        ]),
+        "OK"
+    );
+    let with_auth = |auth: &'static str| {
+        move |s: &mut Settings| {
+            s.redis.auth = ratelimitd::settings::Secret(auth.into());
+        }
+    };
+    for (url, auth) in [
+        (redis.addr(), "topsecret"),
+        (redis.addr(), "limiter:limiterpw"),
+        (socket.to_str().unwrap().to_string(), "topsecret"),
+    ] {
+        let s = start_tweaked(url.clone(), RedisTopology::Single, with_auth(auth)).await;
+        let (codes, _) = probe(&s, 3).await;
+        assert_eq!(codes.get("Ok"), Some(&3), "{url}: {codes:?}");
+        s.stop().await;
+    }
+
+    // A wrong password keeps the service NOT_SERVING and answers by policy, without the password in
+    // any message.
+    let s = TestServer::start_with_clock(&[("fleet.yaml", RULES)], Clock::System, |s| {
+        on_redis(redis.addr(), RedisTopology::Single)(s);
+        s.redis.auth = ratelimitd::settings::Secret("wrong-password-123".into());
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(s.http("GET", "/healthcheck", "").await.0, 500);
+    let mut c = s.client().await;
+    let err = c
+        .should_rate_limit(request("fleet", vec![descriptor(&[("user", "x")])]))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::Unavailable);
+    assert!(
+        !err.message().contains("wrong-password-123"),
+        "{}",
+        err.message()
+    );
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn follows_a_slot_migration_under_traffic_without_errors() {
+    let cluster = RedisCluster::start(false);
+    let s = start(cluster.url(), RedisTopology::Cluster).await;
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut loads = Vec::new();
+    for caller in 0..5 {
+        let (mut c, stop) = (s.client().await, stop.clone());
+        loads.push(tokio::spawn(async move {
+            let mut codes = std::collections::BTreeMap::<String, u32>::new();
+            let mut i = 0u32;
+            while !stop.load(Ordering::Relaxed) {
+                i += 1;
+                let user = format!("move{caller}-{}", i % 2000);
+                let r = request("fleet", vec![descriptor(&[("user", &user)])]);
+                let code = match c.should_rate_limit(r).await {
+                    Ok(resp) => format!(
+                        "{:?}",
+                        Code::try_from(resp.into_inner().overall_code).unwrap()
+                    ),
+                    Err(status) => format!("{:?}: {}", status.code(), status.message()),
+                };
+                *codes.entry(code).or_default() += 1;
+            }
+            codes
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let from = cluster.masters[0].cli(&["CLUSTER", "MYID"]);
+    let to = cluster.masters[1].cli(&["CLUSTER", "MYID"]);
+    let reshard = tokio::task::spawn_blocking({
+        let seed = cluster.masters[0].addr();
+        move || {
+            std::process::Command::new("redis-cli")
+                .args([
+                    "--cluster",
+                    "reshard",
+                    &seed,
+                    "--cluster-from",
+                    &from,
+                    "--cluster-to",
+                    &to,
+                    "--cluster-slots",
+                    "300",
+                    "--cluster-yes",
+                ])
+                .output()
+                .unwrap()
+        }
+    })
+    .await
+    .unwrap();
+    assert!(
+        reshard.status.success(),
+        "{}",
+        String::from_utf8_lossy(&reshard.stdout)
+    );
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    stop.store(true, Ordering::Relaxed);
+    let mut total = std::collections::BTreeMap::<String, u32>::new();
+    for load in loads {
+        for (code, n) in load.await.unwrap() {
+            *total.entry(code).or_default() += n;
+        }
+    }
+    assert_eq!(
+        total.len(),
+        1,
+        "only OK answers while slots moved: {total:?}"
+    );
+    assert!(total.get("Ok").copied().unwrap_or(0) > 100, "{total:?}");
+    cluster.wait_ok();
     s.stop().await;
 }

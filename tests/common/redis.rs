@@ -34,7 +34,15 @@ fn require(binary: &str) {
 
 /// Runs redis-cli against a port and returns its output.
 pub fn cli(port: u16, args: &[&str]) -> String {
-    let out = Command::new("redis-cli")
+    cli_as(port, None, args)
+}
+
+fn cli_as(port: u16, password: Option<&str>, args: &[&str]) -> String {
+    let mut cmd = Command::new("redis-cli");
+    if let Some(password) = password {
+        cmd.env("REDISCLI_AUTH", password);
+    }
+    let out = cmd
         .args(["-p", &port.to_string()])
         .args(args)
         .output()
@@ -114,7 +122,7 @@ impl RedisProcess {
             .expect("redis starts");
         self.child = Some(child);
         let deadline = Instant::now() + Duration::from_secs(10);
-        while cli(self.port, &["PING"]) != "PONG" {
+        while self.cli(&["PING"]) != "PONG" {
             assert!(
                 Instant::now() < deadline,
                 "redis on {} did not answer PING",
@@ -138,8 +146,14 @@ impl RedisProcess {
         self.launch();
     }
 
+    /// redis-cli against this server, with its `--requirepass` password if it has one.
     pub fn cli(&self, args: &[&str]) -> String {
-        cli(self.port, args)
+        let password = self
+            .args
+            .iter()
+            .position(|a| a == "--requirepass")
+            .and_then(|i| self.args.get(i + 1));
+        cli_as(self.port, password.map(String::as_str), args)
     }
 
     pub fn addr(&self) -> String {

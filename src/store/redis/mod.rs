@@ -80,7 +80,8 @@ impl RedisStore {
             .with_connection_config(|c| {
                 c.connection_timeout = settings.connect_timeout;
                 c.internal_command_timeout = settings.connect_timeout;
-                c.max_command_attempts = 1;
+                // Redirections (MOVED, ASK) during resharding count as attempts; redis.timeout bounds the wait.
+                c.max_command_attempts = 3;
             })
             .with_performance_config(|p| {
                 p.default_command_timeout = settings.timeout;

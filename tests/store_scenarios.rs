@@ -1,5 +1,6 @@
-//! One scenario table, run unchanged against every store: the memory store, Redis standalone and a
-//! 3-master Redis Cluster (where the checks of one request land in different hash slots).
+//! One scenario table, run unchanged against every store (the memory store, Redis standalone and a
+//! 3-master Redis Cluster, where the checks of one request land in different hash slots) and every
+//! algorithm; then random sequences must get the same decisions from the memory store and from Redis.
 
 mod common;
 
@@ -10,6 +11,7 @@ use std::{
 
 use common::redis::{RedisCluster, RedisProcess};
 use ratelimitd::{
+    algorithm::{Algorithm, Params},
     settings::{RedisSettings, RedisTopology},
     store::{Applied, Batch, Check, CounterStore, MemoryStore, RedisStore, Role, Store},
 };
@@ -21,18 +23,33 @@ fn now_ms() -> u64 {
         .as_millis() as u64
 }
 
-/// A store plus the prefix that keeps one scenario's keys apart from the others'.
+const ALGORITHMS: [Algorithm; 5] = [
+    Algorithm::FixedWindow,
+    Algorithm::SlidingWindow,
+    Algorithm::SlidingLog,
+    Algorithm::TokenBucket,
+    Algorithm::Gcra,
+];
+
+/// A store, an algorithm, and the prefix that keeps one scenario's keys apart from the others'.
+#[derive(Clone, Copy)]
 struct Case<'a> {
     store: &'a Store,
     prefix: &'static str,
+    algorithm: Algorithm,
 }
 
 impl Case<'_> {
-    fn check(&self, key: &str, limit: u64, window: u64, cost: u64, role: Role) -> Check {
+    /// A check; windows are long enough (an hour) that no refill or decay happens during a scenario.
+    fn check(&self, key: &str, limit: u64, window_secs: u64, cost: u64, role: Role) -> Check {
         Check {
-            key: format!("{}{key}_", self.prefix),
-            limit,
-            window,
+            key: format!("{}{}:{key}_", self.prefix, self.algorithm.name()),
+            params: Params {
+                algorithm: self.algorithm,
+                limit,
+                window_ms: window_secs * 1000,
+                burst: limit,
+            },
             cost,
             role,
         }
@@ -57,7 +74,8 @@ async fn limit_n_allows_n_then_denies(c: Case<'_>) {
             .await;
         assert!(!a.denied);
         assert_eq!(a.outcomes[0].remaining, left);
-        assert!((1..=3600).contains(&a.outcomes[0].reset_after));
+        // Fully reset within one window (two for a sliding window).
+        assert!((1..=7200).contains(&a.outcomes[0].reset_after));
     }
     let a = c
         .apply(vec![c.check("k", 3, 3600, 1, Role::Enforce)], false)
@@ -149,34 +167,60 @@ async fn the_same_key_twice_counts_twice(c: Case<'_>) {
     assert!(a.outcomes[0].allowed && !a.outcomes[1].allowed);
 }
 
-async fn a_new_window_starts_from_zero(c: Case<'_>) {
-    // Start just after a second boundary so that both hits fall in one window.
+/// Every algorithm at once: a 1-second limit of 1 is spent, denied with a wait of at most a second or
+/// two, and free again two windows later.
+async fn spent_limits_come_back_with_time(store: &Store) {
+    // Start just after a second boundary so that both hits fall in one fixed window.
     let wait = 1000 - now_ms() % 1000;
     tokio::time::sleep(Duration::from_millis(wait + 20)).await;
-    assert!(
-        !c.apply(vec![c.check("w", 1, 1, 1, Role::Enforce)], false)
-            .await
-            .denied
-    );
-    assert!(
-        c.apply(vec![c.check("w", 1, 1, 1, Role::Enforce)], false)
-            .await
-            .denied
-    );
-    tokio::time::sleep(Duration::from_millis(1000)).await;
-    assert!(
-        !c.apply(vec![c.check("w", 1, 1, 1, Role::Enforce)], false)
-            .await
-            .denied
-    );
+    for algorithm in ALGORITHMS {
+        let c = Case {
+            store,
+            prefix: "time:",
+            algorithm,
+        };
+        let first = c
+            .apply(vec![c.check("w", 1, 1, 1, Role::Enforce)], false)
+            .await;
+        assert!(!first.denied, "{algorithm:?}");
+        let a = c
+            .apply(vec![c.check("w", 1, 1, 1, Role::Enforce)], false)
+            .await;
+        assert!(a.denied, "{algorithm:?}");
+        let retry = a.outcomes[0].retry_after;
+        assert!(
+            (1..=2).contains(&retry),
+            "{algorithm:?}: {:?}",
+            a.outcomes[0]
+        );
+    }
+    tokio::time::sleep(Duration::from_millis(2100)).await;
+    for algorithm in ALGORITHMS {
+        let c = Case {
+            store,
+            prefix: "time:",
+            algorithm,
+        };
+        let again = c
+            .apply(vec![c.check("w", 1, 1, 1, Role::Enforce)], false)
+            .await;
+        assert!(!again.denied, "{algorithm:?}");
+    }
 }
 
 macro_rules! run_all {
     ($store:expr, $($scenario:ident),+ $(,)?) => {{
-        $(
-            eprintln!("scenario {}", stringify!($scenario));
-            $scenario(Case { store: $store, prefix: concat!(stringify!($scenario), ":") }).await;
-        )+
+        for algorithm in ALGORITHMS {
+            $(
+                eprintln!("scenario {} with {algorithm:?}", stringify!($scenario));
+                let case = Case {
+                    store: $store,
+                    prefix: concat!(stringify!($scenario), ":"),
+                    algorithm,
+                };
+                $scenario(case).await;
+            )+
+        }
     }};
 }
 
@@ -189,8 +233,50 @@ async fn run_table(store: &Store) {
         costs_above_one_and_zero_cost_checks,
         shadow_never_denies_and_quota_denies_only_when_all_are_over,
         the_same_key_twice_counts_twice,
-        a_new_window_starts_from_zero,
     );
+    spent_limits_come_back_with_time(store).await;
+}
+
+/// Random sequences of requests (keys, costs, roles, consume_on_deny) get the same answers from both
+/// stores. Windows of a day keep time out of the comparison.
+async fn same_answers(memory: &Store, redis: &Store, seed: u64) {
+    use rand::{rngs::SmallRng, Rng, SeedableRng};
+    let mut rng = SmallRng::seed_from_u64(seed);
+    let roles = [Role::Enforce, Role::Enforce, Role::Shadow, Role::Quota];
+    for algorithm in ALGORITHMS {
+        let c = Case {
+            store: memory,
+            prefix: "random:",
+            algorithm,
+        };
+        for step in 0..150 {
+            let checks: Vec<Check> = (0..rng.random_range(1..=3))
+                .map(|_| {
+                    let key = ["a", "bb", "c"][rng.random_range(0..3)];
+                    let limit = [3, 5][key.len() % 2];
+                    let role = roles[rng.random_range(0..4)];
+                    let mut check = c.check(key, limit, 86_400, rng.random_range(0..=2), role);
+                    check.key = format!("seed{seed}:{}", check.key);
+                    check
+                })
+                .collect();
+            let batch = Batch {
+                checks,
+                consume_on_deny: rng.random_bool(0.2),
+            };
+            let m = memory.apply(&batch, now_ms()).await.unwrap();
+            let r = redis.apply(&batch, now_ms()).await.unwrap();
+            let view = |a: &Applied| {
+                let outcomes: Vec<(bool, u64)> = a
+                    .outcomes
+                    .iter()
+                    .map(|o| (o.allowed, o.remaining))
+                    .collect();
+                (a.denied, outcomes)
+            };
+            assert_eq!(view(&m), view(&r), "{algorithm:?} step {step}: {batch:?}");
+        }
+    }
 }
 
 async fn redis_store(url: String, topology: RedisTopology) -> Arc<RedisStore> {
@@ -218,11 +304,14 @@ async fn scenarios_on_the_memory_store() {
 async fn scenarios_on_redis_standalone() {
     let redis = RedisProcess::start(&[]);
     let store = redis_store(redis.addr(), RedisTopology::Single).await;
-    run_table(&Store::Redis(store.clone())).await;
-    // Every key written has a TTL.
+    let redis_store = Store::Redis(store.clone());
+    run_table(&redis_store).await;
+    same_answers(&Store::Memory(MemoryStore::new(10_000)), &redis_store, 1).await;
+    // Every key written, whatever its algorithm, has a TTL.
     for key in redis.cli(&["--scan"]).lines() {
         let ttl: i64 = redis.cli(&["TTL", key]).parse().unwrap();
-        assert!(ttl > 0, "{key} has no TTL");
+        // -1 is a key without TTL; -2 one that expired since the scan.
+        assert!(ttl != -1, "{key} has no TTL");
     }
     store.close().await;
 }
@@ -231,6 +320,8 @@ async fn scenarios_on_redis_standalone() {
 async fn scenarios_on_redis_cluster() {
     let cluster = RedisCluster::start(false);
     let store = redis_store(cluster.url(), RedisTopology::Cluster).await;
-    run_table(&Store::Redis(store.clone())).await;
+    let redis_store = Store::Redis(store.clone());
+    run_table(&redis_store).await;
+    same_answers(&Store::Memory(MemoryStore::new(10_000)), &redis_store, 2).await;
     store.close().await;
 }

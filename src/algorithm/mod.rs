@@ -1,5 +1,369 @@
 //! Rate limit algorithms as pure arithmetic: state, time and cost in; verdict and new state out.
-//! No I/O, no clock, no async: the stores run them (the memory store directly, the Redis scripts by
-//! mirroring them), and the same scenarios check every implementation.
+//! No I/O, no clock, no async: the stores run them (the memory store directly, the Redis script by
+//! mirroring the same formulas in the same order), and the same scenarios check every implementation.
+//!
+//! Times are milliseconds since the Unix epoch. For every algorithm a [`Decision`] says whether the cost
+//! fits, the quota left, the time until the state is fully reset (as if no hit had ever happened), and
+//! the wait before the same cost would fit.
 
 pub mod fixed_window;
+
+use std::collections::VecDeque;
+
+/// How a limit counts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Algorithm {
+    /// Epoch-aligned windows, one counter each (the reference service's).
+    FixedWindow,
+    /// Current window plus the previous one weighted by how much of it still overlaps the sliding window.
+    SlidingWindow,
+    /// One entry per hit; exact over any window, memory proportional to the hits in a window.
+    SlidingLog,
+    /// A bucket of `burst` tokens refilled at `limit` per window.
+    TokenBucket,
+    /// Generic cell rate algorithm: the token bucket as one timestamp.
+    Gcra,
+}
+
+impl Algorithm {
+    pub const NAMES: &'static [&'static str] = &[
+        "fixed_window",
+        "sliding_window",
+        "sliding_log",
+        "token_bucket",
+        "gcra",
+    ];
+
+    pub fn from_name(name: &str) -> Option<Self> {
+        Some(match name {
+            "fixed_window" => Self::FixedWindow,
+            "sliding_window" => Self::SlidingWindow,
+            "sliding_log" => Self::SlidingLog,
+            "token_bucket" => Self::TokenBucket,
+            "gcra" => Self::Gcra,
+            _ => return None,
+        })
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::FixedWindow => "fixed_window",
+            Self::SlidingWindow => "sliding_window",
+            Self::SlidingLog => "sliding_log",
+            Self::TokenBucket => "token_bucket",
+            Self::Gcra => "gcra",
+        }
+    }
+
+    /// Whether `burst` means something for this algorithm.
+    pub fn uses_burst(self) -> bool {
+        matches!(self, Self::TokenBucket | Self::Gcra)
+    }
+
+    /// The short tag used in counter keys and script arguments.
+    pub fn code(self) -> u8 {
+        match self {
+            Self::FixedWindow => 0,
+            Self::SlidingWindow => 1,
+            Self::SlidingLog => 2,
+            Self::TokenBucket => 3,
+            Self::Gcra => 4,
+        }
+    }
+}
+
+/// The parameters of one limit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Params {
+    pub algorithm: Algorithm,
+    /// Hits per window (token bucket and GCRA: the refill per window).
+    pub limit: u64,
+    /// Window length in milliseconds (unit x multiplier).
+    pub window_ms: u64,
+    /// Bucket capacity (token bucket, GCRA); equals `limit` unless set.
+    pub burst: u64,
+}
+
+/// The state of one counter.
+#[derive(Debug, Clone, PartialEq)]
+pub enum State {
+    /// Hits in the epoch-aligned window starting at `start_ms`.
+    FixedWindow { start_ms: u64, count: u64 },
+    /// Hits in the window starting at `start_ms` and in the one before it.
+    SlidingWindow {
+        start_ms: u64,
+        current: u64,
+        previous: u64,
+    },
+    /// Times of the hits still inside the window, oldest first.
+    SlidingLog(VecDeque<u64>),
+    /// Tokens left at `last_ms`.
+    TokenBucket { tokens: f64, last_ms: u64 },
+    /// Theoretical arrival time, in microseconds.
+    Gcra { tat_us: u64 },
+}
+
+/// The verdict for one cost at one instant.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Decision {
+    pub allowed: bool,
+    /// Quota left after this cost if allowed (0 when denied).
+    pub remaining: u64,
+    /// Time until the state is fully reset, after this cost if allowed.
+    pub reset_ms: u64,
+    /// When denied: the wait before the same cost would be allowed (0 when allowed).
+    pub retry_ms: u64,
+}
+
+/// Decides `cost` against `state` at `now_ms`. Returns the decision and the state once the cost is
+/// consumed (unchanged when denied, except for fixed windows, whose counter counts every hit it is
+/// given, as the reference service does when asked to count denied requests).
+pub fn decide(p: &Params, state: Option<&State>, now_ms: u64, cost: u64) -> (Decision, State) {
+    match p.algorithm {
+        Algorithm::FixedWindow => fixed(p, state, now_ms, cost),
+        Algorithm::SlidingWindow => sliding_window(p, state, now_ms, cost),
+        Algorithm::SlidingLog => sliding_log(p, state, now_ms, cost),
+        Algorithm::TokenBucket => token_bucket(p, state, now_ms, cost),
+        Algorithm::Gcra => gcra(p, state, now_ms, cost),
+    }
+}
+
+/// When `state` is equivalent to no state at all: the store may forget it then.
+pub fn expires_at_ms(p: &Params, state: &State, now_ms: u64) -> u64 {
+    match state {
+        State::FixedWindow { start_ms, .. } => start_ms + p.window_ms,
+        State::SlidingWindow { start_ms, .. } => start_ms + 2 * p.window_ms,
+        State::SlidingLog(hits) => hits.back().map_or(now_ms, |last| last + p.window_ms),
+        State::TokenBucket { tokens, last_ms } => {
+            last_ms
+                + ((p.burst as f64 - tokens).max(0.0) * p.window_ms as f64 / p.limit.max(1) as f64)
+                    .ceil() as u64
+        }
+        State::Gcra { tat_us } => tat_us.div_ceil(1000),
+    }
+}
+
+fn fixed(p: &Params, state: Option<&State>, now_ms: u64, cost: u64) -> (Decision, State) {
+    let start_ms = now_ms - now_ms % p.window_ms;
+    let count = match state {
+        Some(State::FixedWindow { start_ms: s, count }) if *s == start_ms => *count,
+        _ => 0,
+    };
+    let verdict = fixed_window::check(count, p.limit, cost);
+    let reset_ms = p.window_ms - now_ms % p.window_ms;
+    let decision = Decision {
+        allowed: verdict.allowed,
+        remaining: if verdict.allowed {
+            fixed_window::remaining(verdict.count_after, p.limit)
+        } else {
+            0
+        },
+        reset_ms,
+        retry_ms: if verdict.allowed { 0 } else { reset_ms },
+    };
+    (
+        decision,
+        State::FixedWindow {
+            start_ms,
+            count: verdict.count_after,
+        },
+    )
+}
+
+fn sliding_window(p: &Params, state: Option<&State>, now_ms: u64, cost: u64) -> (Decision, State) {
+    let w = p.window_ms;
+    let start = now_ms - now_ms % w;
+    let (mut current, mut previous) = (0, 0);
+    if let Some(State::SlidingWindow {
+        start_ms,
+        current: c,
+        previous: prev,
+    }) = state
+    {
+        if *start_ms == start {
+            (current, previous) = (*c, *prev);
+        } else if *start_ms + w == start {
+            previous = *c;
+        }
+    }
+    let elapsed = now_ms - start;
+    let weight = (w - elapsed) as f64 / w as f64;
+    let estimate = previous as f64 * weight + current as f64;
+    let limit = p.limit as f64;
+    let allowed = estimate + cost as f64 <= limit;
+    let (after_current, after_estimate) = if allowed {
+        (current + cost, estimate + cost as f64)
+    } else {
+        (current, estimate)
+    };
+    let reset_ms = if after_current > 0 {
+        start + 2 * w - now_ms
+    } else if previous > 0 {
+        start + w - now_ms
+    } else {
+        0
+    };
+    let retry_ms = if allowed {
+        0
+    } else {
+        sliding_window_wait(p, current, previous, elapsed, cost)
+    };
+    (
+        Decision {
+            allowed,
+            remaining: if allowed {
+                (limit - after_estimate).max(0.0).floor() as u64
+            } else {
+                0
+            },
+            reset_ms,
+            retry_ms,
+        },
+        State::SlidingWindow {
+            start_ms: start,
+            current: after_current,
+            previous,
+        },
+    )
+}
+
+/// Smallest wait after which `previous * weight + current + cost <= limit`.
+fn sliding_window_wait(p: &Params, current: u64, previous: u64, elapsed: u64, cost: u64) -> u64 {
+    let w = p.window_ms as f64;
+    let limit = p.limit as f64;
+    let cost = cost as f64;
+    if cost > limit {
+        return p.window_ms * 2 - elapsed;
+    }
+    let left_in_window = w - elapsed as f64;
+    if current as f64 + cost <= limit && previous > 0 {
+        // The previous window's share decays enough within this window.
+        let t = left_in_window - (limit - current as f64 - cost) * w / previous as f64;
+        return t.max(0.0).ceil() as u64;
+    }
+    // Next window: `current` becomes the previous window and decays from there.
+    let t = if current == 0 {
+        0.0
+    } else {
+        (w - (limit - cost) * w / current as f64).max(0.0)
+    };
+    (left_in_window + t).ceil() as u64
+}
+
+fn sliding_log(p: &Params, state: Option<&State>, now_ms: u64, cost: u64) -> (Decision, State) {
+    let mut hits = match state {
+        Some(State::SlidingLog(hits)) => hits.clone(),
+        _ => VecDeque::new(),
+    };
+    while hits.front().is_some_and(|&t| t + p.window_ms <= now_ms) {
+        hits.pop_front();
+    }
+    let count = hits.len() as u64;
+    let allowed = count + cost <= p.limit;
+    let retry_ms = if allowed {
+        0
+    } else if cost > p.limit {
+        p.window_ms
+    } else {
+        // The (count + cost - limit)-th oldest hit must leave the window.
+        let must_leave = (count + cost - p.limit) as usize;
+        hits[must_leave - 1] + p.window_ms - now_ms
+    };
+    if allowed {
+        hits.extend(std::iter::repeat_n(now_ms, cost as usize));
+    }
+    let reset_ms = hits.back().map_or(0, |last| last + p.window_ms - now_ms);
+    (
+        Decision {
+            allowed,
+            remaining: if allowed {
+                p.limit - hits.len() as u64
+            } else {
+                0
+            },
+            reset_ms,
+            retry_ms,
+        },
+        State::SlidingLog(hits),
+    )
+}
+
+fn token_bucket(p: &Params, state: Option<&State>, now_ms: u64, cost: u64) -> (Decision, State) {
+    let capacity = p.burst as f64;
+    let per_ms = p.limit as f64 / p.window_ms as f64;
+    let tokens = match state {
+        Some(State::TokenBucket { tokens, last_ms }) => {
+            let elapsed = now_ms.saturating_sub(*last_ms) as f64;
+            (tokens + elapsed * per_ms).min(capacity)
+        }
+        _ => capacity,
+    };
+    let cost_f = cost as f64;
+    let allowed = cost_f <= tokens;
+    let after = if allowed { tokens - cost_f } else { tokens };
+    let refill_ms = |missing: f64| {
+        if per_ms > 0.0 {
+            (missing / per_ms).max(0.0).ceil() as u64
+        } else {
+            // A bucket that never refills: report one window.
+            p.window_ms
+        }
+    };
+    let retry_ms = if allowed {
+        0
+    } else if cost_f > capacity {
+        p.window_ms
+    } else {
+        refill_ms(cost_f - tokens)
+    };
+    (
+        Decision {
+            allowed,
+            remaining: if allowed { after.floor() as u64 } else { 0 },
+            reset_ms: refill_ms(capacity - after),
+            retry_ms,
+        },
+        State::TokenBucket {
+            tokens: after,
+            last_ms: now_ms,
+        },
+    )
+}
+
+fn gcra(p: &Params, state: Option<&State>, now_ms: u64, cost: u64) -> (Decision, State) {
+    // Emission interval and tolerance in microseconds.
+    let interval_us = p.window_ms as f64 * 1000.0 / p.limit.max(1) as f64;
+    let capacity_us = interval_us * p.burst as f64;
+    let now_us = now_ms as f64 * 1000.0;
+    let tat = match state {
+        Some(State::Gcra { tat_us }) => (*tat_us as f64).max(now_us),
+        _ => now_us,
+    };
+    let new_tat = tat + cost as f64 * interval_us;
+    let allowed = p.limit > 0 && new_tat - now_us <= capacity_us;
+    let kept = if allowed { new_tat } else { tat };
+    let remaining = ((capacity_us - (kept - now_us)) / interval_us)
+        .floor()
+        .max(0.0) as u64;
+    let retry_ms = if allowed {
+        0
+    } else if p.limit == 0 || cost > p.burst {
+        p.window_ms
+    } else {
+        ((new_tat - capacity_us - now_us) / 1000.0).max(0.0).ceil() as u64
+    };
+    (
+        Decision {
+            allowed,
+            remaining: if allowed { remaining } else { 0 },
+            reset_ms: ((kept - now_us) / 1000.0).max(0.0).ceil() as u64,
+            retry_ms,
+        },
+        State::Gcra {
+            tat_us: kept.ceil() as u64,
+        },
+    )
+}
+
+#[cfg(test)]
+mod tests;

@@ -55,7 +55,7 @@ fn envoy(
         let retry_after = statuses
             .iter()
             .filter(|s| s.code == Code::OverLimit)
-            .filter_map(|s| s.duration_until_reset)
+            .filter_map(|s| s.retry_after.or(s.duration_until_reset))
             .max()
             .unwrap_or(reset);
         headers.push(("Retry-After".into(), retry_after.to_string()));

@@ -10,10 +10,11 @@ mod headers;
 use std::sync::Arc;
 
 use crate::{
+    algorithm::{Algorithm, Params},
     clock::Clock,
     rules::{EntryRef, Node, Rules, Unit},
     settings::{HeaderNames, OnBackendError, RequestLimits, ResponseHeaders},
-    store::{keys, Batch, Check, CounterStore, Role, Store, StoreError},
+    store::{keys, Batch, Check, CounterStore, Outcome, Role, Store, StoreError},
 };
 
 /// A rate limit request.
@@ -80,6 +81,9 @@ pub struct DescriptorStatus {
     pub limit_remaining: u32,
     /// Seconds until the counter resets; set whenever `current_limit` is.
     pub duration_until_reset: Option<u64>,
+    /// When over its limit: seconds before the same request would be allowed (not on the wire; feeds
+    /// `Retry-After`).
+    pub retry_after: Option<u64>,
 }
 
 impl DescriptorStatus {
@@ -89,6 +93,7 @@ impl DescriptorStatus {
             current_limit: None,
             limit_remaining: u32::MAX,
             duration_until_reset: None,
+            retry_after: None,
         }
     }
 
@@ -98,6 +103,7 @@ impl DescriptorStatus {
             current_limit: None,
             limit_remaining: 0,
             duration_until_reset: None,
+            retry_after: None,
         }
     }
 }
@@ -171,14 +177,22 @@ pub struct Limiter {
     options: Options,
 }
 
+/// One limit a descriptor is checked against.
+struct Applicable {
+    limit: CurrentLimit,
+    params: Params,
+    /// Position of the limit in its rule (0 for `rate_limit` and for overrides).
+    index: usize,
+}
+
 /// What a descriptor resolved to before counting.
 enum Resolved<'a> {
     NoLimit,
     /// An unlimited rule: never counted, but its `replaces` still apply.
     Unlimited(&'a Node),
     Limited {
-        limit: CurrentLimit,
-        /// The rule, when the limit came from one (not from a request override).
+        limits: Vec<Applicable>,
+        /// The rule, when the limits came from one (not from a request override).
         node: Option<&'a Node>,
         role: Role,
     },
@@ -213,27 +227,47 @@ impl Limiter {
             };
             if let Some(over) = &descriptor.limit {
                 let unit = over.unit.ok_or(LimitError::UnknownOverrideUnit { index })?;
+                let limit = u64::from(over.requests_per_unit);
                 resolved.push(Resolved::Limited {
-                    limit: CurrentLimit {
-                        requests_per_unit: over.requests_per_unit,
-                        unit,
-                        name: None,
-                    },
+                    limits: vec![Applicable {
+                        limit: CurrentLimit {
+                            requests_per_unit: over.requests_per_unit,
+                            unit,
+                            name: None,
+                        },
+                        params: Params {
+                            algorithm: Algorithm::FixedWindow,
+                            limit,
+                            window_ms: unit.seconds() * 1000,
+                            burst: limit,
+                        },
+                        index: 0,
+                    }],
                     node: None,
                     role: Role::Enforce,
                 });
                 continue;
             }
             let node = domain.find(&descriptor.entries, &mut scratch);
-            resolved.push(match node.and_then(|n| n.limit.as_ref().map(|l| (n, l))) {
+            resolved.push(match node {
                 None => Resolved::NoLimit,
-                Some((node, limit)) if limit.unlimited => Resolved::Unlimited(node),
-                Some((node, limit)) => Resolved::Limited {
-                    limit: CurrentLimit {
-                        requests_per_unit: limit.requests_per_unit,
-                        unit: limit.unit,
-                        name: limit.name.clone(),
-                    },
+                Some(node) if node.limits.is_empty() => Resolved::NoLimit,
+                Some(node) if node.limits[0].unlimited => Resolved::Unlimited(node),
+                Some(node) => Resolved::Limited {
+                    limits: node
+                        .limits
+                        .iter()
+                        .enumerate()
+                        .map(|(index, limit)| Applicable {
+                            limit: CurrentLimit {
+                                requests_per_unit: limit.requests_per_unit,
+                                unit: limit.unit,
+                                name: limit.name.clone(),
+                            },
+                            params: limit.params(),
+                            index,
+                        })
+                        .collect(),
                     node: Some(node),
                     role: if node.shadow_mode {
                         Role::Shadow
@@ -252,27 +286,32 @@ impl Limiter {
             consume_on_deny: self.options.consume_on_deny,
         };
         for (descriptor, r) in request.descriptors.iter().zip(&resolved) {
-            if let Resolved::Limited { limit, node, role } = r {
-                let mut key = String::new();
+            if let Resolved::Limited { limits, node, role } = r {
                 let shared = node.map_or(&[][..], |n| &n.shared_values[..]);
-                keys::counter_key(
-                    &mut key,
-                    &self.options.key_prefix,
-                    &request.domain,
-                    descriptor.entries.iter().enumerate().map(|(i, e)| {
-                        let value = shared.get(i).and_then(|v| v.as_deref());
-                        (e.key.as_str(), value.unwrap_or(&e.value))
-                    }),
-                );
-                batch.checks.push(Check {
-                    key,
-                    limit: u64::from(limit.requests_per_unit),
-                    window: limit.unit.seconds(),
-                    cost: descriptor
-                        .hits_addend
-                        .unwrap_or(u64::from(request.hits_addend.max(1))),
-                    role: *role,
-                });
+                let cost = descriptor
+                    .hits_addend
+                    .unwrap_or(u64::from(request.hits_addend.max(1)));
+                for applicable in limits {
+                    let mut key = String::new();
+                    keys::limit_key(
+                        &mut key,
+                        &self.options.key_prefix,
+                        &request.domain,
+                        descriptor.entries.iter().enumerate().map(|(i, e)| {
+                            let value = shared.get(i).and_then(|v| v.as_deref());
+                            (e.key.as_str(), value.unwrap_or(&e.value))
+                        }),
+                        applicable.params.algorithm,
+                        applicable.params.window_ms / 1000,
+                        applicable.index,
+                    );
+                    batch.checks.push(Check {
+                        key,
+                        params: applicable.params,
+                        cost,
+                        role: *role,
+                    });
+                }
             }
         }
 
@@ -298,17 +337,39 @@ impl Limiter {
             .map(|r| match r {
                 Resolved::NoLimit => DescriptorStatus::no_limit(),
                 Resolved::Unlimited(_) => DescriptorStatus::unlimited(),
-                Resolved::Limited { limit, role, .. } => {
-                    let outcome = outcomes
-                        .next()
-                        .copied()
-                        .expect("the store answers every check");
-                    let over = !outcome.allowed && role != Role::Shadow;
-                    DescriptorStatus {
-                        code: if over { Code::OverLimit } else { Code::Ok },
-                        current_limit: Some(limit),
-                        limit_remaining: u32::try_from(outcome.remaining).unwrap_or(u32::MAX),
-                        duration_until_reset: Some(outcome.reset_after),
+                Resolved::Limited { limits, role, .. } => {
+                    // The descriptor's status is its limit closest to denying: a denying one (the
+                    // longest wait first), else the one with the least quota left.
+                    let mut chosen: Option<(CurrentLimit, Outcome)> = None;
+                    for applicable in limits {
+                        let Some(outcome) = outcomes.next().copied() else {
+                            break;
+                        };
+                        let closer = chosen.as_ref().is_none_or(|(_, best)| {
+                            match (outcome.allowed, best.allowed) {
+                                (false, true) => true,
+                                (false, false) => outcome.retry_after > best.retry_after,
+                                (true, true) => outcome.remaining < best.remaining,
+                                (true, false) => false,
+                            }
+                        });
+                        if closer {
+                            chosen = Some((applicable.limit, outcome));
+                        }
+                    }
+                    match chosen {
+                        None => DescriptorStatus::no_limit(),
+                        Some((limit, outcome)) => {
+                            let over = !outcome.allowed && role != Role::Shadow;
+                            DescriptorStatus {
+                                code: if over { Code::OverLimit } else { Code::Ok },
+                                current_limit: Some(limit),
+                                limit_remaining: u32::try_from(outcome.remaining)
+                                    .unwrap_or(u32::MAX),
+                                duration_until_reset: Some(outcome.reset_after),
+                                retry_after: (!outcome.allowed).then_some(outcome.retry_after),
+                            }
+                        }
                     }
                 }
             })
@@ -354,14 +415,15 @@ impl Limiter {
             .map(|r| match r {
                 Resolved::NoLimit => DescriptorStatus::no_limit(),
                 Resolved::Unlimited(_) => DescriptorStatus::unlimited(),
-                Resolved::Limited { limit, role, .. } if deny && role != Role::Shadow => {
-                    DescriptorStatus {
-                        code: Code::OverLimit,
-                        current_limit: Some(limit),
-                        limit_remaining: 0,
-                        duration_until_reset: None,
-                    }
-                }
+                Resolved::Limited {
+                    mut limits, role, ..
+                } if deny && role != Role::Shadow => DescriptorStatus {
+                    code: Code::OverLimit,
+                    current_limit: Some(limits.swap_remove(0).limit),
+                    limit_remaining: 0,
+                    duration_until_reset: None,
+                    retry_after: None,
+                },
                 Resolved::Limited { .. } => DescriptorStatus::no_limit(),
             })
             .collect();
@@ -438,23 +500,19 @@ fn apply_replaces(resolved: &mut [Resolved<'_>]) {
             Resolved::Unlimited(node)
             | Resolved::Limited {
                 node: Some(node), ..
-            } => node.limit.as_ref(),
+            } => Some(node),
             _ => None,
         })
+        .flat_map(|node| node.limits.iter())
         .flat_map(|limit| limit.replaces.iter().cloned())
         .collect();
     if replaced.is_empty() {
         return;
     }
     for r in resolved.iter_mut() {
-        if let Resolved::Limited {
-            limit: CurrentLimit {
-                name: Some(name), ..
-            },
-            ..
-        } = r
-        {
-            if replaced.contains(name) {
+        if let Resolved::Limited { limits, .. } = r {
+            limits.retain(|a| a.limit.name.as_ref().is_none_or(|n| !replaced.contains(n)));
+            if limits.is_empty() {
                 *r = Resolved::NoLimit;
             }
         }

@@ -97,6 +97,7 @@ async fn counts_up_to_the_limit_then_denies_with_status_details() {
                 }),
                 limit_remaining: left,
                 duration_until_reset: Some(58),
+                retry_after: None,
             }
         );
     }

@@ -216,6 +216,6 @@ descriptors:
         let bare = set2.domains["d"]
             .find(&[E("bare", "x")], &mut String::new())
             .unwrap();
-        assert!(bare.limit.is_none());
+        assert!(bare.limits.is_empty());
     }
 }

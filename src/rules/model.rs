@@ -10,6 +10,7 @@ use super::{
     matcher::Wildcard,
     yaml::{DescriptorSpec, DomainFile},
 };
+use crate::algorithm::{Algorithm, Params};
 
 /// Length of a rate limit window. Months are 30 days and years 365 days, as in the reference service;
 /// windows are aligned to the Unix epoch.
@@ -96,13 +97,19 @@ impl fmt::Display for Unit {
     }
 }
 
-/// The `rate_limit` of a rule.
+/// A limit of a rule (`rate_limit`, or an entry of `rate_limits`).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Limit {
     /// Hits allowed per window; 0 denies every counted hit.
     pub requests_per_unit: u32,
-    /// The window; meaningless when `unlimited`.
+    /// The window's unit; meaningless when `unlimited`.
     pub unit: Unit,
+    /// The window is this many units (`unit_multiplier`, default 1).
+    pub unit_multiplier: u32,
+    /// How hits are counted.
+    pub algorithm: Algorithm,
+    /// Capacity of token bucket and GCRA limits (`burst`, default `requests_per_unit`).
+    pub burst: u64,
     /// Never limited and never counted.
     pub unlimited: bool,
     /// Name reported in `current_limit.name` and targeted by `replaces`.
@@ -116,8 +123,9 @@ pub struct Limit {
 pub struct Node {
     /// `domain.key_value.key` path of the node, as `/rlconfig` and error messages name it.
     pub full_key: Box<str>,
-    /// The limit, when the node has one; a node without limit and without children is an allow-list entry.
-    pub limit: Option<Limit>,
+    /// The limits of the node: its `rate_limit` first, then its `rate_limits`. A node without limits and
+    /// without children is an allow-list entry.
+    pub limits: Vec<Limit>,
     /// Over-limit answers of this rule are turned into OK (the counting still happens).
     pub shadow_mode: bool,
     /// The rule takes part in the quota-mode overall decision (see the limiter).
@@ -158,18 +166,60 @@ pub struct RuleSet {
     pub domains: HashMap<String, Domain>,
 }
 
+impl Limit {
+    /// Window length in seconds.
+    pub fn window_secs(&self) -> u64 {
+        self.unit.seconds() * u64::from(self.unit_multiplier)
+    }
+
+    /// The parameters the algorithms count with.
+    pub fn params(&self) -> Params {
+        Params {
+            algorithm: self.algorithm,
+            limit: u64::from(self.requests_per_unit),
+            window_ms: self.window_secs() * 1000,
+            burst: self.burst,
+        }
+    }
+}
+
+impl Node {
+    /// The node's first limit (its `rate_limit`), if any.
+    pub fn limit(&self) -> Option<&Limit> {
+        self.limits.first()
+    }
+}
+
+/// Largest `requests_per_unit` of a sliding log: it keeps one entry per hit.
+pub const SLIDING_LOG_MAX_LIMIT: u32 = 100_000;
+
 impl RuleSet {
-    /// Builds the rule set from parsed files, in the order given. Errors are prefixed with the file name.
+    /// Builds the rule set from parsed files, in the order given, counting with fixed windows unless a
+    /// rule says otherwise. Errors are prefixed with the file name.
     pub fn build(files: &[(String, DomainFile)], merge_domains: bool) -> Result<RuleSet, String> {
+        Self::build_with(files, merge_domains, Algorithm::FixedWindow)
+    }
+
+    /// [`RuleSet::build`] with another default algorithm.
+    pub fn build_with(
+        files: &[(String, DomainFile)],
+        merge_domains: bool,
+        default_algorithm: Algorithm,
+    ) -> Result<RuleSet, String> {
         let mut set = RuleSet::default();
         for (file_name, file) in files {
-            set.add_file(file, merge_domains)
+            set.add_file(file, merge_domains, default_algorithm)
                 .map_err(|e| format!("{file_name}: {e}"))?;
         }
         Ok(set)
     }
 
-    fn add_file(&mut self, file: &DomainFile, merge_domains: bool) -> Result<(), String> {
+    fn add_file(
+        &mut self,
+        file: &DomainFile,
+        merge_domains: bool,
+        default_algorithm: Algorithm,
+    ) -> Result<(), String> {
         if file.domain.is_empty() {
             return Err("config file cannot have empty domain".into());
         }
@@ -177,7 +227,13 @@ impl RuleSet {
             return Err(format!("duplicate domain '{}' in config file", file.domain));
         }
         let domain = self.domains.entry(file.domain.clone()).or_default();
-        add_level(&mut domain.root, &file.descriptors, &file.domain, &[])
+        add_level(
+            &mut domain.root,
+            &file.descriptors,
+            &file.domain,
+            &[],
+            default_algorithm,
+        )
     }
 
     /// Every rule with a limit, one line each, sorted: what `/rlconfig` shows.
@@ -188,21 +244,31 @@ impl RuleSet {
                 .values()
                 .chain(level.wildcards.iter().map(|(_, n)| n));
             for node in nodes {
-                if let Some(limit) = &node.limit {
+                for limit in &node.limits {
                     out.push(if limit.unlimited {
                         format!(
                             "{}: unlimited, shadow_mode: {}, quota_mode: {}",
                             node.full_key, node.shadow_mode, node.quota_mode
                         )
                     } else {
-                        format!(
+                        let mut line = format!(
                             "{}: unit={} requests_per_unit={}, shadow_mode: {}, quota_mode: {}",
                             node.full_key,
                             limit.unit,
                             limit.requests_per_unit,
                             node.shadow_mode,
                             node.quota_mode
-                        )
+                        );
+                        if limit.unit_multiplier != 1 {
+                            line.push_str(&format!(", unit_multiplier: {}", limit.unit_multiplier));
+                        }
+                        if limit.algorithm != Algorithm::FixedWindow {
+                            line.push_str(&format!(", algorithm: {}", limit.algorithm.name()));
+                        }
+                        if limit.algorithm.uses_burst() {
+                            line.push_str(&format!(", burst: {}", limit.burst));
+                        }
+                        line
                     });
                 }
                 walk(&node.children, out);
@@ -222,6 +288,7 @@ fn add_level(
     specs: &[DescriptorSpec],
     parent_key: &str,
     parent_shared: &[Option<Box<str>>],
+    default_algorithm: Algorithm,
 ) -> Result<(), String> {
     for spec in specs {
         if spec.key.is_empty() {
@@ -241,7 +308,25 @@ fn add_level(
         if duplicate {
             return Err(format!("duplicate descriptor composite key '{full_key}'"));
         }
-        let limit = spec.rate_limit.as_ref().map(compile_limit).transpose()?;
+        let mut limits = Vec::with_capacity(1 + spec.rate_limits.len());
+        if let Some(rate_limit) = &spec.rate_limit {
+            limits.push(compile_limit(
+                rate_limit,
+                &full_key,
+                "rate_limit",
+                default_algorithm,
+            )?);
+        }
+        for (i, rate_limit) in spec.rate_limits.iter().enumerate() {
+            let field = format!("rate_limits[{i}]");
+            let limit = compile_limit(rate_limit, &full_key, &field, default_algorithm)?;
+            if limit.unlimited {
+                return Err(format!(
+                    "rule '{full_key}': {field}: unlimited belongs in rate_limit, not in rate_limits"
+                ));
+            }
+            limits.push(limit);
+        }
         let is_wildcard = spec.value.contains('*');
         if spec.share_threshold && !is_wildcard {
             return Err(format!(
@@ -257,7 +342,7 @@ fn add_level(
         };
         let mut node = Node {
             full_key: full_key.clone().into(),
-            limit,
+            limits,
             shadow_mode: spec.shadow_mode,
             quota_mode: spec.quota_mode,
             detailed_metric: spec.detailed_metric,
@@ -277,6 +362,7 @@ fn add_level(
             &spec.descriptors,
             &full_key,
             &child_shared,
+            default_algorithm,
         )?;
         if is_wildcard {
             level.wildcards.push((Wildcard::new(&composite), node));
@@ -287,8 +373,41 @@ fn add_level(
     Ok(())
 }
 
-fn compile_limit(spec: &super::yaml::RateLimitSpec) -> Result<Limit, String> {
+fn compile_limit(
+    spec: &super::yaml::RateLimitSpec,
+    rule: &str,
+    field: &str,
+    default_algorithm: Algorithm,
+) -> Result<Limit, String> {
     let unit = spec.parsed_unit();
+    let algorithm = if spec.algorithm.is_empty() {
+        default_algorithm
+    } else {
+        Algorithm::from_name(&spec.algorithm).ok_or_else(|| {
+            format!(
+                "rule '{rule}': {field}.algorithm: unknown algorithm '{}'; use one of {}",
+                spec.algorithm,
+                Algorithm::NAMES.join(", ")
+            )
+        })?
+    };
+    if spec.burst.is_some() && !algorithm.uses_burst() {
+        return Err(format!(
+            "rule '{rule}': {field}.burst: burst means nothing for {}; it sets the capacity of token_bucket and gcra",
+            algorithm.name()
+        ));
+    }
+    let unit_multiplier = match spec.unit_multiplier {
+        None => 1,
+        Some(m) => u32::try_from(m).ok().filter(|m| *m >= 1).ok_or_else(|| {
+            format!("rule '{rule}': {field}.unit_multiplier: must be a whole number of at least 1, not {m}")
+        })?,
+    };
+    if algorithm == Algorithm::SlidingLog && spec.requests_per_unit > SLIDING_LOG_MAX_LIMIT {
+        return Err(format!(
+            "rule '{rule}': {field}.requests_per_unit: a sliding_log keeps one entry per hit; use at most {SLIDING_LOG_MAX_LIMIT}, or sliding_window"
+        ));
+    }
     if spec.unlimited {
         if unit.is_some() {
             return Err("should not specify rate limit unit when unlimited".into());
@@ -310,6 +429,9 @@ fn compile_limit(spec: &super::yaml::RateLimitSpec) -> Result<Limit, String> {
     Ok(Limit {
         requests_per_unit: spec.requests_per_unit,
         unit: unit.unwrap_or(Unit::Second),
+        unit_multiplier,
+        algorithm,
+        burst: spec.burst.unwrap_or(u64::from(spec.requests_per_unit)),
         unlimited: spec.unlimited,
         name,
         replaces: replaces.into(),
@@ -411,13 +533,13 @@ mod tests {
         )
         .unwrap();
         let root = &set.domains["d"].root;
-        let unit = |k: &str| root.exact[k].limit.as_ref().unwrap().unit.seconds();
+        let unit = |k: &str| root.exact[k].limit().unwrap().unit.seconds();
         assert_eq!(unit("s"), 1);
         assert_eq!(unit("w"), 604_800);
         assert_eq!(unit("m"), 2_592_000);
         assert_eq!(unit("y"), 31_536_000);
-        assert!(root.exact["u"].limit.as_ref().unwrap().unlimited);
-        assert_eq!(root.exact["z"].limit.as_ref().unwrap().requests_per_unit, 0);
+        assert!(root.exact["u"].limit().unwrap().unlimited);
+        assert_eq!(root.exact["z"].limit().unwrap().requests_per_unit, 0);
     }
 
     #[test]

@@ -28,6 +28,11 @@ const VALID_KEYS: &[&str] = &[
     "value_to_metric",
     "share_threshold",
     "metadata",
+    // ratelimitd's extensions.
+    "rate_limits",
+    "algorithm",
+    "burst",
+    "unit_multiplier",
 ];
 
 /// A YAML node, keeping map order (wildcards match in file order) and non-string keys (to reject them).
@@ -152,6 +157,8 @@ pub struct DescriptorSpec {
     pub key: String,
     pub value: String,
     pub rate_limit: Option<RateLimitSpec>,
+    /// Further limits on the same rule (`rate_limits:`).
+    pub rate_limits: Vec<RateLimitSpec>,
     pub descriptors: Vec<DescriptorSpec>,
     pub shadow_mode: bool,
     pub quota_mode: bool,
@@ -169,6 +176,11 @@ pub struct RateLimitSpec {
     pub unlimited: bool,
     pub name: String,
     pub replaces: Vec<String>,
+    /// Empty: the default algorithm.
+    pub algorithm: String,
+    pub burst: Option<u64>,
+    /// Written as an integer; `None` when absent.
+    pub unit_multiplier: Option<i64>,
 }
 
 impl RateLimitSpec {
@@ -306,6 +318,11 @@ fn descriptor(v: &Yaml) -> Result<DescriptorSpec, String> {
             "key" => spec.key = scalar_string(v, "key")?,
             "value" => spec.value = scalar_string(v, "value")?,
             "rate_limit" if !matches!(v, Yaml::Null) => spec.rate_limit = Some(rate_limit(v)?),
+            "rate_limits" => {
+                for item in list(v, "rate_limits")? {
+                    spec.rate_limits.push(rate_limit(item)?);
+                }
+            }
             "descriptors" => spec.descriptors = descriptor_list(v)?,
             "shadow_mode" => spec.shadow_mode = boolean(v, "shadow_mode")?,
             "quota_mode" => spec.quota_mode = boolean(v, "quota_mode")?,
@@ -334,6 +351,26 @@ fn rate_limit(v: &Yaml) -> Result<RateLimitSpec, String> {
             }
             "unlimited" => spec.unlimited = boolean(v, "unlimited")?,
             "name" => spec.name = scalar_string(v, "name")?,
+            "algorithm" => spec.algorithm = scalar_string(v, "algorithm")?,
+            "burst" => {
+                spec.burst = match v {
+                    Yaml::Null => None,
+                    Yaml::Int(i) => Some(
+                        u64::try_from(*i)
+                            .ok()
+                            .filter(|b| *b <= u64::from(u32::MAX))
+                            .ok_or_else(|| unmarshal_error(v, "burst", "a uint32"))?,
+                    ),
+                    other => return Err(unmarshal_error(other, "burst", "a uint32")),
+                }
+            }
+            "unit_multiplier" => {
+                spec.unit_multiplier = match v {
+                    Yaml::Null => None,
+                    Yaml::Int(i) => Some(*i),
+                    other => return Err(unmarshal_error(other, "unit_multiplier", "an integer")),
+                }
+            }
             "replaces" => {
                 for item in list(v, "replaces")? {
                     let mut name = String::new();

@@ -16,19 +16,19 @@ use std::{
     },
 };
 
-use super::{keys, Applied, Batch, CounterStore, Outcome, StoreError};
-use crate::algorithm::fixed_window;
+use super::{Applied, Batch, CounterStore, Outcome, StoreError};
+use crate::algorithm::{self, State};
 
 const SHARDS: usize = 64;
 
-#[derive(Debug, Clone, Copy)]
-struct Counter {
-    count: u64,
-    /// Seconds since the epoch at which the window ends and the counter is dead.
-    expires_at: u64,
+#[derive(Debug, Clone)]
+struct Entry {
+    state: State,
+    /// Milliseconds since the epoch after which the state means nothing and may be dropped.
+    expires_at_ms: u64,
 }
 
-type Shard = HashMap<Box<str>, Counter>;
+type Shard = HashMap<Box<str>, Entry>;
 
 /// Counters in memory. Exact for one replica; replicas do not share it.
 #[derive(Debug)]
@@ -58,16 +58,16 @@ impl MemoryStore {
         self.len() == 0
     }
 
-    /// Drops every counter whose window has ended; returns how many.
-    pub fn sweep(&self, now_secs: u64) -> usize {
+    /// Drops every counter whose state has expired; returns how many.
+    pub fn sweep(&self, now_ms: u64) -> usize {
         (0..self.shards.len())
-            .map(|i| self.purge(&mut lock(&self.shards[i]), now_secs))
+            .map(|i| self.purge(&mut lock(&self.shards[i]), now_ms))
             .sum()
     }
 
-    fn purge(&self, shard: &mut Shard, now_secs: u64) -> usize {
+    fn purge(&self, shard: &mut Shard, now_ms: u64) -> usize {
         let before = shard.len();
-        shard.retain(|_, c| c.expires_at > now_secs);
+        shard.retain(|_, e| e.expires_at_ms > now_ms);
         let removed = before - shard.len();
         self.len.fetch_sub(removed, Ordering::Relaxed);
         removed
@@ -77,12 +77,12 @@ impl MemoryStore {
         (self.hasher.hash_one(key) as usize) % self.shards.len()
     }
 
-    /// Reserves room for `new_keys` counters, reclaiming expired ones in the locked shards if needed.
+    /// Reserves room for `new_keys` counters, reclaiming expired ones if needed.
     fn reserve(
         &self,
         new_keys: usize,
         guards: &mut [(usize, MutexGuard<'_, Shard>)],
-        now_secs: u64,
+        now_ms: u64,
     ) -> Result<(), StoreError> {
         if new_keys == 0 {
             return Ok(());
@@ -95,14 +95,14 @@ impl MemoryStore {
             self.len.fetch_sub(new_keys, Ordering::Relaxed);
             if attempt == 0 {
                 for (_, shard) in guards.iter_mut() {
-                    self.purge(shard, now_secs);
+                    self.purge(shard, now_ms);
                 }
                 // Other shards too, without waiting for them: blocking here could deadlock with a batch
                 // that holds them and waits for ours.
                 for (i, shard) in self.shards.iter().enumerate() {
                     if guards.iter().all(|(held, _)| *held != i) {
                         if let Ok(mut shard) = shard.try_lock() {
-                            self.purge(&mut shard, now_secs);
+                            self.purge(&mut shard, now_ms);
                         }
                     }
                 }
@@ -113,13 +113,12 @@ impl MemoryStore {
         })
     }
 
-    fn apply_now(&self, batch: &Batch, now_millis: u64) -> Result<Applied, StoreError> {
-        let now = now_millis / 1000;
+    fn apply_now(&self, batch: &Batch, now_ms: u64) -> Result<Applied, StoreError> {
         let keys: Vec<(usize, String)> = batch
             .checks
             .iter()
             .map(|c| {
-                let key = keys::with_window(&c.key, fixed_window::window_start(now, c.window));
+                let key = c.storage_key(now_ms);
                 (self.shard_of(&key), key)
             })
             .collect();
@@ -136,66 +135,58 @@ impl MemoryStore {
             .map(|(shard, _)| shard_ids.partition_point(|i| i < shard))
             .collect();
 
-        // Counts as they stand, with the costs of earlier checks on the same key of this batch added,
-        // as if the checks ran one after another.
-        let mut counts = Vec::with_capacity(keys.len());
-        for (i, (_, key)) in keys.iter().enumerate() {
+        // Decide every check in order; a key checked twice sees the first check's cost.
+        let mut pending: HashMap<&str, State> = HashMap::new();
+        let mut decisions = Vec::with_capacity(keys.len());
+        // The stored state of each check's key, before this batch.
+        let mut before: Vec<Option<State>> = Vec::with_capacity(keys.len());
+        for (i, (check, (_, key))) in batch.checks.iter().zip(&keys).enumerate() {
             let stored = guards[slots[i]]
                 .1
                 .get(key.as_str())
-                .filter(|c| c.expires_at > now)
-                .map_or(0, |c| c.count);
-            let earlier: u64 = (0..i)
-                .filter(|&j| keys[j].1 == *key)
-                .map(|j| batch.checks[j].cost)
-                .sum();
-            counts.push(stored.saturating_add(earlier));
+                .filter(|e| e.expires_at_ms > now_ms)
+                .map(|e| e.state.clone());
+            let state = match pending.get(key.as_str()) {
+                Some(s) => Some(s.clone()),
+                None => stored.clone(),
+            };
+            let (decision, next) =
+                algorithm::decide(&check.params, state.as_ref(), now_ms, check.cost);
+            let counts_denied = check.params.algorithm == algorithm::Algorithm::FixedWindow;
+            if check.cost > 0 && (decision.allowed || counts_denied) {
+                pending.insert(key.as_str(), next);
+            }
+            before.push(stored);
+            decisions.push(decision);
         }
-        let verdicts: Vec<fixed_window::Verdict> = batch
-            .checks
-            .iter()
-            .zip(&counts)
-            .map(|(c, &count)| fixed_window::check(count, c.limit, c.cost))
-            .collect();
-        let denied = batch.is_denied(|i| verdicts[i].allowed);
+        let denied = batch.is_denied(|i| decisions[i].allowed);
         let consume = !denied || batch.consume_on_deny;
 
-        if consume {
-            let mut new_keys = 0;
-            for (i, (_, key)) in keys.iter().enumerate() {
-                let first_in_batch = !keys[..i].iter().any(|(_, k)| k == key);
-                let live = guards[slots[i]]
-                    .1
-                    .get(key.as_str())
-                    .is_some_and(|c| c.expires_at > now);
-                if first_in_batch && !live && batch.checks[i].cost > 0 {
-                    new_keys += 1;
-                }
-            }
-            self.reserve(new_keys, &mut guards, now)?;
+        if consume && !pending.is_empty() {
+            let new_keys = pending
+                .keys()
+                .filter(|key| {
+                    let slot = slots[keys.iter().position(|(_, k)| k == *key).unwrap_or(0)];
+                    // An expired entry is overwritten in place: only absent keys need room.
+                    !guards[slot].1.contains_key(**key)
+                })
+                .count();
+            self.reserve(new_keys, &mut guards, now_ms)?;
             for (i, (check, (_, key))) in batch.checks.iter().zip(&keys).enumerate() {
-                if check.cost == 0 {
+                let Some(state) = pending.remove(key.as_str()) else {
                     continue;
-                }
-                let expires_at = fixed_window::window_start(now, check.window) + check.window;
+                };
+                let expires_at_ms = algorithm::expires_at_ms(&check.params, &state, now_ms);
+                let entry = Entry {
+                    state,
+                    expires_at_ms,
+                };
                 let map = &mut guards[slots[i]].1;
                 match map.get_mut(key.as_str()) {
-                    Some(c) if c.expires_at > now => c.count = c.count.saturating_add(check.cost),
-                    // An expired counter still occupies its slot until a sweep: reuse it.
-                    Some(c) => {
-                        *c = Counter {
-                            count: check.cost,
-                            expires_at,
-                        }
-                    }
+                    // A live or expired entry keeps its slot in the map.
+                    Some(e) => *e = entry,
                     None => {
-                        map.insert(
-                            key.as_str().into(),
-                            Counter {
-                                count: check.cost,
-                                expires_at,
-                            },
-                        );
+                        map.insert(key.as_str().into(), entry);
                     }
                 }
             }
@@ -204,18 +195,18 @@ impl MemoryStore {
         let outcomes = batch
             .checks
             .iter()
-            .zip(&verdicts)
-            .zip(&counts)
-            .map(|((check, verdict), &count)| {
-                let left = if consume { verdict.count_after } else { count };
-                Outcome {
-                    allowed: verdict.allowed,
-                    remaining: if verdict.allowed {
-                        fixed_window::remaining(left, check.limit)
-                    } else {
-                        0
-                    },
-                    reset_after: fixed_window::seconds_until_reset(now, check.window),
+            .zip(&decisions)
+            .zip(&before)
+            .map(|((check, decision), state)| {
+                if consume || !decision.allowed {
+                    Outcome::from(*decision)
+                } else {
+                    // Allowed but not consumed: report the quota as it stands.
+                    let (as_is, _) = algorithm::decide(&check.params, state.as_ref(), now_ms, 0);
+                    Outcome {
+                        allowed: true,
+                        ..Outcome::from(as_is)
+                    }
                 }
             })
             .collect();
@@ -243,13 +234,7 @@ mod tests {
     use crate::store::{Check, Role};
 
     fn check(key: &str, limit: u64, window: u64, cost: u64, role: Role) -> Check {
-        Check {
-            key: key.into(),
-            limit,
-            window,
-            cost,
-            role,
-        }
+        Check::fixed_window(key.into(), limit, window, cost, role)
     }
 
     fn run(store: &MemoryStore, batch: &Batch, now_secs: u64) -> Applied {
@@ -277,7 +262,8 @@ mod tests {
             Outcome {
                 allowed: true,
                 remaining: 8,
-                reset_after: 20
+                reset_after: 20,
+                retry_after: 0
             }
         );
         assert_eq!(third.outcomes[1].remaining, 0);
@@ -386,7 +372,7 @@ mod tests {
         // Once their windows end, their room is reused without waiting for a sweep.
         assert!(!run(&store, &one("c_"), 11).denied);
         assert_eq!(store.len(), 1);
-        assert_eq!(store.sweep(12), 1);
+        assert_eq!(store.sweep(12_000), 1);
         assert!(store.is_empty());
     }
 
@@ -407,7 +393,7 @@ mod tests {
                 };
                 run(&store, &batch, second);
             }
-            store.sweep(second);
+            store.sweep(second * 1000);
             assert!(
                 store.len() <= 200,
                 "second {second}: {} counters",

@@ -10,7 +10,10 @@ use std::{future::Future, sync::Arc, time::Duration};
 
 use tokio_util::sync::CancellationToken;
 
-use crate::clock::Clock;
+use crate::{
+    algorithm::{Algorithm, Decision, Params},
+    clock::Clock,
+};
 
 pub use memory::MemoryStore;
 pub use redis::RedisStore;
@@ -29,15 +32,44 @@ pub enum Role {
 /// One counter to check (and consume) for one request.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Check {
-    /// The counter key without its window suffix (see [`keys`]); the store appends the window start.
+    /// The counter key (see [`keys`]); for fixed windows without the window start, which the store
+    /// appends.
     pub key: String,
-    /// Hits allowed per window.
-    pub limit: u64,
-    /// Window length in seconds.
-    pub window: u64,
+    /// The limit and how it counts.
+    pub params: Params,
     /// Hits this request adds; 0 only checks.
     pub cost: u64,
     pub role: Role,
+}
+
+impl Check {
+    /// A fixed-window check (the reference service's counting).
+    pub fn fixed_window(key: String, limit: u64, window_secs: u64, cost: u64, role: Role) -> Self {
+        Self {
+            key,
+            params: Params {
+                algorithm: Algorithm::FixedWindow,
+                limit,
+                window_ms: window_secs * 1000,
+                burst: limit,
+            },
+            cost,
+            role,
+        }
+    }
+
+    /// The key the state lives under at `now_ms`: fixed windows append the window start in seconds
+    /// (the reference layout); the other algorithms keep one key.
+    pub fn storage_key(&self, now_ms: u64) -> String {
+        match self.params.algorithm {
+            Algorithm::FixedWindow => {
+                let window_secs = (self.params.window_ms / 1000).max(1);
+                let now = now_ms / 1000;
+                keys::with_window(&self.key, now - now % window_secs)
+            }
+            _ => self.key.clone(),
+        }
+    }
 }
 
 /// Every check of one request.
@@ -75,10 +107,23 @@ impl Batch {
 pub struct Outcome {
     /// This counter alone allows the request's cost.
     pub allowed: bool,
-    /// Hits left in the window after this request (0 when over).
+    /// Hits left after this request (0 when over).
     pub remaining: u64,
-    /// Seconds until the counter is fully reset.
+    /// Seconds until the counter is fully reset (rounded up).
     pub reset_after: u64,
+    /// When not allowed: seconds before the same cost would be (rounded up); 0 when allowed.
+    pub retry_after: u64,
+}
+
+impl From<Decision> for Outcome {
+    fn from(d: Decision) -> Self {
+        Self {
+            allowed: d.allowed,
+            remaining: d.remaining,
+            reset_after: d.reset_ms.div_ceil(1000),
+            retry_after: d.retry_ms.div_ceil(1000),
+        }
+    }
 }
 
 /// The result of a batch, one outcome per check in order.
@@ -133,7 +178,7 @@ impl Store {
                 _ = stop.cancelled() => break,
                 _ = tick.tick() => match self {
                     Store::Memory(store) => {
-                        let removed = store.sweep(clock.now_secs());
+                        let removed = store.sweep(clock.now_millis());
                         if removed > 0 {
                             tracing::debug!(removed, remaining = store.len(), "expired counters reclaimed");
                         }
@@ -165,13 +210,7 @@ mod tests {
         let clock = Clock::manual(10_000);
         let batch = Batch {
             checks: (0..10)
-                .map(|i| Check {
-                    key: format!("k{i}_"),
-                    limit: 5,
-                    window: 1,
-                    cost: 1,
-                    role: Role::Enforce,
-                })
+                .map(|i| Check::fixed_window(format!("k{i}_"), 5, 1, 1, Role::Enforce))
                 .collect(),
             consume_on_deny: false,
         };

@@ -1,85 +1,288 @@
 -- ratelimitd: decide every check of one request (or of one Cluster hash slot) atomically.
 --
--- KEYS[i]   counter key of check i: the fixed-window key, ending with the window start.
--- ARGV[1]   1: consume every check even when the request is denied; 0: consume only if allowed.
+-- KEYS[i]   state key of check i. Fixed window: the counter key, ending with the window start (the
+--           reference layout). Other algorithms: one key per descriptor and limit.
+-- ARGV[1]   1: consume every allowed check (and count every fixed-window hit) even when the request is
+--           denied; 0: consume only if the request is allowed.
 -- ARGV[2]   1: these are all the checks of the request (quota checks may deny); 0: a part of them.
--- ARGV[3]   extra seconds of TTL for counters this call creates (expiry jitter).
--- ARGV[4..] five integers per check i: limit, window (seconds), cost, role (0 enforce, 1 shadow,
---           2 quota), window start the caller computed.
+-- ARGV[3]   extra seconds of TTL for fixed-window counters this call creates (expiry jitter).
+-- ARGV[4..] seven integers per check i: algorithm (0 fixed window, 1 sliding window, 2 sliding log,
+--           3 token bucket, 4 GCRA), limit, window (ms), cost, role (0 enforce, 1 shadow, 2 quota),
+--           burst, fixed-window start (s; 0 for the other algorithms).
 --
--- Reply: { status, denied, server time in ms, then per check: allowed (1/0), remaining, reset seconds }.
---   status 0: decided. status 1: a window start disagrees with this server's clock; nothing was
+-- Reply: { status, denied, server time (ms), then per check: allowed (1/0), remaining, reset (ms),
+--          retry (ms) }.
+--   status 0: decided. status 1: a fixed-window start disagrees with this server's clock; nothing was
 --   read or written, and the caller retries with keys for the server time it is given.
--- Time is the Redis server's (TIME), so replicas with skewed clocks count in the same windows.
+--
+-- The arithmetic mirrors src/algorithm/mod.rs operation for operation, so the memory store and Redis
+-- give the same answers. Time is the Redis server's (TIME), so replicas with skewed clocks agree.
 
 local consume_on_deny = ARGV[1] == '1'
 local complete = ARGV[2] == '1'
 local jitter = tonumber(ARGV[3])
 local t = redis.call('TIME')
-local now = tonumber(t[1])
-local now_ms = now * 1000 + math.floor(tonumber(t[2]) / 1000)
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local n = #KEYS
 
-local limit, window, cost, role = {}, {}, {}, {}
+local checks = {}
 for i = 1, n do
-  local a = 3 + (i - 1) * 5
-  limit[i] = tonumber(ARGV[a + 1])
-  window[i] = tonumber(ARGV[a + 2])
-  cost[i] = tonumber(ARGV[a + 3])
-  role[i] = tonumber(ARGV[a + 4])
-  if now - (now % window[i]) ~= tonumber(ARGV[a + 5]) then
-    return { 1, 0, now_ms }
+  local a = 3 + (i - 1) * 7
+  local c = {
+    alg = tonumber(ARGV[a + 1]), limit = tonumber(ARGV[a + 2]), w = tonumber(ARGV[a + 3]),
+    cost = tonumber(ARGV[a + 4]), role = tonumber(ARGV[a + 5]), burst = tonumber(ARGV[a + 6]),
+    key = KEYS[i],
+  }
+  if c.alg == 0 then
+    local ws = c.w / 1000
+    local now_s = math.floor(now / 1000)
+    if now_s - (now_s % ws) ~= tonumber(ARGV[a + 7]) then
+      return { 1, 0, now }
+    end
+  end
+  checks[i] = c
+end
+
+-- State readers: each returns the state table, or nil when the key holds nothing.
+local function load(c)
+  local key = c.key
+  if c.alg == 0 then
+    local count = redis.call('GET', key)
+    if not count then return nil end
+    return { start = now - now % c.w, count = tonumber(count), stored = tonumber(count) }
+  elseif c.alg == 1 then
+    local v = redis.call('HMGET', key, 's', 'c', 'p')
+    if not v[1] then return nil end
+    return { start = tonumber(v[1]), current = tonumber(v[2]), previous = tonumber(v[3]) }
+  elseif c.alg == 2 then
+    local scores = redis.call('ZRANGEBYSCORE', key, '(' .. (now - c.w), '+inf', 'WITHSCORES')
+    local hits = {}
+    for j = 2, #scores, 2 do hits[#hits + 1] = tonumber(scores[j]) end
+    return { hits = hits, added = 0 }
+  elseif c.alg == 3 then
+    local v = redis.call('HMGET', key, 't', 'l')
+    if not v[1] then return nil end
+    return { tokens = tonumber(v[1]), last = tonumber(v[2]) }
+  else
+    local tat = redis.call('GET', key)
+    if not tat then return nil end
+    return { tat = tonumber(tat) }
   end
 end
 
--- Counts as they stand, with earlier checks on the same key in this call added.
-local count, allowed, pending = {}, {}, {}
-for i = 1, n do
-  local key = KEYS[i]
-  local current = pending[key]
-  if current == nil then
-    current = tonumber(redis.call('GET', key) or '0')
+local function copy(s)
+  if s == nil then return nil end
+  local c = {}
+  for k, v in pairs(s) do c[k] = v end
+  if s.hits then
+    c.hits = {}
+    for j = 1, #s.hits do c.hits[j] = s.hits[j] end
   end
-  count[i] = current
-  allowed[i] = current + cost[i] <= limit[i]
-  pending[key] = current + cost[i]
+  return c
+end
+
+local function ceil0(x)
+  if x < 0 then return 0 end
+  return math.ceil(x)
+end
+
+-- The algorithms: (params, state or nil, cost) -> allowed, remaining, reset, retry, next state.
+local function fixed(c, s, cost)
+  local start = now - now % c.w
+  local count = 0
+  if s and s.start == start then count = s.count end
+  local after = count + cost
+  local allowed = after <= c.limit
+  local reset = c.w - now % c.w
+  local remaining, retry = 0, reset
+  if allowed then remaining = math.max(c.limit - after, 0); retry = 0 end
+  return allowed, remaining, reset, retry,
+    { start = start, count = after, stored = s and s.stored or 0 }
+end
+
+local function sliding_window_wait(c, current, previous, elapsed, cost)
+  local w, limit = c.w, c.limit
+  if cost > limit then return c.w * 2 - elapsed end
+  local left = w - elapsed
+  if current + cost <= limit and previous > 0 then
+    return ceil0(left - (limit - current - cost) * w / previous)
+  end
+  local t = 0
+  if current > 0 then t = math.max(w - (limit - cost) * w / current, 0) end
+  return math.ceil(left + t)
+end
+
+local function sliding_window(c, s, cost)
+  local w = c.w
+  local start = now - now % w
+  local current, previous = 0, 0
+  if s then
+    if s.start == start then current, previous = s.current, s.previous
+    elseif s.start + w == start then previous = s.current end
+  end
+  local elapsed = now - start
+  local weight = (w - elapsed) / w
+  local estimate = previous * weight + current
+  local allowed = estimate + cost <= c.limit
+  local after_current, after_estimate = current, estimate
+  if allowed then after_current, after_estimate = current + cost, estimate + cost end
+  local reset = 0
+  if after_current > 0 then reset = start + 2 * w - now
+  elseif previous > 0 then reset = start + w - now end
+  local remaining, retry = 0, 0
+  if allowed then remaining = math.floor(math.max(c.limit - after_estimate, 0))
+  else retry = sliding_window_wait(c, current, previous, elapsed, cost) end
+  return allowed, remaining, reset, retry, { start = start, current = after_current, previous = previous }
+end
+
+local function sliding_log(c, s, cost)
+  local hits, added = {}, 0
+  if s then
+    for j = 1, #s.hits do
+      if s.hits[j] + c.w > now then hits[#hits + 1] = s.hits[j] end
+    end
+    added = s.added
+  end
+  local count = #hits
+  local allowed = count + cost <= c.limit
+  local retry = 0
+  if not allowed then
+    if cost > c.limit then retry = c.w
+    else retry = hits[count + cost - c.limit] + c.w - now end
+  else
+    for _ = 1, cost do hits[#hits + 1] = now end
+    added = added + cost
+  end
+  local reset = 0
+  if #hits > 0 then reset = hits[#hits] + c.w - now end
+  local remaining = 0
+  if allowed then remaining = c.limit - #hits end
+  return allowed, remaining, reset, retry, { hits = hits, added = added }
+end
+
+local function token_bucket(c, s, cost)
+  local capacity = c.burst
+  local per_ms = c.limit / c.w
+  local tokens = capacity
+  if s then tokens = math.min(s.tokens + math.max(now - s.last, 0) * per_ms, capacity) end
+  local allowed = cost <= tokens
+  local after = tokens
+  if allowed then after = tokens - cost end
+  local function refill(missing)
+    if per_ms > 0 then return ceil0(missing / per_ms) end
+    return c.w
+  end
+  local retry = 0
+  if not allowed then
+    if cost > capacity then retry = c.w else retry = refill(cost - tokens) end
+  end
+  local remaining = 0
+  if allowed then remaining = math.floor(after) end
+  return allowed, remaining, refill(capacity - after), retry, { tokens = after, last = now }
+end
+
+local function gcra(c, s, cost)
+  local interval = c.w * 1000.0 / math.max(c.limit, 1)
+  local capacity = interval * c.burst
+  local now_us = now * 1000.0
+  local tat = now_us
+  if s then tat = math.max(s.tat, now_us) end
+  local new_tat = tat + cost * interval
+  local allowed = c.limit > 0 and new_tat - now_us <= capacity
+  local kept = tat
+  if allowed then kept = new_tat end
+  local remaining = math.max(math.floor((capacity - (kept - now_us)) / interval), 0)
+  local retry = 0
+  if not allowed then
+    if c.limit == 0 or cost > c.burst then retry = c.w
+    else retry = ceil0((new_tat - capacity - now_us) / 1000.0) end
+    remaining = 0
+  end
+  return allowed, remaining, ceil0((kept - now_us) / 1000.0), retry, { tat = math.ceil(kept) }
+end
+
+local algorithms = { [0] = fixed, [1] = sliding_window, [2] = sliding_log, [3] = token_bucket, [4] = gcra }
+
+-- Decide in order; a key checked twice in one call sees the earlier checks' costs.
+local state, loaded, original = {}, {}, {}
+local allowed, results = {}, {}
+for i = 1, n do
+  local c = checks[i]
+  if not loaded[c.key] then
+    state[c.key] = load(c)
+    original[c.key] = copy(state[c.key])
+    loaded[c.key] = true
+  end
+  local ok, remaining, reset, retry, next_state = algorithms[c.alg](c, state[c.key], c.cost)
+  allowed[i] = ok
+  results[i] = { remaining, reset, retry }
+  if c.cost > 0 and (ok or c.alg == 0) then
+    state[c.key] = next_state
+    c.changed = true
+  end
 end
 
 local denied = false
 local quota, quota_over = 0, 0
 for i = 1, n do
-  if role[i] == 0 and not allowed[i] then
+  if checks[i].role == 0 and not allowed[i] then
     denied = true
-  elseif role[i] == 2 then
+  elseif checks[i].role == 2 then
     quota = quota + 1
     if not allowed[i] then quota_over = quota_over + 1 end
   end
 end
 if complete and quota > 0 and quota == quota_over then denied = true end
-
 local consume = consume_on_deny or not denied
+
 if consume then
+  local written = {}
   for i = 1, n do
-    if cost[i] > 0 then
-      local after = redis.call('INCRBY', KEYS[i], cost[i])
-      -- The TTL is set once, when this call created the counter.
-      if after == cost[i] then
-        redis.call('EXPIRE', KEYS[i], window[i] + jitter)
+    local c = checks[i]
+    local s = state[c.key]
+    if c.changed and not written[c.key] then
+      written[c.key] = true
+      if c.alg == 0 then
+        local after = redis.call('INCRBY', c.key, s.count - s.stored)
+        -- The TTL is set once, when this call created the counter.
+        if after == s.count - s.stored then
+          redis.call('EXPIRE', c.key, c.w / 1000 + jitter)
+        end
+      elseif c.alg == 1 then
+        redis.call('HSET', c.key, 's', s.start, 'c', s.current, 'p', s.previous)
+        redis.call('PEXPIRE', c.key, s.start + 2 * c.w - now)
+      elseif c.alg == 2 then
+        redis.call('ZREMRANGEBYSCORE', c.key, '-inf', now - c.w)
+        local card = redis.call('ZCARD', c.key)
+        local new = s.added - (original[c.key] and original[c.key].added or 0)
+        for j = 1, new do
+          redis.call('ZADD', c.key, now, now .. ':' .. (card + j))
+        end
+        redis.call('PEXPIRE', c.key, c.w)
+      elseif c.alg == 3 then
+        local full_in = 1
+        if c.limit > 0 then full_in = ceil0((c.burst - s.tokens) / (c.limit / c.w)) + 1 end
+        redis.call('HSET', c.key, 't', string.format('%.17g', s.tokens), 'l', s.last)
+        redis.call('PEXPIRE', c.key, full_in)
+      else
+        redis.call('SET', c.key, string.format('%d', s.tat), 'PX', ceil0(s.tat / 1000 - now) + 1)
       end
     end
   end
 end
 
-local reply = { 0, denied and 1 or 0, now_ms }
+local reply = { 0, denied and 1 or 0, now }
 for i = 1, n do
-  local remaining = 0
-  if allowed[i] then
-    local used = count[i]
-    if consume then used = used + cost[i] end
-    remaining = math.max(limit[i] - used, 0)
+  local c = checks[i]
+  local remaining, reset, retry = results[i][1], results[i][2], results[i][3]
+  if allowed[i] and not consume then
+    -- Allowed but not consumed: the quota as it stands.
+    local _, r, z = algorithms[c.alg](c, original[c.key], 0)
+    remaining, reset = r, z
   end
   reply[#reply + 1] = allowed[i] and 1 or 0
   reply[#reply + 1] = remaining
-  reply[#reply + 1] = window[i] - (now % window[i])
+  reply[#reply + 1] = reset
+  reply[#reply + 1] = retry
 end
 return reply

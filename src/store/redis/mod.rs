@@ -32,9 +32,9 @@ use fred::{
 };
 use futures_util::future::join_all;
 
-use super::{breaker::Breaker, keys, Applied, Batch, CounterStore, Outcome, Role, StoreError};
+use super::{breaker::Breaker, Applied, Batch, CounterStore, Outcome, Role, StoreError};
 use crate::{
-    algorithm::fixed_window,
+    algorithm::{Algorithm, Decision},
     settings::{RedisSettings, RedisTopology, SocketType},
 };
 
@@ -144,18 +144,18 @@ impl RedisStore {
     async fn decide_now(&self, batch: &Batch, local_ms: u64) -> Result<Applied, StoreError> {
         let mut now_ms = local_ms as i64 + self.clock_offset_ms.load(Ordering::Relaxed);
         for _ in 0..2 {
-            let now = u64::try_from(now_ms / 1000).unwrap_or(0);
+            let now_ms_u = u64::try_from(now_ms).unwrap_or(0);
             let keys: Vec<String> = batch
                 .checks
                 .iter()
-                .map(|c| keys::with_window(&c.key, fixed_window::window_start(now, c.window)))
+                .map(|c| c.storage_key(now_ms_u))
                 .collect();
             let groups = self.slot_groups(&keys);
             let complete = groups.len() == 1;
             let replies = join_all(
                 groups
                     .iter()
-                    .map(|group| self.call_decide(batch, &keys, group, complete, now)),
+                    .map(|group| self.call_decide(batch, &keys, group, complete, now_ms_u)),
             )
             .await;
             let mut slots = Vec::with_capacity(replies.len());
@@ -177,7 +177,8 @@ impl RedisStore {
                 Outcome {
                     allowed: false,
                     remaining: 0,
-                    reset_after: 0
+                    reset_after: 0,
+                    retry_after: 0,
                 };
                 batch.checks.len()
             ];
@@ -197,7 +198,12 @@ impl RedisStore {
                                 outcomes[i].remaining = outcomes[i]
                                     .remaining
                                     .saturating_add(batch.checks[i].cost)
-                                    .min(batch.checks[i].limit);
+                                    .min(
+                                        batch.checks[i]
+                                            .params
+                                            .burst
+                                            .max(batch.checks[i].params.limit),
+                                    );
                             }
                         }
                     }
@@ -231,14 +237,15 @@ impl RedisStore {
         keys: &[String],
         group: &[usize],
         complete: bool,
-        now: u64,
+        now_ms: u64,
     ) -> Result<SlotReply, StoreError> {
         let jitter = if self.jitter_max == 0 {
             0
         } else {
             rand::random_range(0..=self.jitter_max)
         };
-        let mut args: Vec<i64> = Vec::with_capacity(3 + group.len() * 5);
+        let now = now_ms / 1000;
+        let mut args: Vec<i64> = Vec::with_capacity(3 + group.len() * 7);
         args.extend([
             i64::from(batch.consume_on_deny),
             i64::from(complete),
@@ -248,16 +255,25 @@ impl RedisStore {
         for &i in group {
             let c = &batch.checks[i];
             group_keys.push(keys[i].clone());
+            let p = &c.params;
+            let window_start = if p.algorithm == Algorithm::FixedWindow {
+                let window_secs = (p.window_ms / 1000).max(1);
+                now - now % window_secs
+            } else {
+                0
+            };
             args.extend([
-                to_i64(c.limit),
-                to_i64(c.window),
+                i64::from(p.algorithm.code()),
+                to_i64(p.limit),
+                to_i64(p.window_ms),
                 to_i64(c.cost),
                 match c.role {
                     Role::Enforce => 0,
                     Role::Shadow => 1,
                     Role::Quota => 2,
                 },
-                to_i64(fixed_window::window_start(now, c.window)),
+                to_i64(p.burst),
+                to_i64(window_start),
             ]);
         }
         let reply: Vec<i64> = self
@@ -282,13 +298,26 @@ impl RedisStore {
                 return None;
             }
             let refund_keys: Vec<String> = group.iter().map(|&i| keys[i].clone()).collect();
-            let hits: Vec<i64> = group
-                .iter()
-                .map(|&i| to_i64(batch.checks[i].cost))
-                .collect();
+            let mut args: Vec<i64> = vec![slot.server_ms];
+            for (&i, outcome) in group.iter().zip(&slot.outcomes) {
+                let c = &batch.checks[i];
+                // Only what was consumed: allowed checks, and every fixed-window hit.
+                let hits = if outcome.allowed || c.params.algorithm == Algorithm::FixedWindow {
+                    c.cost
+                } else {
+                    0
+                };
+                args.extend([
+                    i64::from(c.params.algorithm.code()),
+                    to_i64(hits),
+                    to_i64(c.params.window_ms),
+                    to_i64(c.params.limit),
+                    to_i64(c.params.burst),
+                ]);
+            }
             Some(async move {
                 self.refund
-                    .evalsha_with_reload::<i64, _, _>(self.pool.next(), refund_keys, hits)
+                    .evalsha_with_reload::<i64, _, _>(self.pool.next(), refund_keys, args)
                     .await
             })
         });
@@ -338,7 +367,7 @@ fn parse_reply(reply: &[i64], checks: usize) -> Result<SlotReply, StoreError> {
             outcomes: Vec::new(),
         });
     }
-    if status != 0 || rest.len() != checks * 3 {
+    if status != 0 || rest.len() != checks * 4 {
         return Err(bad());
     }
     Ok(SlotReply {
@@ -346,11 +375,15 @@ fn parse_reply(reply: &[i64], checks: usize) -> Result<SlotReply, StoreError> {
         denied: denied == 1,
         server_ms,
         outcomes: rest
-            .chunks_exact(3)
-            .map(|c| Outcome {
-                allowed: c[0] == 1,
-                remaining: u64::try_from(c[1]).unwrap_or(0),
-                reset_after: u64::try_from(c[2]).unwrap_or(0),
+            .chunks_exact(4)
+            .map(|c| {
+                let ms = |v: i64| u64::try_from(v).unwrap_or(0);
+                Outcome::from(Decision {
+                    allowed: c[0] == 1,
+                    remaining: ms(c[1]),
+                    reset_ms: ms(c[2]),
+                    retry_ms: ms(c[3]),
+                })
             })
             .collect(),
     })
@@ -531,10 +564,14 @@ mod tests {
     #[test]
     fn malformed_script_replies_are_errors_not_panics() {
         assert!(parse_reply(&[], 1).is_err());
-        assert!(parse_reply(&[0, 0, 5, 1, 2], 1).is_err());
+        assert!(parse_reply(&[0, 0, 5, 1, 2, 3], 1).is_err());
         assert!(parse_reply(&[7, 0, 5], 0).is_err());
-        let r = parse_reply(&[0, 1, 5, 0, 0, 3], 1).unwrap();
-        assert!(r.denied && !r.outcomes[0].allowed && r.outcomes[0].reset_after == 3);
+        let r = parse_reply(&[0, 1, 5, 0, 0, 2500, 1001], 1).unwrap();
+        assert!(r.denied && !r.outcomes[0].allowed);
+        assert_eq!(
+            (r.outcomes[0].reset_after, r.outcomes[0].retry_after),
+            (3, 2)
+        );
         assert!(parse_reply(&[1, 0, 5], 2).unwrap().window_mismatch);
     }
 }

@@ -1,15 +1,41 @@
--- ratelimitd: give back hits a Cluster slot consumed for a request that another slot denied.
+-- ratelimitd: give back what a Cluster slot consumed for a request that another slot denied.
 --
--- KEYS[i]   counter key the hits were added to.
--- ARGV[i]   hits to take back from KEYS[i].
+-- KEYS[i]   state key check i consumed from.
+-- ARGV[1]   the server time (ms) of the decide call that consumed.
+-- ARGV[2..] five integers per key i: algorithm (0 fixed window, 1 sliding window, 2 sliding log,
+--           3 token bucket, 4 GCRA), hits to give back, window (ms), limit, burst.
 --
--- A counter that has expired in the meantime is left alone rather than created negative.
+-- State that has expired or moved on in the meantime is left alone rather than made negative.
 -- Reply: 0.
 
+local stamp = tonumber(ARGV[1])
 for i = 1, #KEYS do
-  local hits = tonumber(ARGV[i])
-  if hits > 0 and redis.call('EXISTS', KEYS[i]) == 1 then
-    redis.call('DECRBY', KEYS[i], hits)
+  local a = 1 + (i - 1) * 5
+  local alg, hits, w = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3])
+  local limit, burst = tonumber(ARGV[a + 4]), tonumber(ARGV[a + 5])
+  local key = KEYS[i]
+  if hits > 0 and redis.call('EXISTS', key) == 1 then
+    if alg == 0 then
+      redis.call('DECRBY', key, hits)
+    elseif alg == 1 then
+      local start = stamp - stamp % w
+      local v = redis.call('HMGET', key, 's', 'c', 'p')
+      if tonumber(v[1]) == start then
+        redis.call('HSET', key, 'c', math.max(tonumber(v[2]) - hits, 0))
+      elseif tonumber(v[1]) == start + w then
+        redis.call('HSET', key, 'p', math.max(tonumber(v[3]) - hits, 0))
+      end
+    elseif alg == 2 then
+      local members = redis.call('ZRANGEBYSCORE', key, stamp, stamp, 'LIMIT', 0, hits)
+      if #members > 0 then redis.call('ZREM', key, unpack(members)) end
+    elseif alg == 3 then
+      local tokens = tonumber(redis.call('HGET', key, 't'))
+      redis.call('HSET', key, 't', string.format('%.17g', math.min(tokens + hits, burst)))
+    else
+      local tat = tonumber(redis.call('GET', key))
+      local interval = w * 1000.0 / math.max(limit, 1)
+      redis.call('SET', key, string.format('%d', math.ceil(tat - hits * interval)), 'KEEPTTL')
+    end
   end
 end
 return 0

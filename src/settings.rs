@@ -21,6 +21,8 @@ use std::{
 
 use serde::{Deserialize, Serialize};
 
+use crate::algorithm::Algorithm;
+
 /// A setting that could not be read or does not make sense.
 #[derive(Debug, thiserror::Error)]
 pub enum SettingsError {
@@ -243,6 +245,8 @@ pub struct RulesSettings {
     /// Env `MERGE_DOMAIN_CONFIG` (default false): files naming the same domain are merged instead of
     /// rejected.
     pub merge_domains: bool,
+    /// The algorithm of limits that do not name one (default `fixed_window`, the reference's).
+    pub default_algorithm: Algorithm,
 }
 
 impl Default for RulesSettings {
@@ -255,6 +259,7 @@ impl Default for RulesSettings {
             runtime_watch_root: true,
             ignore_dotfiles: false,
             merge_domains: false,
+            default_algorithm: Algorithm::FixedWindow,
         }
     }
 }
@@ -271,6 +276,8 @@ pub struct RulesSource {
     pub ignore_dotfiles: bool,
     /// Merge files of the same domain.
     pub merge_domains: bool,
+    /// The algorithm of limits that do not name one.
+    pub default_algorithm: Algorithm,
 }
 
 impl RulesSettings {
@@ -293,6 +300,7 @@ impl RulesSettings {
             key_prefix,
             ignore_dotfiles: self.ignore_dotfiles,
             merge_domains: self.merge_domains,
+            default_algorithm: self.default_algorithm,
         }
     }
 }
@@ -908,9 +916,24 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let file = dir.path().join("s.toml");
         std::fs::write(&file, "shadow_mode = true\n[memory]\nmax_keys = 10\n").unwrap();
-        let s = Settings::load(Some(&file), &env(&[])).unwrap();
+        let s = Settings::load(
+            Some(&file),
+            &env(&[("RATELIMITD_RULES__DEFAULT_ALGORITHM", "gcra")]),
+        )
+        .unwrap();
         assert!(s.shadow_mode);
         assert_eq!(s.memory.max_keys, 10);
+        assert_eq!(s.rules.default_algorithm, Algorithm::Gcra);
+        let err = Settings::load(
+            None,
+            &env(&[("RATELIMITD_RULES__DEFAULT_ALGORITHM", "leaky")]),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.contains("leaky") && err.contains("sliding_window"),
+            "{err}"
+        );
     }
 
     #[test]

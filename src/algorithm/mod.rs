@@ -72,6 +72,24 @@ impl Algorithm {
     }
 }
 
+impl serde::Serialize for Algorithm {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.name())
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for Algorithm {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let name = String::deserialize(d)?;
+        Self::from_name(&name).ok_or_else(|| {
+            serde::de::Error::custom(format!(
+                "unknown algorithm {name:?}; use one of {}",
+                Self::NAMES.join(", ")
+            ))
+        })
+    }
+}
+
 /// The parameters of one limit.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Params {

@@ -36,6 +36,14 @@ descriptors:
     share_threshold: true
     rate_limit: {unit: minute, requests_per_unit: 2}
   - key: allowed
+  - key: multi
+    rate_limit: {unit: second, requests_per_unit: 2, name: per_second}
+    rate_limits:
+      - {unit: day, requests_per_unit: 3, name: per_day}
+  - key: five_min
+    rate_limit: {unit: minute, requests_per_unit: 2, unit_multiplier: 5}
+  - key: bucket
+    rate_limit: {unit: minute, requests_per_unit: 60, algorithm: token_bucket, burst: 2}
 "#;
 
 fn limiter_with(options: Options, clock: Clock) -> Limiter {
@@ -372,4 +380,81 @@ async fn no_rules_loaded_is_unavailable_not_invalid() {
         .unwrap_err();
     assert_eq!(err.to_string(), "no rate limit configuration loaded");
     assert!(!err.is_invalid_request());
+}
+
+#[tokio::test]
+async fn several_limits_on_one_rule_report_the_closest_and_consume_none_when_denied() {
+    let clock = Clock::manual(2_222_000);
+    let l = limiter_with(Options::default(), clock.clone());
+    let r = req(vec![desc(&[("multi", "x")])]);
+    let name = |resp: &Response| {
+        resp.statuses[0]
+            .current_limit
+            .as_ref()
+            .and_then(|l| l.name.as_deref().map(str::to_owned))
+    };
+    let first = ask(&l, &r).await;
+    assert_eq!(
+        (name(&first).as_deref(), first.statuses[0].limit_remaining),
+        (Some("per_second"), 1)
+    );
+    ask(&l, &r).await;
+    let denied = ask(&l, &r).await;
+    assert_eq!(denied.overall_code, Code::OverLimit);
+    assert_eq!(name(&denied).as_deref(), Some("per_second"));
+    assert_eq!(denied.statuses[0].retry_after, Some(1));
+
+    clock.advance_millis(1_000);
+    // The denied request took nothing from the daily limit: 1 of 3 left after this one.
+    let next = ask(&l, &r).await;
+    assert_eq!(next.overall_code, Code::Ok);
+    assert_eq!(
+        (name(&next).as_deref(), next.statuses[0].limit_remaining),
+        (Some("per_day"), 0)
+    );
+    clock.advance_millis(1_000);
+    let day_over = ask(&l, &r).await;
+    assert_eq!(day_over.overall_code, Code::OverLimit);
+    assert_eq!(name(&day_over).as_deref(), Some("per_day"));
+    assert_eq!(
+        day_over.statuses[0].duration_until_reset,
+        Some(86_400 - 2_224)
+    );
+}
+
+#[tokio::test]
+async fn unit_multiplier_widens_the_window() {
+    let l = limiter();
+    let resp = ask(&l, &req(vec![desc(&[("five_min", "")])])).await;
+    // 2222 s is 122 s into its 300 s window.
+    assert_eq!(resp.statuses[0].duration_until_reset, Some(178));
+    assert_eq!(
+        resp.statuses[0].current_limit.as_ref().unwrap().unit,
+        Unit::Minute
+    );
+}
+
+#[tokio::test]
+async fn a_token_bucket_answers_with_the_wait_for_its_next_token() {
+    let options = Options {
+        response_headers: ResponseHeaders::Envoy,
+        ..Options::default()
+    };
+    let clock = Clock::manual(2_222_000);
+    let l = limiter_with(options, clock.clone());
+    let r = req(vec![desc(&[("bucket", "k")])]);
+    assert_eq!(ask(&l, &r).await.overall_code, Code::Ok);
+    assert_eq!(ask(&l, &r).await.overall_code, Code::Ok);
+    let denied = ask(&l, &r).await;
+    assert_eq!(denied.overall_code, Code::OverLimit);
+    assert_eq!(
+        denied.response_headers.last(),
+        Some(&("Retry-After".to_string(), "1".to_string()))
+    );
+    clock.advance_millis(1_000);
+    assert_eq!(
+        ask(&l, &r).await.overall_code,
+        Code::Ok,
+        "one token a second"
+    );
 }

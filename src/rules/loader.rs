@@ -53,7 +53,8 @@ pub fn load(source: &RulesSource) -> Result<Loaded, LoadError> {
         let file = parse_file(&text).map_err(|e| LoadError(format!("{name}: {e}")))?;
         parsed.push((name, file));
     }
-    let rules = RuleSet::build(&parsed, source.merge_domains).map_err(LoadError)?;
+    let rules = RuleSet::build_with(&parsed, source.merge_domains, source.default_algorithm)
+        .map_err(LoadError)?;
     Ok(Loaded {
         rules,
         files: parsed.into_iter().map(|(name, _)| name).collect(),
@@ -99,6 +100,7 @@ mod tests {
             key_prefix: prefix.map(str::to_owned),
             ignore_dotfiles,
             merge_domains: false,
+            default_algorithm: crate::algorithm::Algorithm::FixedWindow,
         }
     }
 

@@ -505,6 +505,75 @@ mod tests {
     }
 
     #[test]
+    fn extension_errors_name_the_file_the_rule_and_the_field() {
+        let cases = [
+            (
+                "domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: second, requests_per_unit: 1, algorithm: leaky}\n",
+                "config.f.yaml: rule 'd.a': rate_limit.algorithm: unknown algorithm 'leaky'; use one of fixed_window, sliding_window, sliding_log, token_bucket, gcra",
+            ),
+            (
+                "domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: second, requests_per_unit: 1, burst: 5}\n",
+                "config.f.yaml: rule 'd.a': rate_limit.burst: burst means nothing for fixed_window; it sets the capacity of token_bucket and gcra",
+            ),
+            (
+                "domain: d\ndescriptors:\n  - key: a\n    value: b\n    rate_limits:\n      - {unit: second, requests_per_unit: 1}\n      - {unit: day, requests_per_unit: 9, unit_multiplier: 0}\n",
+                "config.f.yaml: rule 'd.a_b': rate_limits[1].unit_multiplier: must be a whole number of at least 1, not 0",
+            ),
+            (
+                "domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: hour, requests_per_unit: 100001, algorithm: sliding_log}\n",
+                "config.f.yaml: rule 'd.a': rate_limit.requests_per_unit: a sliding_log keeps one entry per hit; use at most 100000, or sliding_window",
+            ),
+            (
+                "domain: d\ndescriptors:\n  - key: a\n    rate_limits: [{unlimited: true}]\n",
+                "config.f.yaml: rule 'd.a': rate_limits[0]: unlimited belongs in rate_limit, not in rate_limits",
+            ),
+        ];
+        for (text, want) in cases {
+            assert_eq!(build_err(text), want, "{text}");
+        }
+        let err = build_err(
+            "domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: hour, burst: -1}\n",
+        );
+        assert!(err.contains("burst"), "{err}");
+    }
+
+    #[test]
+    fn extensions_compile_into_limits() {
+        let set = build(
+            &[(
+                "f",
+                "domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: second, requests_per_unit: 10, algorithm: token_bucket, burst: 20}\n    rate_limits:\n      - {unit: minute, requests_per_unit: 100, unit_multiplier: 5, algorithm: sliding_window}\n",
+            )],
+            false,
+        )
+        .unwrap();
+        let limits = &set.domains["d"].root.exact["a"].limits;
+        assert_eq!(limits.len(), 2);
+        assert_eq!(
+            limits[0].params(),
+            Params {
+                algorithm: Algorithm::TokenBucket,
+                limit: 10,
+                window_ms: 1000,
+                burst: 20
+            }
+        );
+        assert_eq!(limits[1].window_secs(), 300);
+        assert_eq!(limits[1].burst, 100, "burst defaults to the limit");
+        let gcra = RuleSet::build_with(
+            &[("f".into(), parse_file("domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: second, requests_per_unit: 1}\n").unwrap())],
+            false,
+            Algorithm::Gcra,
+        )
+        .unwrap();
+        assert_eq!(
+            gcra.domains["d"].root.exact["a"].limits[0].algorithm,
+            Algorithm::Gcra,
+            "the default algorithm applies"
+        );
+    }
+
+    #[test]
     fn duplicate_domains_are_refused_unless_merging() {
         let a = ("config.a.yaml", "domain: d\ndescriptors:\n  - key: a\n");
         let b = ("config.b.yaml", "domain: d\ndescriptors:\n  - key: b\n");

@@ -85,8 +85,8 @@ pub struct Settings {
     pub consume_on_deny: bool,
     /// Fraction of a limit above which hits count as "near limit" in metrics. Env `NEAR_LIMIT_RATIO`; default 0.8.
     pub near_limit_ratio: f64,
-    /// Rate limit headers added to responses (`off` or `envoy`). Env `LIMIT_RESPONSE_HEADERS_ENABLED=true`
-    /// selects `envoy`.
+    /// Rate limit headers added to responses (`off`, `envoy` or `ietf`). Env
+    /// `LIMIT_RESPONSE_HEADERS_ENABLED=true` selects `envoy`.
     pub response_headers: ResponseHeaders,
     /// Header names of the `envoy` header mode. Env `LIMIT_LIMIT_HEADER`, `LIMIT_REMAINING_HEADER`,
     /// `LIMIT_RESET_HEADER`.
@@ -518,6 +518,9 @@ pub enum ResponseHeaders {
     /// The reference's three headers (limit, remaining, reset) of the descriptor closest to its limit,
     /// plus `Retry-After` on OVER_LIMIT.
     Envoy,
+    /// `RateLimit-Policy` and `RateLimit` of the IETF httpapi ratelimit-headers draft, plus
+    /// `Retry-After` on OVER_LIMIT.
+    Ietf,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]

@@ -2,7 +2,10 @@
 //!
 //! `envoy` mode is the reference service's: three headers (limit, remaining, reset) describing one
 //! descriptor, the one with the least quota left, or the (last) enforced descriptor that is over its
-//! limit. Whenever headers are on, an OVER_LIMIT answer also carries `Retry-After`.
+//! limit. `ietf` mode sends the fields of the IETF httpapi ratelimit-headers draft: `RateLimit-Policy`
+//! lists every limit that applied (`"name";q=<quota>;w=<window seconds>`) and `RateLimit` describes the
+//! same descriptor as `envoy` mode (`"name";r=<remaining>;t=<seconds to reset>`). Whenever headers are
+//! on, an OVER_LIMIT answer also carries `Retry-After`.
 
 use super::{Code, DescriptorStatus};
 use crate::{
@@ -15,42 +18,48 @@ pub(super) fn build(
     names: &HeaderNames,
     statuses: &[DescriptorStatus],
     roles: &[Option<Role>],
+    windows: &[u64],
     overall: Code,
 ) -> Vec<(String, String)> {
-    match mode {
-        ResponseHeaders::Off => Vec::new(),
-        ResponseHeaders::Envoy => envoy(names, statuses, roles, overall),
-    }
-}
-
-fn envoy(
-    names: &HeaderNames,
-    statuses: &[DescriptorStatus],
-    roles: &[Option<Role>],
-    overall: Code,
-) -> Vec<(String, String)> {
-    let mut chosen: Option<&DescriptorStatus> = None;
-    let mut over: Option<&DescriptorStatus> = None;
-    for (status, role) in statuses.iter().zip(roles) {
-        let Some(role) = role else { continue };
-        if chosen.is_none_or(|c| status.limit_remaining < c.limit_remaining) {
-            chosen = Some(status);
-        }
-        if status.code == Code::OverLimit && *role != Role::Quota {
-            over = Some(status);
-        }
-    }
-    let Some(status) = over.or(chosen) else {
+    let Some((index, status)) = closest(statuses, roles) else {
         return Vec::new();
     };
     let (Some(limit), Some(reset)) = (&status.current_limit, status.duration_until_reset) else {
         return Vec::new();
     };
-    let mut headers = vec![
-        (names.limit.clone(), limit.requests_per_unit.to_string()),
-        (names.remaining.clone(), status.limit_remaining.to_string()),
-        (names.reset.clone(), reset.to_string()),
-    ];
+    let mut headers = match mode {
+        ResponseHeaders::Off => return Vec::new(),
+        ResponseHeaders::Envoy => vec![
+            (names.limit.clone(), limit.requests_per_unit.to_string()),
+            (names.remaining.clone(), status.limit_remaining.to_string()),
+            (names.reset.clone(), reset.to_string()),
+        ],
+        ResponseHeaders::Ietf => {
+            // Limited statuses and their windows, in order.
+            let limited = statuses
+                .iter()
+                .enumerate()
+                .filter(|(_, s)| s.current_limit.is_some())
+                .zip(windows);
+            let mut policies = Vec::new();
+            let mut chosen_name = String::new();
+            for ((i, s), window) in limited {
+                let Some(l) = &s.current_limit else { continue };
+                let name = policy_name(l.name.as_deref(), i);
+                policies.push(format!("{name};q={};w={window}", l.requests_per_unit));
+                if i == index {
+                    chosen_name = name;
+                }
+            }
+            vec![
+                ("RateLimit-Policy".into(), policies.join(", ")),
+                (
+                    "RateLimit".into(),
+                    format!("{chosen_name};r={};t={reset}", status.limit_remaining),
+                ),
+            ]
+        }
+    };
     if overall == Code::OverLimit {
         let retry_after = statuses
             .iter()
@@ -61,4 +70,38 @@ fn envoy(
         headers.push(("Retry-After".into(), retry_after.to_string()));
     }
     headers
+}
+
+/// A policy name as a structured-field string: the rule's `name`, or `d<descriptor index>`.
+fn policy_name(name: Option<&str>, index: usize) -> String {
+    let raw = name.map_or_else(|| format!("d{index}"), str::to_owned);
+    let escaped: String = raw
+        .chars()
+        .filter(|c| (' '..='~').contains(c))
+        .flat_map(|c| match c {
+            '"' | '\\' => vec!['\\', c],
+            c => vec![c],
+        })
+        .collect();
+    format!("\"{escaped}\"")
+}
+
+/// The status the single-descriptor headers describe: the (last) enforced descriptor over its limit,
+/// else the first with the least quota left.
+fn closest<'a>(
+    statuses: &'a [DescriptorStatus],
+    roles: &[Option<Role>],
+) -> Option<(usize, &'a DescriptorStatus)> {
+    let mut chosen: Option<(usize, &DescriptorStatus)> = None;
+    let mut over: Option<(usize, &DescriptorStatus)> = None;
+    for (i, (status, role)) in statuses.iter().zip(roles).enumerate() {
+        let Some(role) = role else { continue };
+        if chosen.is_none_or(|(_, c)| status.limit_remaining < c.limit_remaining) {
+            chosen = Some((i, status));
+        }
+        if status.code == Code::OverLimit && *role != Role::Quota {
+            over = Some((i, status));
+        }
+    }
+    over.or(chosen)
 }

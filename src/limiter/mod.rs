@@ -332,6 +332,8 @@ impl Limiter {
                 _ => None,
             })
             .collect();
+        // Window length of each limited status's limit, in order, for the IETF policy header.
+        let mut windows: Vec<u64> = Vec::new();
         let statuses: Vec<DescriptorStatus> = resolved
             .into_iter()
             .map(|r| match r {
@@ -341,10 +343,12 @@ impl Limiter {
                     // The descriptor's status is its limit closest to denying: a denying one (the
                     // longest wait first), else the one with the least quota left.
                     let mut chosen: Option<(CurrentLimit, Outcome)> = None;
+                    let mut chosen_window = 0;
                     for applicable in limits {
                         let Some(outcome) = outcomes.next().copied() else {
                             break;
                         };
+                        let window = applicable.params.window_ms / 1000;
                         let closer = chosen.as_ref().is_none_or(|(_, best)| {
                             match (outcome.allowed, best.allowed) {
                                 (false, true) => true,
@@ -355,8 +359,10 @@ impl Limiter {
                         });
                         if closer {
                             chosen = Some((applicable.limit, outcome));
+                            chosen_window = window;
                         }
                     }
+                    windows.push(chosen_window);
                     match chosen {
                         None => DescriptorStatus::no_limit(),
                         Some((limit, outcome)) => {
@@ -386,6 +392,7 @@ impl Limiter {
             &self.options.header_names,
             &statuses,
             &roles,
+            &windows,
             overall_code,
         );
         Ok(Response {

@@ -458,3 +458,36 @@ async fn a_token_bucket_answers_with_the_wait_for_its_next_token() {
         "one token a second"
     );
 }
+
+#[tokio::test]
+async fn ietf_headers_list_the_policies_and_describe_the_closest() {
+    let options = Options {
+        response_headers: ResponseHeaders::Ietf,
+        ..Options::default()
+    };
+    let l = limiter_with(options, Clock::manual(2_222_000));
+    let r = req(vec![
+        desc(&[("k", "i")]),
+        desc(&[("quota_b", "")]),
+        desc(&[("five_min", "")]),
+    ]);
+    let resp = ask(&l, &r).await;
+    assert_eq!(
+        resp.response_headers,
+        vec![
+            (
+                "RateLimit-Policy".to_string(),
+                r#""k_limit";q=3;w=60, "d1";q=2;w=60, "d2";q=2;w=300"#.to_string()
+            ),
+            ("RateLimit".to_string(), r#""d1";r=1;t=58"#.to_string()),
+        ]
+    );
+    ask(&l, &r).await;
+    let denied = ask(&l, &r).await;
+    assert_eq!(denied.overall_code, Code::OverLimit);
+    assert_eq!(denied.response_headers[1].1, r#""d2";r=0;t=178"#);
+    assert_eq!(
+        denied.response_headers[2],
+        ("Retry-After".to_string(), "178".to_string())
+    );
+}

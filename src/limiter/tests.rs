@@ -44,6 +44,13 @@ descriptors:
     rate_limit: {unit: minute, requests_per_unit: 2, unit_multiplier: 5}
   - key: bucket
     rate_limit: {unit: minute, requests_per_unit: 60, algorithm: token_bucket, burst: 2}
+  - key: net
+    value: "cidr:10.0.0.0/8"
+    rate_limit: {unit: minute, requests_per_unit: 1}
+  - key: net
+    value: "cidr:192.168.0.0/16"
+    share_threshold: true
+    rate_limit: {unit: minute, requests_per_unit: 1}
 "#;
 
 fn limiter_with(options: Options, clock: Clock) -> Limiter {
@@ -490,4 +497,26 @@ async fn ietf_headers_list_the_policies_and_describe_the_closest() {
         denied.response_headers[2],
         ("Retry-After".to_string(), "178".to_string())
     );
+}
+
+#[tokio::test]
+async fn cidr_rules_count_per_address_or_per_network_when_shared() {
+    let l = limiter();
+    let code = |resp: Response| resp.overall_code;
+    let net = |ip: &'static str| req(vec![desc(&[("net", ip)])]);
+    assert_eq!(code(ask(&l, &net("10.0.0.1")).await), Code::Ok);
+    assert_eq!(
+        code(ask(&l, &net("10.0.0.2")).await),
+        Code::Ok,
+        "its own counter"
+    );
+    assert_eq!(code(ask(&l, &net("10.0.0.1")).await), Code::OverLimit);
+    assert_eq!(code(ask(&l, &net("192.168.1.1")).await), Code::Ok);
+    assert_eq!(
+        code(ask(&l, &net("192.168.2.2")).await),
+        Code::OverLimit,
+        "the network shares one"
+    );
+    let outside = ask(&l, &net("172.16.0.1")).await;
+    assert_eq!(outside.statuses[0].current_limit, None);
 }

@@ -1,10 +1,81 @@
 //! Matching a request descriptor against a domain's rules tree.
 //!
-//! One request entry per level; at each level the exact `key_value` node wins, then the wildcard nodes in
-//! file order, then the key-only default node. There is no backtracking, and only a match of the full
-//! request depth yields a rule.
+//! One request entry per level; at each level the exact `key_value` node wins, then the CIDR nodes (the
+//! longest prefix containing the value, when it is an IP address), then the wildcard nodes in file order,
+//! then the key-only default node. There is no backtracking, and only a match of the full request depth
+//! yields a rule.
+
+use std::net::IpAddr;
 
 use super::model::{Domain, Level, Node};
+
+/// An IPv4 or IPv6 network written `cidr:<address>/<prefix>` as a rule value.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Cidr {
+    network: IpAddr,
+    prefix: u8,
+}
+
+impl Cidr {
+    /// Parses `10.0.0.0/8`, `2001:db8::/32` or a bare address (a /32 or /128).
+    pub fn parse(text: &str) -> Result<Self, String> {
+        let (addr, prefix) = match text.split_once('/') {
+            Some((addr, prefix)) => (addr, Some(prefix)),
+            None => (text, None),
+        };
+        let network: IpAddr = addr
+            .trim()
+            .parse()
+            .map_err(|_| format!("'{addr}' is not an IP address"))?;
+        let max = if network.is_ipv4() { 32 } else { 128 };
+        let prefix = match prefix {
+            None => max,
+            Some(p) => p
+                .trim()
+                .parse::<u8>()
+                .ok()
+                .filter(|p| *p <= max)
+                .ok_or_else(|| format!("prefix '/{p}' must be 0 to {max}"))?,
+        };
+        let cidr = Self { network, prefix };
+        if cidr.mask(network) != network {
+            return Err(format!(
+                "host bits are set; the network is {}/{prefix}",
+                cidr.mask(network)
+            ));
+        }
+        Ok(cidr)
+    }
+
+    pub fn prefix(&self) -> u8 {
+        self.prefix
+    }
+
+    fn mask(&self, addr: IpAddr) -> IpAddr {
+        match addr {
+            IpAddr::V4(a) => {
+                let bits = u32::from(a);
+                let mask = u32::MAX
+                    .checked_shl(32 - u32::from(self.prefix))
+                    .unwrap_or(0);
+                IpAddr::V4((bits & mask).into())
+            }
+            IpAddr::V6(a) => {
+                let bits = u128::from(a);
+                let mask = u128::MAX
+                    .checked_shl(128 - u32::from(self.prefix))
+                    .unwrap_or(0);
+                IpAddr::V6((bits & mask).into())
+            }
+        }
+    }
+
+    /// Whether the address lies in the network (IPv4-mapped IPv6 addresses count as IPv4).
+    pub fn contains(&self, addr: IpAddr) -> bool {
+        let addr = addr.to_canonical();
+        addr.is_ipv4() == self.network.is_ipv4() && self.mask(addr) == self.network
+    }
+}
 
 /// A value pattern with `*` standing for any run of characters (possibly empty), matched against a
 /// request's composite `key_value` string.
@@ -85,6 +156,14 @@ impl Level {
         scratch.push_str(value);
         if let Some(node) = self.exact.get(scratch.as_str()) {
             return Some(node);
+        }
+        if !self.cidrs.is_empty() {
+            if let Ok(addr) = value.trim().parse::<IpAddr>() {
+                // Longest prefix first, so the first hit is the most specific network.
+                if let Some((_, node)) = self.cidrs.iter().find(|(c, _)| c.contains(addr)) {
+                    return Some(node);
+                }
+            }
         }
         if let Some((_, node)) = self.wildcards.iter().find(|(w, _)| w.matches(scratch)) {
             return Some(node);
@@ -185,6 +264,73 @@ descriptors:
         assert_eq!(hit(&set, &[E("k", "")]).as_deref(), Some("d.k_*"));
         assert_eq!(hit(&set, &[E("j", "anything")]).as_deref(), Some("d.j"));
         assert_eq!(hit(&set, &[E("unknown", "x")]), None);
+    }
+
+    #[test]
+    fn cidrs_parse_strictly_and_contain_v4_and_v6() {
+        let net = Cidr::parse("10.0.0.0/8").unwrap();
+        assert!(net.contains("10.200.1.2".parse().unwrap()));
+        assert!(net.contains("::ffff:10.1.2.3".parse().unwrap()));
+        assert!(!net.contains("11.0.0.1".parse().unwrap()));
+        assert!(!net.contains("::1".parse().unwrap()));
+        let v6 = Cidr::parse("2001:db8::/32").unwrap();
+        assert!(v6.contains("2001:db8:1::5".parse().unwrap()));
+        assert!(Cidr::parse("0.0.0.0/0")
+            .unwrap()
+            .contains("8.8.8.8".parse().unwrap()));
+        assert_eq!(Cidr::parse("192.168.1.7").unwrap().prefix(), 32);
+        for bad in ["10.0.0.0/33", "10.0.0/8", "10.1.0.0/8", "fe80::/129", "x/1"] {
+            assert!(Cidr::parse(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn cidr_values_come_after_exact_values_and_before_wildcards_longest_prefix_first() {
+        let set = rules(
+            r#"
+domain: d
+descriptors:
+  - key: ip
+    value: "*"
+    rate_limit: {unit: second, requests_per_unit: 1}
+  - key: ip
+    value: "cidr:10.0.0.0/8"
+    rate_limit: {unit: second, requests_per_unit: 2}
+  - key: ip
+    value: "cidr:10.1.0.0/16"
+    rate_limit: {unit: second, requests_per_unit: 3}
+  - key: ip
+    value: 10.1.2.3
+    rate_limit: {unit: second, requests_per_unit: 4}
+  - key: ip
+    value: "cidr:2001:db8::/32"
+    rate_limit: {unit: second, requests_per_unit: 5}
+"#,
+        );
+        assert_eq!(
+            hit(&set, &[E("ip", "10.1.2.3")]).as_deref(),
+            Some("d.ip_10.1.2.3")
+        );
+        assert_eq!(
+            hit(&set, &[E("ip", "10.1.9.9")]).as_deref(),
+            Some("d.ip_cidr:10.1.0.0/16")
+        );
+        assert_eq!(
+            hit(&set, &[E("ip", "10.9.9.9")]).as_deref(),
+            Some("d.ip_cidr:10.0.0.0/8")
+        );
+        assert_eq!(
+            hit(&set, &[E("ip", "2001:db8::1")]).as_deref(),
+            Some("d.ip_cidr:2001:db8::/32")
+        );
+        assert_eq!(
+            hit(&set, &[E("ip", "192.168.0.1")]).as_deref(),
+            Some("d.ip_*")
+        );
+        assert_eq!(
+            hit(&set, &[E("ip", "not-an-ip")]).as_deref(),
+            Some("d.ip_*")
+        );
     }
 
     #[test]

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use arc_swap::ArcSwapOption;
 
 pub use loader::{load, LoadError, Loaded};
-pub use matcher::{EntryRef, Wildcard};
+pub use matcher::{Cidr, EntryRef, Wildcard};
 pub use model::{Domain, Level, Limit, Node, RuleSet, Unit};
 pub use yaml::{parse_file, DomainFile};
 

@@ -7,7 +7,7 @@
 use std::{collections::HashMap, fmt, sync::Arc};
 
 use super::{
-    matcher::Wildcard,
+    matcher::{Cidr, Wildcard},
     yaml::{DescriptorSpec, DomainFile},
 };
 use crate::algorithm::{Algorithm, Params};
@@ -152,6 +152,8 @@ pub struct Level {
     pub exact: HashMap<Box<str>, Node>,
     /// Wildcard-valued nodes, in file order; they match against the request's `key_value`.
     pub wildcards: Vec<(Wildcard, Node)>,
+    /// `cidr:` nodes, longest prefix first.
+    pub cidrs: Vec<(Cidr, Node)>,
 }
 
 /// One domain's rules.
@@ -189,6 +191,9 @@ impl Node {
         self.limits.first()
     }
 }
+
+/// Rule values starting with this are networks matched against client addresses.
+pub const CIDR_PREFIX: &str = "cidr:";
 
 /// Largest `requests_per_unit` of a sliding log: it keeps one entry per hit.
 pub const SLIDING_LOG_MAX_LIMIT: u32 = 100_000;
@@ -327,8 +332,20 @@ fn add_level(
             }
             limits.push(limit);
         }
-        let is_wildcard = spec.value.contains('*');
-        if spec.share_threshold && !is_wildcard {
+        let cidr = spec
+            .value
+            .strip_prefix(CIDR_PREFIX)
+            .map(|net| {
+                Cidr::parse(net).map_err(|e| {
+                    format!(
+                        "rule '{full_key}': value: malformed CIDR '{}': {e}",
+                        spec.value
+                    )
+                })
+            })
+            .transpose()?;
+        let is_wildcard = cidr.is_none() && spec.value.contains('*');
+        if spec.share_threshold && !is_wildcard && cidr.is_none() {
             return Err(format!(
                 "share_threshold can only be used with wildcard values (containing '*'), but found key '{composite}'"
             ));
@@ -364,7 +381,12 @@ fn add_level(
             &child_shared,
             default_algorithm,
         )?;
-        if is_wildcard {
+        if let Some(cidr) = cidr {
+            let at = level
+                .cidrs
+                .partition_point(|(c, _)| c.prefix() >= cidr.prefix());
+            level.cidrs.insert(at, (cidr, node));
+        } else if is_wildcard {
             level.wildcards.push((Wildcard::new(&composite), node));
         } else {
             level.exact.insert(composite.into(), node);

@@ -113,6 +113,7 @@ pub async fn run_with_clock(
             header_names: settings.header_names.clone(),
             request_limits: settings.request_limits.clone(),
             on_backend_error: settings.on_backend_error,
+            sensitive: sensitive(&settings),
         },
     ));
 
@@ -219,6 +220,25 @@ pub async fn run_with_clock(
     }
     tracing::warn!("shutdown complete");
     Ok(())
+}
+
+/// The hasher of sensitive values. Without a configured secret (allowed only with the memory store,
+/// whose counters no other process reads) a random one is made for this process.
+fn sensitive(settings: &Settings) -> Option<limiter::Sensitive> {
+    if settings.hashed_keys.is_empty() {
+        return None;
+    }
+    let secret = if settings.hash_secret.0.is_empty() {
+        tracing::warn!(
+            hashed_keys = ?settings.hashed_keys,
+            "RATELIMITD_HASH_SECRET is not set: hashing sensitive values with a random secret made for this process; set it to keep counter keys stable across restarts"
+        );
+        let random: [u8; 32] = rand::random();
+        random.to_vec()
+    } else {
+        settings.hash_secret.0.as_bytes().to_vec()
+    };
+    Some(limiter::Sensitive::new(&settings.hashed_keys, &secret))
 }
 
 /// Loads the rules at start. A broken rules folder does not stop the service: it answers UNAVAILABLE

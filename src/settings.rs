@@ -96,6 +96,13 @@ pub struct Settings {
     pub healthy_with_at_least_one_config_loaded: bool,
     /// Shutdown behaviour on SIGTERM/SIGINT.
     pub shutdown: ShutdownSettings,
+    /// Entry keys whose values are sensitive and are hashed before they reach a counter key or
+    /// `/rlconfig` (case-insensitive). Env `RATELIMITD_HASHED_KEYS` (comma-separated); default
+    /// `api_key`, `authorization`, `x-api-key`.
+    pub hashed_keys: Vec<String>,
+    /// Secret of the HMAC-SHA256 that hashes sensitive values. Env `RATELIMITD_HASH_SECRET`. Required with
+    /// the Redis backend (the same on every replica); with the memory store a random one is made at start.
+    pub hash_secret: Secret,
 }
 
 impl Default for Settings {
@@ -125,6 +132,8 @@ impl Default for Settings {
             header_names: HeaderNames::default(),
             healthy_with_at_least_one_config_loaded: false,
             shutdown: ShutdownSettings::default(),
+            hashed_keys: vec!["api_key".into(), "authorization".into(), "x-api-key".into()],
+            hash_secret: Secret::default(),
         }
     }
 }
@@ -618,6 +627,8 @@ impl Settings {
                 .prefix_separator("_")
                 .separator("__")
                 .try_parsing(true)
+                .list_separator(",")
+                .with_list_parse_key("hashed_keys")
                 .source(Some(prefixed)),
         );
         let merged = builder.build().map_err(|e| from_config_error(file, e))?;
@@ -762,6 +773,16 @@ impl Settings {
                     "REDIS_TIMEOUT",
                     "0s",
                     "must be longer than zero",
+                ));
+            }
+            if !self.hashed_keys.is_empty() && self.hash_secret.0.is_empty() {
+                return Err(SettingsError::invalid(
+                    "RATELIMITD_HASH_SECRET",
+                    "",
+                    format!(
+                        "hashed_keys lists {} but there is no hash secret: set RATELIMITD_HASH_SECRET to the same secret on every replica, or set hashed_keys to an empty list",
+                        self.hashed_keys.join(", ")
+                    ),
                 ));
             }
             if self.redis.breaker_failures == 0 {
@@ -990,6 +1011,7 @@ mod tests {
                 ("CACHE_KEY_PREFIX", "svc:"),
                 ("EXPIRATION_JITTER_MAX_SECONDS", "0"),
                 ("RATELIMITD_ON_BACKEND_ERROR", "allow"),
+                ("RATELIMITD_HASH_SECRET", "hmac-secret-value"),
             ]),
         )
         .unwrap();
@@ -1009,6 +1031,26 @@ mod tests {
             "the password never shows: {shown}"
         );
 
+        let err = Settings::load(None, &env(&[("REDIS_URL", "h:1")])).unwrap_err();
+        assert!(err.to_string().contains("RATELIMITD_HASH_SECRET"), "{err}");
+        let s = Settings::load(
+            None,
+            &env(&[
+                ("REDIS_URL", "h:1"),
+                ("RATELIMITD_HASHED_KEYS", "token,session"),
+            ]),
+        );
+        assert!(s.is_err(), "still needs a secret");
+        let s = Settings::load(
+            None,
+            &env(&[
+                ("REDIS_URL", "h:1"),
+                ("RATELIMITD_HASHED_KEYS", "token,session"),
+                ("RATELIMITD_HASH_SECRET", "k"),
+            ]),
+        )
+        .unwrap();
+        assert_eq!(s.hashed_keys, vec!["token", "session"]);
         let err = Settings::load(None, &env(&[("BACKEND_TYPE", "redis")])).unwrap_err();
         assert!(err.to_string().contains("REDIS_URL"), "{err}");
         let err = Settings::load(None, &env(&[("REDIS_URL", "h:1"), ("REDIS_TYPE", "ring")]))

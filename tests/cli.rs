@@ -1,14 +1,14 @@
 //! The `ratelimitd` binary: command line, settings errors, serving with defaults, SIGTERM.
 
 use std::{
-    io::{BufRead, BufReader},
-    net::SocketAddr,
     path::Path,
-    process::{Child, Command, Stdio},
+    process::Command,
     time::{Duration, Instant},
 };
 
 mod common;
+
+use common::start_binary as start;
 
 const BIN: &str = env!("CARGO_BIN_EXE_ratelimitd");
 const RULES: &str = "domain: web\ndescriptors:\n  - key: user\n    rate_limit: {unit: minute, requests_per_unit: 2}\n";
@@ -114,55 +114,6 @@ fn a_wrong_setting_exits_64_naming_it() {
         .unwrap();
     assert_eq!(out.status.code(), Some(64));
     assert!(String::from_utf8_lossy(&out.stderr).contains("missing.yaml"));
-}
-
-/// A running binary, killed on drop.
-struct Running {
-    child: Child,
-    grpc: SocketAddr,
-    http: SocketAddr,
-}
-
-impl Drop for Running {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// Starts the binary and reads the listening addresses from its log.
-fn start(cmd: &mut Command) -> Running {
-    let child = cmd
-        .stderr(Stdio::piped())
-        .stdout(Stdio::null())
-        .spawn()
-        .unwrap();
-    let unbound: SocketAddr = ([0, 0, 0, 0], 0).into();
-    // Owned by the guard from here on, so that a failed assertion still kills the process.
-    let mut running = Running {
-        child,
-        grpc: unbound,
-        http: unbound,
-    };
-    let mut lines = BufReader::new(running.child.stderr.take().unwrap()).lines();
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        assert!(Instant::now() < deadline, "no listening line in time");
-        let line = lines.next().expect("ratelimitd exited early").unwrap();
-        if let Some(rest) = line.split("Listening for gRPC on '").nth(1) {
-            running.grpc = rest.split('\'').next().unwrap().parse().unwrap();
-            running.http = rest
-                .split("HTTP on '")
-                .nth(1)
-                .and_then(|r| r.split('\'').next())
-                .unwrap()
-                .parse()
-                .unwrap();
-            // Keep draining the log so the child never blocks on a full pipe.
-            std::thread::spawn(move || for _ in lines {});
-            return running;
-        }
-    }
 }
 
 #[test]

@@ -4,6 +4,7 @@
 mod common;
 
 use std::{
+    process::Command,
     sync::{
         atomic::{AtomicU32, Ordering},
         Arc,
@@ -40,6 +41,7 @@ fn on_redis(url: String, topology: RedisTopology) -> impl FnOnce(&mut Settings) 
         s.redis.timeout = Duration::from_millis(500);
         s.redis.pool_size = 2;
         s.expiration_jitter_max_seconds = 0;
+        s.hash_secret = ratelimitd::settings::Secret("test-hash-secret".into());
     }
 }
 
@@ -594,4 +596,88 @@ async fn follows_a_slot_migration_under_traffic_without_errors() {
     assert!(total.get("Ok").copied().unwrap_or(0) > 100, "{total:?}");
     cluster.wait_ok();
     s.stop().await;
+}
+
+#[test]
+fn sensitive_values_and_secrets_never_reach_redis_keys_logs_or_rlconfig() {
+    const RAW_KEY: &str = "sk_live_RAWSECRET42";
+    const CONFIGURED: &str = "tok_configured_SECRET7";
+    const HASH_SECRET: &str = "hash-secret-NEVER-SHOWN";
+    const PASSWORD: &str = "redis-password-NEVER-SHOWN";
+    let redis = RedisProcess::start(&["--requirepass", PASSWORD]);
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("api.yaml"),
+        format!(
+            "domain: api\ndescriptors:\n  - key: api_key\n    rate_limit: {{unit: minute, requests_per_unit: 2}}\n  - key: token\n    value: {CONFIGURED}\n    hash_value: true\n    rate_limit: {{unit: minute, requests_per_unit: 1, algorithm: token_bucket}}\n"
+        ),
+    )
+    .unwrap();
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_ratelimitd"));
+    cmd.env_clear().envs([
+        ("GRPC_HOST", "127.0.0.1"),
+        ("GRPC_PORT", "0"),
+        ("HOST", "127.0.0.1"),
+        ("PORT", "0"),
+        ("LOG_LEVEL", "debug"),
+        ("REDIS_URL", &redis.addr()),
+        ("REDIS_AUTH", PASSWORD),
+        ("RATELIMITD_HASH_SECRET", HASH_SECRET),
+        ("RATELIMITD_RULES__PATH", dir.path().to_str().unwrap()),
+    ]);
+    let running = common::start_binary(&mut cmd);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while common::http_request(running.http, "GET", "/healthcheck", "").0 != 200 {
+        assert!(Instant::now() < deadline, "not healthy in time");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let body = |key: &str, value: &str| {
+        format!(
+            r#"{{"domain":"api","descriptors":[{{"entries":[{{"key":"{key}","value":"{value}"}}]}}]}}"#
+        )
+    };
+    let mut codes = Vec::new();
+    for _ in 0..3 {
+        codes
+            .push(common::http_request(running.http, "POST", "/json", &body("api_key", RAW_KEY)).0);
+        codes.push(
+            common::http_request(running.http, "POST", "/json", &body("token", CONFIGURED)).0,
+        );
+    }
+    assert_eq!(
+        codes,
+        vec![200, 200, 200, 429, 429, 429],
+        "the hashed keys still count"
+    );
+    // Errors too: a malformed request and an empty domain.
+    common::http_request(
+        running.http,
+        "POST",
+        "/json",
+        &format!("{{\"bad\": \"{RAW_KEY}\"}}"),
+    );
+    common::http_request(
+        running.http,
+        "POST",
+        "/json",
+        r#"{"domain":"","descriptors":[]}"#,
+    );
+    let (_, rlconfig) = common::http_request(running.http, "GET", "/rlconfig", "");
+    assert!(rlconfig.contains("api.token_hmac-"), "{rlconfig}");
+
+    let keys = redis.cli(&["--scan"]);
+    assert!(keys.contains("api_api_key_hmac-"), "{keys}");
+    let log = running.log.lock().unwrap().clone();
+    for (place, text) in [
+        ("Redis keys", &keys),
+        ("/rlconfig", &rlconfig),
+        ("log", &log),
+    ] {
+        for secret in [RAW_KEY, CONFIGURED, HASH_SECRET, PASSWORD] {
+            assert!(
+                !text.contains(secret),
+                "{secret} appears in {place}:\n{text}"
+            );
+        }
+    }
 }

@@ -63,13 +63,11 @@ async fn decide_json(State(state): State<AppState>, body: Bytes) -> Response {
 
 /// The loaded rules, one line each.
 async fn rlconfig(State(state): State<AppState>) -> Response {
-    let text = match state.limiter.rules().snapshot() {
-        Some(rules) => rules
-            .describe()
-            .into_iter()
-            .map(|line| line + "\n")
-            .collect::<String>(),
-        None => String::new(),
-    };
+    let text: String = state
+        .limiter
+        .describe_rules()
+        .into_iter()
+        .map(|line| line + "\n")
+        .collect();
     ([(header::CONTENT_TYPE, "text/plain; charset=utf-8")], text).into_response()
 }

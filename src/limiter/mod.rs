@@ -6,6 +6,9 @@
 //! with the reference service's semantics.
 
 mod headers;
+mod sensitive;
+
+pub use sensitive::Sensitive;
 
 use std::sync::Arc;
 
@@ -166,6 +169,8 @@ pub struct Options {
     pub request_limits: RequestLimits,
     /// What to answer when the store cannot decide.
     pub on_backend_error: OnBackendError,
+    /// Which values are hashed before they reach a counter key or `/rlconfig`; `None` hashes nothing.
+    pub sensitive: Option<Sensitive>,
 }
 
 /// Decides requests against the current rules and a store.
@@ -210,6 +215,19 @@ impl Limiter {
 
     pub fn rules(&self) -> &Arc<Rules> {
         &self.rules
+    }
+
+    /// The loaded rules, one line each, sensitive values hashed: what `/rlconfig` shows.
+    pub fn describe_rules(&self) -> Vec<String> {
+        let Some(rules) = self.rules.snapshot() else {
+            return Vec::new();
+        };
+        match &self.options.sensitive {
+            Some(s) => {
+                rules.describe_with(&|key, value, hashed| s.show(key, value, hashed).into_owned())
+            }
+            None => rules.describe(),
+        }
     }
 
     /// Decides one request.
@@ -288,6 +306,22 @@ impl Limiter {
         for (descriptor, r) in request.descriptors.iter().zip(&resolved) {
             if let Resolved::Limited { limits, node, role } = r {
                 let shared = node.map_or(&[][..], |n| &n.shared_values[..]);
+                let hashed = node.map_or(&[][..], |n| &n.hashed_levels[..]);
+                // Values as they go into counter keys: shared patterns, or hashes of sensitive values.
+                let values: Vec<std::borrow::Cow<'_, str>> = descriptor
+                    .entries
+                    .iter()
+                    .enumerate()
+                    .map(|(i, e)| match shared.get(i).and_then(|v| v.as_deref()) {
+                        Some(pattern) => pattern.into(),
+                        None => match &self.options.sensitive {
+                            Some(s) => {
+                                s.show(&e.key, &e.value, hashed.get(i).copied().unwrap_or(false))
+                            }
+                            None => e.value.as_str().into(),
+                        },
+                    })
+                    .collect();
                 let cost = descriptor
                     .hits_addend
                     .unwrap_or(u64::from(request.hits_addend.max(1)));
@@ -297,10 +331,11 @@ impl Limiter {
                         &mut key,
                         &self.options.key_prefix,
                         &request.domain,
-                        descriptor.entries.iter().enumerate().map(|(i, e)| {
-                            let value = shared.get(i).and_then(|v| v.as_deref());
-                            (e.key.as_str(), value.unwrap_or(&e.value))
-                        }),
+                        descriptor
+                            .entries
+                            .iter()
+                            .zip(&values)
+                            .map(|(e, v)| (e.key.as_str(), v.as_ref())),
                         applicable.params.algorithm,
                         applicable.params.window_ms / 1000,
                         applicable.index,

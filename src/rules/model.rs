@@ -135,6 +135,13 @@ pub struct Node {
     pub value_to_metric: bool,
     /// The node's wildcard shares one counter across all values it matches.
     pub share_threshold: bool,
+    /// The request's value at this node's level is sensitive (`hash_value: true`).
+    pub hash_value: bool,
+    /// For each level from the domain down to this node, whether that level's node says `hash_value`.
+    /// Empty when none does.
+    pub hashed_levels: Box<[bool]>,
+    /// The `(key, value)` of each level from the domain down to this node, as written in the rules.
+    pub path: Box<[(Box<str>, Box<str>)]>,
     /// Free-form metadata of the rule.
     pub metadata: Option<Arc<serde_json::Map<String, serde_json::Value>>>,
     /// For each level from the domain down to this node, the value counter keys use instead of the
@@ -236,29 +243,52 @@ impl RuleSet {
             &mut domain.root,
             &file.descriptors,
             &file.domain,
-            &[],
+            &Ancestry::default(),
             default_algorithm,
         )
     }
 
     /// Every rule with a limit, one line each, sorted: what `/rlconfig` shows.
     pub fn describe(&self) -> Vec<String> {
-        fn walk(level: &Level, out: &mut Vec<String>) {
+        self.describe_with(&|_, value, _| value.to_owned())
+    }
+
+    /// [`RuleSet::describe`], with each written value shown as `show(key, value, hash_value)` says.
+    pub fn describe_with(&self, show: &dyn Fn(&str, &str, bool) -> String) -> Vec<String> {
+        fn name(domain: &str, node: &Node, show: &dyn Fn(&str, &str, bool) -> String) -> String {
+            let mut out = domain.to_owned();
+            for (i, (key, value)) in node.path.iter().enumerate() {
+                out.push('.');
+                out.push_str(key);
+                if !value.is_empty() {
+                    let hashed = node.hashed_levels.get(i).copied().unwrap_or(false);
+                    out.push('_');
+                    out.push_str(&show(key, value, hashed));
+                }
+            }
+            out
+        }
+        fn walk(
+            domain: &str,
+            level: &Level,
+            show: &dyn Fn(&str, &str, bool) -> String,
+            out: &mut Vec<String>,
+        ) {
             let nodes = level
                 .exact
                 .values()
                 .chain(level.wildcards.iter().map(|(_, n)| n));
             for node in nodes {
+                let full_key = name(domain, node, show);
                 for limit in &node.limits {
                     out.push(if limit.unlimited {
                         format!(
-                            "{}: unlimited, shadow_mode: {}, quota_mode: {}",
-                            node.full_key, node.shadow_mode, node.quota_mode
+                            "{full_key}: unlimited, shadow_mode: {}, quota_mode: {}",
+                            node.shadow_mode, node.quota_mode
                         )
                     } else {
                         let mut line = format!(
-                            "{}: unit={} requests_per_unit={}, shadow_mode: {}, quota_mode: {}",
-                            node.full_key,
+                            "{full_key}: unit={} requests_per_unit={}, shadow_mode: {}, quota_mode: {}",
                             limit.unit,
                             limit.requests_per_unit,
                             node.shadow_mode,
@@ -276,23 +306,31 @@ impl RuleSet {
                         line
                     });
                 }
-                walk(&node.children, out);
+                walk(domain, &node.children, show, out);
             }
         }
         let mut out = Vec::new();
-        for domain in self.domains.values() {
-            walk(&domain.root, &mut out);
+        for (name, domain) in &self.domains {
+            walk(name, &domain.root, show, &mut out);
         }
         out.sort();
         out
     }
 }
 
+/// What a node inherits from the levels above it.
+#[derive(Default, Clone)]
+struct Ancestry {
+    shared: Vec<Option<Box<str>>>,
+    hashed: Vec<bool>,
+    path: Vec<(Box<str>, Box<str>)>,
+}
+
 fn add_level(
     level: &mut Level,
     specs: &[DescriptorSpec],
     parent_key: &str,
-    parent_shared: &[Option<Box<str>>],
+    ancestry: &Ancestry,
     default_algorithm: Algorithm,
 ) -> Result<(), String> {
     for spec in specs {
@@ -350,10 +388,21 @@ fn add_level(
                 "share_threshold can only be used with wildcard values (containing '*'), but found key '{composite}'"
             ));
         }
-        let mut shared_values = parent_shared.to_vec();
-        shared_values.push(spec.share_threshold.then(|| spec.value.as_str().into()));
-        let shared_values: Box<[Option<Box<str>>]> = if shared_values.iter().any(Option::is_some) {
-            shared_values.into()
+        let mut below = ancestry.clone();
+        below
+            .shared
+            .push(spec.share_threshold.then(|| spec.value.as_str().into()));
+        below.hashed.push(spec.hash_value);
+        below
+            .path
+            .push((spec.key.as_str().into(), spec.value.as_str().into()));
+        let shared_values: Box<[Option<Box<str>>]> = if below.shared.iter().any(Option::is_some) {
+            below.shared.clone().into()
+        } else {
+            Box::new([])
+        };
+        let hashed_levels: Box<[bool]> = if below.hashed.contains(&true) {
+            below.hashed.clone().into()
         } else {
             Box::new([])
         };
@@ -365,20 +414,18 @@ fn add_level(
             detailed_metric: spec.detailed_metric,
             value_to_metric: spec.value_to_metric,
             share_threshold: spec.share_threshold,
+            hash_value: spec.hash_value,
+            hashed_levels,
+            path: below.path.clone().into(),
             metadata: spec.metadata.clone().map(Arc::new),
-            shared_values: shared_values.clone(),
+            shared_values,
             children: Level::default(),
-        };
-        let child_shared = if shared_values.is_empty() {
-            vec![None; parent_shared.len() + 1]
-        } else {
-            shared_values.to_vec()
         };
         add_level(
             &mut node.children,
             &spec.descriptors,
             &full_key,
-            &child_shared,
+            &below,
             default_algorithm,
         )?;
         if let Some(cidr) = cidr {

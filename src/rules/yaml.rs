@@ -33,6 +33,7 @@ const VALID_KEYS: &[&str] = &[
     "algorithm",
     "burst",
     "unit_multiplier",
+    "hash_value",
 ];
 
 /// A YAML node, keeping map order (wildcards match in file order) and non-string keys (to reject them).
@@ -165,6 +166,8 @@ pub struct DescriptorSpec {
     pub detailed_metric: bool,
     pub value_to_metric: bool,
     pub share_threshold: bool,
+    /// The request's value for this node is sensitive: counted and shown only as a keyed hash.
+    pub hash_value: bool,
     pub metadata: Option<serde_json::Map<String, serde_json::Value>>,
 }
 
@@ -329,6 +332,7 @@ fn descriptor(v: &Yaml) -> Result<DescriptorSpec, String> {
             "detailed_metric" => spec.detailed_metric = boolean(v, "detailed_metric")?,
             "value_to_metric" => spec.value_to_metric = boolean(v, "value_to_metric")?,
             "share_threshold" => spec.share_threshold = boolean(v, "share_threshold")?,
+            "hash_value" => spec.hash_value = boolean(v, "hash_value")?,
             "metadata" => spec.metadata = metadata(v)?,
             _ => {}
         }

@@ -5,9 +5,11 @@
 pub mod redis;
 
 use std::{
-    io::{Read, Write},
+    io::{BufRead, BufReader, Read, Write},
     net::{SocketAddr, TcpStream},
-    time::Duration,
+    process::{Child, Command, Stdio},
+    sync::{Arc, Mutex},
+    time::{Duration, Instant},
 };
 
 use ratelimitd::{
@@ -214,5 +216,63 @@ pub fn request(domain: &str, descriptors: Vec<RateLimitDescriptor>) -> RateLimit
         domain: domain.into(),
         descriptors,
         hits_addend: 0,
+    }
+}
+
+/// A running binary, killed on drop.
+pub struct Running {
+    pub child: Child,
+    pub grpc: SocketAddr,
+    pub http: SocketAddr,
+    /// Everything the process wrote to stderr so far.
+    pub log: Arc<Mutex<String>>,
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Starts the binary and reads the listening addresses from its log, which it keeps collecting.
+pub fn start_binary(cmd: &mut Command) -> Running {
+    let child = cmd
+        .stderr(Stdio::piped())
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let unbound: SocketAddr = ([0, 0, 0, 0], 0).into();
+    // Owned by the guard from here on, so that a failed assertion still kills the process.
+    let mut running = Running {
+        child,
+        grpc: unbound,
+        http: unbound,
+        log: Arc::new(Mutex::new(String::new())),
+    };
+    let mut lines = BufReader::new(running.child.stderr.take().unwrap()).lines();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        assert!(Instant::now() < deadline, "no listening line in time");
+        let line = lines.next().expect("ratelimitd exited early").unwrap();
+        running.log.lock().unwrap().push_str(&(line.clone() + "\n"));
+        if let Some(rest) = line.split("Listening for gRPC on '").nth(1) {
+            running.grpc = rest.split('\'').next().unwrap().parse().unwrap();
+            running.http = rest
+                .split("HTTP on '")
+                .nth(1)
+                .and_then(|r| r.split('\'').next())
+                .unwrap()
+                .parse()
+                .unwrap();
+            // Keep draining the log so the child never blocks on a full pipe.
+            let log = running.log.clone();
+            std::thread::spawn(move || {
+                for line in lines.map_while(Result::ok) {
+                    log.lock().unwrap().push_str(&(line + "\n"));
+                }
+            });
+            return running;
+        }
     }
 }

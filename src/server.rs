@@ -106,7 +106,7 @@ pub async fn run_with_clock(
         store.clone(),
         clock.clone(),
         limiter::Options {
-            key_prefix: String::new(),
+            key_prefix: settings.cache_key_prefix.clone(),
             shadow_mode: settings.shadow_mode,
             consume_on_deny: settings.consume_on_deny,
             response_headers: settings.response_headers,

@@ -192,6 +192,41 @@ async fn counters_keep_the_reference_layout_for_a_shared_migration() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cache_key_prefix_keeps_services_apart_on_one_redis() {
+    let redis = RedisProcess::start(&[]);
+    let a = start_tweaked(redis.addr(), RedisTopology::Single, |s| {
+        s.cache_key_prefix = "svc_a:".into();
+    })
+    .await;
+    let b = start_tweaked(redis.addr(), RedisTopology::Single, |s| {
+        s.cache_key_prefix = "svc_b:".into();
+    })
+    .await;
+    let r = request("fleet", vec![descriptor(&[("login", "same")])]);
+    for _ in 0..5 {
+        a.client().await.should_rate_limit(r.clone()).await.unwrap();
+    }
+    let resp = b
+        .client()
+        .await
+        .should_rate_limit(r)
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(resp.statuses[0].limit_remaining, 4, "b counts apart from a");
+    let keys = redis.cli(&["--scan", "--pattern", "svc_*"]);
+    assert_eq!(keys.lines().count(), 2, "{keys}");
+    assert!(
+        keys.lines()
+            .all(|k| k.starts_with("svc_a:fleet_login_same_")
+                || k.starts_with("svc_b:fleet_login_same_")),
+        "{keys}"
+    );
+    a.stop().await;
+    b.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replicas_with_skewed_clocks_count_in_the_redis_window() {
     let redis = RedisProcess::start(&[]);
     let on_time = start(redis.addr(), RedisTopology::Single).await;

@@ -92,7 +92,28 @@ pub async fn run_with_clock(
     health.publish().await;
 
     let rules = Arc::new(Rules::default());
-    load_rules(&settings, &rules, &health).await;
+    let source = settings.rules.source();
+    let reload_stats = Arc::new(rules::ReloadStats::default());
+    let on_loaded: rules::OnLoaded = {
+        let health = health.clone();
+        Box::new(move |loaded: &rules::Loaded| {
+            let domains = loaded.rules.domains.len();
+            let mut names: Vec<&String> = loaded.rules.domains.keys().collect();
+            names.sort();
+            for domain in names {
+                tracing::info!(domain = %domain, "loading domain: {domain}");
+            }
+            tracing::warn!(
+                files = loaded.files.len(),
+                domains,
+                fingerprint = format!("{:016x}", loaded.fingerprint),
+                "rules loaded"
+            );
+            let health = health.clone();
+            tokio::spawn(async move { health.rules_loaded(domains).await });
+        })
+    };
+    rules::reload(&source, &rules, &reload_stats, &on_loaded);
 
     let store = Arc::new(match backend {
         BackendKind::Memory => Store::Memory(MemoryStore::new(settings.memory.max_keys)),
@@ -102,7 +123,7 @@ pub async fn run_with_clock(
         ),
     });
     let limiter = Arc::new(Limiter::new(
-        rules,
+        rules.clone(),
         store.clone(),
         clock.clone(),
         limiter::Options {
@@ -125,6 +146,16 @@ pub async fn run_with_clock(
         tasks.spawn(async move { store.maintain(&clock, every, stop).await });
     }
 
+    if settings.rules.watch {
+        tasks.spawn(rules::watch(
+            source,
+            rules.clone(),
+            reload_stats,
+            on_loaded,
+            settings.rules.reload_delay,
+            stop_tasks.clone(),
+        ));
+    }
     if let Store::Redis(redis) = &*store {
         let (redis, health, stop) = (redis.clone(), health.clone(), stop_tasks.clone());
         tasks.spawn(async move {
@@ -239,31 +270,4 @@ fn sensitive(settings: &Settings) -> Option<limiter::Sensitive> {
         settings.hash_secret.0.as_bytes().to_vec()
     };
     Some(limiter::Sensitive::new(&settings.hashed_keys, &secret))
-}
-
-/// Loads the rules at start. A broken rules folder does not stop the service: it answers UNAVAILABLE
-/// ("no rate limit configuration loaded") until rules load, as the reference service does.
-async fn load_rules(settings: &Settings, rules: &Rules, health: &Health) {
-    let source = settings.rules.source();
-    match rules::load(&source) {
-        Ok(loaded) => {
-            let domains = loaded.rules.domains.len();
-            let mut names: Vec<&String> = loaded.rules.domains.keys().collect();
-            names.sort();
-            for domain in names {
-                tracing::info!(domain = %domain, "loading domain: {domain}");
-            }
-            tracing::warn!(
-                path = %source.root.display(),
-                files = loaded.files.len(),
-                domains,
-                "rules loaded"
-            );
-            rules.replace(loaded.rules);
-            health.rules_loaded(domains).await;
-        }
-        Err(err) => {
-            tracing::error!(path = %source.root.display(), "Error loading new configuration: {err}");
-        }
-    }
 }

@@ -256,6 +256,11 @@ pub struct RulesSettings {
     pub merge_domains: bool,
     /// The algorithm of limits that do not name one (default `fixed_window`, the reference's).
     pub default_algorithm: Algorithm,
+    /// Reload the rules when files under the rules folder change (default true).
+    pub watch: bool,
+    /// Quiet time after the last change before reloading (default `250ms`): changes come in bursts.
+    #[serde(with = "humantime_serde_compat")]
+    pub reload_delay: Duration,
 }
 
 impl Default for RulesSettings {
@@ -269,6 +274,8 @@ impl Default for RulesSettings {
             ignore_dotfiles: false,
             merge_domains: false,
             default_algorithm: Algorithm::FixedWindow,
+            watch: true,
+            reload_delay: Duration::from_millis(250),
         }
     }
 }
@@ -287,11 +294,18 @@ pub struct RulesSource {
     pub merge_domains: bool,
     /// The algorithm of limits that do not name one.
     pub default_algorithm: Algorithm,
+    /// The path a deployment swaps whole to publish new rules (`RUNTIME_ROOT`, often a symlink), when it
+    /// differs from `root`; its parent folder is watched too.
+    pub swap_point: Option<PathBuf>,
 }
 
 impl RulesSettings {
     /// Resolves the settings into the folder to read.
     pub fn source(&self) -> RulesSource {
+        let swap_point = match (&self.path, &self.runtime_root) {
+            (None, Some(runtime_root)) => Some(runtime_root.clone()),
+            _ => None,
+        };
         let (root, key_prefix) = match (&self.path, &self.runtime_root) {
             (Some(path), _) => (path.clone(), None),
             (None, Some(runtime_root)) => {
@@ -310,6 +324,7 @@ impl RulesSettings {
             ignore_dotfiles: self.ignore_dotfiles,
             merge_domains: self.merge_domains,
             default_algorithm: self.default_algorithm,
+            swap_point,
         }
     }
 }

@@ -10,6 +10,8 @@ use std::{
     path::{Path, PathBuf},
 };
 
+use sha2::{Digest, Sha256};
+
 use super::{model::RuleSet, yaml::parse_file};
 use crate::settings::RulesSource;
 
@@ -24,6 +26,8 @@ pub struct Loaded {
     pub rules: RuleSet,
     /// Names of the files read, in load order.
     pub files: Vec<String>,
+    /// A hash of the files' names and contents: equal fingerprints, equal rules.
+    pub fingerprint: u64,
 }
 
 /// Loads every rules file of the source. A missing root folder is an empty rule set.
@@ -40,6 +44,7 @@ pub fn load(source: &RulesSource) -> Result<Loaded, LoadError> {
     }
     found.sort();
     let mut parsed = Vec::with_capacity(found.len());
+    let mut digest = Sha256::new();
     for (name, path) in found {
         if let Some(prefix) = &source.key_prefix {
             if !name.starts_with(prefix.as_str()) {
@@ -51,13 +56,21 @@ pub fn load(source: &RulesSource) -> Result<Loaded, LoadError> {
         let text = String::from_utf8(text)
             .map_err(|_| LoadError(format!("{name}: error loading config file: not UTF-8 text")))?;
         let file = parse_file(&text).map_err(|e| LoadError(format!("{name}: {e}")))?;
+        digest.update(name.as_bytes());
+        digest.update([0]);
+        digest.update(text.as_bytes());
+        digest.update([0]);
         parsed.push((name, file));
     }
     let rules = RuleSet::build_with(&parsed, source.merge_domains, source.default_algorithm)
         .map_err(LoadError)?;
+    let digest = digest.finalize();
+    let mut first = [0u8; 8];
+    first.copy_from_slice(&digest[..8]);
     Ok(Loaded {
         rules,
         files: parsed.into_iter().map(|(name, _)| name).collect(),
+        fingerprint: u64::from_be_bytes(first),
     })
 }
 
@@ -101,6 +114,7 @@ mod tests {
             ignore_dotfiles,
             merge_domains: false,
             default_algorithm: crate::algorithm::Algorithm::FixedWindow,
+            swap_point: None,
         }
     }
 

@@ -18,6 +18,7 @@ use crate::{
     rules::{self, Rules},
     settings::{BackendKind, Settings},
     store::{MemoryStore, RedisStore, Store},
+    telemetry::Metrics,
 };
 
 /// Why the server could not start or stopped abnormally.
@@ -41,6 +42,8 @@ pub enum ServerError {
 pub struct Listeners {
     pub grpc: TcpListener,
     pub http: TcpListener,
+    /// The separate Prometheus listener, when `USE_PROMETHEUS` asks for one.
+    pub prometheus: Option<TcpListener>,
 }
 
 impl Listeners {
@@ -59,9 +62,19 @@ impl Listeners {
                 .await
                 .map_err(|source| ServerError::Bind { what, addr, source })
         };
+        let prometheus = if settings.prometheus.enabled {
+            let addr = settings
+                .prometheus
+                .socket_addr()
+                .map_err(|e| ServerError::Setup(e.to_string()))?;
+            Some(bind("Prometheus", addr).await?)
+        } else {
+            None
+        };
         Ok(Self {
             grpc: bind("gRPC", grpc_addr).await?,
             http: bind("HTTP", http_addr).await?,
+            prometheus,
         })
     }
 }
@@ -91,6 +104,7 @@ pub async fn run_with_clock(
     ));
     health.publish().await;
 
+    let metrics = Arc::new(Metrics::new());
     let rules = Arc::new(Rules::default());
     let source = settings.rules.source();
     let reload_stats = Arc::new(rules::ReloadStats::default());
@@ -114,6 +128,7 @@ pub async fn run_with_clock(
         })
     };
     rules::reload(&source, &rules, &reload_stats, &on_loaded);
+    register_rules_metrics(&metrics, &rules, &reload_stats);
 
     let store = Arc::new(match backend {
         BackendKind::Memory => Store::Memory(MemoryStore::new(settings.memory.max_keys)),
@@ -135,9 +150,12 @@ pub async fn run_with_clock(
             request_limits: settings.request_limits.clone(),
             on_backend_error: settings.on_backend_error,
             sensitive: sensitive(&settings),
+            near_limit_ratio: settings.near_limit_ratio,
+            metrics: metrics.clone(),
         },
     ));
 
+    register_store_metrics(&metrics, &store);
     let tasks = TaskTracker::new();
     let stop_tasks = CancellationToken::new();
     {
@@ -203,8 +221,23 @@ pub async fn run_with_clock(
             TcpListenerStream::new(listeners.grpc),
             stop_accepting.clone().cancelled_owned(),
         );
-    let http = axum::serve(listeners.http, http::router(limiter, health.clone()))
-        .with_graceful_shutdown(stop_accepting.clone().cancelled_owned());
+    let http = axum::serve(
+        listeners.http,
+        http::router(limiter, health.clone(), metrics.clone()),
+    )
+    .with_graceful_shutdown(stop_accepting.clone().cancelled_owned());
+    if let Some(listener) = listeners.prometheus {
+        let router = http::metrics_router(metrics.clone(), &settings.prometheus.path);
+        let stop = stop_accepting.clone();
+        tasks.spawn(async move {
+            let served = axum::serve(listener, router)
+                .with_graceful_shutdown(stop.cancelled_owned())
+                .await;
+            if let Err(err) = served {
+                tracing::error!("Prometheus listener failed: {err}");
+            }
+        });
+    }
     let mut grpc = tokio::spawn(grpc);
     let mut http = tokio::spawn(async move { http.await });
     if let (Some(g), Some(h)) = (grpc_addr, http_addr) {
@@ -251,6 +284,73 @@ pub async fn run_with_clock(
     }
     tracing::warn!("shutdown complete");
     Ok(())
+}
+
+/// Metrics read at scrape time from the rules and their loads.
+fn register_rules_metrics(metrics: &Metrics, rules: &Arc<Rules>, stats: &Arc<rules::ReloadStats>) {
+    use std::sync::atomic::Ordering;
+    let s = stats.clone();
+    metrics.counter_fn(
+        "ratelimit_service_config_load_success",
+        "Rules loads that succeeded (at start and on every change).",
+        Box::new(move || vec![(Vec::new(), s.successes.load(Ordering::Relaxed) as f64)]),
+    );
+    let s = stats.clone();
+    metrics.counter_fn(
+        "ratelimit_service_config_load_error",
+        "Rules loads refused because a file was invalid (the previous rules kept serving).",
+        Box::new(move || vec![(Vec::new(), s.errors.load(Ordering::Relaxed) as f64)]),
+    );
+    let (s, r) = (stats.clone(), rules.clone());
+    metrics.gauge_fn(
+        "ratelimitd_rules_info",
+        "The rules being served: fingerprint of their files and number of domains; the value is the domain count.",
+        Box::new(move || {
+            let domains = r.snapshot().map_or(0, |set| set.domains.len());
+            let fingerprint = format!("{:016x}", s.fingerprint.load(Ordering::Relaxed));
+            vec![(vec![("fingerprint", fingerprint)], domains as f64)]
+        }),
+    );
+}
+
+/// Metrics read at scrape time from the store.
+fn register_store_metrics(metrics: &Metrics, store: &Arc<Store>) {
+    let s = store.clone();
+    metrics.gauge_fn(
+        "ratelimitd_backend_up",
+        "1 when the counter store is reachable (Redis: at least one connection up).",
+        Box::new(move || {
+            let up = match &*s {
+                Store::Memory(_) => true,
+                Store::Redis(r) => r.connected(),
+            };
+            vec![(
+                vec![("backend", s.name().to_string())],
+                f64::from(u8::from(up)),
+            )]
+        }),
+    );
+    let s = store.clone();
+    metrics.gauge_fn(
+        "ratelimitd_backend_breaker_open",
+        "1 while the circuit breaker in front of Redis answers without asking it.",
+        Box::new(move || {
+            let open = matches!(&*s, Store::Redis(r) if r.breaker_open());
+            vec![(
+                vec![("backend", s.name().to_string())],
+                f64::from(u8::from(open)),
+            )]
+        }),
+    );
+    let s = store.clone();
+    metrics.gauge_fn(
+        "ratelimitd_memory_store_counters",
+        "Counters held by the memory store.",
+        Box::new(move || match &*s {
+            Store::Memory(m) => vec![(Vec::new(), m.len() as f64)],
+            Store::Redis(_) => Vec::new(),
+        }),
+    );
 }
 
 /// The hasher of sensitive values. Without a configured secret (allowed only with the memory store,

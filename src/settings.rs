@@ -100,6 +100,9 @@ pub struct Settings {
     /// `/rlconfig` (case-insensitive). Env `RATELIMITD_HASHED_KEYS` (comma-separated); default
     /// `api_key`, `authorization`, `x-api-key`.
     pub hashed_keys: Vec<String>,
+    /// A separate Prometheus listener, as the reference service has (`/metrics` on the HTTP port is
+    /// always there).
+    pub prometheus: PrometheusSettings,
     /// Secret of the HMAC-SHA256 that hashes sensitive values. Env `RATELIMITD_HASH_SECRET`. Required with
     /// the Redis backend (the same on every replica); with the memory store a random one is made at start.
     pub hash_secret: Secret,
@@ -132,6 +135,7 @@ impl Default for Settings {
             header_names: HeaderNames::default(),
             healthy_with_at_least_one_config_loaded: false,
             shutdown: ShutdownSettings::default(),
+            prometheus: PrometheusSettings::default(),
             hashed_keys: vec!["api_key".into(), "authorization".into(), "x-api-key".into()],
             hash_secret: Secret::default(),
         }
@@ -567,6 +571,41 @@ impl Default for HeaderNames {
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
+pub struct PrometheusSettings {
+    /// Env `USE_PROMETHEUS` (default false): also serve metrics on `addr`.
+    pub enabled: bool,
+    /// Env `PROMETHEUS_ADDR` (default `:9090`): `host:port`, or `:port` for every address.
+    pub addr: String,
+    /// Env `PROMETHEUS_PATH` (default `/metrics`).
+    pub path: String,
+}
+
+impl Default for PrometheusSettings {
+    fn default() -> Self {
+        Self {
+            enabled: false,
+            addr: ":9090".into(),
+            path: "/metrics".into(),
+        }
+    }
+}
+
+impl PrometheusSettings {
+    /// The socket address to bind.
+    pub fn socket_addr(&self) -> Result<SocketAddr, SettingsError> {
+        let text = if self.addr.starts_with(':') {
+            format!("0.0.0.0{}", self.addr)
+        } else {
+            self.addr.clone()
+        };
+        text.parse().map_err(|_| {
+            SettingsError::invalid("PROMETHEUS_ADDR", &self.addr, "expected host:port or :port")
+        })
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct ShutdownSettings {
     /// After SIGTERM, keep answering (with health NOT_SERVING) this long before closing the listeners, so
     /// that load balancers stop sending traffic first (default `0s`).
@@ -751,6 +790,15 @@ impl Settings {
             self.healthy_with_at_least_one_config_loaded =
                 parse_bool(v, "HEALTHY_WITH_AT_LEAST_ONE_CONFIG_LOADED")?;
         }
+        if let Some(v) = get("USE_PROMETHEUS") {
+            self.prometheus.enabled = parse_bool(v, "USE_PROMETHEUS")?;
+        }
+        if let Some(v) = get("PROMETHEUS_ADDR") {
+            self.prometheus.addr = v.to_owned();
+        }
+        if let Some(v) = get("PROMETHEUS_PATH") {
+            self.prometheus.path = v.to_owned();
+        }
         if let Some(v) = get("NEAR_LIMIT_RATIO") {
             self.near_limit_ratio = parse(v, "NEAR_LIMIT_RATIO")?;
         }
@@ -810,6 +858,16 @@ impl Settings {
         }
         self.grpc.addr("grpc.host")?;
         self.http.addr("http.host")?;
+        if self.prometheus.enabled {
+            self.prometheus.socket_addr()?;
+            if !self.prometheus.path.starts_with('/') {
+                return Err(SettingsError::invalid(
+                    "PROMETHEUS_PATH",
+                    &self.prometheus.path,
+                    "must start with /",
+                ));
+            }
+        }
         if !(self.near_limit_ratio > 0.0 && self.near_limit_ratio <= 1.0) {
             return Err(SettingsError::invalid(
                 "near_limit_ratio",

@@ -208,3 +208,38 @@ async fn sigterm_drains_and_exits_zero_within_the_grace_period() {
         );
     }
 }
+
+#[test]
+fn use_prometheus_serves_metrics_on_its_own_address_and_path() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let addr = format!("127.0.0.1:{port}");
+    let running = start(&mut ratelimitd(
+        &[],
+        &[
+            ("GRPC_HOST", "127.0.0.1"),
+            ("GRPC_PORT", "0"),
+            ("HOST", "127.0.0.1"),
+            ("PORT", "0"),
+            ("USE_PROMETHEUS", "true"),
+            ("PROMETHEUS_ADDR", &addr),
+            ("PROMETHEUS_PATH", "/prom"),
+        ],
+        dir.path(),
+    ));
+    let (code, text) = common::http_request(addr.parse().unwrap(), "GET", "/prom", "");
+    assert_eq!(code, 200);
+    assert!(
+        text.contains("# TYPE ratelimitd_build_info gauge"),
+        "{text}"
+    );
+    // The HTTP port keeps its own /metrics.
+    assert_eq!(
+        common::http_request(running.http, "GET", "/metrics", "").0,
+        200
+    );
+}

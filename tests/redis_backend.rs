@@ -634,7 +634,7 @@ async fn follows_a_slot_migration_under_traffic_without_errors() {
 }
 
 #[test]
-fn sensitive_values_and_secrets_never_reach_redis_keys_logs_or_rlconfig() {
+fn sensitive_values_and_secrets_never_reach_redis_keys_logs_metrics_or_rlconfig() {
     const RAW_KEY: &str = "sk_live_RAWSECRET42";
     const CONFIGURED: &str = "tok_configured_SECRET7";
     const HASH_SECRET: &str = "hash-secret-NEVER-SHOWN";
@@ -698,6 +698,11 @@ fn sensitive_values_and_secrets_never_reach_redis_keys_logs_or_rlconfig() {
         r#"{"domain":"","descriptors":[]}"#,
     );
     let (_, rlconfig) = common::http_request(running.http, "GET", "/rlconfig", "");
+    let (_, metrics) = common::http_request(running.http, "GET", "/metrics", "");
+    assert!(
+        metrics.contains("ratelimit_service_rate_limit_total_hits"),
+        "{metrics}"
+    );
     assert!(rlconfig.contains("api.token_hmac-"), "{rlconfig}");
 
     let keys = redis.cli(&["--scan"]);

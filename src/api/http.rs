@@ -1,4 +1,5 @@
-//! The HTTP side port: `/healthcheck`, `/json` and `/rlconfig`, as the reference service serves them.
+//! The HTTP side port: `/healthcheck`, `/json` and `/rlconfig`, as the reference service serves them, and
+//! `/metrics` (Prometheus text format).
 
 use std::sync::Arc;
 
@@ -12,21 +13,57 @@ use axum::{
 };
 
 use super::{health::Health, json};
-use crate::limiter::{Code, Limiter};
+use crate::{
+    limiter::{Code, Limiter},
+    telemetry::Metrics,
+};
 
 #[derive(Debug, Clone)]
 struct AppState {
     limiter: Arc<Limiter>,
     health: Arc<Health>,
+    metrics: Arc<Metrics>,
 }
 
 /// The HTTP routes.
-pub fn router(limiter: Arc<Limiter>, health: Arc<Health>) -> Router {
+pub fn router(limiter: Arc<Limiter>, health: Arc<Health>, metrics: Arc<Metrics>) -> Router {
     Router::new()
         .route("/healthcheck", get(healthcheck))
         .route("/json", any(decide_json))
         .route("/rlconfig", get(rlconfig))
-        .with_state(AppState { limiter, health })
+        .route("/metrics", get(render_metrics))
+        .with_state(AppState {
+            limiter,
+            health,
+            metrics,
+        })
+}
+
+/// The routes of the separate Prometheus listener: the metrics on `path`.
+pub fn metrics_router(metrics: Arc<Metrics>, path: &str) -> Router {
+    Router::new().route(
+        path,
+        get(move || {
+            let metrics = metrics.clone();
+            async move { prometheus_text(&metrics) }
+        }),
+    )
+}
+
+fn prometheus_text(metrics: &Metrics) -> Response {
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        metrics.render(),
+    )
+        .into_response()
+}
+
+/// Prometheus text format.
+async fn render_metrics(State(state): State<AppState>) -> Response {
+    prometheus_text(&state.metrics)
 }
 
 /// 200 `OK` while serving, 500 otherwise.

@@ -18,6 +18,7 @@ use crate::{
     rules::{EntryRef, Node, Rules, Unit},
     settings::{HeaderNames, OnBackendError, RequestLimits, ResponseHeaders},
     store::{keys, Batch, Check, CounterStore, Outcome, Role, Store, StoreError},
+    telemetry::Metrics,
 };
 
 /// A rate limit request.
@@ -171,6 +172,10 @@ pub struct Options {
     pub on_backend_error: OnBackendError,
     /// Which values are hashed before they reach a counter key or `/rlconfig`; `None` hashes nothing.
     pub sensitive: Option<Sensitive>,
+    /// Share of a limit above which hits count as near the limit in metrics.
+    pub near_limit_ratio: f64,
+    /// Where the per-rule and per-request metrics go.
+    pub metrics: Arc<Metrics>,
 }
 
 /// Decides requests against the current rules and a store.
@@ -230,11 +235,57 @@ impl Limiter {
         }
     }
 
-    /// Decides one request.
+    /// Decides one request, and records it in the metrics.
     pub async fn should_rate_limit(&self, request: &Request) -> Result<Response, LimitError> {
+        let started = std::time::Instant::now();
+        let result = self.decide(request).await;
+        let m = &self.options.metrics;
+        m.observe(
+            "rate_limit_check_duration_seconds",
+            "Time to decide one ShouldRateLimit request.",
+            Vec::new(),
+            started.elapsed(),
+        );
+        let outcome = match &result {
+            Ok(r) if r.overall_code == Code::Ok => "ok",
+            Ok(_) => "over_limit",
+            Err(err) => {
+                let kind = match err {
+                    LimitError::NoRules => "no_rules",
+                    LimitError::Store(_) => "backend",
+                    _ => "invalid_request",
+                };
+                m.count(
+                    "ratelimitd_request_errors_total",
+                    "Requests answered with an error, by kind.",
+                    vec![("kind", kind.to_string())],
+                    1,
+                );
+                "error"
+            }
+        };
+        m.count(
+            "ratelimitd_requests_total",
+            "ShouldRateLimit requests, by answer.",
+            vec![("result", outcome.to_string())],
+            1,
+        );
+        result
+    }
+
+    async fn decide(&self, request: &Request) -> Result<Response, LimitError> {
         self.validate(request)?;
         let rules = self.rules.snapshot().ok_or(LimitError::NoRules)?;
         let domain = rules.domains.get(&request.domain);
+        if domain.is_none() {
+            // No domain label: request domains are not bounded by the rules.
+            self.options.metrics.count(
+                "ratelimit_service_rate_limit_domain_not_found",
+                "Requests for a domain no rules file declares.",
+                Vec::new(),
+                1,
+            );
+        }
 
         let mut scratch = String::new();
         let mut resolved = Vec::with_capacity(request.descriptors.len());
@@ -353,7 +404,15 @@ impl Limiter {
         let applied = if batch.checks.is_empty() {
             None
         } else {
-            match self.store.apply(&batch, self.clock.now_millis()).await {
+            let started = std::time::Instant::now();
+            let applied = self.store.apply(&batch, self.clock.now_millis()).await;
+            self.options.metrics.observe(
+                "ratelimitd_backend_call_duration_seconds",
+                "Time of one call to the counter store (one Redis script call per slot).",
+                vec![("backend", self.store.name().to_string())],
+                started.elapsed(),
+            );
+            match applied {
                 Ok(applied) => Some(applied),
                 Err(err) => return self.backend_failed(err, resolved, &batch),
             }
@@ -369,12 +428,15 @@ impl Limiter {
             .collect();
         // Window length of each limited status's limit, in order, for the IETF policy header.
         let mut windows: Vec<u64> = Vec::new();
+        // (descriptor index, rule label, role, chosen limit, outcome) for the per-rule metrics.
+        let mut stats: Vec<(usize, String, Role, u64, Outcome)> = Vec::new();
         let statuses: Vec<DescriptorStatus> = resolved
             .into_iter()
-            .map(|r| match r {
+            .enumerate()
+            .map(|(index, r)| match r {
                 Resolved::NoLimit => DescriptorStatus::no_limit(),
                 Resolved::Unlimited(_) => DescriptorStatus::unlimited(),
-                Resolved::Limited { limits, role, .. } => {
+                Resolved::Limited { limits, role, node } => {
                     // The descriptor's status is its limit closest to denying: a denying one (the
                     // longest wait first), else the one with the least quota left.
                     let mut chosen: Option<(CurrentLimit, Outcome)> = None;
@@ -401,6 +463,18 @@ impl Limiter {
                     match chosen {
                         None => DescriptorStatus::no_limit(),
                         Some((limit, outcome)) => {
+                            let label = rule_label(
+                                node,
+                                &request.descriptors[index],
+                                self.options.sensitive.as_ref(),
+                            );
+                            stats.push((
+                                index,
+                                label,
+                                role,
+                                u64::from(limit.requests_per_unit),
+                                outcome,
+                            ));
                             let over = !outcome.allowed && role != Role::Shadow;
                             DescriptorStatus {
                                 code: if over { Code::OverLimit } else { Code::Ok },
@@ -417,11 +491,27 @@ impl Limiter {
             .collect();
 
         let denied = applied.as_ref().is_some_and(|a| a.denied);
+        let consumed = !denied || self.options.consume_on_deny;
+        for (index, rule, role, limit, outcome) in stats {
+            let descriptor = &request.descriptors[index];
+            let hits = descriptor
+                .hits_addend
+                .unwrap_or(u64::from(request.hits_addend.max(1)));
+            self.record_rule(&request.domain, rule, role, limit, hits, &outcome, consumed);
+        }
         let overall_code = if denied && !self.options.shadow_mode {
             Code::OverLimit
         } else {
             Code::Ok
         };
+        if denied && self.options.shadow_mode {
+            self.options.metrics.count(
+                "ratelimit_service_global_shadow_mode",
+                "Requests answered OK only because of global shadow mode.",
+                Vec::new(),
+                1,
+            );
+        }
         let response_headers = headers::build(
             self.options.response_headers,
             &self.options.header_names,
@@ -481,6 +571,73 @@ impl Limiter {
         })
     }
 
+    /// The reference service's per-rule counters for one descriptor (hits, not requests).
+    #[allow(clippy::too_many_arguments)]
+    fn record_rule(
+        &self,
+        domain: &str,
+        rule: String,
+        role: Role,
+        limit: u64,
+        hits: u64,
+        outcome: &Outcome,
+        consumed: bool,
+    ) {
+        let m = &self.options.metrics;
+        let labels = || vec![("domain", domain.to_string()), ("rule", rule.clone())];
+        m.count(
+            "ratelimit_service_rate_limit_total_hits",
+            "Hits asked of each rule.",
+            labels(),
+            hits,
+        );
+        if !outcome.allowed {
+            m.count(
+                "ratelimit_service_rate_limit_over_limit",
+                "Hits over each rule's limit.",
+                labels(),
+                hits,
+            );
+            m.count(
+                "rate_limit_exceeded_total",
+                "Descriptors found over their rule's limit.",
+                labels(),
+                1,
+            );
+            if role == Role::Shadow {
+                m.count(
+                    "ratelimit_service_rate_limit_shadow_mode",
+                    "Hits over the limit of a shadow-mode rule (answered OK).",
+                    labels(),
+                    hits,
+                );
+            }
+        } else if consumed {
+            m.count(
+                "ratelimit_service_rate_limit_within_limit",
+                "Hits within each rule's limit.",
+                labels(),
+                hits,
+            );
+            let after = limit.saturating_sub(outcome.remaining);
+            let before = after.saturating_sub(hits);
+            let threshold = (limit as f64 * self.options.near_limit_ratio).floor() as u64;
+            if after > threshold {
+                let near = if before >= threshold {
+                    hits
+                } else {
+                    after - threshold
+                };
+                m.count(
+                    "ratelimit_service_rate_limit_near_limit",
+                    "Hits within the limit but above near_limit_ratio of it.",
+                    labels(),
+                    near,
+                );
+            }
+        }
+    }
+
     fn validate(&self, request: &Request) -> Result<(), LimitError> {
         if request.domain.is_empty() {
             return Err(LimitError::EmptyDomain);
@@ -531,6 +688,46 @@ impl Limiter {
         }
         Ok(())
     }
+}
+
+/// The `rule` metric label of a descriptor: its rule's path (`key_value.key`...), with request values only
+/// where the rule asks for them (`detailed_metric` on the matched rule, `value_to_metric` on a level
+/// matched by its key or a wildcard), sensitive values hashed. Overrides are labelled by their entry keys.
+fn rule_label(
+    node: Option<&Node>,
+    descriptor: &Descriptor,
+    sensitive: Option<&Sensitive>,
+) -> String {
+    let show = |key: &str, value: &str, hashed: bool| -> String {
+        match sensitive {
+            Some(s) => s.show(key, value, hashed).into_owned(),
+            None => value.to_owned(),
+        }
+    };
+    let Some(node) = node else {
+        let keys: Vec<&str> = descriptor.entries.iter().map(|e| e.key.as_str()).collect();
+        return format!("override:{}", keys.join("."));
+    };
+    let mut parts = Vec::with_capacity(node.path.len());
+    for (i, (key, value)) in node.path.iter().enumerate() {
+        let hashed = node.hashed_levels.get(i).copied().unwrap_or(false);
+        let request_value = descriptor.entries.get(i).map_or("", |e| e.value.as_str());
+        let shared = node.shared_values.get(i).is_some_and(Option::is_some);
+        let to_metric = node.metric_levels.get(i).copied().unwrap_or(false);
+        let from_request = !shared
+            && !request_value.is_empty()
+            && (node.detailed_metric || (to_metric && (value.is_empty() || value.contains('*'))));
+        parts.push(if from_request {
+            format!("{key}_{}", show(key, request_value, hashed))
+        } else if value.is_empty() {
+            key.to_string()
+        } else if shared {
+            format!("{key}_{value}")
+        } else {
+            format!("{key}_{}", show(key, value, hashed))
+        });
+    }
+    parts.join(".")
 }
 
 /// Drops every matched limit whose name another matched limit of the same request replaces

@@ -142,6 +142,9 @@ pub struct Node {
     pub hashed_levels: Box<[bool]>,
     /// The `(key, value)` of each level from the domain down to this node, as written in the rules.
     pub path: Box<[(Box<str>, Box<str>)]>,
+    /// For each level from the domain down to this node, whether that level's node says
+    /// `value_to_metric`. Empty when none does.
+    pub metric_levels: Box<[bool]>,
     /// Free-form metadata of the rule.
     pub metadata: Option<Arc<serde_json::Map<String, serde_json::Value>>>,
     /// For each level from the domain down to this node, the value counter keys use instead of the
@@ -323,6 +326,7 @@ impl RuleSet {
 struct Ancestry {
     shared: Vec<Option<Box<str>>>,
     hashed: Vec<bool>,
+    to_metric: Vec<bool>,
     path: Vec<(Box<str>, Box<str>)>,
 }
 
@@ -393,6 +397,7 @@ fn add_level(
             .shared
             .push(spec.share_threshold.then(|| spec.value.as_str().into()));
         below.hashed.push(spec.hash_value);
+        below.to_metric.push(spec.value_to_metric);
         below
             .path
             .push((spec.key.as_str().into(), spec.value.as_str().into()));
@@ -406,6 +411,11 @@ fn add_level(
         } else {
             Box::new([])
         };
+        let metric_levels: Box<[bool]> = if below.to_metric.contains(&true) {
+            below.to_metric.clone().into()
+        } else {
+            Box::new([])
+        };
         let mut node = Node {
             full_key: full_key.clone().into(),
             limits,
@@ -416,6 +426,7 @@ fn add_level(
             share_threshold: spec.share_threshold,
             hash_value: spec.hash_value,
             hashed_levels,
+            metric_levels,
             path: below.path.clone().into(),
             metadata: spec.metadata.clone().map(Arc::new),
             shared_values,

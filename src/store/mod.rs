@@ -168,6 +168,14 @@ pub enum Store {
 }
 
 impl Store {
+    /// The backend's name in metrics.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Store::Memory(_) => "memory",
+            Store::Redis(_) => "redis",
+        }
+    }
+
     /// Housekeeping every `every` until `stop`: reclaims expired counters of the memory store, so that its
     /// memory follows the keys in use.
     pub async fn maintain(&self, clock: &Clock, every: Duration, stop: CancellationToken) {

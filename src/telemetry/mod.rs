@@ -1,4 +1,8 @@
-//! Logging: `LOG_LEVEL` and `LOG_FORMAT` (text or JSON lines with time, level and message).
+//! Logging (`LOG_LEVEL`, `LOG_FORMAT`: text or JSON lines with time, level and message) and metrics.
+
+pub mod metrics;
+
+pub use metrics::Metrics;
 
 use tracing_subscriber::{fmt, EnvFilter};
 

@@ -141,6 +141,11 @@ impl RedisStore {
         self.breaker.is_open()
     }
 
+    /// Whether at least one connection to Redis is up.
+    pub fn connected(&self) -> bool {
+        self.pool.clients().iter().any(|c| c.is_connected())
+    }
+
     async fn decide_now(&self, batch: &Batch, local_ms: u64) -> Result<Applied, StoreError> {
         let mut now_ms = local_ms as i64 + self.clock_offset_ms.load(Ordering::Relaxed);
         for _ in 0..2 {

@@ -1,0 +1,148 @@
+//! `/metrics` after known traffic: names, labels and values.
+
+mod common;
+
+use common::{descriptor, request, TestServer};
+
+const RULES: &str = r#"
+domain: web
+descriptors:
+  - key: user
+    rate_limit: {unit: minute, requests_per_unit: 2}
+  - key: preview
+    shadow_mode: true
+    rate_limit: {unit: minute, requests_per_unit: 1}
+  - key: api_key
+    detailed_metric: true
+    rate_limit: {unit: minute, requests_per_unit: 10}
+  - key: route
+    value_to_metric: true
+    descriptors:
+      - key: method
+        rate_limit: {unit: minute, requests_per_unit: 10}
+"#;
+
+/// The value of one sample line `name{labels} value`.
+fn sample(text: &str, series: &str) -> f64 {
+    text.lines()
+        .find_map(|l| {
+            l.strip_prefix(series)
+                .and_then(|rest| rest.strip_prefix(' '))
+        })
+        .unwrap_or_else(|| panic!("no sample {series} in:\n{text}"))
+        .parse()
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_count_known_traffic_by_rule() {
+    let s = TestServer::start(&[("web.yaml", RULES)], |_| {}).await;
+    let mut c = s.client().await;
+    let ask = |d: Vec<(&'static str, &'static str)>| {
+        let r = request("web", vec![descriptor(&d)]);
+        let mut c = c.clone();
+        async move { c.should_rate_limit(r).await }
+    };
+    for _ in 0..3 {
+        ask(vec![("user", "u1")]).await.unwrap();
+    }
+    for _ in 0..2 {
+        ask(vec![("preview", "p")]).await.unwrap();
+    }
+    ask(vec![("api_key", "sk_live_RAW")]).await.unwrap();
+    ask(vec![("route", "/orders"), ("method", "POST")])
+        .await
+        .unwrap();
+    c.should_rate_limit(request("", vec![descriptor(&[("user", "x")])]))
+        .await
+        .unwrap_err();
+    c.should_rate_limit(request("nowhere", vec![descriptor(&[("user", "x")])]))
+        .await
+        .unwrap();
+
+    let (code, text) = s.http("GET", "/metrics", "").await;
+    assert_eq!(code, 200);
+    let rule = |name: &str, rule: &str| {
+        sample(&text, &format!("{name}{{domain=\"web\",rule=\"{rule}\"}}"))
+    };
+    assert_eq!(rule("ratelimit_service_rate_limit_total_hits", "user"), 3.0);
+    assert_eq!(
+        rule("ratelimit_service_rate_limit_within_limit", "user"),
+        2.0
+    );
+    assert_eq!(rule("ratelimit_service_rate_limit_over_limit", "user"), 1.0);
+    // Limit 2, ratio 0.8: the threshold is 1, so the second hit is near the limit.
+    assert_eq!(rule("ratelimit_service_rate_limit_near_limit", "user"), 1.0);
+    assert_eq!(rule("rate_limit_exceeded_total", "user"), 1.0);
+    assert_eq!(
+        rule("ratelimit_service_rate_limit_shadow_mode", "preview"),
+        1.0
+    );
+    assert_eq!(
+        rule(
+            "ratelimit_service_rate_limit_within_limit",
+            "route_/orders.method"
+        ),
+        1.0
+    );
+    assert!(
+        !text.contains("sk_live_RAW"),
+        "raw API key in /metrics:\n{text}"
+    );
+    assert!(text.contains("rule=\"api_key_hmac-"), "{text}");
+
+    assert_eq!(
+        sample(&text, "ratelimitd_requests_total{result=\"ok\"}"),
+        7.0
+    );
+    assert_eq!(
+        sample(&text, "ratelimitd_requests_total{result=\"over_limit\"}"),
+        1.0
+    );
+    assert_eq!(
+        sample(&text, "ratelimitd_requests_total{result=\"error\"}"),
+        1.0
+    );
+    assert_eq!(
+        sample(
+            &text,
+            "ratelimitd_request_errors_total{kind=\"invalid_request\"}"
+        ),
+        1.0
+    );
+    assert_eq!(
+        sample(&text, "rate_limit_check_duration_seconds_count"),
+        9.0
+    );
+    assert!(text.contains("rate_limit_check_duration_seconds_bucket{le=\"0.0001\"}"));
+    assert_eq!(
+        sample(
+            &text,
+            "ratelimitd_backend_call_duration_seconds_count{backend=\"memory\"}"
+        ),
+        7.0
+    );
+    assert_eq!(
+        sample(&text, "ratelimit_service_rate_limit_domain_not_found"),
+        1.0
+    );
+    assert_eq!(sample(&text, "ratelimit_service_config_load_success"), 1.0);
+    assert_eq!(sample(&text, "ratelimit_service_config_load_error"), 0.0);
+    assert_eq!(
+        sample(&text, "ratelimitd_backend_up{backend=\"memory\"}"),
+        1.0
+    );
+    assert_eq!(
+        sample(&text, "ratelimitd_backend_breaker_open{backend=\"memory\"}"),
+        0.0
+    );
+    assert!(
+        text.contains("ratelimitd_rules_info{fingerprint=\""),
+        "{text}"
+    );
+    assert!(text.contains(&format!(
+        "ratelimitd_build_info{{version=\"{}\"}} 1",
+        env!("CARGO_PKG_VERSION")
+    )));
+    s.stop().await;
+}

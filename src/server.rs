@@ -18,7 +18,7 @@ use crate::{
     rules::{self, Rules},
     settings::{BackendKind, Settings},
     store::{MemoryStore, RedisStore, Store},
-    telemetry::Metrics,
+    telemetry::{Metrics, TopOffenders},
 };
 
 /// Why the server could not start or stopped abnormally.
@@ -152,6 +152,10 @@ pub async fn run_with_clock(
             sensitive: sensitive(&settings),
             near_limit_ratio: settings.near_limit_ratio,
             metrics: metrics.clone(),
+            top: Arc::new(TopOffenders::new(
+                settings.top_offenders.capacity,
+                settings.top_offenders.interval,
+            )),
         },
     ));
 

@@ -100,6 +100,8 @@ pub struct Settings {
     /// `/rlconfig` (case-insensitive). Env `RATELIMITD_HASHED_KEYS` (comma-separated); default
     /// `api_key`, `authorization`, `x-api-key`.
     pub hashed_keys: Vec<String>,
+    /// The `/debug/top` sketch of the most denied descriptors.
+    pub top_offenders: TopOffendersSettings,
     /// A separate Prometheus listener, as the reference service has (`/metrics` on the HTTP port is
     /// always there).
     pub prometheus: PrometheusSettings,
@@ -135,6 +137,7 @@ impl Default for Settings {
             header_names: HeaderNames::default(),
             healthy_with_at_least_one_config_loaded: false,
             shutdown: ShutdownSettings::default(),
+            top_offenders: TopOffendersSettings::default(),
             prometheus: PrometheusSettings::default(),
             hashed_keys: vec!["api_key".into(), "authorization".into(), "x-api-key".into()],
             hash_secret: Secret::default(),
@@ -565,6 +568,25 @@ impl Default for HeaderNames {
             limit: "RateLimit-Limit".into(),
             remaining: "RateLimit-Remaining".into(),
             reset: "RateLimit-Reset".into(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TopOffendersSettings {
+    /// Descriptors tracked (default 100): memory is fixed by this, whatever the traffic.
+    pub capacity: usize,
+    /// The list covers the last one to two of these (default `60s`).
+    #[serde(with = "humantime_serde_compat")]
+    pub interval: Duration,
+}
+
+impl Default for TopOffendersSettings {
+    fn default() -> Self {
+        Self {
+            capacity: 100,
+            interval: Duration::from_secs(60),
         }
     }
 }

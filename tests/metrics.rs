@@ -146,3 +146,46 @@ async fn metrics_count_known_traffic_by_rule() {
     )));
     s.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn debug_top_lists_the_most_denied_descriptors_hashed() {
+    let s = TestServer::start(&[("web.yaml", RULES)], |_| {}).await;
+    let mut c = s.client().await;
+    for (key, value, times) in [
+        ("user", "attacker", 12),
+        ("user", "other", 4),
+        ("api_key", "sk_live_RAW", 13),
+    ] {
+        for _ in 0..times {
+            c.should_rate_limit(request("web", vec![descriptor(&[(key, value)])]))
+                .await
+                .unwrap();
+        }
+    }
+    let (code, body) = s.http("GET", "/debug/top?limit=5", "").await;
+    assert_eq!(code, 200);
+    let json: serde_json::Value = serde_json::from_str(&body).unwrap();
+    let offenders = json["offenders"].as_array().unwrap();
+    assert_eq!(offenders[0]["descriptor"], "web user=attacker");
+    assert_eq!(offenders[0]["denied"], 10);
+    let api = offenders
+        .iter()
+        .find(|o| {
+            o["descriptor"]
+                .as_str()
+                .unwrap()
+                .starts_with("web api_key=hmac-")
+        })
+        .unwrap_or_else(|| panic!("{body}"));
+    assert_eq!(api["denied"], 3);
+    assert_eq!(
+        offenders
+            .iter()
+            .find(|o| o["descriptor"] == "web user=other")
+            .unwrap()["denied"],
+        2
+    );
+    assert!(!body.contains("sk_live_RAW"), "{body}");
+    assert_eq!(json["capacity"], 100);
+    s.stop().await;
+}

@@ -32,6 +32,7 @@ pub fn router(limiter: Arc<Limiter>, health: Arc<Health>, metrics: Arc<Metrics>)
         .route("/json", any(decide_json))
         .route("/rlconfig", get(rlconfig))
         .route("/metrics", get(render_metrics))
+        .route("/debug/top", get(top_offenders))
         .with_state(AppState {
             limiter,
             health,
@@ -57,6 +58,31 @@ fn prometheus_text(metrics: &Metrics) -> Response {
             "text/plain; version=0.0.4; charset=utf-8",
         )],
         metrics.render(),
+    )
+        .into_response()
+}
+
+/// The most denied descriptors of the last one to two intervals, as JSON; `?limit=N` (default 20).
+async fn top_offenders(
+    State(state): State<AppState>,
+    axum::extract::RawQuery(query): axum::extract::RawQuery,
+) -> Response {
+    let limit = query
+        .as_deref()
+        .unwrap_or_default()
+        .split('&')
+        .find_map(|kv| kv.strip_prefix("limit="))
+        .and_then(|n| n.parse::<usize>().ok())
+        .unwrap_or(20);
+    let top = state.limiter.top_offenders();
+    let body = serde_json::json!({
+        "interval_seconds": top.interval().as_secs(),
+        "capacity": top.capacity(),
+        "offenders": top.top(limit),
+    });
+    (
+        [(header::CONTENT_TYPE, "application/json")],
+        body.to_string(),
     )
         .into_response()
 }

@@ -18,7 +18,7 @@ use crate::{
     rules::{EntryRef, Node, Rules, Unit},
     settings::{HeaderNames, OnBackendError, RequestLimits, ResponseHeaders},
     store::{keys, Batch, Check, CounterStore, Outcome, Role, Store, StoreError},
-    telemetry::Metrics,
+    telemetry::{Metrics, TopOffenders},
 };
 
 /// A rate limit request.
@@ -176,6 +176,8 @@ pub struct Options {
     pub near_limit_ratio: f64,
     /// Where the per-rule and per-request metrics go.
     pub metrics: Arc<Metrics>,
+    /// The sketch of the most denied descriptors (`/debug/top`).
+    pub top: Arc<TopOffenders>,
 }
 
 /// Decides requests against the current rules and a store.
@@ -426,6 +428,14 @@ impl Limiter {
                 _ => None,
             })
             .collect();
+        // The `hash_value` levels of each descriptor's rule, for naming offenders.
+        let hashed_by_index: Vec<Box<[bool]>> = resolved
+            .iter()
+            .map(|r| match r {
+                Resolved::Limited { node: Some(n), .. } => n.hashed_levels.clone(),
+                _ => Box::new([]) as Box<[bool]>,
+            })
+            .collect();
         // Window length of each limited status's limit, in order, for the IETF policy header.
         let mut windows: Vec<u64> = Vec::new();
         // (descriptor index, rule label, role, chosen limit, outcome) for the per-rule metrics.
@@ -497,6 +507,14 @@ impl Limiter {
             let hits = descriptor
                 .hits_addend
                 .unwrap_or(u64::from(request.hits_addend.max(1)));
+            if !outcome.allowed && role != Role::Shadow {
+                self.options.top.denied(&self.offender_name(
+                    &request.domain,
+                    descriptor,
+                    index,
+                    &hashed_by_index,
+                ));
+            }
             self.record_rule(&request.domain, rule, role, limit, hits, &outcome, consumed);
         }
         let overall_code = if denied && !self.options.shadow_mode {
@@ -569,6 +587,35 @@ impl Limiter {
             statuses,
             response_headers: Vec::new(),
         })
+    }
+
+    /// How a denied descriptor is named in `/debug/top`: the domain, then `key=value` entries, sensitive
+    /// values hashed.
+    fn offender_name(
+        &self,
+        domain: &str,
+        descriptor: &Descriptor,
+        index: usize,
+        hashed_by_index: &[Box<[bool]>],
+    ) -> String {
+        let hashed = hashed_by_index.get(index).map_or(&[][..], |h| &h[..]);
+        let mut out = domain.to_owned();
+        for (i, e) in descriptor.entries.iter().enumerate() {
+            let value = match &self.options.sensitive {
+                Some(s) => s.show(&e.key, &e.value, hashed.get(i).copied().unwrap_or(false)),
+                None => e.value.as_str().into(),
+            };
+            out.push(' ');
+            out.push_str(&e.key);
+            out.push('=');
+            out.push_str(&value);
+        }
+        out
+    }
+
+    /// The sketch behind `/debug/top`.
+    pub fn top_offenders(&self) -> &TopOffenders {
+        &self.options.top
     }
 
     /// The reference service's per-rule counters for one descriptor (hits, not requests).

@@ -1,8 +1,10 @@
 //! Logging (`LOG_LEVEL`, `LOG_FORMAT`: text or JSON lines with time, level and message) and metrics.
 
 pub mod metrics;
+pub mod top;
 
 pub use metrics::Metrics;
+pub use top::TopOffenders;
 
 use tracing_subscriber::{fmt, EnvFilter};
 

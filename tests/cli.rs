@@ -243,3 +243,41 @@ fn use_prometheus_serves_metrics_on_its_own_address_and_path() {
         200
     );
 }
+
+#[test]
+fn json_logs_are_one_object_per_line_with_time_level_and_message() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::create_dir(dir.path().join("config")).unwrap();
+    std::fs::write(dir.path().join("config/web.yaml"), RULES).unwrap();
+    let running = start(&mut ratelimitd(
+        &[],
+        &[
+            ("GRPC_HOST", "127.0.0.1"),
+            ("GRPC_PORT", "0"),
+            ("HOST", "127.0.0.1"),
+            ("PORT", "0"),
+            ("LOG_FORMAT", "json"),
+            ("LOG_LEVEL", "info"),
+        ],
+        dir.path(),
+    ));
+    let log = running.log.lock().unwrap().clone();
+    let lines: Vec<serde_json::Value> = log
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}")))
+        .collect();
+    for line in &lines {
+        for field in ["timestamp", "level", "message"] {
+            assert!(line.get(field).is_some(), "{field} missing: {line}");
+        }
+    }
+    let loads: Vec<&serde_json::Value> = lines
+        .iter()
+        .filter(|l| l["message"] == "rules loaded")
+        .collect();
+    assert_eq!(loads.len(), 1, "one line per rules load");
+    assert_eq!(loads[0]["domains"], 1);
+    assert!(lines
+        .iter()
+        .any(|l| l["message"] == "loading domain: web" && l["domain"] == "web"));
+}

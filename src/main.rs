@@ -74,7 +74,6 @@ fn check_config(settings: &Settings, dir: PathBuf) -> ExitCode {
 }
 
 fn serve(settings: Settings) -> ExitCode {
-    telemetry::init_logging(&settings.log);
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -86,6 +85,13 @@ fn serve(settings: Settings) -> ExitCode {
         }
     };
     runtime.block_on(async move {
+        let telemetry = match telemetry::init(&settings.log, &settings.tracing) {
+            Ok(t) => t,
+            Err(err) => {
+                eprintln!("ratelimitd: {err}");
+                return ExitCode::from(EXIT_BAD_SETTINGS);
+            }
+        };
         let listeners = match server::Listeners::bind(&settings).await {
             Ok(l) => l,
             Err(err) => {
@@ -96,7 +102,9 @@ fn serve(settings: Settings) -> ExitCode {
         };
         let shutdown = CancellationToken::new();
         tokio::spawn(cancel_on_signal(shutdown.clone()));
-        match server::run(settings, listeners, shutdown).await {
+        let result = server::run(settings, listeners, shutdown).await;
+        telemetry.shutdown();
+        match result {
             Ok(()) => ExitCode::SUCCESS,
             Err(err) => {
                 tracing::error!("{err}");

@@ -102,6 +102,8 @@ pub struct Settings {
     pub hashed_keys: Vec<String>,
     /// The `/debug/top` sketch of the most denied descriptors.
     pub top_offenders: TopOffendersSettings,
+    /// OpenTelemetry traces.
+    pub tracing: TracingSettings,
     /// A separate Prometheus listener, as the reference service has (`/metrics` on the HTTP port is
     /// always there).
     pub prometheus: PrometheusSettings,
@@ -138,6 +140,7 @@ impl Default for Settings {
             healthy_with_at_least_one_config_loaded: false,
             shutdown: ShutdownSettings::default(),
             top_offenders: TopOffendersSettings::default(),
+            tracing: TracingSettings::default(),
             prometheus: PrometheusSettings::default(),
             hashed_keys: vec!["api_key".into(), "authorization".into(), "x-api-key".into()],
             hash_secret: Secret::default(),
@@ -574,6 +577,32 @@ impl Default for HeaderNames {
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
+pub struct TracingSettings {
+    /// Env `TRACING_ENABLED` (default false): export spans over OTLP/gRPC.
+    pub enabled: bool,
+    /// Env `TRACING_SERVICE_NAME` (default `RateLimit`, as the reference): the `service.name` resource.
+    pub service_name: String,
+    /// Env `TRACING_SAMPLING_RATE` (default 1): share of traces started here that are kept; traces
+    /// started by the caller follow the caller's sampling decision.
+    pub sampling_rate: f64,
+    /// Collector endpoint; unset: the standard `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` /
+    /// `OTEL_EXPORTER_OTLP_ENDPOINT` variables, else `http://localhost:4317`.
+    pub endpoint: Option<String>,
+}
+
+impl Default for TracingSettings {
+    fn default() -> Self {
+        Self {
+            enabled: false,
+            service_name: "RateLimit".into(),
+            sampling_rate: 1.0,
+            endpoint: None,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct TopOffendersSettings {
     /// Descriptors tracked (default 100): memory is fixed by this, whatever the traffic.
     pub capacity: usize,
@@ -812,6 +841,24 @@ impl Settings {
             self.healthy_with_at_least_one_config_loaded =
                 parse_bool(v, "HEALTHY_WITH_AT_LEAST_ONE_CONFIG_LOADED")?;
         }
+        if let Some(v) = get("TRACING_ENABLED") {
+            self.tracing.enabled = parse_bool(v, "TRACING_ENABLED")?;
+        }
+        if let Some(v) = get("TRACING_SERVICE_NAME") {
+            self.tracing.service_name = v.to_owned();
+        }
+        if let Some(v) = get("TRACING_SAMPLING_RATE") {
+            self.tracing.sampling_rate = parse(v, "TRACING_SAMPLING_RATE")?;
+        }
+        if let Some(v) = get("TRACING_EXPORTER_PROTOCOL") {
+            if !v.eq_ignore_ascii_case("grpc") {
+                return Err(SettingsError::invalid(
+                    "TRACING_EXPORTER_PROTOCOL",
+                    v,
+                    "ratelimitd exports traces over OTLP/gRPC only; set grpc (port 4317 of the collector)",
+                ));
+            }
+        }
         if let Some(v) = get("USE_PROMETHEUS") {
             self.prometheus.enabled = parse_bool(v, "USE_PROMETHEUS")?;
         }
@@ -895,6 +942,13 @@ impl Settings {
                 "near_limit_ratio",
                 self.near_limit_ratio,
                 "must be greater than 0 and at most 1",
+            ));
+        }
+        if !(0.0..=1.0).contains(&self.tracing.sampling_rate) {
+            return Err(SettingsError::invalid(
+                "TRACING_SAMPLING_RATE",
+                self.tracing.sampling_rate,
+                "must be between 0 and 1",
             ));
         }
         if self.memory.max_keys == 0 {

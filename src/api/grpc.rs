@@ -3,6 +3,8 @@
 use std::sync::Arc;
 
 use tonic::{Request, Response, Status};
+use tracing::Instrument;
+use tracing_opentelemetry::OpenTelemetrySpanExt;
 
 use super::to_status;
 use crate::{
@@ -37,14 +39,59 @@ impl RateLimitService for RateLimitApi {
         &self,
         request: Request<RateLimitRequest>,
     ) -> Result<Response<RateLimitResponse>, Status> {
+        // W3C trace context from the caller (Envoy, or a service's own tracer).
+        let parent = opentelemetry::global::get_text_map_propagator(|p| {
+            p.extract(&MetadataExtractor(request.metadata()))
+        });
         let request = from_wire(request.into_inner());
-        match self.limiter.should_rate_limit(&request).await {
-            Ok(response) => Ok(Response::new(to_wire(response))),
-            Err(err) => {
-                tracing::debug!(domain = %request.domain, error = %err, "request not decided");
-                Err(to_status(&err))
+        let span = tracing::info_span!(
+            "ShouldRateLimit",
+            otel.kind = "server",
+            domain = %request.domain,
+            descriptors = request.descriptors.len(),
+            decision = tracing::field::Empty,
+        );
+        let _ = span.set_parent(parent);
+        let limiter = self.limiter.clone();
+        let decided = span.clone();
+        async move {
+            match limiter.should_rate_limit(&request).await {
+                Ok(response) => {
+                    let decision = match response.overall_code {
+                        Code::Ok => "OK",
+                        Code::OverLimit => "OVER_LIMIT",
+                    };
+                    decided.record("decision", decision);
+                    Ok(Response::new(to_wire(response)))
+                }
+                Err(err) => {
+                    decided.record("decision", "error");
+                    tracing::debug!(domain = %request.domain, error = %err, "request not decided");
+                    Err(to_status(&err))
+                }
             }
         }
+        .instrument(span)
+        .await
+    }
+}
+
+/// Reads trace context headers from gRPC metadata.
+struct MetadataExtractor<'a>(&'a tonic::metadata::MetadataMap);
+
+impl opentelemetry::propagation::Extractor for MetadataExtractor<'_> {
+    fn get(&self, key: &str) -> Option<&str> {
+        self.0.get(key).and_then(|v| v.to_str().ok())
+    }
+
+    fn keys(&self) -> Vec<&str> {
+        self.0
+            .keys()
+            .filter_map(|k| match k {
+                tonic::metadata::KeyRef::Ascii(k) => Some(k.as_str()),
+                tonic::metadata::KeyRef::Binary(_) => None,
+            })
+            .collect()
     }
 }
 

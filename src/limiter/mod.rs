@@ -407,7 +407,17 @@ impl Limiter {
             None
         } else {
             let started = std::time::Instant::now();
-            let applied = self.store.apply(&batch, self.clock.now_millis()).await;
+            let span = tracing::info_span!(
+                "backend call",
+                otel.kind = "client",
+                backend = self.store.name(),
+                checks = batch.checks.len(),
+            );
+            let applied = tracing::Instrument::instrument(
+                self.store.apply(&batch, self.clock.now_millis()),
+                span,
+            )
+            .await;
             self.options.metrics.observe(
                 "ratelimitd_backend_call_duration_seconds",
                 "Time of one call to the counter store (one Redis script call per slot).",

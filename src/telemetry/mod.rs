@@ -1,4 +1,5 @@
-//! Logging (`LOG_LEVEL`, `LOG_FORMAT`: text or JSON lines with time, level and message) and metrics.
+//! Logging (`LOG_LEVEL`, `LOG_FORMAT`: text or JSON lines with time, level and message), traces
+//! (OpenTelemetry over OTLP/gRPC when `TRACING_ENABLED`) and metrics.
 
 pub mod metrics;
 pub mod top;
@@ -6,20 +7,91 @@ pub mod top;
 pub use metrics::Metrics;
 pub use top::TopOffenders;
 
-use tracing_subscriber::{fmt, EnvFilter};
+use opentelemetry::trace::TracerProvider as _;
+use opentelemetry_sdk::trace::{Sampler, SdkTracerProvider};
+use tracing_subscriber::{fmt, layer::SubscriberExt, util::SubscriberInitExt, EnvFilter, Layer};
 
-use crate::settings::{LogFormat, LogSettings};
+use crate::settings::{LogFormat, LogSettings, TracingSettings};
 
-/// Installs the global log subscriber. Safe to call more than once (later calls are no-ops).
-pub fn init_logging(settings: &LogSettings) {
-    let filter = EnvFilter::new(settings.level.as_str());
+/// Keeps the trace exporter alive; [`Telemetry::shutdown`] flushes the spans not yet sent.
+#[derive(Debug, Default)]
+pub struct Telemetry {
+    provider: Option<SdkTracerProvider>,
+}
+
+impl Telemetry {
+    /// Sends the spans still buffered and stops the exporter.
+    pub fn shutdown(self) {
+        if let Some(provider) = self.provider {
+            if let Err(err) = provider.shutdown() {
+                tracing::warn!("flushing traces failed: {err}");
+            }
+        }
+    }
+}
+
+/// Installs the global log subscriber (text or JSON) and, when enabled, the OpenTelemetry layer. Must run
+/// inside the tokio runtime (the OTLP exporter's connection lives there). Later calls are no-ops.
+pub fn init(log: &LogSettings, traces: &TracingSettings) -> Result<Telemetry, String> {
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
-    let builder = fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(ansi);
-    let _ = match settings.format {
-        LogFormat::Text => builder.try_init(),
-        LogFormat::Json => builder.json().flatten_event(true).try_init(),
+    let fmt_layer = match log.format {
+        LogFormat::Text => fmt::layer()
+            .with_writer(std::io::stderr)
+            .with_ansi(ansi)
+            .boxed(),
+        LogFormat::Json => fmt::layer()
+            .json()
+            .flatten_event(true)
+            .with_writer(std::io::stderr)
+            .boxed(),
     };
+    let filter = EnvFilter::new(log.level.as_str());
+    let mut telemetry = Telemetry::default();
+    let otel_layer = if traces.enabled {
+        let provider = tracer_provider(traces)?;
+        let tracer = provider.tracer("ratelimitd");
+        telemetry.provider = Some(provider);
+        opentelemetry::global::set_text_map_propagator(
+            opentelemetry_sdk::propagation::TraceContextPropagator::new(),
+        );
+        // Spans are exported whatever LOG_LEVEL says about log lines.
+        Some(
+            tracing_opentelemetry::layer()
+                .with_tracer(tracer)
+                .with_filter(tracing_subscriber::filter::filter_fn(|m| m.is_span())),
+        )
+    } else {
+        None
+    };
+    let _ = tracing_subscriber::registry()
+        .with(fmt_layer.with_filter(filter))
+        .with(otel_layer)
+        .try_init();
+    Ok(telemetry)
+}
+
+/// Only log lines, for tools that do not serve (check-config).
+pub fn init_logging(settings: &LogSettings) {
+    let _ = init(settings, &TracingSettings::default());
+}
+
+fn tracer_provider(traces: &TracingSettings) -> Result<SdkTracerProvider, String> {
+    use opentelemetry_otlp::WithExportConfig;
+    let mut exporter = opentelemetry_otlp::SpanExporter::builder().with_tonic();
+    if let Some(endpoint) = &traces.endpoint {
+        exporter = exporter.with_endpoint(endpoint.clone());
+    }
+    let exporter = exporter
+        .build()
+        .map_err(|e| format!("cannot set up the OTLP trace exporter: {e}"))?;
+    let sampler = Sampler::ParentBased(Box::new(Sampler::TraceIdRatioBased(traces.sampling_rate)));
+    Ok(SdkTracerProvider::builder()
+        .with_batch_exporter(exporter)
+        .with_sampler(sampler)
+        .with_resource(
+            opentelemetry_sdk::Resource::builder()
+                .with_service_name(traces.service_name.clone())
+                .build(),
+        )
+        .build())
 }

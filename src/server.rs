@@ -100,7 +100,7 @@ pub async fn run_with_clock(
     let health = Arc::new(Health::new(
         reporter,
         settings.healthy_with_at_least_one_config_loaded,
-        backend == BackendKind::Memory,
+        backend != BackendKind::Redis,
     ));
     health.publish().await;
 
@@ -136,6 +136,10 @@ pub async fn run_with_clock(
             RedisStore::connect(&settings.redis, settings.expiration_jitter_max_seconds)
                 .map_err(|e| ServerError::Setup(e.to_string()))?,
         ),
+        BackendKind::Noop => {
+            tracing::warn!("backend noop: every request is allowed and nothing is counted");
+            Store::Noop
+        }
     });
     let limiter = Arc::new(Limiter::new(
         rules.clone(),
@@ -330,7 +334,7 @@ fn register_store_metrics(metrics: &Metrics, store: &Arc<Store>) {
         "1 when the counter store is reachable (Redis: at least one connection up).",
         Box::new(move || {
             let up = match &*s {
-                Store::Memory(_) => true,
+                Store::Memory(_) | Store::Noop => true,
                 Store::Redis(r) => r.connected(),
             };
             vec![(
@@ -357,7 +361,7 @@ fn register_store_metrics(metrics: &Metrics, store: &Arc<Store>) {
         "Counters held by the memory store.",
         Box::new(move || match &*s {
             Store::Memory(m) => vec![(Vec::new(), m.len() as f64)],
-            Store::Redis(_) => Vec::new(),
+            _ => Vec::new(),
         }),
     );
 }

@@ -354,6 +354,8 @@ pub enum BackendKind {
     Memory,
     /// Counters in Redis, shared by every replica.
     Redis,
+    /// No counters: every request is allowed without any work. The floor benchmarks measure against.
+    Noop,
 }
 
 impl FromStr for BackendKind {
@@ -362,7 +364,8 @@ impl FromStr for BackendKind {
         match s.to_ascii_lowercase().as_str() {
             "memory" => Ok(Self::Memory),
             "redis" => Ok(Self::Redis),
-            _ => Err("expected memory or redis".into()),
+            "noop" => Ok(Self::Noop),
+            _ => Err("expected memory, redis or noop".into()),
         }
     }
 }

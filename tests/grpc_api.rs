@@ -477,3 +477,22 @@ async fn the_memory_key_bound_answers_unavailable_and_keeps_existing_counters() 
     );
     s.stop().await;
 }
+
+#[tokio::test]
+async fn the_noop_backend_allows_everything_and_counts_nothing() {
+    let s = TestServer::start(&[("web.yaml", RULES)], |s| {
+        s.backend = Some(ratelimitd::settings::BackendKind::Noop);
+    })
+    .await;
+    let mut c = s.client().await;
+    for _ in 0..5 {
+        let resp = c
+            .should_rate_limit(request("web", vec![descriptor(&[("tight", "t")])]))
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(resp.overall_code, Code::Ok as i32);
+        assert_eq!(resp.statuses[0].limit_remaining, 1);
+    }
+    s.stop().await;
+}

@@ -165,6 +165,8 @@ pub trait CounterStore: Send + Sync {
 pub enum Store {
     Memory(MemoryStore),
     Redis(Arc<RedisStore>),
+    /// Allows everything and counts nothing (benchmark floor).
+    Noop,
 }
 
 impl Store {
@@ -173,6 +175,7 @@ impl Store {
         match self {
             Store::Memory(_) => "memory",
             Store::Redis(_) => "redis",
+            Store::Noop => "noop",
         }
     }
 
@@ -191,8 +194,8 @@ impl Store {
                             tracing::debug!(removed, remaining = store.len(), "expired counters reclaimed");
                         }
                     }
-                    // Redis expires its own keys.
-                    Store::Redis(_) => break,
+                    // Redis expires its own keys; noop keeps none.
+                    Store::Redis(_) | Store::Noop => break,
                 },
             }
         }
@@ -204,6 +207,19 @@ impl CounterStore for Store {
         match self {
             Store::Memory(store) => store.apply(batch, now_millis).await,
             Store::Redis(store) => store.apply(batch, now_millis).await,
+            Store::Noop => Ok(Applied {
+                denied: false,
+                outcomes: batch
+                    .checks
+                    .iter()
+                    .map(|c| Outcome {
+                        allowed: true,
+                        remaining: c.params.limit,
+                        reset_after: 0,
+                        retry_after: 0,
+                    })
+                    .collect(),
+            }),
         }
     }
 }

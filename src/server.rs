@@ -17,7 +17,7 @@ use crate::{
     proto,
     rules::{self, Rules},
     settings::{BackendKind, Settings},
-    store::{MemoryStore, RedisStore, Store},
+    store::{DenyCache, MemoryStore, RedisStore, Store},
     telemetry::{Metrics, TopOffenders},
 };
 
@@ -105,12 +105,19 @@ pub async fn run_with_clock(
     health.publish().await;
 
     let metrics = Arc::new(Metrics::new());
+    let deny_cache = (settings.local_cache_max_entries > 0)
+        .then(|| Arc::new(DenyCache::new(settings.local_cache_max_entries)));
     let rules = Arc::new(Rules::default());
     let source = settings.rules.source();
     let reload_stats = Arc::new(rules::ReloadStats::default());
     let on_loaded: rules::OnLoaded = {
         let health = health.clone();
+        let deny_cache = deny_cache.clone();
         Box::new(move |loaded: &rules::Loaded| {
+            // Limits may have changed: remembered denials no longer hold.
+            if let Some(cache) = &deny_cache {
+                cache.clear();
+            }
             let domains = loaded.rules.domains.len();
             let mut names: Vec<&String> = loaded.rules.domains.keys().collect();
             names.sort();
@@ -156,6 +163,7 @@ pub async fn run_with_clock(
             sensitive: sensitive(&settings),
             near_limit_ratio: settings.near_limit_ratio,
             metrics: metrics.clone(),
+            deny_cache: deny_cache.clone(),
             top: Arc::new(TopOffenders::new(
                 settings.top_offenders.capacity,
                 settings.top_offenders.interval,
@@ -166,7 +174,7 @@ pub async fn run_with_clock(
     register_store_metrics(&metrics, &store);
     metrics.declare(
         "ratelimit_service_rate_limit_over_limit_with_local_cache",
-        "Hits answered over the limit from the local deny cache, without asking the store (none until a local cache is configured).",
+        "Hits answered over the limit from the local deny cache, without asking the store.",
         "counter",
     );
     let tasks = TaskTracker::new();

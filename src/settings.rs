@@ -100,6 +100,9 @@ pub struct Settings {
     /// `/rlconfig` (case-insensitive). Env `RATELIMITD_HASHED_KEYS` (comma-separated); default
     /// `api_key`, `authorization`, `x-api-key`.
     pub hashed_keys: Vec<String>,
+    /// Most denials the local deny cache remembers (default 0: off). Env `LOCAL_CACHE_SIZE_IN_BYTES` sets it
+    /// to that many bytes' worth, counting 256 bytes an entry.
+    pub local_cache_max_entries: usize,
     /// The `/debug/top` sketch of the most denied descriptors.
     pub top_offenders: TopOffendersSettings,
     /// OpenTelemetry traces.
@@ -139,6 +142,7 @@ impl Default for Settings {
             header_names: HeaderNames::default(),
             healthy_with_at_least_one_config_loaded: false,
             shutdown: ShutdownSettings::default(),
+            local_cache_max_entries: 0,
             top_offenders: TopOffendersSettings::default(),
             tracing: TracingSettings::default(),
             prometheus: PrometheusSettings::default(),
@@ -436,6 +440,9 @@ impl FromStr for SocketType {
         }
     }
 }
+
+/// Bytes one local deny cache entry is counted for when sizing it from `LOCAL_CACHE_SIZE_IN_BYTES`.
+pub const LOCAL_CACHE_ENTRY_BYTES: usize = 256;
 
 /// A secret setting: kept out of `Debug` output, logs and error messages.
 #[derive(Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -843,6 +850,10 @@ impl Settings {
         if let Some(v) = get("HEALTHY_WITH_AT_LEAST_ONE_CONFIG_LOADED") {
             self.healthy_with_at_least_one_config_loaded =
                 parse_bool(v, "HEALTHY_WITH_AT_LEAST_ONE_CONFIG_LOADED")?;
+        }
+        if let Some(v) = get("LOCAL_CACHE_SIZE_IN_BYTES") {
+            let bytes: usize = parse(v, "LOCAL_CACHE_SIZE_IN_BYTES")?;
+            self.local_cache_max_entries = bytes / LOCAL_CACHE_ENTRY_BYTES;
         }
         if let Some(v) = get("TRACING_ENABLED") {
             self.tracing.enabled = parse_bool(v, "TRACING_ENABLED")?;

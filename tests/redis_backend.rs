@@ -721,3 +721,62 @@ fn sensitive_values_and_secrets_never_reach_redis_keys_logs_metrics_or_rlconfig(
         }
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn under_a_hot_key_attack_the_deny_cache_keeps_redis_out_of_it() {
+    let redis = RedisProcess::start(&[]);
+    let s = start_tweaked(redis.addr(), RedisTopology::Single, |s| {
+        s.local_cache_max_entries = 1000;
+    })
+    .await;
+    let before = command_calls(&redis.cli(&["INFO", "commandstats"]), "evalsha");
+    let mut c = s.client().await;
+    let mut allowed = 0;
+    for _ in 0..200 {
+        let resp = c
+            .should_rate_limit(request("fleet", vec![descriptor(&[("login", "victim")])]))
+            .await
+            .unwrap()
+            .into_inner();
+        if resp.overall_code == Code::Ok as i32 {
+            allowed += 1;
+        } else {
+            assert!(
+                resp.statuses[0]
+                    .duration_until_reset
+                    .as_ref()
+                    .unwrap()
+                    .seconds
+                    >= 1
+            );
+        }
+    }
+    assert_eq!(allowed, 5, "the cache changes no decision");
+    let calls = command_calls(&redis.cli(&["INFO", "commandstats"]), "evalsha") - before;
+    assert!(calls <= 7, "Redis saw {calls} calls for 200 requests");
+    // A request with another, uncached descriptor still reaches Redis, read-only for that one.
+    let resp = c
+        .should_rate_limit(request(
+            "fleet",
+            vec![
+                descriptor(&[("login", "victim")]),
+                descriptor(&[("user", "bystander")]),
+            ],
+        ))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(resp.overall_code, Code::OverLimit as i32);
+    assert_eq!(
+        resp.statuses[1].limit_remaining, 200,
+        "the bystander was not charged"
+    );
+    let (_, metrics) = s.http("GET", "/metrics", "").await;
+    let cached_line = metrics
+        .lines()
+        .find(|l| l.starts_with("ratelimit_service_rate_limit_over_limit_with_local_cache{"))
+        .unwrap_or_else(|| panic!("{metrics}"));
+    // 200 - 5 allowed - 1 denied by Redis itself, plus the mixed request.
+    assert!(cached_line.ends_with(" 195"), "{cached_line}");
+    s.stop().await;
+}

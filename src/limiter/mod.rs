@@ -17,7 +17,9 @@ use crate::{
     clock::Clock,
     rules::{EntryRef, Node, Rules, Unit},
     settings::{HeaderNames, OnBackendError, RequestLimits, ResponseHeaders},
-    store::{keys, Batch, Check, CounterStore, Outcome, Role, Store, StoreError},
+    store::{
+        keys, Applied, Batch, Check, CounterStore, DenyCache, Outcome, Role, Store, StoreError,
+    },
     telemetry::{Metrics, TopOffenders},
 };
 
@@ -178,6 +180,8 @@ pub struct Options {
     pub metrics: Arc<Metrics>,
     /// The sketch of the most denied descriptors (`/debug/top`).
     pub top: Arc<TopOffenders>,
+    /// The local deny cache, when enabled.
+    pub deny_cache: Option<Arc<DenyCache>>,
 }
 
 /// Decides requests against the current rules and a store.
@@ -403,32 +407,85 @@ impl Limiter {
             }
         }
 
+        let now_ms = self.clock.now_millis();
+        // Checks the local deny cache answers: the request is then denied for sure.
+        let mut from_cache: Vec<Option<Outcome>> = vec![None; batch.checks.len()];
+        if let Some(cache) = &self.options.deny_cache {
+            for (i, c) in batch.checks.iter().enumerate() {
+                if c.role == Role::Enforce {
+                    from_cache[i] = cache.lookup(&c.storage_key(now_ms), &c.params, c.cost, now_ms);
+                }
+            }
+        }
         let applied = if batch.checks.is_empty() {
             None
+        } else if from_cache.iter().any(Option::is_some) {
+            // Denied without asking the store; the other checks are only read, for their statuses.
+            let rest: Vec<usize> = (0..batch.checks.len())
+                .filter(|&i| from_cache[i].is_none())
+                .collect();
+            let mut outcomes: Vec<Outcome> =
+                from_cache.iter().map(|o| o.unwrap_or_default()).collect();
+            if !rest.is_empty() {
+                let read_only = Batch {
+                    checks: rest
+                        .iter()
+                        .map(|&i| Check {
+                            cost: 0,
+                            ..batch.checks[i].clone()
+                        })
+                        .collect(),
+                    consume_on_deny: false,
+                };
+                match self.call_store(&read_only, now_ms).await {
+                    Ok(read) => {
+                        for (&i, outcome) in rest.iter().zip(read.outcomes) {
+                            outcomes[i] = outcome;
+                        }
+                    }
+                    Err(err) => return self.backend_failed(err, resolved, &batch),
+                }
+            }
+            Some(Applied {
+                denied: true,
+                outcomes,
+            })
         } else {
-            let started = std::time::Instant::now();
-            let span = tracing::info_span!(
-                "backend call",
-                otel.kind = "client",
-                backend = self.store.name(),
-                checks = batch.checks.len(),
-            );
-            let applied = tracing::Instrument::instrument(
-                self.store.apply(&batch, self.clock.now_millis()),
-                span,
-            )
-            .await;
-            self.options.metrics.observe(
-                "ratelimitd_backend_call_duration_seconds",
-                "Time of one call to the counter store (one Redis script call per slot).",
-                vec![("backend", self.store.name().to_string())],
-                started.elapsed(),
-            );
-            match applied {
-                Ok(applied) => Some(applied),
+            match self.call_store(&batch, now_ms).await {
+                Ok(applied) => {
+                    if let Some(cache) = &self.options.deny_cache {
+                        for (c, outcome) in batch.checks.iter().zip(&applied.outcomes) {
+                            if c.role == Role::Enforce && !outcome.allowed {
+                                cache.insert(
+                                    &c.storage_key(now_ms),
+                                    c.params,
+                                    c.cost,
+                                    *outcome,
+                                    now_ms,
+                                );
+                            }
+                        }
+                    }
+                    Some(applied)
+                }
                 Err(err) => return self.backend_failed(err, resolved, &batch),
             }
         };
+        // Descriptors answered (at least partly) from the local cache, for their metrics.
+        let mut cached_descriptors = vec![false; request.descriptors.len()];
+        {
+            let mut check = 0;
+            for (d, r) in resolved.iter().enumerate() {
+                if let Resolved::Limited { limits, .. } = r {
+                    for _ in limits {
+                        if from_cache.get(check).is_some_and(Option::is_some) {
+                            cached_descriptors[d] = true;
+                        }
+                        check += 1;
+                    }
+                }
+            }
+        }
 
         let mut outcomes = applied.iter().flat_map(|a| a.outcomes.iter());
         let roles: Vec<Option<Role>> = resolved
@@ -525,6 +582,14 @@ impl Limiter {
                     &hashed_by_index,
                 ));
             }
+            if cached_descriptors[index] && !outcome.allowed {
+                self.options.metrics.count(
+                    "ratelimit_service_rate_limit_over_limit_with_local_cache",
+                    "Hits answered over the limit from the local deny cache, without asking the store.",
+                    vec![("domain", request.domain.clone()), ("rule", rule.clone())],
+                    hits,
+                );
+            }
             self.record_rule(&request.domain, rule, role, limit, hits, &outcome, consumed);
         }
         let overall_code = if denied && !self.options.shadow_mode {
@@ -597,6 +662,25 @@ impl Limiter {
             statuses,
             response_headers: Vec::new(),
         })
+    }
+
+    /// One call to the store, timed and traced.
+    async fn call_store(&self, batch: &Batch, now_ms: u64) -> Result<Applied, StoreError> {
+        let started = std::time::Instant::now();
+        let span = tracing::info_span!(
+            "backend call",
+            otel.kind = "client",
+            backend = self.store.name(),
+            checks = batch.checks.len(),
+        );
+        let applied = tracing::Instrument::instrument(self.store.apply(batch, now_ms), span).await;
+        self.options.metrics.observe(
+            "ratelimitd_backend_call_duration_seconds",
+            "Time of one call to the counter store (one Redis script call per slot).",
+            vec![("backend", self.store.name().to_string())],
+            started.elapsed(),
+        );
+        applied
     }
 
     /// How a denied descriptor is named in `/debug/top`: the domain, then `key=value` entries, sensitive

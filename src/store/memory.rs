@@ -263,7 +263,8 @@ mod tests {
                 allowed: true,
                 remaining: 8,
                 reset_after: 20,
-                retry_after: 0
+                retry_after: 0,
+                retry_ms: 0
             }
         );
         assert_eq!(third.outcomes[1].remaining, 0);

@@ -2,6 +2,7 @@
 //! atomically, so that a denied request can leave every counter untouched.
 
 mod breaker;
+pub mod deny_cache;
 pub mod keys;
 pub mod memory;
 pub mod redis;
@@ -15,6 +16,7 @@ use crate::{
     clock::Clock,
 };
 
+pub use deny_cache::DenyCache;
 pub use memory::MemoryStore;
 pub use redis::RedisStore;
 
@@ -103,7 +105,7 @@ impl Batch {
 }
 
 /// The result of one check.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Outcome {
     /// This counter alone allows the request's cost.
     pub allowed: bool,
@@ -113,6 +115,8 @@ pub struct Outcome {
     pub reset_after: u64,
     /// When not allowed: seconds before the same cost would be (rounded up); 0 when allowed.
     pub retry_after: u64,
+    /// The same wait in milliseconds.
+    pub retry_ms: u64,
 }
 
 impl From<Decision> for Outcome {
@@ -122,6 +126,7 @@ impl From<Decision> for Outcome {
             remaining: d.remaining,
             reset_after: d.reset_ms.div_ceil(1000),
             retry_after: d.retry_ms.div_ceil(1000),
+            retry_ms: d.retry_ms,
         }
     }
 }
@@ -217,6 +222,7 @@ impl CounterStore for Store {
                         remaining: c.params.limit,
                         reset_after: 0,
                         retry_after: 0,
+                        retry_ms: 0,
                     })
                     .collect(),
             }),

@@ -184,6 +184,7 @@ impl RedisStore {
                     remaining: 0,
                     reset_after: 0,
                     retry_after: 0,
+                    retry_ms: 0,
                 };
                 batch.checks.len()
             ];

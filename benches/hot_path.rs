@@ -1,0 +1,149 @@
+//! The hot path, piece by piece: rule matching, counter key building, every algorithm on the memory
+//! store, and one whole in-process decision. `cargo bench --bench hot_path`.
+
+use std::{hint::black_box, sync::Arc};
+
+use criterion::{criterion_group, criterion_main, Criterion};
+use ratelimitd::{
+    algorithm::{Algorithm, Params},
+    clock::Clock,
+    limiter::{Descriptor, Entry, Limiter, Options, Request},
+    rules::{parse_file, RuleSet, Rules},
+    store::{keys, Batch, Check, CounterStore, MemoryStore, Role, Store},
+};
+
+const RULES: &str = include_str!("../examples/config/edge.yaml");
+
+fn entries(pairs: &[(&str, &str)]) -> Vec<Entry> {
+    pairs
+        .iter()
+        .map(|(k, v)| Entry {
+            key: k.to_string(),
+            value: v.to_string(),
+        })
+        .collect()
+}
+
+fn rule_set() -> RuleSet {
+    RuleSet::build(&[("edge.yaml".into(), parse_file(RULES).unwrap())], false).unwrap()
+}
+
+fn matching(c: &mut Criterion) {
+    let set = rule_set();
+    let domain = &set.domains["edge"];
+    let login = entries(&[
+        ("remote_address", "203.0.113.7"),
+        ("path", "/login"),
+        ("method", "POST"),
+    ]);
+    let internal = entries(&[("remote_address", "10.1.2.3")]);
+    let wildcard = entries(&[("api_key", "partner-42")]);
+    let mut scratch = String::new();
+    c.bench_function("match/3 levels", |b| {
+        b.iter(|| black_box(domain.find(black_box(&login), &mut scratch).is_some()))
+    });
+    c.bench_function("match/cidr", |b| {
+        b.iter(|| black_box(domain.find(black_box(&internal), &mut scratch).is_some()))
+    });
+    c.bench_function("match/wildcard", |b| {
+        b.iter(|| black_box(domain.find(black_box(&wildcard), &mut scratch).is_some()))
+    });
+}
+
+fn key_building(c: &mut Criterion) {
+    let mut out = String::with_capacity(128);
+    let pairs = [
+        ("remote_address", "203.0.113.7"),
+        ("path", "/login"),
+        ("method", "POST"),
+    ];
+    c.bench_function("key/fixed window, 3 entries", |b| {
+        b.iter(|| {
+            keys::limit_key(&mut out, "", "edge", pairs, Algorithm::FixedWindow, 60, 0);
+            black_box(out.len())
+        })
+    });
+    c.bench_function("key/token bucket, 3 entries", |b| {
+        b.iter(|| {
+            keys::limit_key(&mut out, "", "edge", pairs, Algorithm::TokenBucket, 60, 0);
+            black_box(out.len())
+        })
+    });
+}
+
+fn algorithms(c: &mut Criterion) {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    for algorithm in [
+        Algorithm::FixedWindow,
+        Algorithm::SlidingWindow,
+        Algorithm::SlidingLog,
+        Algorithm::TokenBucket,
+        Algorithm::Gcra,
+    ] {
+        let store = MemoryStore::new(1_000_000);
+        let mut i = 0u64;
+        let now = Clock::System;
+        c.bench_function(&format!("memory store/{}", algorithm.name()), |b| {
+            b.iter(|| {
+                i += 1;
+                let batch = Batch {
+                    checks: vec![Check {
+                        key: format!("edge_user_{}_", i % 10_000),
+                        params: Params {
+                            algorithm,
+                            limit: 100_000,
+                            window_ms: 3_600_000,
+                            burst: 100_000,
+                        },
+                        cost: 1,
+                        role: Role::Enforce,
+                    }],
+                    consume_on_deny: false,
+                };
+                runtime
+                    .block_on(store.apply(&batch, now.now_millis()))
+                    .unwrap()
+            })
+        });
+    }
+}
+
+fn end_to_end(c: &mut Criterion) {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    let rules = Rules::default();
+    rules.replace(rule_set());
+    let limiter = Limiter::new(
+        Arc::new(rules),
+        Arc::new(Store::Memory(MemoryStore::new(1_000_000))),
+        Clock::System,
+        Options::default(),
+    );
+    let mut i = 0u64;
+    c.bench_function("limiter/one login request, memory store", |b| {
+        b.iter(|| {
+            i += 1;
+            let request = Request {
+                domain: "edge".into(),
+                descriptors: vec![Descriptor {
+                    entries: entries(&[
+                        ("remote_address", &format!("203.0.113.{}", i % 250)),
+                        ("path", "/login"),
+                        ("method", "POST"),
+                    ]),
+                    ..Descriptor::default()
+                }],
+                hits_addend: 0,
+            };
+            runtime
+                .block_on(limiter.should_rate_limit(&request))
+                .unwrap()
+        })
+    });
+}
+
+criterion_group!(benches, matching, key_building, algorithms, end_to_end);
+criterion_main!(benches);

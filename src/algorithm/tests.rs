@@ -76,54 +76,35 @@ fn sliding_log_is_exact_over_any_window() {
 }
 
 #[test]
-fn token_bucket_allows_a_burst_then_the_refill_rate() {
-    let p = params(Algorithm::TokenBucket, 10, 1000, 5);
-    let ds = run(
-        &p,
-        &[
-            (0, 1),
-            (0, 1),
-            (0, 1),
-            (0, 1),
-            (0, 1),
-            (0, 1),
-            (100, 1),
-            (150, 1),
-            (200, 1),
-        ],
-    );
-    assert_eq!(
-        allowed(&ds),
-        [true, true, true, true, true, false, true, false, true]
-    );
-    assert_eq!(ds[5].retry_ms, 100);
-    assert_eq!(ds[4].remaining, 0);
-    assert_eq!(ds[4].reset_ms, 500, "five tokens at 10 per second");
-}
-
-#[test]
-fn gcra_matches_the_token_bucket_example() {
-    let p = params(Algorithm::Gcra, 10, 1000, 5);
-    let ds = run(
-        &p,
-        &[
-            (0, 1),
-            (0, 1),
-            (0, 1),
-            (0, 1),
-            (0, 1),
-            (0, 1),
-            (100, 1),
-            (150, 1),
-            (200, 1),
-        ],
-    );
-    assert_eq!(
-        allowed(&ds),
-        [true, true, true, true, true, false, true, false, true]
-    );
-    assert_eq!(ds[5].retry_ms, 100);
-    assert_eq!(ds[4].reset_ms, 500);
+fn token_bucket_and_gcra_allow_a_burst_then_the_refill_rate() {
+    for algorithm in [Algorithm::TokenBucket, Algorithm::Gcra] {
+        let p = params(algorithm, 10, 1000, 5);
+        let ds = run(
+            &p,
+            &[
+                (0, 1),
+                (0, 1),
+                (0, 1),
+                (0, 1),
+                (0, 1),
+                (0, 1),
+                (100, 1),
+                (150, 1),
+                (200, 1),
+            ],
+        );
+        assert_eq!(
+            allowed(&ds),
+            [true, true, true, true, true, false, true, false, true],
+            "{algorithm:?}"
+        );
+        assert_eq!(ds[5].retry_ms, 100, "{algorithm:?}");
+        assert_eq!(ds[4].remaining, 0, "{algorithm:?}");
+        assert_eq!(
+            ds[4].reset_ms, 500,
+            "{algorithm:?}: five tokens at 10 per second"
+        );
+    }
 }
 
 #[test]

@@ -16,6 +16,15 @@ pub fn counter_key<'a>(
 ) {
     out.clear();
     out.push_str(prefix);
+    push_descriptor(out, domain, entries);
+}
+
+/// Appends `domain_` then `key_value_` for each entry: the descriptor part of every key.
+fn push_descriptor<'a>(
+    out: &mut String,
+    domain: &str,
+    entries: impl IntoIterator<Item = (&'a str, &'a str)>,
+) {
     out.push_str(domain);
     out.push('_');
     for (key, value) in entries {
@@ -51,14 +60,7 @@ pub fn limit_key<'a>(
     out.clear();
     out.push_str(prefix);
     out.push('{');
-    out.push_str(domain);
-    out.push('_');
-    for (key, value) in entries {
-        out.push_str(key);
-        out.push('_');
-        out.push_str(value);
-        out.push('_');
-    }
+    push_descriptor(out, domain, entries);
     let _ = write!(out, "}}:{}:{window_secs}:{index}", algorithm.name());
 }
 

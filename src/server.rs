@@ -172,11 +172,7 @@ pub async fn run_with_clock(
     ));
 
     register_store_metrics(&metrics, &store);
-    metrics.declare(
-        "ratelimit_service_rate_limit_over_limit_with_local_cache",
-        "Hits answered over the limit from the local deny cache, without asking the store.",
-        "counter",
-    );
+
     let tasks = TaskTracker::new();
     let stop_tasks = CancellationToken::new();
     {

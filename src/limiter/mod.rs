@@ -20,7 +20,7 @@ use crate::{
     store::{
         keys, Applied, Batch, Check, CounterStore, DenyCache, Outcome, Role, Store, StoreError,
     },
-    telemetry::{Metrics, TopOffenders},
+    telemetry::{metrics::RuleCounters, Metrics, TopOffenders},
 };
 
 /// A rate limit request.
@@ -506,7 +506,7 @@ impl Limiter {
         // Window length of each limited status's limit, in order, for the IETF policy header.
         let mut windows: Vec<u64> = Vec::new();
         // (descriptor index, rule label, role, chosen limit, outcome) for the per-rule metrics.
-        let mut stats: Vec<(usize, String, Role, u64, Outcome)> = Vec::new();
+        let mut stats: Vec<(usize, std::borrow::Cow<'_, str>, Role, u64, Outcome)> = Vec::new();
         let statuses: Vec<DescriptorStatus> = resolved
             .into_iter()
             .enumerate()
@@ -542,6 +542,7 @@ impl Limiter {
                         Some((limit, outcome)) => {
                             let label = rule_label(
                                 node,
+                                &request.domain,
                                 &request.descriptors[index],
                                 self.options.sensitive.as_ref(),
                             );
@@ -582,15 +583,16 @@ impl Limiter {
                     &hashed_by_index,
                 ));
             }
-            if cached_descriptors[index] && !outcome.allowed {
-                self.options.metrics.count(
-                    "ratelimit_service_rate_limit_over_limit_with_local_cache",
-                    "Hits answered over the limit from the local deny cache, without asking the store.",
-                    vec![("domain", request.domain.clone()), ("rule", rule.clone())],
-                    hits,
-                );
-            }
-            self.record_rule(&request.domain, rule, role, limit, hits, &outcome, consumed);
+            let counters = self.options.metrics.rule(&request.domain, &rule);
+            self.record_rule(
+                &counters,
+                role,
+                limit,
+                hits,
+                &outcome,
+                consumed,
+                cached_descriptors[index],
+            );
         }
         let overall_code = if denied && !self.options.shadow_mode {
             Code::OverLimit
@@ -716,64 +718,40 @@ impl Limiter {
     #[allow(clippy::too_many_arguments)]
     fn record_rule(
         &self,
-        domain: &str,
-        rule: String,
+        counters: &RuleCounters,
         role: Role,
         limit: u64,
         hits: u64,
         outcome: &Outcome,
         consumed: bool,
+        from_cache: bool,
     ) {
-        let m = &self.options.metrics;
-        let labels = || vec![("domain", domain.to_string()), ("rule", rule.clone())];
-        m.count(
-            "ratelimit_service_rate_limit_total_hits",
-            "Hits asked of each rule.",
-            labels(),
-            hits,
-        );
+        let add = |c: &std::sync::atomic::AtomicU64, n: u64| {
+            c.fetch_add(n, std::sync::atomic::Ordering::Relaxed);
+        };
+        add(&counters.total_hits, hits);
         if !outcome.allowed {
-            m.count(
-                "ratelimit_service_rate_limit_over_limit",
-                "Hits over each rule's limit.",
-                labels(),
-                hits,
-            );
-            m.count(
-                "rate_limit_exceeded_total",
-                "Descriptors found over their rule's limit.",
-                labels(),
-                1,
-            );
+            add(&counters.over_limit, hits);
+            add(&counters.exceeded, 1);
             if role == Role::Shadow {
-                m.count(
-                    "ratelimit_service_rate_limit_shadow_mode",
-                    "Hits over the limit of a shadow-mode rule (answered OK).",
-                    labels(),
-                    hits,
-                );
+                add(&counters.shadow_mode, hits);
+            }
+            if from_cache {
+                add(&counters.over_limit_with_local_cache, hits);
             }
         } else if consumed {
-            m.count(
-                "ratelimit_service_rate_limit_within_limit",
-                "Hits within each rule's limit.",
-                labels(),
-                hits,
-            );
+            add(&counters.within_limit, hits);
             let after = limit.saturating_sub(outcome.remaining);
             let before = after.saturating_sub(hits);
             let threshold = (limit as f64 * self.options.near_limit_ratio).floor() as u64;
             if after > threshold {
-                let near = if before >= threshold {
-                    hits
-                } else {
-                    after - threshold
-                };
-                m.count(
-                    "ratelimit_service_rate_limit_near_limit",
-                    "Hits within the limit but above near_limit_ratio of it.",
-                    labels(),
-                    near,
+                add(
+                    &counters.near_limit,
+                    if before >= threshold {
+                        hits
+                    } else {
+                        after - threshold
+                    },
                 );
             }
         }
@@ -834,20 +812,39 @@ impl Limiter {
 /// The `rule` metric label of a descriptor: its rule's path (`key_value.key`...), with request values only
 /// where the rule asks for them (`detailed_metric` on the matched rule, `value_to_metric` on a level
 /// matched by its key or a wildcard), sensitive values hashed. Overrides are labelled by their entry keys.
-fn rule_label(
-    node: Option<&Node>,
+fn rule_label<'a>(
+    node: Option<&'a Node>,
+    domain: &str,
     descriptor: &Descriptor,
     sensitive: Option<&Sensitive>,
-) -> String {
+) -> std::borrow::Cow<'a, str> {
     let show = |key: &str, value: &str, hashed: bool| -> String {
         match sensitive {
             Some(s) => s.show(key, value, hashed).into_owned(),
             None => value.to_owned(),
         }
     };
+    // Most rules: the path as written, borrowed from the rule without building anything.
+    if let Some(node) = node {
+        let written_sensitive = sensitive.is_some_and(|s| {
+            node.path.iter().enumerate().any(|(i, (key, value))| {
+                !value.is_empty()
+                    && s.is_sensitive(key, node.hashed_levels.get(i).copied().unwrap_or(false))
+            })
+        });
+        if !node.detailed_metric && node.metric_levels.is_empty() && !written_sensitive {
+            if let Some(path) = node
+                .full_key
+                .strip_prefix(domain)
+                .and_then(|p| p.strip_prefix('.'))
+            {
+                return path.into();
+            }
+        }
+    }
     let Some(node) = node else {
         let keys: Vec<&str> = descriptor.entries.iter().map(|e| e.key.as_str()).collect();
-        return format!("override:{}", keys.join("."));
+        return format!("override:{}", keys.join(".")).into();
     };
     let mut parts = Vec::with_capacity(node.path.len());
     for (i, (key, value)) in node.path.iter().enumerate() {
@@ -868,7 +865,7 @@ fn rule_label(
             format!("{key}_{}", show(key, value, hashed))
         });
     }
-    parts.join(".")
+    parts.join(".").into()
 }
 
 /// Drops every matched limit whose name another matched limit of the same request replaces

@@ -6,7 +6,7 @@
 //! This module imports nothing of the service: callers pass plain names and numbers.
 
 use std::{
-    collections::BTreeMap,
+    collections::{BTreeMap, HashMap},
     fmt::Write,
     sync::{
         atomic::{AtomicU64, Ordering},
@@ -64,9 +64,66 @@ struct Family {
     readings: Vec<Reading>,
 }
 
+/// The reference service's per-rule counters of one `(domain, rule)`, updated without any lookup once held.
+#[derive(Debug, Default)]
+pub struct RuleCounters {
+    pub total_hits: AtomicU64,
+    pub within_limit: AtomicU64,
+    pub near_limit: AtomicU64,
+    pub over_limit: AtomicU64,
+    pub shadow_mode: AtomicU64,
+    pub over_limit_with_local_cache: AtomicU64,
+    /// Descriptors (not hits) found over the limit: `rate_limit_exceeded_total`.
+    pub exceeded: AtomicU64,
+}
+
+/// Reads one counter of a [`RuleCounters`].
+type RuleField = fn(&RuleCounters) -> &AtomicU64;
+
+/// Names and help of the per-rule families, in the order they are rendered.
+const RULE_FAMILIES: &[(&str, &str, RuleField)] = &[
+    (
+        "ratelimit_service_rate_limit_total_hits",
+        "Hits asked of each rule.",
+        |c| &c.total_hits,
+    ),
+    (
+        "ratelimit_service_rate_limit_within_limit",
+        "Hits within each rule's limit.",
+        |c| &c.within_limit,
+    ),
+    (
+        "ratelimit_service_rate_limit_near_limit",
+        "Hits within the limit but above near_limit_ratio of it.",
+        |c| &c.near_limit,
+    ),
+    (
+        "ratelimit_service_rate_limit_over_limit",
+        "Hits over each rule's limit.",
+        |c| &c.over_limit,
+    ),
+    (
+        "ratelimit_service_rate_limit_shadow_mode",
+        "Hits over the limit of a shadow-mode rule (answered OK).",
+        |c| &c.shadow_mode,
+    ),
+    (
+        "ratelimit_service_rate_limit_over_limit_with_local_cache",
+        "Hits answered over the limit from the local deny cache, without asking the store.",
+        |c| &c.over_limit_with_local_cache,
+    ),
+    (
+        "rate_limit_exceeded_total",
+        "Descriptors found over their rule's limit.",
+        |c| &c.exceeded,
+    ),
+];
+
 /// Every metric of the process.
 pub struct Metrics {
     families: RwLock<BTreeMap<&'static str, Family>>,
+    /// Per-rule counters by `domain` NUL `rule`.
+    rules: RwLock<HashMap<Box<str>, Arc<RuleCounters>>>,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -85,6 +142,7 @@ impl Metrics {
     pub fn new() -> Self {
         let m = Self {
             families: RwLock::new(BTreeMap::new()),
+            rules: RwLock::new(HashMap::new()),
         };
         m.gauge_fn(
             "ratelimitd_build_info",
@@ -108,6 +166,28 @@ impl Metrics {
             histograms: RwLock::new(BTreeMap::new()),
             readings: Vec::new(),
         });
+    }
+
+    /// The counters of one rule; created on first use.
+    pub fn rule(&self, domain: &str, rule: &str) -> Arc<RuleCounters> {
+        let mut key = String::with_capacity(domain.len() + rule.len() + 1);
+        key.push_str(domain);
+        key.push('\0');
+        key.push_str(rule);
+        if let Some(c) = self
+            .rules
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(key.as_str())
+        {
+            return c.clone();
+        }
+        self.rules
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(key.into())
+            .or_default()
+            .clone()
     }
 
     /// Adds `by` to a counter.
@@ -197,6 +277,28 @@ impl Metrics {
     /// The Prometheus text exposition of every metric.
     pub fn render(&self) -> String {
         let mut out = String::new();
+        {
+            let rules = self.rules.read().unwrap_or_else(|p| p.into_inner());
+            let mut sorted: Vec<(&str, &str, &RuleCounters)> = rules
+                .iter()
+                .map(|(k, c)| {
+                    let (domain, rule) = k.split_once('\0').unwrap_or((k, ""));
+                    (domain, rule, c.as_ref())
+                })
+                .collect();
+            sorted.sort_by(|a, b| (a.0, a.1).cmp(&(b.0, b.1)));
+            for (name, help, field) in RULE_FAMILIES {
+                let _ = writeln!(out, "# HELP {name} {help}");
+                let _ = writeln!(out, "# TYPE {name} counter");
+                for (domain, rule, counters) in &sorted {
+                    let value = field(counters).load(Ordering::Relaxed);
+                    if value > 0 {
+                        let labels = [("domain", domain.to_string()), ("rule", rule.to_string())];
+                        let _ = writeln!(out, "{name}{} {value}", render_labels(&labels, None));
+                    }
+                }
+            }
+        }
         let families = self.families.read().unwrap_or_else(|p| p.into_inner());
         for (name, family) in families.iter() {
             let _ = writeln!(out, "# HELP {name} {}", family.help);

@@ -157,7 +157,16 @@ impl Metrics {
         m
     }
 
+    /// Creates the family on first use (a read lock only, once it exists).
     fn family(&self, name: &'static str, help: &'static str, kind: &'static str) {
+        if self
+            .families
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .contains_key(name)
+        {
+            return;
+        }
         let mut families = self.families.write().unwrap_or_else(|p| p.into_inner());
         families.entry(name).or_insert_with(|| Family {
             help,
@@ -195,60 +204,20 @@ impl Metrics {
         if by == 0 {
             return;
         }
-        {
-            let families = self.families.read().unwrap_or_else(|p| p.into_inner());
-            if let Some(family) = families.get(name) {
-                let existing = family
-                    .counters
-                    .read()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .get(&labels)
-                    .cloned();
-                let counter = match existing {
-                    Some(c) => c,
-                    None => family
-                        .counters
-                        .write()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .entry(labels)
-                        .or_default()
-                        .clone(),
-                };
-                counter.fetch_add(by, Ordering::Relaxed);
-                return;
-            }
-        }
         self.family(name, help, "counter");
-        self.count(name, help, labels, by);
+        let families = self.families.read().unwrap_or_else(|p| p.into_inner());
+        if let Some(family) = families.get(name) {
+            series(&family.counters, labels, Arc::default).fetch_add(by, Ordering::Relaxed);
+        }
     }
 
     /// Records one observation of a latency histogram.
     pub fn observe(&self, name: &'static str, help: &'static str, labels: Labels, d: Duration) {
-        {
-            let families = self.families.read().unwrap_or_else(|p| p.into_inner());
-            if let Some(family) = families.get(name) {
-                let existing = family
-                    .histograms
-                    .read()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .get(&labels)
-                    .cloned();
-                let histogram = match existing {
-                    Some(h) => h,
-                    None => family
-                        .histograms
-                        .write()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .entry(labels)
-                        .or_insert_with(|| Arc::new(Histogram::new()))
-                        .clone(),
-                };
-                histogram.observe(d);
-                return;
-            }
-        }
         self.family(name, help, "histogram");
-        self.observe(name, help, labels, d);
+        let families = self.families.read().unwrap_or_else(|p| p.into_inner());
+        if let Some(family) = families.get(name) {
+            series(&family.histograms, labels, || Arc::new(Histogram::new())).observe(d);
+        }
     }
 
     /// A gauge whose values are read at render time.
@@ -350,6 +319,22 @@ impl Metrics {
         }
         out
     }
+}
+
+/// The series of `labels` in a family's map, created with `make` on first use.
+fn series<T>(
+    map: &RwLock<BTreeMap<Labels, Arc<T>>>,
+    labels: Labels,
+    make: impl FnOnce() -> Arc<T>,
+) -> Arc<T> {
+    if let Some(existing) = map.read().unwrap_or_else(|p| p.into_inner()).get(&labels) {
+        return existing.clone();
+    }
+    map.write()
+        .unwrap_or_else(|p| p.into_inner())
+        .entry(labels)
+        .or_insert_with(make)
+        .clone()
 }
 
 fn render_labels(labels: &[(&'static str, String)], le: Option<&str>) -> String {

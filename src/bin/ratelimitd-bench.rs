@@ -286,6 +286,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     );
     let max = percentile(&total.latencies_us, 100.0);
     let rps = sent as f64 / elapsed;
+    // The report goes to stdout with write errors returned, not panicked on (a reader that went away).
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
     if args.json {
         let report = serde_json::json!({
             "label": args.label,
@@ -307,9 +310,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             "errors_by_code": total.errors,
             "latency_ms": {"p50": p50, "p90": p90, "p99": p99, "p99_9": p999, "max": max},
         });
-        println!("{report}");
+        writeln!(out, "{report}")?;
     } else {
-        println!(
+        writeln!(
+            out,
             "{}{} requests in {:.1}s: {:.0} req/s ({} mode, {} callers, {} connections, {} descriptor(s), {} {:?} keys)",
             if args.label.is_empty() { String::new() } else { format!("[{}] ", args.label) },
             sent,
@@ -321,14 +325,16 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             args.descriptors,
             args.keys,
             args.distribution,
-        );
-        println!(
+        )?;
+        writeln!(
+            out,
             "latency ms: p50 {p50:.3}  p90 {p90:.3}  p99 {p99:.3}  p99.9 {p999:.3}  max {max:.3}"
-        );
-        println!(
+        )?;
+        writeln!(
+            out,
             "answers: OK {}  OVER_LIMIT {}  errors {errors} {:?}",
             total.ok, total.over_limit, total.errors
-        );
+        )?;
     }
     Ok(())
 }

@@ -37,10 +37,6 @@ impl Clock {
         }
     }
 
-    pub fn now_secs(&self) -> u64 {
-        self.now_millis() / 1000
-    }
-
     /// Moves a manual clock forward; no effect on the system clock.
     pub fn advance_millis(&self, millis: u64) {
         if let Clock::Manual(ms) = self {

@@ -1,12 +1,12 @@
 //! Fixed windows aligned to the Unix epoch, as the reference service counts: a window of `w` seconds
 //! starting at `floor(now / w) * w`, one counter per window.
 
-/// Start of the window containing `now` (seconds since the epoch).
+/// Start of the window containing `now` (any unit: seconds or milliseconds since the epoch).
 pub fn window_start(now: u64, window: u64) -> u64 {
     now - now % window
 }
 
-/// Seconds until the window containing `now` ends: 1..=window, never 0.
+/// Time until the window containing `now` ends, in the unit of `now`: 1..=window, never 0.
 pub fn seconds_until_reset(now: u64, window: u64) -> u64 {
     window - now % window
 }

@@ -162,13 +162,13 @@ pub fn expires_at_ms(p: &Params, state: &State, now_ms: u64) -> u64 {
 }
 
 fn fixed(p: &Params, state: Option<&State>, now_ms: u64, cost: u64) -> (Decision, State) {
-    let start_ms = now_ms - now_ms % p.window_ms;
+    let start_ms = fixed_window::window_start(now_ms, p.window_ms);
     let count = match state {
         Some(State::FixedWindow { start_ms: s, count }) if *s == start_ms => *count,
         _ => 0,
     };
     let verdict = fixed_window::check(count, p.limit, cost);
-    let reset_ms = p.window_ms - now_ms % p.window_ms;
+    let reset_ms = fixed_window::seconds_until_reset(now_ms, p.window_ms);
     let decision = Decision {
         allowed: verdict.allowed,
         remaining: if verdict.allowed {
@@ -190,7 +190,7 @@ fn fixed(p: &Params, state: Option<&State>, now_ms: u64, cost: u64) -> (Decision
 
 fn sliding_window(p: &Params, state: Option<&State>, now_ms: u64, cost: u64) -> (Decision, State) {
     let w = p.window_ms;
-    let start = now_ms - now_ms % w;
+    let start = fixed_window::window_start(now_ms, w);
     let (mut current, mut previous) = (0, 0);
     if let Some(State::SlidingWindow {
         start_ms,

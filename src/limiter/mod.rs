@@ -224,10 +224,6 @@ impl Limiter {
         }
     }
 
-    pub fn rules(&self) -> &Arc<Rules> {
-        &self.rules
-    }
-
     /// The loaded rules, one line each, sensitive values hashed: what `/rlconfig` shows.
     pub fn describe_rules(&self) -> Vec<String> {
         let Some(rules) = self.rules.snapshot() else {

@@ -12,7 +12,7 @@ use std::{future::Future, sync::Arc, time::Duration};
 use tokio_util::sync::CancellationToken;
 
 use crate::{
-    algorithm::{Algorithm, Decision, Params},
+    algorithm::{fixed_window, Algorithm, Decision, Params},
     clock::Clock,
 };
 
@@ -60,16 +60,21 @@ impl Check {
         }
     }
 
+    /// For fixed windows, the start (seconds since the epoch) of the window containing `now_ms`: the
+    /// suffix of its key in the reference layout.
+    pub fn window_start_secs(&self, now_ms: u64) -> Option<u64> {
+        (self.params.algorithm == Algorithm::FixedWindow).then(|| {
+            let window_secs = (self.params.window_ms / 1000).max(1);
+            fixed_window::window_start(now_ms / 1000, window_secs)
+        })
+    }
+
     /// The key the state lives under at `now_ms`: fixed windows append the window start in seconds
     /// (the reference layout); the other algorithms keep one key.
     pub fn storage_key(&self, now_ms: u64) -> String {
-        match self.params.algorithm {
-            Algorithm::FixedWindow => {
-                let window_secs = (self.params.window_ms / 1000).max(1);
-                let now = now_ms / 1000;
-                keys::with_window(&self.key, now - now % window_secs)
-            }
-            _ => self.key.clone(),
+        match self.window_start_secs(now_ms) {
+            Some(start) => keys::with_window(&self.key, start),
+            None => self.key.clone(),
         }
     }
 }

@@ -238,11 +238,6 @@ impl Metrics {
         }
     }
 
-    /// Declares a family so that it is listed (with HELP and TYPE) before its first sample.
-    pub fn declare(&self, name: &'static str, help: &'static str, kind: &'static str) {
-        self.family(name, help, kind);
-    }
-
     /// The Prometheus text exposition of every metric.
     pub fn render(&self) -> String {
         let mut out = String::new();

@@ -250,7 +250,6 @@ impl RedisStore {
         } else {
             rand::random_range(0..=self.jitter_max)
         };
-        let now = now_ms / 1000;
         let mut args: Vec<i64> = Vec::with_capacity(3 + group.len() * 7);
         args.extend([
             i64::from(batch.consume_on_deny),
@@ -262,12 +261,6 @@ impl RedisStore {
             let c = &batch.checks[i];
             group_keys.push(keys[i].clone());
             let p = &c.params;
-            let window_start = if p.algorithm == Algorithm::FixedWindow {
-                let window_secs = (p.window_ms / 1000).max(1);
-                now - now % window_secs
-            } else {
-                0
-            };
             args.extend([
                 i64::from(p.algorithm.code()),
                 to_i64(p.limit),
@@ -279,7 +272,7 @@ impl RedisStore {
                     Role::Quota => 2,
                 },
                 to_i64(p.burst),
-                to_i64(window_start),
+                to_i64(c.window_start_secs(now_ms).unwrap_or(0)),
             ]);
         }
         let reply: Vec<i64> = self

@@ -133,17 +133,25 @@ pub struct Decision {
     pub retry_ms: u64,
 }
 
-/// Decides `cost` against `state` at `now_ms`. Returns the decision and the state once the cost is
-/// consumed (unchanged when denied, except for fixed windows, whose counter counts every hit it is
-/// given, as the reference service does when asked to count denied requests).
-pub fn decide(p: &Params, state: Option<&State>, now_ms: u64, cost: u64) -> (Decision, State) {
-    match p.algorithm {
+/// Decides `cost` against `state` at `now_ms`. Returns the decision and, when the cost changes the
+/// state, the state once it is consumed: an allowed cost above 0, or any cost on a fixed window, whose
+/// counter counts every hit it is given (as the reference service does when asked to count denied
+/// requests). `None` leaves the state as it is.
+pub fn decide(
+    p: &Params,
+    state: Option<&State>,
+    now_ms: u64,
+    cost: u64,
+) -> (Decision, Option<State>) {
+    let (decision, next) = match p.algorithm {
         Algorithm::FixedWindow => fixed(p, state, now_ms, cost),
         Algorithm::SlidingWindow => sliding_window(p, state, now_ms, cost),
         Algorithm::SlidingLog => sliding_log(p, state, now_ms, cost),
         Algorithm::TokenBucket => token_bucket(p, state, now_ms, cost),
         Algorithm::Gcra => gcra(p, state, now_ms, cost),
-    }
+    };
+    let changes = cost > 0 && (decision.allowed || p.algorithm == Algorithm::FixedWindow);
+    (decision, changes.then_some(next))
 }
 
 /// When `state` is equivalent to no state at all: the store may forget it then.
@@ -269,14 +277,15 @@ fn sliding_window_wait(p: &Params, current: u64, previous: u64, elapsed: u64, co
 }
 
 fn sliding_log(p: &Params, state: Option<&State>, now_ms: u64, cost: u64) -> (Decision, State) {
-    let mut hits = match state {
-        Some(State::SlidingLog(hits)) => hits.clone(),
-        _ => VecDeque::new(),
+    let empty = VecDeque::new();
+    let hits = match state {
+        Some(State::SlidingLog(hits)) => hits,
+        _ => &empty,
     };
-    while hits.front().is_some_and(|&t| t + p.window_ms <= now_ms) {
-        hits.pop_front();
-    }
-    let count = hits.len() as u64;
+    // Hits before this one have left the window; the log is read in place and copied only when a
+    // cost is added to it.
+    let gone = hits.partition_point(|&t| t + p.window_ms <= now_ms);
+    let count = (hits.len() - gone) as u64;
     let allowed = count + cost <= p.limit;
     let retry_ms = if allowed {
         0
@@ -285,24 +294,31 @@ fn sliding_log(p: &Params, state: Option<&State>, now_ms: u64, cost: u64) -> (De
     } else {
         // The (count + cost - limit)-th oldest hit must leave the window.
         let must_leave = (count + cost - p.limit) as usize;
-        hits[must_leave - 1] + p.window_ms - now_ms
+        hits[gone + must_leave - 1] + p.window_ms - now_ms
     };
-    if allowed {
-        hits.extend(std::iter::repeat_n(now_ms, cost as usize));
-    }
-    let reset_ms = hits.back().map_or(0, |last| last + p.window_ms - now_ms);
+    let next = if allowed && cost > 0 {
+        let mut next = VecDeque::with_capacity((count + cost) as usize);
+        next.extend(hits.range(gone..).copied());
+        next.extend(std::iter::repeat_n(now_ms, cost as usize));
+        next
+    } else {
+        // Unused: `decide` keeps the state as it is.
+        VecDeque::new()
+    };
+    let last = if allowed && cost > 0 {
+        Some(now_ms)
+    } else {
+        hits.range(gone..).next_back().copied()
+    };
+    let reset_ms = last.map_or(0, |last| last + p.window_ms - now_ms);
     (
         Decision {
             allowed,
-            remaining: if allowed {
-                p.limit - hits.len() as u64
-            } else {
-                0
-            },
+            remaining: if allowed { p.limit - count - cost } else { 0 },
             reset_ms,
             retry_ms,
         },
-        State::SlidingLog(hits),
+        State::SlidingLog(next),
     )
 }
 

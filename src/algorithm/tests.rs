@@ -19,7 +19,7 @@ fn run(p: &Params, hits: &[(u64, u64)]) -> Vec<Decision> {
     hits.iter()
         .map(|&(t, cost)| {
             let (d, next) = decide(p, state.as_ref(), t, cost);
-            if d.allowed {
+            if let (true, Some(next)) = (d.allowed, next) {
                 state = Some(next);
             }
             d
@@ -143,10 +143,10 @@ fn costs_above_one_and_zero() {
 fn expiry_is_when_the_state_means_nothing_any_more() {
     let p = params(Algorithm::TokenBucket, 10, 1000, 10);
     let (_, s) = decide(&p, None, 5_000, 4);
-    assert_eq!(expires_at_ms(&p, &s, 5_000), 5_400);
+    assert_eq!(expires_at_ms(&p, &s.unwrap(), 5_000), 5_400);
     let p = params(Algorithm::SlidingWindow, 10, 1000, 10);
     let (_, s) = decide(&p, None, 5_500, 1);
-    assert_eq!(expires_at_ms(&p, &s, 5_500), 7_000);
+    assert_eq!(expires_at_ms(&p, &s.unwrap(), 5_500), 7_000);
 }
 
 /// Random hit sequences: sorted times within 10 s, costs 0..=3.

@@ -16,8 +16,13 @@ use std::{
     },
 };
 
+use smallvec::SmallVec;
+
 use super::{Applied, Batch, CounterStore, Outcome, StoreError};
-use crate::algorithm::{self, State};
+use crate::algorithm::{self, Decision, State};
+
+/// Per-batch bookkeeping, on the stack for requests of up to eight checks.
+type Small<T> = SmallVec<[T; 8]>;
 
 const SHARDS: usize = 64;
 
@@ -114,95 +119,90 @@ impl MemoryStore {
     }
 
     fn apply_now(&self, batch: &Batch, now_ms: u64) -> Result<Applied, StoreError> {
-        let keys: Vec<(usize, String)> = batch
-            .checks
-            .iter()
-            .map(|c| {
-                let key = c.storage_key(now_ms);
-                (self.shard_of(&key), key)
-            })
-            .collect();
-        let mut shard_ids: Vec<usize> = keys.iter().map(|(s, _)| *s).collect();
-        shard_ids.sort_unstable();
-        shard_ids.dedup();
-        let mut guards: Vec<(usize, MutexGuard<'_, Shard>)> = shard_ids
-            .iter()
-            .map(|&i| (i, lock(&self.shards[i])))
-            .collect();
+        let checks = &batch.checks;
+        // One entry per counter key: a fixed-window state carries its window start, and a state from
+        // an earlier window has expired.
+        let shards: Small<usize> = checks.iter().map(|c| self.shard_of(&c.key)).collect();
+        let mut held: Small<usize> = shards.clone();
+        held.sort_unstable();
+        held.dedup();
+        let mut guards: Small<(usize, MutexGuard<'_, Shard>)> =
+            held.iter().map(|&i| (i, lock(&self.shards[i]))).collect();
         // Index into `guards` of each check's shard.
-        let slots: Vec<usize> = keys
+        let slots: Small<usize> = shards
             .iter()
-            .map(|(shard, _)| shard_ids.partition_point(|i| i < shard))
+            .map(|shard| held.partition_point(|i| i < shard))
             .collect();
+        let live = |e: &&Entry| e.expires_at_ms > now_ms;
 
-        // Decide every check in order; a key checked twice sees the first check's cost.
-        let mut pending: HashMap<&str, State> = HashMap::new();
-        let mut decisions = Vec::with_capacity(keys.len());
-        // The stored state of each check's key, before this batch.
-        let mut before: Vec<Option<State>> = Vec::with_capacity(keys.len());
-        for (i, (check, (_, key))) in batch.checks.iter().zip(&keys).enumerate() {
-            let stored = guards[slots[i]]
-                .1
-                .get(key.as_str())
-                .filter(|e| e.expires_at_ms > now_ms)
-                .map(|e| e.state.clone());
-            let state = match pending.get(key.as_str()) {
-                Some(s) => Some(s.clone()),
-                None => stored.clone(),
+        // Decide every check in order; a key checked twice sees the state the earlier check left.
+        let mut next: Small<Option<State>> = Small::new();
+        let mut decisions: Small<Decision> = Small::new();
+        for (i, check) in checks.iter().enumerate() {
+            let earlier = (0..i)
+                .rev()
+                .find(|&j| next[j].is_some() && checks[j].key == check.key);
+            let state = match earlier {
+                Some(j) => next[j].as_ref(),
+                None => guards[slots[i]]
+                    .1
+                    .get(check.key.as_str())
+                    .filter(live)
+                    .map(|e| &e.state),
             };
-            let (decision, next) =
-                algorithm::decide(&check.params, state.as_ref(), now_ms, check.cost);
-            let counts_denied = check.params.algorithm == algorithm::Algorithm::FixedWindow;
-            if check.cost > 0 && (decision.allowed || counts_denied) {
-                pending.insert(key.as_str(), next);
-            }
-            before.push(stored);
+            let (decision, after) = algorithm::decide(&check.params, state, now_ms, check.cost);
+            next.push(after);
             decisions.push(decision);
         }
         let denied = batch.is_denied(|i| decisions[i].allowed);
         let consume = !denied || batch.consume_on_deny;
 
-        if consume && !pending.is_empty() {
-            let new_keys = pending
-                .keys()
-                .filter(|key| {
-                    let slot = slots[keys.iter().position(|(_, k)| k == *key).unwrap_or(0)];
+        if consume && next.iter().any(Option::is_some) {
+            let new_keys = (0..checks.len())
+                .filter(|&i| {
+                    let first =
+                        !(0..i).any(|j| next[j].is_some() && checks[j].key == checks[i].key);
                     // An expired entry is overwritten in place: only absent keys need room.
-                    !guards[slot].1.contains_key(**key)
+                    next[i].is_some()
+                        && first
+                        && !guards[slots[i]].1.contains_key(checks[i].key.as_str())
                 })
                 .count();
             self.reserve(new_keys, &mut guards, now_ms)?;
-            for (i, (check, (_, key))) in batch.checks.iter().zip(&keys).enumerate() {
-                let Some(state) = pending.remove(key.as_str()) else {
+            for (i, check) in checks.iter().enumerate() {
+                let Some(state) = next[i].take() else {
                     continue;
                 };
-                let expires_at_ms = algorithm::expires_at_ms(&check.params, &state, now_ms);
                 let entry = Entry {
+                    expires_at_ms: algorithm::expires_at_ms(&check.params, &state, now_ms),
                     state,
-                    expires_at_ms,
                 };
                 let map = &mut guards[slots[i]].1;
-                match map.get_mut(key.as_str()) {
-                    // A live or expired entry keeps its slot in the map.
+                // Later checks of the same key overwrite earlier ones, in request order.
+                match map.get_mut(check.key.as_str()) {
                     Some(e) => *e = entry,
                     None => {
-                        map.insert(key.as_str().into(), entry);
+                        map.insert(check.key.as_str().into(), entry);
                     }
                 }
             }
         }
 
-        let outcomes = batch
-            .checks
+        let outcomes = checks
             .iter()
             .zip(&decisions)
-            .zip(&before)
-            .map(|((check, decision), state)| {
+            .enumerate()
+            .map(|(i, (check, decision))| {
                 if consume || !decision.allowed {
                     Outcome::from(*decision)
                 } else {
-                    // Allowed but not consumed: report the quota as it stands.
-                    let (as_is, _) = algorithm::decide(&check.params, state.as_ref(), now_ms, 0);
+                    // Allowed but not consumed: report the quota as it stands (nothing was written).
+                    let stored = guards[slots[i]]
+                        .1
+                        .get(check.key.as_str())
+                        .filter(live)
+                        .map(|e| &e.state);
+                    let (as_is, _) = algorithm::decide(&check.params, stored, now_ms, 0);
                     Outcome {
                         allowed: true,
                         ..Outcome::from(as_is)

@@ -10,7 +10,12 @@ mod sensitive;
 
 pub use sensitive::Sensitive;
 
-use std::sync::Arc;
+use std::sync::{
+    atomic::{AtomicU64, Ordering},
+    Arc,
+};
+
+use smallvec::{smallvec, SmallVec};
 
 use crate::{
     algorithm::{Algorithm, Params},
@@ -20,7 +25,10 @@ use crate::{
     store::{
         keys, Applied, Batch, Check, CounterStore, DenyCache, Outcome, Role, Store, StoreError,
     },
-    telemetry::{metrics::RuleCounters, Metrics, TopOffenders},
+    telemetry::{
+        metrics::{Histogram, RuleCounters},
+        Metrics, TopOffenders,
+    },
 };
 
 /// A rate limit request.
@@ -184,6 +192,13 @@ pub struct Options {
     pub deny_cache: Option<Arc<DenyCache>>,
 }
 
+thread_local! {
+    static SCRATCH: std::cell::Cell<String> = const { std::cell::Cell::new(String::new()) };
+}
+
+/// Per-request bookkeeping, on the stack for requests of up to eight descriptors.
+type Small<T> = SmallVec<[T; 8]>;
+
 /// Decides requests against the current rules and a store.
 #[derive(Debug)]
 pub struct Limiter {
@@ -191,6 +206,44 @@ pub struct Limiter {
     store: Arc<Store>,
     clock: Clock,
     options: Options,
+    series: Series,
+}
+
+/// The metric series every request updates, held so that recording them looks nothing up.
+#[derive(Debug)]
+struct Series {
+    check_duration: Arc<Histogram>,
+    backend_duration: Arc<Histogram>,
+    requests_ok: Arc<AtomicU64>,
+    requests_over_limit: Arc<AtomicU64>,
+    requests_error: Arc<AtomicU64>,
+}
+
+impl Series {
+    fn new(metrics: &Metrics, backend: &'static str) -> Self {
+        let requests = |result: &str| {
+            metrics.counter(
+                "ratelimitd_requests_total",
+                "ShouldRateLimit requests, by answer.",
+                vec![("result", result.to_string())],
+            )
+        };
+        Self {
+            check_duration: metrics.histogram(
+                "rate_limit_check_duration_seconds",
+                "Time to decide one ShouldRateLimit request.",
+                Vec::new(),
+            ),
+            backend_duration: metrics.histogram(
+                "ratelimitd_backend_call_duration_seconds",
+                "Time of one call to the counter store (one Redis script call per slot).",
+                vec![("backend", backend.to_string())],
+            ),
+            requests_ok: requests("ok"),
+            requests_over_limit: requests("over_limit"),
+            requests_error: requests("error"),
+        }
+    }
 }
 
 /// One limit a descriptor is checked against.
@@ -207,7 +260,7 @@ enum Resolved<'a> {
     /// An unlimited rule: never counted, but its `replaces` still apply.
     Unlimited(&'a Node),
     Limited {
-        limits: Vec<Applicable>,
+        limits: SmallVec<[Applicable; 2]>,
         /// The rule, when the limits came from one (not from a request override).
         node: Option<&'a Node>,
         role: Role,
@@ -216,11 +269,13 @@ enum Resolved<'a> {
 
 impl Limiter {
     pub fn new(rules: Arc<Rules>, store: Arc<Store>, clock: Clock, options: Options) -> Self {
+        let series = Series::new(&options.metrics, store.name());
         Self {
             rules,
             store,
             clock,
             options,
+            series,
         }
     }
 
@@ -241,37 +296,26 @@ impl Limiter {
     pub async fn should_rate_limit(&self, request: &Request) -> Result<Response, LimitError> {
         let started = std::time::Instant::now();
         let result = self.decide(request).await;
-        let m = &self.options.metrics;
-        m.observe(
-            "rate_limit_check_duration_seconds",
-            "Time to decide one ShouldRateLimit request.",
-            Vec::new(),
-            started.elapsed(),
-        );
-        let outcome = match &result {
-            Ok(r) if r.overall_code == Code::Ok => "ok",
-            Ok(_) => "over_limit",
+        self.series.check_duration.observe(started.elapsed());
+        let requests = match &result {
+            Ok(r) if r.overall_code == Code::Ok => &self.series.requests_ok,
+            Ok(_) => &self.series.requests_over_limit,
             Err(err) => {
                 let kind = match err {
                     LimitError::NoRules => "no_rules",
                     LimitError::Store(_) => "backend",
                     _ => "invalid_request",
                 };
-                m.count(
+                self.options.metrics.count(
                     "ratelimitd_request_errors_total",
                     "Requests answered with an error, by kind.",
                     vec![("kind", kind.to_string())],
                     1,
                 );
-                "error"
+                &self.series.requests_error
             }
         };
-        m.count(
-            "ratelimitd_requests_total",
-            "ShouldRateLimit requests, by answer.",
-            vec![("result", outcome.to_string())],
-            1,
-        );
+        requests.fetch_add(1, Ordering::Relaxed);
         result
     }
 
@@ -289,8 +333,9 @@ impl Limiter {
             );
         }
 
-        let mut scratch = String::new();
-        let mut resolved = Vec::with_capacity(request.descriptors.len());
+        // Composite keys for matching are built in a buffer this thread keeps between requests.
+        let mut scratch = SCRATCH.take();
+        let mut resolved: Small<Resolved<'_>> = Small::new();
         for (index, descriptor) in request.descriptors.iter().enumerate() {
             let Some(domain) = domain else {
                 resolved.push(Resolved::NoLimit);
@@ -300,7 +345,7 @@ impl Limiter {
                 let unit = over.unit.ok_or(LimitError::UnknownOverrideUnit { index })?;
                 let limit = u64::from(over.requests_per_unit);
                 resolved.push(Resolved::Limited {
-                    limits: vec![Applicable {
+                    limits: smallvec![Applicable {
                         limit: CurrentLimit {
                             requests_per_unit: over.requests_per_unit,
                             unit,
@@ -350,6 +395,7 @@ impl Limiter {
                 },
             });
         }
+        SCRATCH.set(scratch);
         apply_replaces(&mut resolved);
 
         let mut batch = Batch {
@@ -361,7 +407,7 @@ impl Limiter {
                 let shared = node.map_or(&[][..], |n| &n.shared_values[..]);
                 let hashed = node.map_or(&[][..], |n| &n.hashed_levels[..]);
                 // Values as they go into counter keys: shared patterns, or hashes of sensitive values.
-                let values: Vec<std::borrow::Cow<'_, str>> = descriptor
+                let values: Small<std::borrow::Cow<'_, str>> = descriptor
                     .entries
                     .iter()
                     .enumerate()
@@ -378,8 +424,18 @@ impl Limiter {
                 let cost = descriptor
                     .hits_addend
                     .unwrap_or(u64::from(request.hits_addend.max(1)));
+                let key_len = self.options.key_prefix.len()
+                    + request.domain.len()
+                    + descriptor
+                        .entries
+                        .iter()
+                        .map(|e| e.key.len())
+                        .sum::<usize>()
+                    + values.iter().map(|v| v.len()).sum::<usize>()
+                    + 2 * descriptor.entries.len()
+                    + 48;
                 for applicable in limits {
-                    let mut key = String::new();
+                    let mut key = String::with_capacity(key_len);
                     keys::limit_key(
                         &mut key,
                         &self.options.key_prefix,
@@ -405,11 +461,11 @@ impl Limiter {
 
         let now_ms = self.clock.now_millis();
         // Checks the local deny cache answers: the request is then denied for sure.
-        let mut from_cache: Vec<Option<Outcome>> = vec![None; batch.checks.len()];
+        let mut from_cache: Small<Option<Outcome>> = smallvec![None; batch.checks.len()];
         if let Some(cache) = &self.options.deny_cache {
             for (i, c) in batch.checks.iter().enumerate() {
                 if c.role == Role::Enforce {
-                    from_cache[i] = cache.lookup(&c.storage_key(now_ms), &c.params, c.cost, now_ms);
+                    from_cache[i] = cache.lookup(&c.key, &c.params, c.cost, now_ms);
                 }
             }
         }
@@ -452,13 +508,7 @@ impl Limiter {
                     if let Some(cache) = &self.options.deny_cache {
                         for (c, outcome) in batch.checks.iter().zip(&applied.outcomes) {
                             if c.role == Role::Enforce && !outcome.allowed {
-                                cache.insert(
-                                    &c.storage_key(now_ms),
-                                    c.params,
-                                    c.cost,
-                                    *outcome,
-                                    now_ms,
-                                );
+                                cache.insert(&c.key, c.params, c.cost, *outcome, now_ms);
                             }
                         }
                     }
@@ -468,7 +518,7 @@ impl Limiter {
             }
         };
         // Descriptors answered (at least partly) from the local cache, for their metrics.
-        let mut cached_descriptors = vec![false; request.descriptors.len()];
+        let mut cached_descriptors: Small<bool> = smallvec![false; request.descriptors.len()];
         {
             let mut check = 0;
             for (d, r) in resolved.iter().enumerate() {
@@ -484,7 +534,7 @@ impl Limiter {
         }
 
         let mut outcomes = applied.iter().flat_map(|a| a.outcomes.iter());
-        let roles: Vec<Option<Role>> = resolved
+        let roles: Small<Option<Role>> = resolved
             .iter()
             .map(|r| match r {
                 Resolved::Limited { role, .. } => Some(*role),
@@ -492,17 +542,17 @@ impl Limiter {
             })
             .collect();
         // The `hash_value` levels of each descriptor's rule, for naming offenders.
-        let hashed_by_index: Vec<Box<[bool]>> = resolved
+        let hashed_by_index: Small<&[bool]> = resolved
             .iter()
             .map(|r| match r {
-                Resolved::Limited { node: Some(n), .. } => n.hashed_levels.clone(),
-                _ => Box::new([]) as Box<[bool]>,
+                Resolved::Limited { node: Some(n), .. } => &n.hashed_levels[..],
+                _ => &[][..],
             })
             .collect();
         // Window length of each limited status's limit, in order, for the IETF policy header.
-        let mut windows: Vec<u64> = Vec::new();
+        let mut windows: Small<u64> = Small::new();
         // (descriptor index, rule label, role, chosen limit, outcome) for the per-rule metrics.
-        let mut stats: Vec<(usize, std::borrow::Cow<'_, str>, Role, u64, Outcome)> = Vec::new();
+        let mut stats: Small<(usize, std::borrow::Cow<'_, str>, Role, u64, Outcome)> = Small::new();
         let statuses: Vec<DescriptorStatus> = resolved
             .into_iter()
             .enumerate()
@@ -572,12 +622,16 @@ impl Limiter {
                 .hits_addend
                 .unwrap_or(u64::from(request.hits_addend.max(1)));
             if !outcome.allowed && role != Role::Shadow {
-                self.options.top.denied(&self.offender_name(
+                let mut name = SCRATCH.take();
+                self.offender_name(
+                    &mut name,
                     &request.domain,
                     descriptor,
                     index,
                     &hashed_by_index,
-                ));
+                );
+                self.options.top.denied(&name);
+                SCRATCH.set(name);
             }
             let counters = self.options.metrics.rule(&request.domain, &rule);
             self.record_rule(
@@ -624,7 +678,7 @@ impl Limiter {
     fn backend_failed(
         &self,
         err: StoreError,
-        resolved: Vec<Resolved<'_>>,
+        resolved: Small<Resolved<'_>>,
         batch: &Batch,
     ) -> Result<Response, LimitError> {
         tracing::debug!(error = %err, policy = ?self.options.on_backend_error, "backend failed");
@@ -672,12 +726,7 @@ impl Limiter {
             checks = batch.checks.len(),
         );
         let applied = tracing::Instrument::instrument(self.store.apply(batch, now_ms), span).await;
-        self.options.metrics.observe(
-            "ratelimitd_backend_call_duration_seconds",
-            "Time of one call to the counter store (one Redis script call per slot).",
-            vec![("backend", self.store.name().to_string())],
-            started.elapsed(),
-        );
+        self.series.backend_duration.observe(started.elapsed());
         applied
     }
 
@@ -685,13 +734,15 @@ impl Limiter {
     /// values hashed.
     fn offender_name(
         &self,
+        out: &mut String,
         domain: &str,
         descriptor: &Descriptor,
         index: usize,
-        hashed_by_index: &[Box<[bool]>],
-    ) -> String {
-        let hashed = hashed_by_index.get(index).map_or(&[][..], |h| &h[..]);
-        let mut out = domain.to_owned();
+        hashed_by_index: &[&[bool]],
+    ) {
+        let hashed = hashed_by_index.get(index).copied().unwrap_or_default();
+        out.clear();
+        out.push_str(domain);
         for (i, e) in descriptor.entries.iter().enumerate() {
             let value = match &self.options.sensitive {
                 Some(s) => s.show(&e.key, &e.value, hashed.get(i).copied().unwrap_or(false)),
@@ -702,7 +753,6 @@ impl Limiter {
             out.push('=');
             out.push_str(&value);
         }
-        out
     }
 
     /// The sketch behind `/debug/top`.
@@ -761,43 +811,45 @@ impl Limiter {
             return Err(LimitError::NoDescriptors);
         }
         let limits = &self.options.request_limits;
-        let too_large = |what: String, actual: usize, max: usize, setting: &'static str| {
-            if actual > max {
-                Err(LimitError::TooLarge {
-                    what,
-                    actual,
-                    max,
-                    setting,
-                })
-            } else {
-                Ok(())
-            }
-        };
-        too_large(
-            "the number of descriptors".into(),
+        // The message is built only for a request that breaks a limit.
+        let check =
+            |actual: usize, max: usize, setting: &'static str, what: &dyn Fn() -> String| {
+                if actual > max {
+                    Err(LimitError::TooLarge {
+                        what: what(),
+                        actual,
+                        max,
+                        setting,
+                    })
+                } else {
+                    Ok(())
+                }
+            };
+        check(
             request.descriptors.len(),
             limits.max_descriptors,
             "request_limits.max_descriptors",
+            &|| "the number of descriptors".into(),
         )?;
         for (i, d) in request.descriptors.iter().enumerate() {
-            too_large(
-                format!("the number of entries of descriptor {i}"),
+            check(
                 d.entries.len(),
                 limits.max_entries,
                 "request_limits.max_entries",
+                &|| format!("the number of entries of descriptor {i}"),
             )?;
             for (j, e) in d.entries.iter().enumerate() {
-                too_large(
-                    format!("the key length of descriptor {i} entry {j}"),
+                check(
                     e.key.len(),
                     limits.max_key_bytes,
                     "request_limits.max_key_bytes",
+                    &|| format!("the key length of descriptor {i} entry {j}"),
                 )?;
-                too_large(
-                    format!("the value length of descriptor {i} entry {j}"),
+                check(
                     e.value.len(),
                     limits.max_value_bytes,
                     "request_limits.max_value_bytes",
+                    &|| format!("the value length of descriptor {i} entry {j}"),
                 )?;
             }
         }

@@ -4,9 +4,12 @@
 //! After a store answers "denied" with a wait `w` (the algorithm's `retry`), the same check with at least
 //! the same cost cannot be allowed before `sent + w`, where `sent` is when the request was sent: time only
 //! moves the state towards allowing at the rate the algorithm says, and other replicas can only add hits.
-//! So the cache never changes a decision. It is keyed by the state key *and* the limit's parameters (a
+//! So the cache never changes a decision. It is keyed by the counter key *and* the limit's parameters (a
 //! request override with another limit misses), holds at most `max_entries`, and is cleared when the rules
 //! change. Under an attack on one key, the store stops seeing that key at all until its wait is over.
+//!
+//! The key is the counter key without the window start fixed windows add in the store: a fixed-window
+//! denial waits for the end of its window, so an entry never outlives the window it was denied in.
 
 use std::{
     collections::HashMap,

@@ -24,7 +24,7 @@ type Labels = Vec<(&'static str, String)>;
 
 /// A histogram with fixed buckets.
 #[derive(Debug)]
-struct Histogram {
+pub struct Histogram {
     buckets: Vec<AtomicU64>,
     count: AtomicU64,
     /// Sum in nanoseconds.
@@ -40,7 +40,7 @@ impl Histogram {
         }
     }
 
-    fn observe(&self, d: Duration) {
+    pub fn observe(&self, d: Duration) {
         let secs = d.as_secs_f64();
         if let Some(i) = LATENCY_BUCKETS.iter().position(|b| secs <= *b) {
             self.buckets[i].fetch_add(1, Ordering::Relaxed);
@@ -119,11 +119,14 @@ const RULE_FAMILIES: &[(&str, &str, RuleField)] = &[
     ),
 ];
 
+/// The counters of one domain's rules, by rule label.
+type DomainRules = HashMap<Box<str>, Arc<RuleCounters>>;
+
 /// Every metric of the process.
 pub struct Metrics {
     families: RwLock<BTreeMap<&'static str, Family>>,
-    /// Per-rule counters by `domain` NUL `rule`.
-    rules: RwLock<HashMap<Box<str>, Arc<RuleCounters>>>,
+    /// Per-rule counters by domain, then rule: looked up with borrowed names, nothing built.
+    rules: RwLock<HashMap<Box<str>, DomainRules>>,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -179,24 +182,53 @@ impl Metrics {
 
     /// The counters of one rule; created on first use.
     pub fn rule(&self, domain: &str, rule: &str) -> Arc<RuleCounters> {
-        let mut key = String::with_capacity(domain.len() + rule.len() + 1);
-        key.push_str(domain);
-        key.push('\0');
-        key.push_str(rule);
         if let Some(c) = self
             .rules
             .read()
             .unwrap_or_else(|p| p.into_inner())
-            .get(key.as_str())
+            .get(domain)
+            .and_then(|rules| rules.get(rule))
         {
             return c.clone();
         }
         self.rules
             .write()
             .unwrap_or_else(|p| p.into_inner())
-            .entry(key.into())
+            .entry(domain.into())
+            .or_default()
+            .entry(rule.into())
             .or_default()
             .clone()
+    }
+
+    /// A counter series to add to without any lookup; it is exported from now on, at 0 until used.
+    pub fn counter(
+        &self,
+        name: &'static str,
+        help: &'static str,
+        labels: Labels,
+    ) -> Arc<AtomicU64> {
+        self.family(name, help, "counter");
+        let families = self.families.read().unwrap_or_else(|p| p.into_inner());
+        match families.get(name) {
+            Some(family) => series(&family.counters, labels, Arc::default),
+            None => Arc::default(),
+        }
+    }
+
+    /// A histogram series to observe without any lookup.
+    pub fn histogram(
+        &self,
+        name: &'static str,
+        help: &'static str,
+        labels: Labels,
+    ) -> Arc<Histogram> {
+        self.family(name, help, "histogram");
+        let families = self.families.read().unwrap_or_else(|p| p.into_inner());
+        match families.get(name) {
+            Some(family) => series(&family.histograms, labels, || Arc::new(Histogram::new())),
+            None => Arc::new(Histogram::new()),
+        }
     }
 
     /// Adds `by` to a counter.
@@ -245,9 +277,10 @@ impl Metrics {
             let rules = self.rules.read().unwrap_or_else(|p| p.into_inner());
             let mut sorted: Vec<(&str, &str, &RuleCounters)> = rules
                 .iter()
-                .map(|(k, c)| {
-                    let (domain, rule) = k.split_once('\0').unwrap_or((k, ""));
-                    (domain, rule, c.as_ref())
+                .flat_map(|(domain, rules)| {
+                    rules
+                        .iter()
+                        .map(move |(rule, c)| (&**domain, &**rule, c.as_ref()))
                 })
                 .collect();
             sorted.sort_by(|a, b| (a.0, a.1).cmp(&(b.0, b.1)));

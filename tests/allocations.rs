@@ -1,0 +1,137 @@
+//! Heap allocations on the hot path, counted by a global allocator: a decision on a counter that
+//! already exists should cost a handful of allocations, not one per string it touches.
+
+use std::{
+    alloc::{GlobalAlloc, Layout, System},
+    sync::{
+        atomic::{AtomicBool, AtomicU64, Ordering},
+        Arc,
+    },
+};
+
+use ratelimitd::{
+    clock::Clock,
+    limiter::{Descriptor, Entry, Limiter, Options, Request},
+    rules::{parse_file, RuleSet, Rules},
+    store::{DenyCache, MemoryStore, Store},
+};
+
+struct Counting;
+
+static COUNTING: AtomicBool = AtomicBool::new(false);
+static ALLOCATIONS: AtomicU64 = AtomicU64::new(0);
+
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        if COUNTING.load(Ordering::Relaxed) {
+            ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+        }
+        unsafe { System.alloc(layout) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        unsafe { System.dealloc(ptr, layout) }
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        if COUNTING.load(Ordering::Relaxed) {
+            ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+        }
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+
+const RULES: &str = r#"
+domain: edge
+descriptors:
+  - key: remote_address
+    descriptors:
+      - key: path
+        value: /login
+        descriptors:
+          - key: method
+            value: POST
+            rate_limit: {unit: minute, requests_per_unit: 1000000}
+  - key: user
+    rate_limit: {unit: hour, requests_per_unit: 1}
+"#;
+
+fn limiter(deny_cache: bool) -> Limiter {
+    let rules = Rules::default();
+    rules.replace(
+        RuleSet::build(&[("edge.yaml".into(), parse_file(RULES).unwrap())], false).unwrap(),
+    );
+    Limiter::new(
+        Arc::new(rules),
+        Arc::new(Store::Memory(MemoryStore::new(1_000))),
+        Clock::System,
+        Options {
+            deny_cache: deny_cache.then(|| Arc::new(DenyCache::new(1_000))),
+            ..Options::default()
+        },
+    )
+}
+
+fn request(pairs: &[(&str, &str)]) -> Request {
+    Request {
+        domain: "edge".into(),
+        descriptors: vec![Descriptor {
+            entries: pairs
+                .iter()
+                .map(|(k, v)| Entry {
+                    key: k.to_string(),
+                    value: v.to_string(),
+                })
+                .collect(),
+            ..Descriptor::default()
+        }],
+        hits_addend: 0,
+    }
+}
+
+/// Allocations of one decision of `request`, after a first one created its counters.
+fn allocations_per_decision(limiter: &Limiter, request: &Request) -> u64 {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    runtime
+        .block_on(limiter.should_rate_limit(request))
+        .unwrap();
+    const ROUNDS: u64 = 100;
+    ALLOCATIONS.store(0, Ordering::SeqCst);
+    COUNTING.store(true, Ordering::SeqCst);
+    for _ in 0..ROUNDS {
+        runtime
+            .block_on(limiter.should_rate_limit(request))
+            .unwrap();
+    }
+    COUNTING.store(false, Ordering::SeqCst);
+    ALLOCATIONS.load(Ordering::SeqCst) / ROUNDS
+}
+
+#[test]
+fn allocations_per_decision_stay_small() {
+    // One test, so no other test's allocations are counted meanwhile.
+    let allowed = allocations_per_decision(
+        &limiter(false),
+        &request(&[
+            ("remote_address", "203.0.113.7"),
+            ("path", "/login"),
+            ("method", "POST"),
+        ]),
+    );
+    let denied_cached = allocations_per_decision(&limiter(true), &request(&[("user", "alice")]));
+    eprintln!(
+        "allocations per decision: allowed {allowed}, denied from the deny cache {denied_cached}"
+    );
+    // What is left: the counter key, the batch, the store's outcomes, the response's statuses.
+    assert!(
+        allowed <= 6,
+        "an allowed decision allocated {allowed} times"
+    );
+    assert!(
+        denied_cached <= 6,
+        "a decision answered by the deny cache allocated {denied_cached} times"
+    );
+}

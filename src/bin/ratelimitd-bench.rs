@@ -1,8 +1,8 @@
 //! `ratelimitd-bench`: a load generator for any Envoy rate limit service (RLS v3 over gRPC).
 //!
 //! Closed loop (`--concurrency` callers, each sending its next request when the last is answered) or
-//! open loop (`--rate` requests per second on a fixed schedule, latency measured from the scheduled
-//! time so a stalled server is not hidden). Keys are drawn uniformly, from a Zipf distribution, or are
+//! open loop (`--rate` requests per second on a fixed schedule; a request sent late because an earlier
+//! answer was slow is measured from its scheduled time, so a stalled server is not hidden). Keys are drawn uniformly, from a Zipf distribution, or are
 //! one hot key. Reports req/s, latency percentiles and answer counts as text or JSON.
 
 use std::{
@@ -168,46 +168,64 @@ fn request(args: &Args, sampler: &KeySampler, rng: &mut SmallRng) -> RateLimitRe
     }
 }
 
+/// The open loop's schedule: send times, one per request, shared by the callers.
+type Schedule = Arc<tokio::sync::Mutex<tokio::sync::mpsc::UnboundedReceiver<Instant>>>;
+
+/// Emits the send times of an open-loop run at `rate` per second from `start` to `end`, from a thread of
+/// its own: the async timer's millisecond ticks would release the requests in bursts, one per tick, and
+/// the service would be measured under a load much burstier than the rate says.
+fn pacer(rate: u64, start: Instant, end: Instant) -> Schedule {
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    let interval = Duration::from_secs_f64(1.0 / rate as f64);
+    std::thread::spawn(move || {
+        let mut next = start;
+        while next < end {
+            let now = Instant::now();
+            if next > now {
+                std::thread::sleep(next - now);
+            }
+            // Everything due by now (the sleep wakes some tens of microseconds late).
+            let now = Instant::now();
+            while next <= now && next < end {
+                if tx.send(next).is_err() {
+                    return;
+                }
+                next += interval;
+            }
+        }
+    });
+    Arc::new(tokio::sync::Mutex::new(rx))
+}
+
+#[allow(clippy::too_many_arguments)]
 async fn caller(
     args: Arc<Args>,
     sampler: Arc<KeySampler>,
     channel: Channel,
     id: usize,
-    start: Instant,
+    schedule: Option<Schedule>,
     measure_from: Instant,
     end: Instant,
 ) -> Tally {
     let mut client = RateLimitServiceClient::new(channel);
     let mut rng = SmallRng::seed_from_u64(id as u64 + 1);
     let mut tally = Tally::default();
-    // Open loop: this caller's share of the schedule.
-    let interval = (args.rate > 0)
-        .then(|| Duration::from_secs_f64(args.concurrency as f64 / args.rate as f64));
-    let mut next = start
-        + interval.map_or(Duration::ZERO, |i| {
-            i.mul_f64(id as f64 / args.concurrency as f64)
-        });
     loop {
-        if interval.is_some() {
-            if next >= end {
-                break;
-            }
-            tokio::time::sleep_until(next.into()).await;
-        } else if Instant::now() >= end {
-            break;
-        }
-        let scheduled = if interval.is_some() {
-            next
-        } else {
-            Instant::now()
+        let scheduled = match &schedule {
+            // Open loop: the next send time of the schedule. A request picked up after its time (every
+            // caller was waiting for an answer) is measured from its time, so slow answers are not hidden
+            // by sending fewer requests (coordinated omission).
+            Some(schedule) => match schedule.lock().await.recv().await {
+                Some(at) => at,
+                None => break,
+            },
+            None if Instant::now() >= end => break,
+            None => Instant::now(),
         };
         let mut r = tonic::Request::new(request(&args, &sampler, &mut rng));
         r.set_timeout(args.timeout);
         let result = client.should_rate_limit(r).await;
         let done = Instant::now();
-        if let Some(interval) = interval {
-            next += interval;
-        }
         if scheduled < measure_from {
             tally.warmup += 1;
             continue;
@@ -257,6 +275,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let start = Instant::now();
     let measure_from = start + args.warmup;
     let end = measure_from + args.duration;
+    let schedule = (args.rate > 0).then(|| pacer(args.rate, start, end));
     let tasks: Vec<_> = (0..args.concurrency)
         .map(|id| {
             tokio::spawn(caller(
@@ -264,7 +283,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                 sampler.clone(),
                 channels[id % channels.len()].clone(),
                 id,
-                start,
+                schedule.clone(),
                 measure_from,
                 end,
             ))

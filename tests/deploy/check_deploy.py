@@ -1,0 +1,236 @@
+"""The deployment files, checked offline: prints `deploy: N passed, M failed` and exits 1 on a failure.
+
+- every kustomization under deploy/kubernetes renders with `kubectl kustomize`, and every rendered object
+  of a built-in kind validates against the Kubernetes schemas (kubernetes-validate, strict: an unknown or
+  misspelled field fails); ServiceMonitor and PrometheusRule are checked against what they must say;
+- the base's rules and PrometheusRule are the same as examples/config and deploy/monitoring/alerts.yaml;
+- the Deployment matches the drain, probe and security expectations of deploy/README.md;
+- deploy/envoy/envoy.yaml parses into Envoy's own Bootstrap message and deploy/istio's patches into the
+  filter and virtual host messages (PyPI xds-protos), so a misspelled field fails;
+- the Dockerfile copies only files that exist and the .dockerignore lets through, runs as non-root and
+  exposes the default ports.
+"""
+
+import fnmatch
+import os
+import subprocess
+import sys
+
+import kubernetes_validate
+import yaml
+from google.protobuf import json_format
+
+# Message types that `@type` fields of the Envoy files name, registered by importing them.
+from envoy.config.bootstrap.v3 import bootstrap_pb2
+from envoy.config.route.v3 import route_components_pb2
+from envoy.extensions.filters.http.ratelimit.v3 import rate_limit_pb2 as http_ratelimit_pb2
+from envoy.extensions.filters.http.router.v3 import router_pb2  # noqa: F401
+from envoy.extensions.filters.network.http_connection_manager.v3 import (  # noqa: F401
+    http_connection_manager_pb2,
+)
+from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2  # noqa: F401
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+KUBERNETES_VERSION = "1.30"
+KUSTOMIZATIONS = [
+    "deploy/kubernetes/base",
+    "deploy/kubernetes/overlays/redis-standalone",
+    "deploy/kubernetes/overlays/redis-sentinel",
+    "deploy/kubernetes/overlays/redis-sentinel/example-redis",
+    "deploy/kubernetes/overlays/redis-cluster",
+    "deploy/kubernetes/overlays/redis-cluster/example-redis",
+]
+
+passed = 0
+failed = 0
+
+
+def check(name, ok, detail=""):
+    global passed, failed
+    if ok:
+        passed += 1
+    else:
+        failed += 1
+        print(f"FAIL {name}: {detail}")
+
+
+def path(*parts):
+    return os.path.join(ROOT, *parts)
+
+
+def render(kustomization):
+    out = subprocess.run(
+        ["kubectl", "kustomize", path(kustomization)], capture_output=True, text=True
+    )
+    if out.returncode != 0:
+        check(f"{kustomization} renders", False, out.stderr.strip())
+        return []
+    check(f"{kustomization} renders", True)
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+def container(objects, deployment="ratelimitd"):
+    for o in objects:
+        if o["kind"] == "Deployment" and o["metadata"]["name"] == deployment:
+            return o, o["spec"]["template"]["spec"]["containers"][0]
+    return None, None
+
+
+def env_of(c):
+    return {e["name"]: e for e in c.get("env", [])}
+
+
+def kubernetes():
+    rendered = {k: render(k) for k in KUSTOMIZATIONS}
+    for k, objects in rendered.items():
+        check(f"{k} has objects", len(objects) > 0, "nothing rendered")
+        for o in objects:
+            name = f"{k}: {o.get('kind')}/{o.get('metadata', {}).get('name')}"
+            if o["kind"] == "ServiceMonitor":
+                ep = o["spec"]["endpoints"][0]
+                check(name, ep["port"] == "http" and ep["path"] == "/metrics", str(ep))
+                continue
+            if o["kind"] == "PrometheusRule":
+                alerts = yaml.safe_load(open(path("deploy/monitoring/alerts.yaml")))
+                check(f"{name} equals deploy/monitoring/alerts.yaml", o["spec"] == alerts)
+                continue
+            try:
+                kubernetes_validate.validate(o, KUBERNETES_VERSION, strict=True)
+                check(name, True)
+            except kubernetes_validate.ValidationError as err:
+                check(name, False, f"{'.'.join(str(p) for p in err.path)}: {err.message}")
+            except Exception as err:  # an unknown kind or version: no schema
+                check(name, False, repr(err))
+            # Secrets come from Secrets: no credential in a ConfigMap or a plain env value.
+            for c in o.get("spec", {}).get("template", {}).get("spec", {}).get("containers", []):
+                for e in c.get("env", []):
+                    if e["name"] in ("REDIS_AUTH", "RATELIMITD_HASH_SECRET"):
+                        check(f"{name} {e['name']} from a Secret", "secretKeyRef" in e.get("valueFrom", {}), str(e))
+
+    base = rendered["deploy/kubernetes/base"]
+    deployment, c = container(base)
+    spec = deployment["spec"]["template"]["spec"]
+    env = env_of(c)
+    check("3 replicas", deployment["spec"]["replicas"] == 3)
+    for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+        p = c.get(probe, {}).get("grpc", {})
+        check(f"{probe} on the ratelimit gRPC health service", p == {"port": 8081, "service": "ratelimit"}, str(p))
+    check("reload-friendly rules mount", env["RUNTIME_WATCH_ROOT"]["value"] == "false"
+          and env["RUNTIME_IGNOREDOTFILES"]["value"] == "true")
+    mount = c["volumeMounts"][0]["mountPath"]
+    expected = "/".join(env[v]["value"] for v in ("RUNTIME_ROOT", "RUNTIME_SUBDIRECTORY", "RUNTIME_APPDIRECTORY"))
+    check("rules mounted where RUNTIME_* points", mount == expected, f"{mount} != {expected}")
+    drain = int(env["RATELIMITD_SHUTDOWN__DRAIN_DELAY"]["value"].rstrip("s"))
+    grace = int(env["RATELIMITD_SHUTDOWN__GRACE_PERIOD"]["value"].rstrip("s"))
+    pre_stop = c["lifecycle"]["preStop"]["sleep"]["seconds"]
+    check("termination grace covers preStop + drain + grace",
+          spec["terminationGracePeriodSeconds"] > pre_stop + drain + grace,
+          f"{spec['terminationGracePeriodSeconds']} <= {pre_stop} + {drain} + {grace}")
+    check("drain outlasts a readiness period", drain >= c["readinessProbe"]["periodSeconds"])
+    sc = c["securityContext"]
+    check("read-only root, no privilege escalation", sc["readOnlyRootFilesystem"] and not sc["allowPrivilegeEscalation"])
+    check("non-root pod", spec["securityContext"]["runAsNonRoot"] is True)
+    check("spread across nodes", any(t["topologyKey"] == "kubernetes.io/hostname" for t in spec["topologySpreadConstraints"]))
+    service = next(o for o in base if o["kind"] == "Service")
+    ports = {p["name"]: p for p in service["spec"]["ports"]}
+    check("Service grpc 8081 appProtocol grpc", ports["grpc"]["port"] == 8081 and ports["grpc"]["appProtocol"] == "grpc")
+    check("Service http 8080", ports["http"]["port"] == 8080)
+    kinds = {o["kind"] for o in base}
+    for kind in ("HorizontalPodAutoscaler", "PodDisruptionBudget", "NetworkPolicy", "ServiceMonitor", "PrometheusRule", "ConfigMap"):
+        check(f"base has a {kind}", kind in kinds)
+    rules = next(o for o in base if o["kind"] == "ConfigMap")
+    for name in sorted(os.listdir(path("examples/config"))):
+        check(f"ConfigMap {name} equals examples/config/{name}", rules["data"].get(name) == open(path("examples/config", name)).read())
+
+    for overlay, topology in (("redis-standalone", None), ("redis-sentinel", "sentinel"), ("redis-cluster", "cluster")):
+        _, c = container(rendered[f"deploy/kubernetes/overlays/{overlay}"])
+        env = env_of(c)
+        check(f"{overlay} sets REDIS_URL", "REDIS_URL" in env)
+        check(f"{overlay} REDIS_TYPE", env.get("REDIS_TYPE", {}).get("value") == topology, str(env.get("REDIS_TYPE")))
+        check(f"{overlay} keeps the base's settings", "RUNTIME_ROOT" in env)
+
+
+def parse(message, value, name):
+    try:
+        json_format.ParseDict(value, message)
+        check(name, True)
+    except json_format.ParseError as err:
+        check(name, False, str(err))
+        return None
+    return message
+
+
+def envoy():
+    config = yaml.safe_load(open(path("deploy/envoy/envoy.yaml")))
+    bootstrap = parse(bootstrap_pb2.Bootstrap(), config, "deploy/envoy/envoy.yaml is an Envoy Bootstrap")
+    if bootstrap is None:
+        return
+    listener = bootstrap.static_resources.listeners[0]
+    hcm = http_connection_manager_pb2.HttpConnectionManager()
+    listener.filter_chains[0].filters[0].typed_config.Unpack(hcm)
+    ratelimit = http_ratelimit_pb2.RateLimit()
+    hcm.http_filters[0].typed_config.Unpack(ratelimit)
+    check("envoy: ratelimit filter before the router", hcm.http_filters[-1].name == "envoy.filters.http.router")
+    check("envoy: domain edge", ratelimit.domain == "edge")
+    check("envoy: fails open", ratelimit.failure_mode_deny is False)
+    check("envoy: X-RateLimit headers", ratelimit.enable_x_ratelimit_headers == http_ratelimit_pb2.RateLimit.DRAFT_VERSION_03)
+    check("envoy: a timeout", ratelimit.timeout.ToMilliseconds() > 0)
+    cluster = ratelimit.rate_limit_service.grpc_service.envoy_grpc.cluster_name
+    check("envoy: the gRPC cluster exists", cluster in [c.name for c in bootstrap.static_resources.clusters])
+    keys = set()
+    for limit in hcm.route_config.virtual_hosts[0].rate_limits:
+        for action in limit.actions:
+            kind = action.WhichOneof("action_specifier")
+            keys.add(action.request_headers.descriptor_key if kind == "request_headers" else kind)
+    check("envoy: actions for every key of the edge rules",
+          keys >= {"generic_key", "remote_address", "api_key", "path", "method"}, str(keys))
+
+    for doc in yaml.safe_load_all(open(path("deploy/istio/ratelimit-envoyfilter.yaml"))):
+        name = f"istio {doc['metadata']['name']}"
+        check(f"{name} is an EnvoyFilter", doc["apiVersion"] == "networking.istio.io/v1alpha3" and doc["kind"] == "EnvoyFilter")
+        for patch in doc["spec"]["configPatches"]:
+            value = patch["patch"]["value"]
+            if patch["applyTo"] == "HTTP_FILTER":
+                typed = dict(value["typed_config"])
+                typed.pop("@type")
+                parse(http_ratelimit_pb2.RateLimit(), typed, f"{name}: filter config is a RateLimit")
+            elif patch["applyTo"] == "VIRTUAL_HOST":
+                parse(route_components_pb2.VirtualHost(), value, f"{name}: patch is a VirtualHost")
+            else:
+                check(name, False, f"unexpected applyTo {patch['applyTo']}")
+
+
+def dockerfile():
+    lines = open(path("Dockerfile")).read().splitlines()
+    ignore = [l.strip() for l in open(path(".dockerignore")) if l.strip() and not l.startswith("#")]
+
+    def shipped(p):
+        # The .dockerignore here excludes everything, then lets listed paths through.
+        allowed = [pat[1:].rstrip("/") for pat in ignore if pat.startswith("!")]
+        return any(p == a or p.startswith(a + "/") or fnmatch.fnmatch(p, a) for a in allowed)
+
+    stage = 0
+    for line in lines:
+        words = line.split()
+        if not words or words[0].startswith("#"):
+            continue
+        if words[0] == "FROM":
+            stage += 1
+        if words[0] == "COPY" and not any(w.startswith("--from") for w in words):
+            for src in words[1:-1]:
+                check(f"Dockerfile COPY {src} exists", os.path.exists(path(src)))
+                check(f"Dockerfile COPY {src} passes .dockerignore", shipped(src.rstrip("/")))
+    text = "\n".join(lines)
+    check("Dockerfile: multi-stage", stage >= 2)
+    check("Dockerfile: non-root user", "USER 65532" in text)
+    check("Dockerfile: ports", "EXPOSE 8081 8080" in text)
+    # The image's default: cwd /srv/ratelimitd with the example rules in ./config, no settings at all.
+    check("Dockerfile: example rules in ./config of the working directory",
+          "COPY examples/config /srv/ratelimitd/config" in text and "WORKDIR /srv/ratelimitd" in text)
+
+
+kubernetes()
+envoy()
+dockerfile()
+print(f"deploy: {passed} passed, {failed} failed")
+sys.exit(1 if failed else 0)

@@ -31,3 +31,4 @@ pub mod server;
 pub mod settings;
 pub mod store;
 pub mod telemetry;
+pub mod tls;

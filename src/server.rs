@@ -11,7 +11,7 @@ use tokio_stream::wrappers::TcpListenerStream;
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 
 use crate::{
-    api::{grpc::RateLimitApi, health::Health, http},
+    api::{grpc::RateLimitApi, health::Health, http, tls::ReloadingTls},
     clock::Clock,
     limiter::{self, Limiter},
     proto,
@@ -229,15 +229,31 @@ pub async fn run_with_clock(
     let stop_accepting = CancellationToken::new();
     let grpc_addr = listeners.grpc.local_addr().ok();
     let http_addr = listeners.http.local_addr().ok();
-    let grpc = tonic::transport::Server::builder()
+    let router = tonic::transport::Server::builder()
         .add_service(health_service)
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha)
-        .add_service(RateLimitApi::new(limiter.clone()).into_server())
-        .serve_with_incoming_shutdown(
+        .add_service(RateLimitApi::new(limiter.clone()).into_server());
+    let grpc = if settings.grpc_tls.enabled {
+        let tls = Arc::new(
+            ReloadingTls::load(&settings.grpc_tls)
+                .map_err(|e| ServerError::Setup(format!("gRPC TLS: {e}")))?,
+        );
+        let failures = metrics.counter(
+            "ratelimitd_tls_handshake_failures_total",
+            "gRPC connections refused during the TLS handshake (bad or missing client certificate, timeout).",
+            Vec::new(),
+        );
+        let incoming = tls.incoming(listeners.grpc, stop_accepting.clone(), failures);
+        tokio::spawn(
+            router.serve_with_incoming_shutdown(incoming, stop_accepting.clone().cancelled_owned()),
+        )
+    } else {
+        tokio::spawn(router.serve_with_incoming_shutdown(
             TcpListenerStream::new(listeners.grpc),
             stop_accepting.clone().cancelled_owned(),
-        );
+        ))
+    };
     let http = axum::serve(
         listeners.http,
         http::router(limiter, health.clone(), metrics.clone()),
@@ -255,7 +271,7 @@ pub async fn run_with_clock(
             }
         });
     }
-    let mut grpc = tokio::spawn(grpc);
+    let mut grpc = grpc;
     let mut http = tokio::spawn(async move { http.await });
     if let (Some(g), Some(h)) = (grpc_addr, http_addr) {
         tracing::warn!("Listening for gRPC on '{g}', HTTP on '{h}'");

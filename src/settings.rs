@@ -56,6 +56,8 @@ pub struct Settings {
     pub grpc: Listen,
     /// The HTTP listener (`/healthcheck`, `/json`, `/rlconfig`). Env `HOST`, `PORT`; default 0.0.0.0:8080.
     pub http: Listen,
+    /// TLS and mTLS on the gRPC listener.
+    pub grpc_tls: GrpcTlsSettings,
     /// Logging. Env `LOG_LEVEL` (default warn, as the reference), `LOG_FORMAT` (`text` or `json`).
     pub log: LogSettings,
     /// Where the rules files are and how they are read.
@@ -134,6 +136,7 @@ impl Default for Settings {
             on_backend_error: OnBackendError::Error,
             cache_key_prefix: String::new(),
             expiration_jitter_max_seconds: 300,
+            grpc_tls: GrpcTlsSettings::default(),
             request_limits: RequestLimits::default(),
             shadow_mode: false,
             consume_on_deny: false,
@@ -459,6 +462,24 @@ impl fmt::Debug for Secret {
     }
 }
 
+/// TLS on the gRPC listener. The files are read at start (an unreadable one stops the start) and again
+/// whenever they change, without a restart.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct GrpcTlsSettings {
+    /// Env `GRPC_SERVER_USE_TLS` (default false).
+    pub enabled: bool,
+    /// Env `GRPC_SERVER_TLS_CERT`: the server's PEM certificate chain, leaf first.
+    pub cert: PathBuf,
+    /// Env `GRPC_SERVER_TLS_KEY`: its PEM private key.
+    pub key: PathBuf,
+    /// Env `GRPC_CLIENT_TLS_CACERT`: when set, clients must present a certificate signed by these PEM CAs
+    /// (mTLS).
+    pub client_ca: Option<PathBuf>,
+    /// Env `GRPC_CLIENT_TLS_SAN`: when set, the client certificate must also name this DNS SAN.
+    pub client_san: Option<String>,
+}
+
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct RedisSettings {
@@ -472,8 +493,18 @@ pub struct RedisSettings {
     pub socket_type: Option<SocketType>,
     /// Env `REDIS_AUTH`: `password` or `user:password` (Redis ACL user).
     pub auth: Secret,
-    /// Env `REDIS_TLS`: connect with TLS (also implied by a `rediss://` URL).
+    /// Env `REDIS_TLS`: connect with TLS (also implied by a `rediss://` URL). The server certificate is
+    /// checked against `tls_ca_cert`, or the system's roots when unset.
     pub tls: bool,
+    /// Env `REDIS_TLS_CACERT`: PEM CA certificates that sign the Redis server certificates.
+    pub tls_ca_cert: Option<PathBuf>,
+    /// Env `REDIS_TLS_CLIENT_CERT`, `REDIS_TLS_CLIENT_KEY`: a PEM client certificate and key, for a Redis
+    /// that requires them (`tls-auth-clients yes`).
+    pub tls_client_cert: Option<PathBuf>,
+    pub tls_client_key: Option<PathBuf>,
+    /// Env `REDIS_TLS_SKIP_HOSTNAME_VERIFICATION`: accept a server certificate that does not name the
+    /// host connected to (it must still be signed by a trusted CA). Default false.
+    pub tls_skip_hostname_verification: bool,
     /// Env `REDIS_POOL_SIZE` (default 10): connections per Redis node; commands are pipelined on each.
     pub pool_size: usize,
     /// Env `REDIS_TIMEOUT` (default `10ms`): the longest a request waits for Redis before the
@@ -499,6 +530,10 @@ impl Default for RedisSettings {
             socket_type: None,
             auth: Secret::default(),
             tls: false,
+            tls_ca_cert: None,
+            tls_client_cert: None,
+            tls_client_key: None,
+            tls_skip_hostname_verification: false,
             pool_size: 10,
             timeout: Duration::from_millis(10),
             connect_timeout: Duration::from_secs(2),
@@ -812,6 +847,34 @@ impl Settings {
         if let Some(v) = get("REDIS_TLS") {
             self.redis.tls = parse_bool(v, "REDIS_TLS")?;
         }
+        if let Some(v) = get("REDIS_TLS_CACERT") {
+            self.redis.tls_ca_cert = Some(PathBuf::from(v));
+        }
+        if let Some(v) = get("REDIS_TLS_CLIENT_CERT") {
+            self.redis.tls_client_cert = Some(PathBuf::from(v));
+        }
+        if let Some(v) = get("REDIS_TLS_CLIENT_KEY") {
+            self.redis.tls_client_key = Some(PathBuf::from(v));
+        }
+        if let Some(v) = get("REDIS_TLS_SKIP_HOSTNAME_VERIFICATION") {
+            self.redis.tls_skip_hostname_verification =
+                parse_bool(v, "REDIS_TLS_SKIP_HOSTNAME_VERIFICATION")?;
+        }
+        if let Some(v) = get("GRPC_SERVER_USE_TLS") {
+            self.grpc_tls.enabled = parse_bool(v, "GRPC_SERVER_USE_TLS")?;
+        }
+        if let Some(v) = get("GRPC_SERVER_TLS_CERT") {
+            self.grpc_tls.cert = PathBuf::from(v);
+        }
+        if let Some(v) = get("GRPC_SERVER_TLS_KEY") {
+            self.grpc_tls.key = PathBuf::from(v);
+        }
+        if let Some(v) = get("GRPC_CLIENT_TLS_CACERT") {
+            self.grpc_tls.client_ca = Some(PathBuf::from(v));
+        }
+        if let Some(v) = get("GRPC_CLIENT_TLS_SAN") {
+            self.grpc_tls.client_san = Some(v.to_owned());
+        }
         if let Some(v) = get("REDIS_POOL_SIZE") {
             self.redis.pool_size = parse(v, "REDIS_POOL_SIZE")?;
         }
@@ -941,6 +1004,44 @@ impl Settings {
         }
         self.grpc.addr("grpc.host")?;
         self.http.addr("http.host")?;
+        let tls = &self.grpc_tls;
+        if tls.enabled {
+            for (name, path) in [
+                ("GRPC_SERVER_TLS_CERT", &tls.cert),
+                ("GRPC_SERVER_TLS_KEY", &tls.key),
+            ] {
+                if path.as_os_str().is_empty() {
+                    return Err(SettingsError::invalid(
+                        name,
+                        "",
+                        "GRPC_SERVER_USE_TLS=true needs a certificate and its key",
+                    ));
+                }
+            }
+        } else if let Some(ca) = &tls.client_ca {
+            return Err(SettingsError::invalid(
+                "GRPC_CLIENT_TLS_CACERT",
+                ca.display(),
+                "client certificates need GRPC_SERVER_USE_TLS=true",
+            ));
+        }
+        if let (Some(san), None) = (&tls.client_san, &tls.client_ca) {
+            return Err(SettingsError::invalid(
+                "GRPC_CLIENT_TLS_SAN",
+                san,
+                "a required client SAN needs GRPC_CLIENT_TLS_CACERT (client certificates)",
+            ));
+        }
+        if self.redis.tls_client_cert.is_some() != self.redis.tls_client_key.is_some() {
+            return Err(SettingsError::invalid(
+                "REDIS_TLS_CLIENT_CERT",
+                self.redis
+                    .tls_client_cert
+                    .as_ref()
+                    .map_or_else(String::new, |p| p.display().to_string()),
+                "REDIS_TLS_CLIENT_CERT and REDIS_TLS_CLIENT_KEY go together",
+            ));
+        }
         if self.prometheus.enabled {
             self.prometheus.socket_addr()?;
             if !self.prometheus.path.starts_with('/') {

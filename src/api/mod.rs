@@ -5,6 +5,7 @@ pub mod grpc;
 pub mod health;
 pub mod http;
 mod json;
+pub mod tls;
 
 use tonic::{Code as GrpcCode, Status};
 

@@ -13,6 +13,8 @@
 //!   keeps failing. fred reconnects with backoff; scripts are loaded at start, on reconnect, and again on
 //!   NOSCRIPT.
 
+mod tls;
+
 use std::{
     collections::BTreeMap,
     path::PathBuf,
@@ -26,7 +28,7 @@ use std::{
 use fred::{
     prelude::*,
     types::{
-        config::{Server, ServerConfig, TlsConnector},
+        config::{Server, ServerConfig},
         scripts::Script,
     },
 };
@@ -498,9 +500,7 @@ fn client_config(settings: &RedisSettings) -> Result<Config, StoreError> {
         }
     }
     if tls {
-        let connector = TlsConnector::default_rustls()
-            .map_err(|e| StoreError::Config(format!("REDIS_TLS: {e}")))?;
-        config.tls = Some(connector.into());
+        config.tls = Some(tls::connector(settings)?.into());
     }
     Ok(config)
 }

@@ -1,0 +1,216 @@
+//! TLS on the gRPC listener: server certificates, optional client certificates (mTLS) with an optional
+//! required SAN, all read from files and reloaded when the files change, without a restart.
+//!
+//! Connections are accepted on the TCP listener and their handshakes run in tasks of their own, bounded in
+//! time, so a slow or hostile client cannot hold up the others; finished handshakes are handed to the gRPC
+//! server as a stream. Every handshake uses the configuration current at that moment: a rotated
+//! certificate (a Kubernetes Secret update, cert-manager) applies to new connections as soon as it is
+//! read, while open connections keep the one they started with.
+
+use std::{
+    sync::Arc,
+    time::{Duration, SystemTime},
+};
+
+use arc_swap::ArcSwap;
+use rustls::{pki_types::ServerName, server::WebPkiClientVerifier, ServerConfig};
+use tokio::net::{TcpListener, TcpStream};
+use tokio_rustls::{server::TlsStream, TlsAcceptor};
+use tokio_util::sync::CancellationToken;
+
+use crate::{
+    settings::GrpcTlsSettings,
+    tls::{certificates, private_key, provider, roots, TlsFileError},
+};
+
+/// Why a TLS configuration could not be built.
+#[derive(Debug, thiserror::Error)]
+pub enum TlsError {
+    #[error(transparent)]
+    File(#[from] TlsFileError),
+    #[error("TLS configuration: {0}")]
+    Config(String),
+}
+
+/// How long a client may take to complete its handshake.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// How often the certificate files are checked for changes.
+const RELOAD_CHECK: Duration = Duration::from_secs(2);
+
+/// The server's TLS configuration, rebuilt from its files when they change.
+pub struct ReloadingTls {
+    settings: GrpcTlsSettings,
+    current: ArcSwap<ServerConfig>,
+    /// Modification times of the files the current configuration was built from.
+    stamps: std::sync::Mutex<Vec<Option<SystemTime>>>,
+}
+
+impl std::fmt::Debug for ReloadingTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ReloadingTls")
+            .field("cert", &self.settings.cert)
+            .field("client_ca", &self.settings.client_ca)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ReloadingTls {
+    /// Reads the files once; an error here stops the start (a server that cannot serve TLS must not
+    /// serve at all).
+    pub fn load(settings: &GrpcTlsSettings) -> Result<Self, TlsError> {
+        let stamps = stamps(settings);
+        let config = build(settings)?;
+        Ok(Self {
+            settings: settings.clone(),
+            current: ArcSwap::from_pointee(config),
+            stamps: std::sync::Mutex::new(stamps),
+        })
+    }
+
+    /// Rebuilds the configuration if a file changed since the last build. A broken new file keeps the
+    /// current configuration serving and says why; it is tried again when it changes again.
+    pub fn reload_if_changed(&self) -> Option<Result<(), TlsError>> {
+        let now = stamps(&self.settings);
+        let mut seen = self.stamps.lock().unwrap_or_else(|p| p.into_inner());
+        if *seen == now {
+            return None;
+        }
+        *seen = now;
+        Some(build(&self.settings).map(|config| self.current.store(Arc::new(config))))
+    }
+
+    fn acceptor(&self) -> TlsAcceptor {
+        TlsAcceptor::from(self.current.load_full())
+    }
+
+    /// Accepts TCP connections on `listener` and yields those whose handshake succeeds (and whose client
+    /// certificate carries the required SAN, when one is set), until `stop`. Also reloads the files.
+    pub fn incoming(
+        self: Arc<Self>,
+        listener: TcpListener,
+        stop: CancellationToken,
+        failures: Arc<std::sync::atomic::AtomicU64>,
+    ) -> tokio_stream::wrappers::ReceiverStream<std::io::Result<TlsStream<TcpStream>>> {
+        let (tx, rx) = tokio::sync::mpsc::channel(128);
+        let tls = self.clone();
+        let reload_stop = stop.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(RELOAD_CHECK);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tokio::select! {
+                    _ = reload_stop.cancelled() => return,
+                    _ = tick.tick() => {}
+                }
+                match tls.reload_if_changed() {
+                    Some(Ok(())) => tracing::warn!("gRPC TLS certificates reloaded"),
+                    Some(Err(err)) => {
+                        tracing::error!(
+                            "gRPC TLS certificates not reloaded, the previous ones stay: {err}"
+                        )
+                    }
+                    None => {}
+                }
+            }
+        });
+        tokio::spawn(async move {
+            loop {
+                let (tcp, peer) = tokio::select! {
+                    _ = stop.cancelled() => return,
+                    accepted = listener.accept() => match accepted {
+                        Ok(a) => a,
+                        Err(err) => {
+                            // Out of file descriptors and the like: wait instead of spinning.
+                            tracing::warn!("gRPC accept failed: {err}");
+                            tokio::time::sleep(Duration::from_millis(50)).await;
+                            continue;
+                        }
+                    },
+                };
+                let _ = tcp.set_nodelay(true);
+                let acceptor = self.acceptor();
+                let required_san = self.settings.client_san.clone();
+                let tx = tx.clone();
+                let failures = failures.clone();
+                tokio::spawn(async move {
+                    let handshake =
+                        tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await;
+                    let refused = match handshake {
+                        Err(_) => Some("handshake timed out".to_owned()),
+                        Ok(Err(err)) => Some(err.to_string()),
+                        Ok(Ok(stream)) => match required_san.as_deref() {
+                            Some(san) if !client_has_san(&stream, san) => {
+                                Some(format!("client certificate has no DNS SAN {san:?}"))
+                            }
+                            _ => {
+                                let _ = tx.send(Ok(stream)).await;
+                                None
+                            }
+                        },
+                    };
+                    if let Some(reason) = refused {
+                        failures.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        tracing::debug!(%peer, "gRPC TLS connection refused: {reason}");
+                    }
+                });
+            }
+        });
+        tokio_stream::wrappers::ReceiverStream::new(rx)
+    }
+}
+
+fn stamps(settings: &GrpcTlsSettings) -> Vec<Option<SystemTime>> {
+    [
+        Some(&settings.cert),
+        Some(&settings.key),
+        settings.client_ca.as_ref(),
+    ]
+    .into_iter()
+    .flatten()
+    .map(|p| std::fs::metadata(p).and_then(|m| m.modified()).ok())
+    .collect()
+}
+
+fn build(settings: &GrpcTlsSettings) -> Result<ServerConfig, TlsError> {
+    let chain = certificates("GRPC_SERVER_TLS_CERT", &settings.cert)?;
+    let key = private_key("GRPC_SERVER_TLS_KEY", &settings.key)?;
+    let builder = ServerConfig::builder_with_provider(provider())
+        .with_safe_default_protocol_versions()
+        .map_err(|e| TlsError::Config(e.to_string()))?;
+    let builder = match &settings.client_ca {
+        Some(ca) => {
+            let roots = roots("GRPC_CLIENT_TLS_CACERT", ca)?;
+            let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider())
+                .build()
+                .map_err(|e| TlsError::Config(format!("client verification: {e}")))?;
+            builder.with_client_cert_verifier(verifier)
+        }
+        None => builder.with_no_client_auth(),
+    };
+    let mut config = builder.with_single_cert(chain, key).map_err(|e| {
+        TlsFileError::new(
+            "GRPC_SERVER_TLS_KEY",
+            &settings.key,
+            format!("does not go with GRPC_SERVER_TLS_CERT: {e}"),
+        )
+    })?;
+    config.alpn_protocols = vec![b"h2".to_vec()];
+    Ok(config)
+}
+
+/// Whether the verified client certificate names `san` among its DNS subject alternative names.
+fn client_has_san(stream: &TlsStream<TcpStream>, san: &str) -> bool {
+    let Some(cert) = stream
+        .get_ref()
+        .1
+        .peer_certificates()
+        .and_then(|c| c.first())
+    else {
+        return false;
+    };
+    let Ok(name) = ServerName::try_from(san) else {
+        return false;
+    };
+    webpki::EndEntityCert::try_from(cert)
+        .is_ok_and(|ee| ee.verify_is_valid_for_subject_name(&name).is_ok())
+}

@@ -73,6 +73,7 @@ fn key_building(c: &mut Criterion) {
 
 fn algorithms(c: &mut Criterion) {
     let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
         .build()
         .unwrap();
     for algorithm in [
@@ -112,6 +113,7 @@ fn algorithms(c: &mut Criterion) {
 
 fn end_to_end(c: &mut Criterion) {
     let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
         .build()
         .unwrap();
     let rules = Rules::default();

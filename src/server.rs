@@ -7,11 +7,10 @@
 use std::{net::SocketAddr, sync::Arc};
 
 use tokio::net::TcpListener;
-use tokio_stream::wrappers::TcpListenerStream;
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 
 use crate::{
-    api::{grpc::RateLimitApi, health::Health, http, tls::ReloadingTls},
+    api::{conn::Acceptor, grpc::RateLimitApi, health::Health, http, tls::ReloadingTls},
     clock::Clock,
     limiter::{self, Limiter},
     proto,
@@ -164,6 +163,7 @@ pub async fn run_with_clock(
             near_limit_ratio: settings.near_limit_ratio,
             metrics: metrics.clone(),
             deny_cache: deny_cache.clone(),
+            overload: settings.overload.clone(),
             top: Arc::new(TopOffenders::new(
                 settings.top_offenders.capacity,
                 settings.top_offenders.interval,
@@ -230,10 +230,19 @@ pub async fn run_with_clock(
     let grpc_addr = listeners.grpc.local_addr().ok();
     let http_addr = listeners.http.local_addr().ok();
     let router = tonic::transport::Server::builder()
+        .max_concurrent_streams(settings.overload.max_streams_per_connection)
+        .layer(tower::util::MapResponseLayer::new(
+            crate::api::grpc::refusals_are_invalid_argument,
+        ))
         .add_service(health_service)
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha)
-        .add_service(RateLimitApi::new(limiter.clone()).into_server());
+        .add_service(
+            RateLimitApi::new(limiter.clone())
+                .into_server()
+                .max_decoding_message_size(settings.request_limits.max_message_bytes),
+        );
+    let acceptor = Acceptor::new(listeners.grpc, settings.overload.max_connections);
     let grpc = if settings.grpc_tls.enabled {
         let tls = Arc::new(
             ReloadingTls::load(&settings.grpc_tls)
@@ -244,13 +253,13 @@ pub async fn run_with_clock(
             "gRPC connections refused during the TLS handshake (bad or missing client certificate, timeout).",
             Vec::new(),
         );
-        let incoming = tls.incoming(listeners.grpc, stop_accepting.clone(), failures);
+        let incoming = tls.incoming(acceptor, stop_accepting.clone(), failures);
         tokio::spawn(
             router.serve_with_incoming_shutdown(incoming, stop_accepting.clone().cancelled_owned()),
         )
     } else {
         tokio::spawn(router.serve_with_incoming_shutdown(
-            TcpListenerStream::new(listeners.grpc),
+            acceptor.plaintext(stop_accepting.clone()),
             stop_accepting.clone().cancelled_owned(),
         ))
     };

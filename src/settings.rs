@@ -58,6 +58,8 @@ pub struct Settings {
     pub http: Listen,
     /// TLS and mTLS on the gRPC listener.
     pub grpc_tls: GrpcTlsSettings,
+    /// Bounds that keep an overloaded or attacked replica answering quickly instead of queueing.
+    pub overload: OverloadSettings,
     /// Logging. Env `LOG_LEVEL` (default warn, as the reference), `LOG_FORMAT` (`text` or `json`).
     pub log: LogSettings,
     /// Where the rules files are and how they are read.
@@ -137,6 +139,7 @@ impl Default for Settings {
             cache_key_prefix: String::new(),
             expiration_jitter_max_seconds: 300,
             grpc_tls: GrpcTlsSettings::default(),
+            overload: OverloadSettings::default(),
             request_limits: RequestLimits::default(),
             shadow_mode: false,
             consume_on_deny: false,
@@ -462,6 +465,35 @@ impl fmt::Debug for Secret {
     }
 }
 
+/// Bounds on the work a replica takes on at once.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct OverloadSettings {
+    /// Open gRPC connections at most (default 10 000); beyond it new connections wait in the kernel's
+    /// backlog until one closes.
+    pub max_connections: usize,
+    /// Concurrent requests (HTTP/2 streams) on one gRPC connection (default 1 024).
+    pub max_streams_per_connection: u32,
+    /// Requests being decided at once, gRPC and `/json` together (default 10 000); more are answered
+    /// RESOURCE_EXHAUSTED at once instead of queueing.
+    pub max_in_flight: usize,
+    /// The longest one request may take to be decided (default `1s`): then DEADLINE_EXCEEDED. A caller's
+    /// own shorter gRPC deadline is honoured too.
+    #[serde(with = "humantime_serde_compat")]
+    pub deadline: Duration,
+}
+
+impl Default for OverloadSettings {
+    fn default() -> Self {
+        Self {
+            max_connections: 10_000,
+            max_streams_per_connection: 1024,
+            max_in_flight: 10_000,
+            deadline: Duration::from_secs(1),
+        }
+    }
+}
+
 /// TLS on the gRPC listener. The files are read at start (an unreadable one stops the start) and again
 /// whenever they change, without a restart.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -575,6 +607,8 @@ pub struct RequestLimits {
     pub max_key_bytes: usize,
     /// Longest entry value, in bytes (default 1024).
     pub max_value_bytes: usize,
+    /// Largest encoded gRPC request, in bytes (default 65 536); the `/json` body may be four times that.
+    pub max_message_bytes: usize,
 }
 
 impl Default for RequestLimits {
@@ -584,6 +618,7 @@ impl Default for RequestLimits {
             max_entries: 16,
             max_key_bytes: 1024,
             max_value_bytes: 1024,
+            max_message_bytes: 64 * 1024,
         }
     }
 }
@@ -1086,10 +1121,24 @@ impl Settings {
             ("request_limits.max_entries", limits.max_entries),
             ("request_limits.max_key_bytes", limits.max_key_bytes),
             ("request_limits.max_value_bytes", limits.max_value_bytes),
+            ("request_limits.max_message_bytes", limits.max_message_bytes),
+            ("overload.max_connections", self.overload.max_connections),
+            (
+                "overload.max_streams_per_connection",
+                self.overload.max_streams_per_connection as usize,
+            ),
+            ("overload.max_in_flight", self.overload.max_in_flight),
         ] {
             if value == 0 {
                 return Err(SettingsError::invalid(name, value, "must be at least 1"));
             }
+        }
+        if self.overload.deadline.is_zero() {
+            return Err(SettingsError::invalid(
+                "overload.deadline",
+                "0s",
+                "must be longer than zero",
+            ));
         }
         for (name, value) in [
             ("header_names.limit", &self.header_names.limit),

@@ -93,6 +93,7 @@ fn request(pairs: &[(&str, &str)]) -> Request {
 /// Allocations of one decision of `request`, after a first one created its counters.
 fn allocations_per_decision(limiter: &Limiter, request: &Request) -> u64 {
     let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
         .build()
         .unwrap();
     runtime

@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use tonic::{Request, Response, Status};
+use tonic::{codegen::http, Request, Response, Status};
 use tracing::Instrument;
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 
@@ -162,4 +162,67 @@ pub fn to_wire(response: limiter::Response) -> RateLimitResponse {
             .collect(),
         ..RateLimitResponse::default()
     }
+}
+
+/// tonic refuses a request it cannot read before any handler sees it: over
+/// `request_limits.max_message_bytes` with OUT_OF_RANGE, malformed protobuf with INTERNAL. Callers get
+/// INVALID_ARGUMENT instead, naming the setting or what could not be decoded, like every other refusal of
+/// a request; nothing on the server is at fault.
+pub fn refusals_are_invalid_argument(
+    mut response: http::Response<tonic::body::Body>,
+) -> http::Response<tonic::body::Body> {
+    let headers = response.headers_mut();
+    let status = headers.get("grpc-status").and_then(|v| v.to_str().ok());
+    if !matches!(status, Some("11" | "13")) {
+        return response;
+    }
+    let message = headers
+        .get("grpc-message")
+        .and_then(|v| v.to_str().ok())
+        .map(percent_decode)
+        .unwrap_or_default();
+    let text = if let Some((_, sizes)) = message.split_once("message length too large: ") {
+        format!("request too large: {sizes} (request_limits.max_message_bytes)")
+    } else if let Some(reason) = message.strip_prefix("failed to decode Protobuf message: ") {
+        format!("malformed RateLimitRequest: {reason}")
+    } else {
+        return response;
+    };
+    // Header values are visible ASCII; anything else (from a quoted field) is replaced.
+    let text: String = text
+        .chars()
+        .map(|c| {
+            if (' '..='~').contains(&c) && c != '%' {
+                c
+            } else {
+                '?'
+            }
+        })
+        .collect();
+    if let Ok(value) = http::HeaderValue::from_str(&text) {
+        headers.insert("grpc-status", http::HeaderValue::from_static("3"));
+        headers.insert("grpc-message", value);
+    }
+    response
+}
+
+/// Undoes the percent-encoding of a `grpc-message` header.
+fn percent_decode(text: &str) -> String {
+    let bytes = text.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let hex = |b: u8| (b as char).to_digit(16);
+        match (bytes[i], bytes.get(i + 1), bytes.get(i + 2)) {
+            (b'%', Some(&h), Some(&l)) if hex(h).is_some() && hex(l).is_some() => {
+                out.push((hex(h).unwrap_or(0) * 16 + hex(l).unwrap_or(0)) as u8);
+                i += 3;
+            }
+            (b, _, _) => {
+                out.push(b);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
 }

@@ -27,9 +27,14 @@ struct AppState {
 
 /// The HTTP routes.
 pub fn router(limiter: Arc<Limiter>, health: Arc<Health>, metrics: Arc<Metrics>) -> Router {
+    // JSON spells a request out: allow it four times the gRPC message bound (413 past it).
+    let json_limit = limiter.request_limits().max_message_bytes.saturating_mul(4);
     Router::new()
         .route("/healthcheck", get(healthcheck))
-        .route("/json", any(decide_json))
+        .route(
+            "/json",
+            any(decide_json).layer(axum::extract::DefaultBodyLimit::max(json_limit)),
+        )
         .route("/rlconfig", get(rlconfig))
         .route("/metrics", get(render_metrics))
         .route("/debug/top", get(top_offenders))

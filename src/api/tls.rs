@@ -14,10 +14,12 @@ use std::{
 
 use arc_swap::ArcSwap;
 use rustls::{pki_types::ServerName, server::WebPkiClientVerifier, ServerConfig};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpStream;
 use tokio_rustls::{server::TlsStream, TlsAcceptor};
+use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
 
+use super::conn::{Acceptor, Counted};
 use crate::{
     settings::GrpcTlsSettings,
     tls::{certificates, private_key, provider, roots, TlsFileError},
@@ -83,14 +85,14 @@ impl ReloadingTls {
         TlsAcceptor::from(self.current.load_full())
     }
 
-    /// Accepts TCP connections on `listener` and yields those whose handshake succeeds (and whose client
+    /// Accepts connections from `acceptor` and yields those whose handshake succeeds (and whose client
     /// certificate carries the required SAN, when one is set), until `stop`. Also reloads the files.
     pub fn incoming(
         self: Arc<Self>,
-        listener: TcpListener,
+        acceptor: Acceptor,
         stop: CancellationToken,
         failures: Arc<std::sync::atomic::AtomicU64>,
-    ) -> tokio_stream::wrappers::ReceiverStream<std::io::Result<TlsStream<TcpStream>>> {
+    ) -> ReceiverStream<std::io::Result<TlsStream<Counted<TcpStream>>>> {
         let (tx, rx) = tokio::sync::mpsc::channel(128);
         let tls = self.clone();
         let reload_stop = stop.clone();
@@ -114,27 +116,14 @@ impl ReloadingTls {
             }
         });
         tokio::spawn(async move {
-            loop {
-                let (tcp, peer) = tokio::select! {
-                    _ = stop.cancelled() => return,
-                    accepted = listener.accept() => match accepted {
-                        Ok(a) => a,
-                        Err(err) => {
-                            // Out of file descriptors and the like: wait instead of spinning.
-                            tracing::warn!("gRPC accept failed: {err}");
-                            tokio::time::sleep(Duration::from_millis(50)).await;
-                            continue;
-                        }
-                    },
-                };
-                let _ = tcp.set_nodelay(true);
-                let acceptor = self.acceptor();
+            while let Some(conn) = acceptor.accept(&stop).await {
+                let tls_acceptor = self.acceptor();
                 let required_san = self.settings.client_san.clone();
                 let tx = tx.clone();
                 let failures = failures.clone();
                 tokio::spawn(async move {
                     let handshake =
-                        tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await;
+                        tokio::time::timeout(HANDSHAKE_TIMEOUT, tls_acceptor.accept(conn)).await;
                     let refused = match handshake {
                         Err(_) => Some("handshake timed out".to_owned()),
                         Ok(Err(err)) => Some(err.to_string()),
@@ -150,12 +139,12 @@ impl ReloadingTls {
                     };
                     if let Some(reason) = refused {
                         failures.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                        tracing::debug!(%peer, "gRPC TLS connection refused: {reason}");
+                        tracing::debug!("gRPC TLS connection refused: {reason}");
                     }
                 });
             }
         });
-        tokio_stream::wrappers::ReceiverStream::new(rx)
+        ReceiverStream::new(rx)
     }
 }
 
@@ -199,7 +188,7 @@ fn build(settings: &GrpcTlsSettings) -> Result<ServerConfig, TlsError> {
 }
 
 /// Whether the verified client certificate names `san` among its DNS subject alternative names.
-fn client_has_san(stream: &TlsStream<TcpStream>, san: &str) -> bool {
+fn client_has_san<IO>(stream: &TlsStream<IO>, san: &str) -> bool {
     let Some(cert) = stream
         .get_ref()
         .1

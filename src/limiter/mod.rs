@@ -21,7 +21,7 @@ use crate::{
     algorithm::{Algorithm, Params},
     clock::Clock,
     rules::{EntryRef, Node, Rules, Unit},
-    settings::{HeaderNames, OnBackendError, RequestLimits, ResponseHeaders},
+    settings::{HeaderNames, OnBackendError, OverloadSettings, RequestLimits, ResponseHeaders},
     store::{
         keys, Applied, Batch, Check, CounterStore, DenyCache, Outcome, Role, Store, StoreError,
     },
@@ -152,6 +152,10 @@ pub enum LimitError {
     UnknownOverrideUnit { index: usize },
     #[error("{0}")]
     Store(#[from] StoreError),
+    #[error("overloaded: {max} requests already being decided (overload.max_in_flight)")]
+    Overloaded { max: usize },
+    #[error("not decided within {0:?} (overload.deadline)")]
+    Deadline(std::time::Duration),
 }
 
 impl LimitError {
@@ -190,6 +194,8 @@ pub struct Options {
     pub top: Arc<TopOffenders>,
     /// The local deny cache, when enabled.
     pub deny_cache: Option<Arc<DenyCache>>,
+    /// Requests decided at once, and how long one may take.
+    pub overload: OverloadSettings,
 }
 
 thread_local! {
@@ -207,6 +213,8 @@ pub struct Limiter {
     clock: Clock,
     options: Options,
     series: Series,
+    /// One permit per request being decided.
+    in_flight: tokio::sync::Semaphore,
 }
 
 /// The metric series every request updates, held so that recording them looks nothing up.
@@ -270,12 +278,19 @@ enum Resolved<'a> {
 impl Limiter {
     pub fn new(rules: Arc<Rules>, store: Arc<Store>, clock: Clock, options: Options) -> Self {
         let series = Series::new(&options.metrics, store.name());
+        let in_flight = tokio::sync::Semaphore::new(
+            options
+                .overload
+                .max_in_flight
+                .clamp(1, tokio::sync::Semaphore::MAX_PERMITS),
+        );
         Self {
             rules,
             store,
             clock,
             options,
             series,
+            in_flight,
         }
     }
 
@@ -295,7 +310,19 @@ impl Limiter {
     /// Decides one request, and records it in the metrics.
     pub async fn should_rate_limit(&self, request: &Request) -> Result<Response, LimitError> {
         let started = std::time::Instant::now();
-        let result = self.decide(request).await;
+        let result = match self.in_flight.try_acquire() {
+            // Past the bound, answering at once beats queueing: the caller's own deadline would pass
+            // anyway, and the queue would only grow.
+            Err(_) => Err(LimitError::Overloaded {
+                max: self.options.overload.max_in_flight,
+            }),
+            Ok(_permit) => {
+                let deadline = self.options.overload.deadline;
+                tokio::time::timeout(deadline, self.decide(request))
+                    .await
+                    .unwrap_or(Err(LimitError::Deadline(deadline)))
+            }
+        };
         self.series.check_duration.observe(started.elapsed());
         let requests = match &result {
             Ok(r) if r.overall_code == Code::Ok => &self.series.requests_ok,
@@ -304,6 +331,8 @@ impl Limiter {
                 let kind = match err {
                     LimitError::NoRules => "no_rules",
                     LimitError::Store(_) => "backend",
+                    LimitError::Overloaded { .. } => "overloaded",
+                    LimitError::Deadline(_) => "deadline",
                     _ => "invalid_request",
                 };
                 self.options.metrics.count(
@@ -753,6 +782,11 @@ impl Limiter {
             out.push('=');
             out.push_str(&value);
         }
+    }
+
+    /// The bounds on a request's size.
+    pub fn request_limits(&self) -> &RequestLimits {
+        &self.options.request_limits
     }
 
     /// The sketch behind `/debug/top`.

@@ -639,7 +639,7 @@ fn sensitive_values_and_secrets_never_reach_redis_keys_logs_metrics_or_rlconfig(
     const CONFIGURED: &str = "tok_configured_SECRET7";
     const HASH_SECRET: &str = "hash-secret-NEVER-SHOWN";
     const PASSWORD: &str = "redis-password-NEVER-SHOWN";
-    let redis = RedisProcess::start(&["--requirepass", PASSWORD]);
+    let mut redis = RedisProcess::start(&["--requirepass", PASSWORD]);
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(
         dir.path().join("api.yaml"),
@@ -697,20 +697,35 @@ fn sensitive_values_and_secrets_never_reach_redis_keys_logs_metrics_or_rlconfig(
         "/json",
         r#"{"domain":"","descriptors":[]}"#,
     );
+    let keys = redis.cli(&["--scan"]);
+    assert!(keys.contains("api_api_key_hmac-"), "{keys}");
+    // And backend errors: Redis gone mid-run, requests answered by the policy, reconnects logged.
+    redis.kill();
+    for _ in 0..3 {
+        let (code, _) =
+            common::http_request(running.http, "POST", "/json", &body("api_key", RAW_KEY));
+        assert_ne!(code, 200, "answered without Redis");
+    }
+    std::thread::sleep(Duration::from_millis(1500));
     let (_, rlconfig) = common::http_request(running.http, "GET", "/rlconfig", "");
     let (_, metrics) = common::http_request(running.http, "GET", "/metrics", "");
+    let (_, top) = common::http_request(running.http, "GET", "/debug/top", "");
     assert!(
         metrics.contains("ratelimit_service_rate_limit_total_hits"),
         "{metrics}"
     );
     assert!(rlconfig.contains("api.token_hmac-"), "{rlconfig}");
-
-    let keys = redis.cli(&["--scan"]);
-    assert!(keys.contains("api_api_key_hmac-"), "{keys}");
+    assert!(top.contains("hmac-"), "{top}");
     let log = running.log.lock().unwrap().clone();
+    assert!(
+        log.to_lowercase().contains("redis"),
+        "the outage is logged: {log}"
+    );
     for (place, text) in [
         ("Redis keys", &keys),
         ("/rlconfig", &rlconfig),
+        ("/metrics", &metrics),
+        ("/debug/top", &top),
         ("log", &log),
     ] {
         for secret in [RAW_KEY, CONFIGURED, HASH_SECRET, PASSWORD] {

@@ -1,0 +1,288 @@
+//! Faults under load, against real processes: Redis paused (CLIENT PAUSE), Redis busy (DEBUG SLEEP),
+//! and one of three ratelimitd replicas SIGKILLed. Each test's name says what it proves, and it asserts
+//! the numbers: every call answered, how fast, and never more admitted than the limit.
+//! (Redis killed and restarted, Sentinel and Cluster failovers and slot migrations under traffic are in
+//! tests/redis_backend.rs.)
+
+mod common;
+
+use std::{
+    collections::BTreeMap,
+    process::Command,
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use common::{descriptor, redis::RedisProcess, request, start_binary, TestServer};
+use ratelimitd::{
+    proto::{rate_limit_response::Code, RateLimitServiceClient},
+    settings::{BackendKind, OnBackendError, RedisTopology},
+};
+
+const RULES: &str = "domain: faults\ndescriptors:\n  - key: user\n    rate_limit: {unit: hour, requests_per_unit: 100}\n  - key: shared\n    rate_limit: {unit: hour, requests_per_unit: 300}\n";
+
+/// What the callers saw: answers by code, transport errors, the slowest answer, and OKs on the shared key.
+#[derive(Debug, Default)]
+struct Seen {
+    codes: BTreeMap<String, u32>,
+    slowest: Duration,
+    shared_ok: u32,
+}
+
+impl Seen {
+    fn merge(&mut self, other: Seen) {
+        for (k, v) in other.codes {
+            *self.codes.entry(k).or_default() += v;
+        }
+        self.slowest = self.slowest.max(other.slowest);
+        self.shared_ok += other.shared_ok;
+    }
+}
+
+/// `callers` callers send, for `length`, requests that alternate between a fresh user (always under its
+/// limit while Redis answers) and the shared key (limit 300).
+async fn load(server: &TestServer, callers: usize, length: Duration) -> Seen {
+    let mut tasks = Vec::new();
+    for caller in 0..callers {
+        let mut client = server.client().await;
+        tasks.push(tokio::spawn(async move {
+            let mut seen = Seen::default();
+            let end = Instant::now() + length;
+            let mut i = 0;
+            while Instant::now() < end {
+                i += 1;
+                let fresh = format!("c{caller}-{i}");
+                let shared = i % 2 == 0;
+                let entries: &[(&str, &str)] = if shared {
+                    &[("shared", "all")]
+                } else {
+                    &[("user", &fresh)]
+                };
+                let started = Instant::now();
+                let answer = client
+                    .should_rate_limit(request("faults", vec![descriptor(entries)]))
+                    .await;
+                seen.slowest = seen.slowest.max(started.elapsed());
+                let code = match answer {
+                    Ok(r) => {
+                        let code = Code::try_from(r.into_inner().overall_code).unwrap();
+                        if shared && code == Code::Ok {
+                            seen.shared_ok += 1;
+                        }
+                        format!("{code:?}")
+                    }
+                    Err(status) => format!("{:?}", status.code()),
+                };
+                *seen.codes.entry(code).or_default() += 1;
+            }
+            seen
+        }));
+    }
+    let mut all = Seen::default();
+    for t in tasks {
+        all.merge(t.await.unwrap());
+    }
+    all
+}
+
+async fn server_on(redis: &RedisProcess) -> TestServer {
+    let url = redis.addr();
+    let s = TestServer::start(&[("faults.yaml", RULES)], move |s| {
+        s.backend = Some(BackendKind::Redis);
+        s.redis.url = url;
+        s.redis.topology = RedisTopology::Single;
+        s.redis.timeout = Duration::from_millis(50);
+        s.on_backend_error = OnBackendError::Deny;
+        s.hash_secret = ratelimitd::settings::Secret("faults".into());
+    })
+    .await;
+    s.wait_serving(Duration::from_secs(20)).await;
+    s
+}
+
+fn shared_counter(redis: &RedisProcess) -> u32 {
+    let key = redis.cli(&["--scan", "--pattern", "faults_shared_all_*"]);
+    redis.cli(&["GET", key.trim()]).parse().unwrap_or(0)
+}
+
+/// Checks what every fault test promises: answers only OK or OVER_LIMIT (the deny policy while Redis
+/// cannot answer), none slower than the bound, at most the limit admitted on the shared key, and the
+/// Redis counter never above the limit nor below what was admitted.
+fn assert_held(seen: &Seen, redis: &RedisProcess, bound: Duration) {
+    assert!(
+        seen.codes.keys().all(|c| c == "Ok" || c == "OverLimit"),
+        "{:?}",
+        seen.codes
+    );
+    assert!(seen.slowest < bound, "slowest answer {:?}", seen.slowest);
+    let counted = shared_counter(redis);
+    assert!(
+        seen.shared_ok <= 300,
+        "admitted {} over a limit of 300",
+        seen.shared_ok
+    );
+    assert!(
+        counted <= 300 && counted >= seen.shared_ok,
+        "counter {counted}, admitted {}",
+        seen.shared_ok
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_under_client_pause_is_answered_by_policy_within_400ms_and_never_over_admits() {
+    let redis = RedisProcess::start(&[]);
+    let server = server_on(&redis).await;
+    let traffic = {
+        let s = &server;
+        async move { load(s, 6, Duration::from_millis(3000)).await }
+    };
+    let pause = async {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert_eq!(redis.cli(&["CLIENT", "PAUSE", "1500", "ALL"]), "OK");
+    };
+    let (seen, ()) = tokio::join!(traffic, pause);
+    eprintln!("client pause: {seen:?}");
+    assert_held(&seen, &redis, Duration::from_millis(400));
+    // The pause showed (fresh users denied by policy), and counting resumed after it.
+    assert!(
+        seen.codes.get("OverLimit").copied().unwrap_or(0) > 0,
+        "{:?}",
+        seen.codes
+    );
+    let after = load(&server, 2, Duration::from_millis(300)).await;
+    assert!(
+        after.codes.get("Ok").copied().unwrap_or(0) > 0,
+        "{:?}",
+        after.codes
+    );
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_blocked_by_debug_sleep_is_answered_by_policy_within_400ms_and_never_over_admits() {
+    let redis = Arc::new(RedisProcess::start(&["--enable-debug-command", "local"]));
+    let server = server_on(&redis).await;
+    let traffic = {
+        let s = &server;
+        async move { load(s, 6, Duration::from_millis(3000)).await }
+    };
+    let sleeper = redis.clone();
+    let sleep = async move {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        // Redis runs nothing else for a second; the command itself answers when it wakes.
+        let answer = tokio::task::spawn_blocking(move || sleeper.cli(&["DEBUG", "SLEEP", "1"]))
+            .await
+            .unwrap();
+        assert_eq!(answer, "OK");
+    };
+    let (seen, ()) = tokio::join!(traffic, sleep);
+    eprintln!("debug sleep: {seen:?}");
+    assert_held(&seen, &redis, Duration::from_millis(400));
+    assert!(
+        seen.codes.get("OverLimit").copied().unwrap_or(0) > 0,
+        "{:?}",
+        seen.codes
+    );
+    let after = load(&server, 2, Duration::from_millis(300)).await;
+    assert!(
+        after.codes.get("Ok").copied().unwrap_or(0) > 0,
+        "{:?}",
+        after.codes
+    );
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_of_three_replicas_sigkilled_under_load_the_others_keep_serving_and_the_limit_holds() {
+    let redis = RedisProcess::start(&[]);
+    let rules = tempfile::tempdir().unwrap();
+    std::fs::write(rules.path().join("faults.yaml"), RULES).unwrap();
+    let mut replicas: Vec<_> = (0..3)
+        .map(|_| {
+            let mut cmd = Command::new(env!("CARGO_BIN_EXE_ratelimitd"));
+            cmd.env_clear()
+                .env("GRPC_HOST", "127.0.0.1")
+                .env("GRPC_PORT", "0")
+                .env("HOST", "127.0.0.1")
+                .env("PORT", "0")
+                .env("REDIS_URL", redis.addr())
+                .env("REDIS_TIMEOUT", "1s")
+                .env("RATELIMITD_HASH_SECRET", "faults")
+                .env("RATELIMITD_RULES__PATH", rules.path());
+            start_binary(&mut cmd)
+        })
+        .collect();
+    for r in &replicas {
+        let deadline = Instant::now() + Duration::from_secs(15);
+        while common::http_request(r.http, "GET", "/healthcheck", "").0 != 200 {
+            assert!(Instant::now() < deadline, "replica not serving");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+    let addrs: Vec<_> = replicas.iter().map(|r| r.grpc).collect();
+
+    // 10 callers per replica, 40 requests each on the shared key: 1 200 requests on a limit of 300.
+    let mut callers = Vec::new();
+    for (replica, addr) in addrs.iter().enumerate() {
+        for _ in 0..10 {
+            let mut client = RateLimitServiceClient::connect(format!("http://{addr}"))
+                .await
+                .unwrap();
+            callers.push(tokio::spawn(async move {
+                let (mut ok, mut denied, mut failed) = (0u32, 0u32, 0u32);
+                for _ in 0..40 {
+                    let answer = client
+                        .should_rate_limit(request(
+                            "faults",
+                            vec![descriptor(&[("shared", "all")])],
+                        ))
+                        .await;
+                    match answer {
+                        Ok(r) if r.get_ref().overall_code == Code::Ok as i32 => ok += 1,
+                        Ok(_) => denied += 1,
+                        Err(_) => {
+                            // The killed replica: its callers stop at the first failure.
+                            failed += 1;
+                            break;
+                        }
+                    }
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+                (replica, ok, denied, failed)
+            }));
+        }
+    }
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    replicas[0].child.kill().unwrap(); // SIGKILL
+    let mut admitted = 0;
+    let mut failures_on_survivors = 0;
+    let mut survivor_answers = 0;
+    for c in callers {
+        let (replica, ok, denied, failed) = c.await.unwrap();
+        admitted += ok;
+        if replica != 0 {
+            failures_on_survivors += failed;
+            survivor_answers += ok + denied;
+        }
+    }
+    let counted = shared_counter(&redis);
+    eprintln!(
+        "sigkill: admitted {admitted}, counted {counted}, survivors answered {survivor_answers}"
+    );
+    assert_eq!(
+        failures_on_survivors, 0,
+        "the surviving replicas failed calls"
+    );
+    assert_eq!(
+        survivor_answers,
+        2 * 10 * 40,
+        "every call to a survivor was answered"
+    );
+    assert!(admitted <= 300, "admitted {admitted} over a limit of 300");
+    // Only requests in flight on the killed replica (one per caller) can be counted without an answer.
+    assert!(
+        counted <= 300 && counted >= admitted && counted - admitted <= 10,
+        "counter {counted}, admitted {admitted}"
+    );
+    assert_eq!(counted, 300, "1 200 requests fill the limit exactly");
+}

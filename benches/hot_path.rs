@@ -102,6 +102,7 @@ fn algorithms(c: &mut Criterion) {
                         role: Role::Enforce,
                     }],
                     consume_on_deny: false,
+                    known_denied: false,
                 };
                 runtime
                     .block_on(store.apply(&batch, now.now_millis()))

@@ -59,6 +59,7 @@ impl Case<'_> {
         let batch = Batch {
             checks,
             consume_on_deny,
+            known_denied: false,
         };
         self.store
             .apply(&batch, now_ms())
@@ -263,6 +264,7 @@ async fn same_answers(memory: &Store, redis: &Store, seed: u64) {
             let batch = Batch {
                 checks,
                 consume_on_deny: rng.random_bool(0.2),
+                known_denied: false,
             };
             let m = memory.apply(&batch, now_ms()).await.unwrap();
             let r = redis.apply(&batch, now_ms()).await.unwrap();

@@ -430,6 +430,7 @@ impl Limiter {
         let mut batch = Batch {
             checks: Vec::with_capacity(resolved.len()),
             consume_on_deny: self.options.consume_on_deny,
+            known_denied: false,
         };
         for (descriptor, r) in request.descriptors.iter().zip(&resolved) {
             if let Resolved::Limited { limits, node, role } = r {
@@ -491,7 +492,15 @@ impl Limiter {
         let now_ms = self.clock.now_millis();
         // Checks the local deny cache answers: the request is then denied for sure.
         let mut from_cache: Small<Option<Outcome>> = smallvec![None; batch.checks.len()];
-        if let Some(cache) = &self.options.deny_cache {
+        // A request that checks one counter twice is left to the store: its later checks are decided with
+        // the earlier ones' hits added, which neither the cache nor the stored counter alone can tell.
+        let repeats = batch
+            .checks
+            .iter()
+            .enumerate()
+            .any(|(i, c)| batch.checks[..i].iter().any(|e| e.key == c.key));
+        let cache = self.options.deny_cache.as_ref().filter(|_| !repeats);
+        if let Some(cache) = cache {
             for (i, c) in batch.checks.iter().enumerate() {
                 if c.role == Role::Enforce {
                     from_cache[i] = cache.lookup(&c.key, &c.params, c.cost, now_ms);
@@ -501,26 +510,23 @@ impl Limiter {
         let applied = if batch.checks.is_empty() {
             None
         } else if from_cache.iter().any(Option::is_some) {
-            // Denied without asking the store; the other checks are only read, for their statuses.
-            let rest: Vec<usize> = (0..batch.checks.len())
+            // Denied without asking the store about the cached checks. The others are decided as part of
+            // a denied request (their own verdicts for their statuses, consuming only what a denied
+            // request consumes), so the answer and the counters are what they would be without the cache.
+            let rest: Small<usize> = (0..batch.checks.len())
                 .filter(|&i| from_cache[i].is_none())
                 .collect();
             let mut outcomes: Vec<Outcome> =
                 from_cache.iter().map(|o| o.unwrap_or_default()).collect();
             if !rest.is_empty() {
-                let read_only = Batch {
-                    checks: rest
-                        .iter()
-                        .map(|&i| Check {
-                            cost: 0,
-                            ..batch.checks[i].clone()
-                        })
-                        .collect(),
-                    consume_on_deny: false,
+                let others = Batch {
+                    checks: rest.iter().map(|&i| batch.checks[i].clone()).collect(),
+                    consume_on_deny: self.options.consume_on_deny,
+                    known_denied: true,
                 };
-                match self.call_store(&read_only, now_ms).await {
-                    Ok(read) => {
-                        for (&i, outcome) in rest.iter().zip(read.outcomes) {
+                match self.call_store(&others, now_ms).await {
+                    Ok(decided) => {
+                        for (&i, outcome) in rest.iter().zip(decided.outcomes) {
                             outcomes[i] = outcome;
                         }
                     }
@@ -534,7 +540,7 @@ impl Limiter {
         } else {
             match self.call_store(&batch, now_ms).await {
                 Ok(applied) => {
-                    if let Some(cache) = &self.options.deny_cache {
+                    if let Some(cache) = cache {
                         for (c, outcome) in batch.checks.iter().zip(&applied.outcomes) {
                             if c.role == Role::Enforce && !outcome.allowed {
                                 cache.insert(&c.key, c.params, c.cost, *outcome, now_ms);

@@ -250,6 +250,7 @@ mod tests {
                 check("b_", 2, 60, 1, Role::Enforce),
             ],
             consume_on_deny: false,
+            known_denied: false,
         };
         for _ in 0..2 {
             assert!(!run(&store, &batch, 1000).denied);
@@ -271,6 +272,7 @@ mod tests {
         let only_a = Batch {
             checks: vec![check("a_", 10, 60, 1, Role::Enforce)],
             consume_on_deny: false,
+            known_denied: false,
         };
         assert_eq!(run(&store, &only_a, 1000).outcomes[0].remaining, 7);
     }
@@ -284,6 +286,7 @@ mod tests {
                 check("b_", 1, 60, 1, Role::Enforce),
             ],
             consume_on_deny: true,
+            known_denied: false,
         };
         assert!(!run(&store, &batch, 1000).denied);
         let second = run(&store, &batch, 1000);
@@ -298,6 +301,7 @@ mod tests {
         let batch = Batch {
             checks: vec![check("a_", 1, 60, 1, Role::Enforce)],
             consume_on_deny: false,
+            known_denied: false,
         };
         assert!(!run(&store, &batch, 1259).denied);
         assert!(run(&store, &batch, 1259).denied);
@@ -310,6 +314,7 @@ mod tests {
         let shadow = Batch {
             checks: vec![check("s_", 0, 60, 1, Role::Shadow)],
             consume_on_deny: false,
+            known_denied: false,
         };
         let applied = run(&store, &shadow, 0);
         assert!(!applied.denied && !applied.outcomes[0].allowed);
@@ -320,6 +325,7 @@ mod tests {
                 check("q2_", 5, 60, 1, Role::Quota),
             ],
             consume_on_deny: false,
+            known_denied: false,
         };
         assert!(!run(&store, &quota, 0).denied);
         let all_over = Batch {
@@ -328,6 +334,7 @@ mod tests {
                 check("q3_", 0, 60, 1, Role::Quota),
             ],
             consume_on_deny: false,
+            known_denied: false,
         };
         assert!(run(&store, &all_over, 0).denied);
     }
@@ -341,6 +348,7 @@ mod tests {
                 check("a_", 1, 60, 1, Role::Enforce),
             ],
             consume_on_deny: true,
+            known_denied: false,
         };
         let applied = run(&store, &batch, 0);
         assert!(applied.outcomes[0].allowed && !applied.outcomes[1].allowed);
@@ -352,6 +360,7 @@ mod tests {
         let batch = Batch {
             checks: vec![check("a_", 3, 60, 0, Role::Enforce)],
             consume_on_deny: false,
+            known_denied: false,
         };
         assert_eq!(run(&store, &batch, 0).outcomes[0].remaining, 3);
         assert!(store.is_empty());
@@ -363,6 +372,7 @@ mod tests {
         let one = |k: &str| Batch {
             checks: vec![check(k, 5, 1, 1, Role::Enforce)],
             consume_on_deny: false,
+            known_denied: false,
         };
         run(&store, &one("a_"), 10);
         run(&store, &one("b_"), 10);
@@ -391,6 +401,7 @@ mod tests {
                         Role::Enforce,
                     )],
                     consume_on_deny: false,
+                    known_denied: false,
                 };
                 run(&store, &batch, second);
             }

@@ -85,12 +85,18 @@ pub struct Batch {
     pub checks: Vec<Check>,
     /// Consume every counter even when the request is denied (the reference service's behaviour).
     pub consume_on_deny: bool,
+    /// A check outside this batch already denies the request (the local deny cache answered it): decide
+    /// these checks as the request would, consuming only what a denied request consumes.
+    pub known_denied: bool,
 }
 
 impl Batch {
     /// Whether a request with these per-check verdicts is denied: an enforced check is over, or the
     /// request has quota checks and all of them are over.
     pub fn is_denied(&self, allowed: impl Fn(usize) -> bool) -> bool {
+        if self.known_denied {
+            return true;
+        }
         let mut quota_checks = 0;
         let mut quota_over = 0;
         for (i, check) in self.checks.iter().enumerate() {
@@ -248,6 +254,7 @@ mod tests {
                 .map(|i| Check::fixed_window(format!("k{i}_"), 5, 1, 1, Role::Enforce))
                 .collect(),
             consume_on_deny: false,
+            known_denied: false,
         };
         store.apply(&batch, clock.now_millis()).await.unwrap();
         let Store::Memory(memory) = &*store else {

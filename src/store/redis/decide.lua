@@ -4,7 +4,9 @@
 --           reference layout). Other algorithms: one key per descriptor and limit.
 -- ARGV[1]   1: consume every allowed check (and count every fixed-window hit) even when the request is
 --           denied; 0: consume only if the request is allowed.
--- ARGV[2]   1: these are all the checks of the request (quota checks may deny); 0: a part of them.
+-- ARGV[2]   1: these are all the checks of the request (quota checks may deny); 0: a part of them;
+--           2: a part of them, and the request is already denied by a check elsewhere (decide, and consume
+--           only what a denied request consumes).
 -- ARGV[3]   extra seconds of TTL for fixed-window counters this call creates (expiry jitter).
 -- ARGV[4..] seven integers per check i: algorithm (0 fixed window, 1 sliding window, 2 sliding log,
 --           3 token bucket, 4 GCRA), limit, window (ms), cost, role (0 enforce, 1 shadow, 2 quota),
@@ -20,6 +22,7 @@
 
 local consume_on_deny = ARGV[1] == '1'
 local complete = ARGV[2] == '1'
+local known_denied = ARGV[2] == '2'
 local jitter = tonumber(ARGV[3])
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -222,7 +225,7 @@ for i = 1, n do
   end
 end
 
-local denied = false
+local denied = known_denied
 local quota, quota_over = 0, 0
 for i = 1, n do
   if checks[i].role == 0 and not allowed[i] then

@@ -255,7 +255,11 @@ impl RedisStore {
         let mut args: Vec<i64> = Vec::with_capacity(3 + group.len() * 7);
         args.extend([
             i64::from(batch.consume_on_deny),
-            i64::from(complete),
+            if batch.known_denied {
+                2
+            } else {
+                i64::from(complete)
+            },
             to_i64(jitter),
         ]);
         let mut group_keys = Vec::with_capacity(group.len());

@@ -125,7 +125,11 @@ impl KeySampler {
 struct Tally {
     /// Requests answered during the warm-up (not measured).
     warmup: u64,
+    /// From when each request was due (open loop) or sent (closed loop) to its answer.
     latencies_us: Vec<u32>,
+    /// From when each request was actually sent to its answer: the service and the network alone, without
+    /// time spent waiting in this tool for a free caller or a late pacer.
+    service_us: Vec<u32>,
     ok: u64,
     over_limit: u64,
     errors: BTreeMap<String, u64>,
@@ -135,6 +139,7 @@ impl Tally {
     fn merge(&mut self, other: Tally) {
         self.warmup += other.warmup;
         self.latencies_us.extend(other.latencies_us);
+        self.service_us.extend(other.service_us);
         self.ok += other.ok;
         self.over_limit += other.over_limit;
         for (k, v) in other.errors {
@@ -224,6 +229,7 @@ async fn caller(
         };
         let mut r = tonic::Request::new(request(&args, &sampler, &mut rng));
         r.set_timeout(args.timeout);
+        let sent = Instant::now();
         let result = client.should_rate_limit(r).await;
         let done = Instant::now();
         if scheduled < measure_from {
@@ -233,6 +239,9 @@ async fn caller(
         tally
             .latencies_us
             .push(u32::try_from(done.duration_since(scheduled).as_micros()).unwrap_or(u32::MAX));
+        tally
+            .service_us
+            .push(u32::try_from(done.duration_since(sent).as_micros()).unwrap_or(u32::MAX));
         match result {
             Ok(resp) => match Code::try_from(resp.into_inner().overall_code) {
                 Ok(Code::Ok) => tally.ok += 1,
@@ -295,6 +304,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     let elapsed = args.duration.as_secs_f64();
     total.latencies_us.sort_unstable();
+    total.service_us.sort_unstable();
+    let (service_p50, service_p99) = (
+        percentile(&total.service_us, 50.0),
+        percentile(&total.service_us, 99.0),
+    );
     let sent = total.latencies_us.len();
     let errors: u64 = total.errors.values().sum();
     let (p50, p90, p99, p999) = (
@@ -328,6 +342,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             "errors": errors,
             "errors_by_code": total.errors,
             "latency_ms": {"p50": p50, "p90": p90, "p99": p99, "p99_9": p999, "max": max},
+            "service_latency_ms": {"p50": service_p50, "p99": service_p99},
         });
         writeln!(out, "{report}")?;
     } else {
@@ -348,6 +363,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         writeln!(
             out,
             "latency ms: p50 {p50:.3}  p90 {p90:.3}  p99 {p99:.3}  p99.9 {p999:.3}  max {max:.3}"
+        )?;
+        writeln!(
+            out,
+            "from send, without waits in this tool: p50 {service_p50:.3}  p99 {service_p99:.3}"
         )?;
         writeln!(
             out,

@@ -19,6 +19,17 @@ pub fn free_port() -> u16 {
         .port()
 }
 
+/// A free port for a Cluster node: Redis also listens on the port + 10 000 (the cluster bus), so the port
+/// must be at most 55 535 and that one free too.
+pub fn free_cluster_port() -> u16 {
+    loop {
+        let port = free_port();
+        if port <= 55_535 && TcpListener::bind(("127.0.0.1", port + 10_000)).is_ok() {
+            return port;
+        }
+    }
+}
+
 fn require(binary: &str) {
     let found = Command::new("sh")
         .args(["-c", &format!("command -v {binary}")])
@@ -180,14 +191,18 @@ pub struct RedisCluster {
 impl RedisCluster {
     pub fn start(with_replicas: bool) -> Self {
         let node = || {
-            RedisProcess::start(&[
-                "--cluster-enabled",
-                "yes",
-                "--cluster-config-file",
-                "nodes.conf",
-                "--cluster-node-timeout",
-                "1000",
-            ])
+            RedisProcess::spawn(
+                free_cluster_port(),
+                &[
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    "nodes.conf",
+                    "--cluster-node-timeout",
+                    "1000",
+                ],
+                false,
+            )
         };
         let masters: Vec<RedisProcess> = (0..3).map(|_| node()).collect();
         let replicas: Vec<RedisProcess> = if with_replicas {

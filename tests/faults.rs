@@ -8,7 +8,6 @@ mod common;
 
 use std::{
     collections::BTreeMap,
-    process::Command,
     sync::Arc,
     time::{Duration, Instant},
 };
@@ -128,68 +127,48 @@ fn assert_held(seen: &Seen, redis: &RedisProcess, bound: Duration) {
     );
 }
 
+/// Six callers for 3 s; `fault` starts 500 ms in. Then the promises of [`assert_held`], proof that the fault
+/// showed (fresh users denied by the policy), and counting resumed after it.
+async fn under_fault(
+    redis: &RedisProcess,
+    name: &str,
+    fault: impl std::future::Future<Output = ()>,
+) {
+    let server = server_on(redis).await;
+    let traffic = load(&server, 6, Duration::from_millis(3000));
+    let fault = async {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        fault.await;
+    };
+    let (seen, ()) = tokio::join!(traffic, fault);
+    eprintln!("{name}: {seen:?}");
+    assert_held(&seen, redis, Duration::from_millis(400));
+    let count = |seen: &Seen, code: &str| seen.codes.get(code).copied().unwrap_or(0);
+    assert!(count(&seen, "OverLimit") > 0, "{:?}", seen.codes);
+    let after = load(&server, 2, Duration::from_millis(300)).await;
+    assert!(count(&after, "Ok") > 0, "{:?}", after.codes);
+    server.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_under_client_pause_is_answered_by_policy_within_400ms_and_never_over_admits() {
     let redis = RedisProcess::start(&[]);
-    let server = server_on(&redis).await;
-    let traffic = {
-        let s = &server;
-        async move { load(s, 6, Duration::from_millis(3000)).await }
-    };
-    let pause = async {
-        tokio::time::sleep(Duration::from_millis(500)).await;
-        assert_eq!(redis.cli(&["CLIENT", "PAUSE", "1500", "ALL"]), "OK");
-    };
-    let (seen, ()) = tokio::join!(traffic, pause);
-    eprintln!("client pause: {seen:?}");
-    assert_held(&seen, &redis, Duration::from_millis(400));
-    // The pause showed (fresh users denied by policy), and counting resumed after it.
-    assert!(
-        seen.codes.get("OverLimit").copied().unwrap_or(0) > 0,
-        "{:?}",
-        seen.codes
-    );
-    let after = load(&server, 2, Duration::from_millis(300)).await;
-    assert!(
-        after.codes.get("Ok").copied().unwrap_or(0) > 0,
-        "{:?}",
-        after.codes
-    );
-    server.stop().await;
+    let pause = async { assert_eq!(redis.cli(&["CLIENT", "PAUSE", "1500", "ALL"]), "OK") };
+    under_fault(&redis, "client pause", pause).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_blocked_by_debug_sleep_is_answered_by_policy_within_400ms_and_never_over_admits() {
     let redis = Arc::new(RedisProcess::start(&["--enable-debug-command", "local"]));
-    let server = server_on(&redis).await;
-    let traffic = {
-        let s = &server;
-        async move { load(s, 6, Duration::from_millis(3000)).await }
-    };
     let sleeper = redis.clone();
+    // Redis runs nothing else for a second; the command itself answers when it wakes.
     let sleep = async move {
-        tokio::time::sleep(Duration::from_millis(500)).await;
-        // Redis runs nothing else for a second; the command itself answers when it wakes.
         let answer = tokio::task::spawn_blocking(move || sleeper.cli(&["DEBUG", "SLEEP", "1"]))
             .await
             .unwrap();
         assert_eq!(answer, "OK");
     };
-    let (seen, ()) = tokio::join!(traffic, sleep);
-    eprintln!("debug sleep: {seen:?}");
-    assert_held(&seen, &redis, Duration::from_millis(400));
-    assert!(
-        seen.codes.get("OverLimit").copied().unwrap_or(0) > 0,
-        "{:?}",
-        seen.codes
-    );
-    let after = load(&server, 2, Duration::from_millis(300)).await;
-    assert!(
-        after.codes.get("Ok").copied().unwrap_or(0) > 0,
-        "{:?}",
-        after.codes
-    );
-    server.stop().await;
+    under_fault(&redis, "debug sleep", sleep).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -199,16 +178,10 @@ async fn one_of_three_replicas_sigkilled_under_load_the_others_keep_serving_and_
     std::fs::write(rules.path().join("faults.yaml"), RULES).unwrap();
     let mut replicas: Vec<_> = (0..3)
         .map(|_| {
-            let mut cmd = Command::new(env!("CARGO_BIN_EXE_ratelimitd"));
-            cmd.env_clear()
-                .env("GRPC_HOST", "127.0.0.1")
-                .env("GRPC_PORT", "0")
-                .env("HOST", "127.0.0.1")
-                .env("PORT", "0")
-                .env("REDIS_URL", redis.addr())
+            let mut cmd = common::binary(rules.path());
+            cmd.env("REDIS_URL", redis.addr())
                 .env("REDIS_TIMEOUT", "1s")
-                .env("RATELIMITD_HASH_SECRET", "faults")
-                .env("RATELIMITD_RULES__PATH", rules.path());
+                .env("RATELIMITD_HASH_SECRET", "faults");
             start_binary(&mut cmd)
         })
         .collect();

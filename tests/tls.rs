@@ -7,7 +7,6 @@ mod common;
 use std::{
     net::IpAddr,
     path::{Path, PathBuf},
-    process::Command,
     time::{Duration, Instant},
 };
 
@@ -86,14 +85,8 @@ fn rules_dir() -> tempfile::TempDir {
 
 /// Starts the binary with gRPC TLS from files in `certs`, plus `env`.
 fn start_tls(rules: &Path, certs: &Path, env: &[(&str, &str)]) -> Running {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_ratelimitd"));
-    cmd.env_clear()
-        .env("GRPC_HOST", "127.0.0.1")
-        .env("GRPC_PORT", "0")
-        .env("HOST", "127.0.0.1")
-        .env("PORT", "0")
-        .env("LOG_LEVEL", "debug")
-        .env("RATELIMITD_RULES__PATH", rules)
+    let mut cmd = common::binary(rules);
+    cmd.env("LOG_LEVEL", "debug")
         .env("GRPC_SERVER_USE_TLS", "true")
         .env("GRPC_SERVER_TLS_CERT", certs.join("server.pem"))
         .env("GRPC_SERVER_TLS_KEY", certs.join("server.key"));
@@ -282,13 +275,7 @@ fn unusable_tls_settings_stop_the_start_with_the_setting_named() {
     );
     write(certs.path(), "server.key", "whatever");
     let run = |env: &[(&str, &str)]| {
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_ratelimitd"));
-        cmd.env_clear()
-            .env("GRPC_HOST", "127.0.0.1")
-            .env("GRPC_PORT", "0")
-            .env("HOST", "127.0.0.1")
-            .env("PORT", "0")
-            .env("RATELIMITD_RULES__PATH", rules.path());
+        let mut cmd = common::binary(rules.path());
         for (k, v) in env {
             cmd.env(k, v);
         }
@@ -353,14 +340,8 @@ fn redis_tls(
 }
 
 fn start_redis_client(rules: &Path, env: &[(&str, &str)]) -> Running {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_ratelimitd"));
-    cmd.env_clear()
-        .env("GRPC_HOST", "127.0.0.1")
-        .env("GRPC_PORT", "0")
-        .env("HOST", "127.0.0.1")
-        .env("PORT", "0")
-        .env("LOG_LEVEL", "warn")
-        .env("RATELIMITD_RULES__PATH", rules)
+    let mut cmd = common::binary(rules);
+    cmd.env("LOG_LEVEL", "warn")
         .env("RATELIMITD_HASH_SECRET", "tls-test")
         .env("REDIS_TIMEOUT", "500ms");
     for (k, v) in env {

@@ -6,12 +6,12 @@ scripts/test with `npm ci`) as a service would: the first 3 calls answer OK, the
 """
 
 import os
-import re
 import subprocess
 import sys
 import tempfile
-import threading
-import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "wire"))
+from envoy_protos import start  # noqa: E402  (the wire check's way of starting the binary)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PROTOS = [
@@ -38,27 +38,6 @@ def check(name, ok, detail=""):
     else:
         failed += 1
         print(f"FAIL {name}: {detail}")
-
-
-def start(binary, rules_dir):
-    env = {
-        "GRPC_HOST": "127.0.0.1",
-        "GRPC_PORT": "0",
-        "HOST": "127.0.0.1",
-        "PORT": "0",
-        "RATELIMITD_RULES__PATH": rules_dir,
-    }
-    proc = subprocess.Popen([binary, "serve"], env=env, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 20
-    for line in proc.stderr:
-        match = re.search(r"Listening for gRPC on '([^']+)'", line)
-        if match:
-            threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()
-            return proc, match.group(1)
-        if time.time() > deadline:
-            break
-    proc.kill()
-    raise SystemExit("ratelimitd did not start")
 
 
 def calls(name, command, env=None):

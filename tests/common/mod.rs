@@ -220,6 +220,19 @@ pub fn request(domain: &str, descriptors: Vec<RateLimitDescriptor>) -> RateLimit
     }
 }
 
+/// The ratelimitd binary with a clean environment, loopback listeners on free ports and the rules in
+/// `rules`; add what a test needs, then [`start_binary`].
+pub fn binary(rules: &std::path::Path) -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_ratelimitd"));
+    cmd.env_clear()
+        .env("GRPC_HOST", "127.0.0.1")
+        .env("GRPC_PORT", "0")
+        .env("HOST", "127.0.0.1")
+        .env("PORT", "0")
+        .env("RATELIMITD_RULES__PATH", rules);
+    cmd
+}
+
 /// A running binary, killed on drop.
 pub struct Running {
     pub child: Child,

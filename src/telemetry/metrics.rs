@@ -231,24 +231,11 @@ impl Metrics {
         }
     }
 
-    /// Adds `by` to a counter.
+    /// Adds `by` to a counter, creating its series on first use.
     pub fn count(&self, name: &'static str, help: &'static str, labels: Labels, by: u64) {
-        if by == 0 {
-            return;
-        }
-        self.family(name, help, "counter");
-        let families = self.families.read().unwrap_or_else(|p| p.into_inner());
-        if let Some(family) = families.get(name) {
-            series(&family.counters, labels, Arc::default).fetch_add(by, Ordering::Relaxed);
-        }
-    }
-
-    /// Records one observation of a latency histogram.
-    pub fn observe(&self, name: &'static str, help: &'static str, labels: Labels, d: Duration) {
-        self.family(name, help, "histogram");
-        let families = self.families.read().unwrap_or_else(|p| p.into_inner());
-        if let Some(family) = families.get(name) {
-            series(&family.histograms, labels, || Arc::new(Histogram::new())).observe(d);
+        if by > 0 {
+            self.counter(name, help, labels)
+                .fetch_add(by, Ordering::Relaxed);
         }
     }
 
@@ -406,12 +393,8 @@ mod tests {
         let labels = || vec![("domain", "d".to_string()), ("rule", "a\"b".to_string())];
         m.count("c_total", "A counter.", labels(), 2);
         m.count("c_total", "A counter.", labels(), 3);
-        m.observe(
-            "lat_seconds",
-            "Latency.",
-            vec![],
-            Duration::from_micros(300),
-        );
+        m.histogram("lat_seconds", "Latency.", vec![])
+            .observe(Duration::from_micros(300));
         m.gauge_fn("g", "A gauge.", Box::new(|| vec![(vec![], 1.5)]));
         let text = m.render();
         assert!(

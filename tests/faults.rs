@@ -186,11 +186,10 @@ async fn one_of_three_replicas_sigkilled_under_load_the_others_keep_serving_and_
         })
         .collect();
     for r in &replicas {
-        let deadline = Instant::now() + Duration::from_secs(15);
-        while common::http_request(r.http, "GET", "/healthcheck", "").0 != 200 {
-            assert!(Instant::now() < deadline, "replica not serving");
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        assert!(
+            r.serving_within(Duration::from_secs(15)),
+            "replica not serving"
+        );
     }
     let addrs: Vec<_> = replicas.iter().map(|r| r.grpc).collect();
 

@@ -661,11 +661,10 @@ fn sensitive_values_and_secrets_never_reach_redis_keys_logs_metrics_or_rlconfig(
         ("RATELIMITD_RULES__PATH", dir.path().to_str().unwrap()),
     ]);
     let running = common::start_binary(&mut cmd);
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while common::http_request(running.http, "GET", "/healthcheck", "").0 != 200 {
-        assert!(Instant::now() < deadline, "not healthy in time");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    assert!(
+        running.serving_within(Duration::from_secs(20)),
+        "not healthy in time"
+    );
     let body = |key: &str, value: &str| {
         format!(
             r#"{{"domain":"api","descriptors":[{{"entries":[{{"key":"{key}","value":"{value}"}}]}}]}}"#

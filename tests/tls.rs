@@ -350,18 +350,6 @@ fn start_redis_client(rules: &Path, env: &[(&str, &str)]) -> Running {
     start_binary(&mut cmd)
 }
 
-/// Waits for health to be SERVING (Redis reached), or gives up after `within`.
-fn serving(running: &Running, within: Duration) -> bool {
-    let deadline = Instant::now() + within;
-    while Instant::now() < deadline {
-        if common::http_request(running.http, "GET", "/healthcheck", "").0 == 200 {
-            return true;
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    false
-}
-
 fn json_call(running: &Running, user: &str) -> u16 {
     let body = format!(
         r#"{{"domain":"tls","descriptors":[{{"entries":[{{"key":"user","value":"{user}"}}]}}]}}"#
@@ -391,7 +379,7 @@ fn redis_over_tls_with_a_client_certificate_counts_and_without_one_is_refused() 
         ],
     );
     assert!(
-        serving(&running, Duration::from_secs(15)),
+        running.serving_within(Duration::from_secs(15)),
         "connected over TLS"
     );
     assert_eq!(json_call(&running, "t"), 200);
@@ -409,7 +397,7 @@ fn redis_over_tls_with_a_client_certificate_counts_and_without_one_is_refused() 
         ],
     );
     assert!(
-        !serving(&refused, Duration::from_secs(3)),
+        !refused.serving_within(Duration::from_secs(3)),
         "connected without a client certificate"
     );
 }
@@ -430,13 +418,13 @@ fn redis_tls_checks_the_host_name_unless_told_not_to() {
     ];
     let strict = start_redis_client(rules.path(), &base);
     assert!(
-        !serving(&strict, Duration::from_secs(3)),
+        !strict.serving_within(Duration::from_secs(3)),
         "a certificate for another host name was accepted"
     );
     let mut relaxed_env = base.to_vec();
     relaxed_env.push(("REDIS_TLS_SKIP_HOSTNAME_VERIFICATION", "true"));
     let relaxed = start_redis_client(rules.path(), &relaxed_env);
-    assert!(serving(&relaxed, Duration::from_secs(15)));
+    assert!(relaxed.serving_within(Duration::from_secs(15)));
     assert_eq!(json_call(&relaxed, "h"), 200);
 
     // Skipping the host name still checks the CA.
@@ -446,7 +434,7 @@ fn redis_tls_checks_the_host_name_unless_told_not_to() {
     wrong_ca[2] = ("REDIS_TLS_CACERT", other_file.to_str().unwrap());
     let untrusted = start_redis_client(rules.path(), &wrong_ca);
     assert!(
-        !serving(&untrusted, Duration::from_secs(3)),
+        !untrusted.serving_within(Duration::from_secs(3)),
         "an unknown CA was accepted"
     );
 }
@@ -500,7 +488,7 @@ fn a_redis_acl_user_with_only_the_commands_ratelimitd_needs_is_enough() {
         ],
     );
     assert!(
-        serving(&running, Duration::from_secs(15)),
+        running.serving_within(Duration::from_secs(15)),
         "the ACL user connects"
     );
     assert_eq!(json_call(&running, "acl"), 200);
@@ -514,7 +502,7 @@ fn a_redis_acl_user_with_only_the_commands_ratelimitd_needs_is_enough() {
             ("REDIS_AUTH", "ratelimitd:wrong-password"),
         ],
     );
-    assert!(!serving(&wrong, Duration::from_secs(3)));
+    assert!(!wrong.serving_within(Duration::from_secs(3)));
     let log = wrong.log.lock().unwrap().clone();
     assert!(
         !log.contains("wrong-password"),

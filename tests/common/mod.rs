@@ -242,6 +242,20 @@ pub struct Running {
     pub log: Arc<Mutex<String>>,
 }
 
+impl Running {
+    /// Whether `/healthcheck` answers 200 (rules loaded, store reached) within `within`.
+    pub fn serving_within(&self, within: Duration) -> bool {
+        let deadline = Instant::now() + within;
+        while Instant::now() < deadline {
+            if http_request(self.http, "GET", "/healthcheck", "").0 == 200 {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        false
+    }
+}
+
 impl Drop for Running {
     fn drop(&mut self) {
         let _ = self.child.kill();

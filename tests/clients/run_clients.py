@@ -10,8 +10,10 @@ import subprocess
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "wire"))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.join(HERE, ".."), os.path.join(HERE, "..", "wire")]
 from envoy_protos import start  # noqa: E402  (the wire check's way of starting the binary)
+from tally import Tally  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PROTOS = [
@@ -27,17 +29,7 @@ descriptors:
     rate_limit: {unit: minute, requests_per_unit: 3, name: per_client}
 """
 
-passed = 0
-failed = 0
-
-
-def check(name, ok, detail=""):
-    global passed, failed
-    if ok:
-        passed += 1
-    else:
-        failed += 1
-        print(f"FAIL {name}: {detail}")
+check = Tally("clients")
 
 
 def calls(name, command, env=None):
@@ -83,8 +75,7 @@ def main():
         finally:
             proc.terminate()
             proc.wait(timeout=30)
-    print(f"clients: {passed} passed, {failed} failed")
-    return 1 if failed else 0
+    return check.finish()
 
 
 if __name__ == "__main__":

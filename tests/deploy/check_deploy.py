@@ -30,6 +30,9 @@ from envoy.extensions.filters.network.http_connection_manager.v3 import (  # noq
 )
 from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2  # noqa: F401
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from tally import Tally  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 KUBERNETES_VERSION = "1.30"
 KUSTOMIZATIONS = [
@@ -41,17 +44,7 @@ KUSTOMIZATIONS = [
     "deploy/kubernetes/overlays/redis-cluster/example-redis",
 ]
 
-passed = 0
-failed = 0
-
-
-def check(name, ok, detail=""):
-    global passed, failed
-    if ok:
-        passed += 1
-    else:
-        failed += 1
-        print(f"FAIL {name}: {detail}")
+check = Tally("deploy")
 
 
 def path(*parts):
@@ -232,5 +225,4 @@ def dockerfile():
 kubernetes()
 envoy()
 dockerfile()
-print(f"deploy: {passed} passed, {failed} failed")
-sys.exit(1 if failed else 0)
+sys.exit(check.finish())

@@ -178,8 +178,7 @@ pub fn refusals_are_invalid_argument(
     }
     let message = headers
         .get("grpc-message")
-        .and_then(|v| v.to_str().ok())
-        .map(percent_decode)
+        .map(|v| percent_encoding::percent_decode(v.as_bytes()).decode_utf8_lossy())
         .unwrap_or_default();
     let text = if let Some((_, sizes)) = message.split_once("message length too large: ") {
         format!("request too large: {sizes} (request_limits.max_message_bytes)")
@@ -204,25 +203,4 @@ pub fn refusals_are_invalid_argument(
         headers.insert("grpc-message", value);
     }
     response
-}
-
-/// Undoes the percent-encoding of a `grpc-message` header.
-fn percent_decode(text: &str) -> String {
-    let bytes = text.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        let hex = |b: u8| (b as char).to_digit(16);
-        match (bytes[i], bytes.get(i + 1), bytes.get(i + 2)) {
-            (b'%', Some(&h), Some(&l)) if hex(h).is_some() && hex(l).is_some() => {
-                out.push((hex(h).unwrap_or(0) * 16 + hex(l).unwrap_or(0)) as u8);
-                i += 3;
-            }
-            (b, _, _) => {
-                out.push(b);
-                i += 1;
-            }
-        }
-    }
-    String::from_utf8_lossy(&out).into_owned()
 }

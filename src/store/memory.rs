@@ -138,6 +138,8 @@ impl MemoryStore {
         // Decide every check in order; a key checked twice sees the state the earlier check left.
         let mut next: Small<Option<State>> = Small::new();
         let mut decisions: Small<Decision> = Small::new();
+        // Checks that write their key first in this batch (no earlier check of the key changed it).
+        let mut first_write: Small<bool> = Small::new();
         for (i, check) in checks.iter().enumerate() {
             let earlier = (0..i)
                 .rev()
@@ -151,6 +153,7 @@ impl MemoryStore {
                     .map(|e| &e.state),
             };
             let (decision, after) = algorithm::decide(&check.params, state, now_ms, check.cost);
+            first_write.push(earlier.is_none() && after.is_some());
             next.push(after);
             decisions.push(decision);
         }
@@ -159,13 +162,9 @@ impl MemoryStore {
 
         if consume && next.iter().any(Option::is_some) {
             let new_keys = (0..checks.len())
+                // An expired entry is overwritten in place: only absent keys need room.
                 .filter(|&i| {
-                    let first =
-                        !(0..i).any(|j| next[j].is_some() && checks[j].key == checks[i].key);
-                    // An expired entry is overwritten in place: only absent keys need room.
-                    next[i].is_some()
-                        && first
-                        && !guards[slots[i]].1.contains_key(checks[i].key.as_str())
+                    first_write[i] && !guards[slots[i]].1.contains_key(checks[i].key.as_str())
                 })
                 .count();
             self.reserve(new_keys, &mut guards, now_ms)?;

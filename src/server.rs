@@ -10,7 +10,13 @@ use tokio::net::TcpListener;
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 
 use crate::{
-    api::{conn::Acceptor, grpc::RateLimitApi, health::Health, http, tls::ReloadingTls},
+    api::{
+        conn::{Acceptor, ConnectionAge},
+        grpc::RateLimitApi,
+        health::Health,
+        http,
+        tls::ReloadingTls,
+    },
     clock::Clock,
     limiter::{self, Limiter},
     proto,
@@ -229,8 +235,23 @@ pub async fn run_with_clock(
     let stop_accepting = CancellationToken::new();
     let grpc_addr = listeners.grpc.local_addr().ok();
     let http_addr = listeners.http.local_addr().ok();
-    let router = tonic::transport::Server::builder()
-        .max_concurrent_streams(settings.overload.max_streams_per_connection)
+    let age = ConnectionAge::draw(
+        settings.grpc.max_connection_age,
+        settings.grpc.max_connection_age_grace,
+    );
+    tracing::info!(
+        close_after = ?age.close_after,
+        cut_off_after = ?age.cut_off_after,
+        "gRPC connections are closed gracefully at their age and cut after the grace"
+    );
+    let mut server = tonic::transport::Server::builder()
+        .max_concurrent_streams(settings.overload.max_streams_per_connection);
+    // Only the age goes to tonic (GOAWAY at the age); the grace is the acceptor's cut-off, because
+    // tonic's own grace would replace the GOAWAY with an abrupt close (see `api::conn`).
+    if let Some(age) = age.close_after {
+        server = server.max_connection_age(age);
+    }
+    let router = server
         .layer(tower::util::MapResponseLayer::new(
             crate::api::grpc::refusals_are_invalid_argument,
         ))
@@ -242,7 +263,8 @@ pub async fn run_with_clock(
                 .into_server()
                 .max_decoding_message_size(settings.request_limits.max_message_bytes),
         );
-    let acceptor = Acceptor::new(listeners.grpc, settings.overload.max_connections);
+    let acceptor = Acceptor::new(listeners.grpc, settings.overload.max_connections)
+        .cut_off_after(age.cut_off_after);
     let grpc = if settings.grpc_tls.enabled {
         let tls = Arc::new(
             ReloadingTls::load(&settings.grpc_tls)

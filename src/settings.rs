@@ -52,8 +52,8 @@ impl SettingsError {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct Settings {
-    /// The gRPC listener (Envoy RLS, health, reflection). Env `GRPC_HOST`, `GRPC_PORT`; default 0.0.0.0:8081.
-    pub grpc: Listen,
+    /// The gRPC listener (Envoy RLS, health, reflection) and how long its connections live.
+    pub grpc: GrpcSettings,
     /// The HTTP listener (`/healthcheck`, `/json`, `/rlconfig`). Env `HOST`, `PORT`; default 0.0.0.0:8080.
     pub http: Listen,
     /// TLS and mTLS on the gRPC listener.
@@ -122,10 +122,7 @@ pub struct Settings {
 impl Default for Settings {
     fn default() -> Self {
         Self {
-            grpc: Listen {
-                host: "0.0.0.0".into(),
-                port: 8081,
-            },
+            grpc: GrpcSettings::default(),
             http: Listen {
                 host: "0.0.0.0".into(),
                 port: 8080,
@@ -171,11 +168,54 @@ pub struct Listen {
 impl Listen {
     /// The socket address to bind.
     pub fn addr(&self, name: &str) -> Result<SocketAddr, SettingsError> {
-        let ip: IpAddr = self
-            .host
-            .parse()
-            .map_err(|_| SettingsError::invalid(name, &self.host, "not an IP address"))?;
-        Ok(SocketAddr::new(ip, self.port))
+        socket_addr(&self.host, self.port, name)
+    }
+}
+
+fn socket_addr(host: &str, port: u16, name: &str) -> Result<SocketAddr, SettingsError> {
+    let ip: IpAddr = host
+        .parse()
+        .map_err(|_| SettingsError::invalid(name, host, "not an IP address"))?;
+    Ok(SocketAddr::new(ip, port))
+}
+
+/// The gRPC listener, and when its connections are recycled so that new replicas get their share of
+/// long-lived clients such as Envoy.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct GrpcSettings {
+    /// IP address to bind. Env `GRPC_HOST`; default `0.0.0.0`.
+    pub host: String,
+    /// TCP port; 0 picks a free one. Env `GRPC_PORT`; default 8081.
+    pub port: u16,
+    /// A connection this old is closed gracefully: HTTP/2 GOAWAY, so the client opens a new connection
+    /// (possibly to another replica) for its next calls while the calls in flight finish. Varied by up to
+    /// ±10 %, drawn once when the process starts (tonic takes one age for all connections): replicas
+    /// spread their recycling, while connections one replica accepted together are recycled together.
+    /// `0s`: never. Env `GRPC_MAX_CONNECTION_AGE`; default `24h`, as the reference.
+    #[serde(with = "humantime_serde_compat")]
+    pub max_connection_age: Duration,
+    /// How long calls still in flight on a connection past its age may run; then the connection is
+    /// closed whatever runs on it. `0s`: no bound. Env `GRPC_MAX_CONNECTION_AGE_GRACE`; default `1h`.
+    #[serde(with = "humantime_serde_compat")]
+    pub max_connection_age_grace: Duration,
+}
+
+impl Default for GrpcSettings {
+    fn default() -> Self {
+        Self {
+            host: "0.0.0.0".into(),
+            port: 8081,
+            max_connection_age: Duration::from_secs(24 * 3600),
+            max_connection_age_grace: Duration::from_secs(3600),
+        }
+    }
+}
+
+impl GrpcSettings {
+    /// The socket address to bind.
+    pub fn addr(&self, name: &str) -> Result<SocketAddr, SettingsError> {
+        socket_addr(&self.host, self.port, name)
     }
 }
 
@@ -910,6 +950,14 @@ impl Settings {
         if let Some(v) = get("GRPC_CLIENT_TLS_SAN") {
             self.grpc_tls.client_san = Some(v.to_owned());
         }
+        if let Some(v) = get("GRPC_MAX_CONNECTION_AGE") {
+            self.grpc.max_connection_age = humantime::parse_duration(v)
+                .map_err(|e| SettingsError::invalid("GRPC_MAX_CONNECTION_AGE", v, e))?;
+        }
+        if let Some(v) = get("GRPC_MAX_CONNECTION_AGE_GRACE") {
+            self.grpc.max_connection_age_grace = humantime::parse_duration(v)
+                .map_err(|e| SettingsError::invalid("GRPC_MAX_CONNECTION_AGE_GRACE", v, e))?;
+        }
         if let Some(v) = get("REDIS_POOL_SIZE") {
             self.redis.pool_size = parse(v, "REDIS_POOL_SIZE")?;
         }
@@ -1370,6 +1418,48 @@ mod tests {
             .unwrap_err();
         assert!(
             err.to_string().contains("REDIS_TYPE") && err.to_string().contains("ring"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn connection_age_from_the_reference_variables_and_the_settings_file() {
+        let s = Settings::load(None, &env(&[])).unwrap();
+        assert_eq!(
+            (s.grpc.max_connection_age, s.grpc.max_connection_age_grace),
+            (Duration::from_secs(24 * 3600), Duration::from_secs(3600)),
+            "the reference's defaults"
+        );
+        let s = Settings::load(
+            None,
+            &env(&[
+                ("GRPC_MAX_CONNECTION_AGE", "1h30m"),
+                ("GRPC_MAX_CONNECTION_AGE_GRACE", "0"),
+            ]),
+        )
+        .unwrap();
+        assert_eq!(
+            (s.grpc.max_connection_age, s.grpc.max_connection_age_grace),
+            (Duration::from_secs(5400), Duration::ZERO)
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("s.yaml");
+        std::fs::write(
+            &file,
+            "grpc:\n  port: 7000\n  max_connection_age: 10m\n  max_connection_age_grace: 30s\n",
+        )
+        .unwrap();
+        let s = Settings::load(Some(&file), &env(&[])).unwrap();
+        assert_eq!(s.grpc.port, 7000);
+        assert_eq!(
+            (s.grpc.max_connection_age, s.grpc.max_connection_age_grace),
+            (Duration::from_secs(600), Duration::from_secs(30))
+        );
+        let err = Settings::load(None, &env(&[("GRPC_MAX_CONNECTION_AGE", "a day")]))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("GRPC_MAX_CONNECTION_AGE") && err.contains("a day"),
             "{err}"
         );
     }

@@ -1,5 +1,6 @@
 //! Traces: ratelimitd (the binary) exports spans over OTLP/gRPC to an in-process collector, continuing
-//! the caller's W3C trace context.
+//! the caller's trace context, W3C (`traceparent`) or B3 (single `b3` header or `x-b3-*` headers), and
+//! its sampling decision.
 
 mod common;
 
@@ -53,8 +54,16 @@ fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
+/// The server span of the call made under `trace_id`, if one was exported.
+fn call_span(spans: &[Span], trace_id: &str) -> Option<Span> {
+    spans
+        .iter()
+        .find(|s| s.name == "ShouldRateLimit" && hex(&s.trace_id) == trace_id)
+        .cloned()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn spans_reach_the_collector_under_the_callers_trace() {
+async fn spans_reach_the_collector_under_the_callers_w3c_or_b3_trace() {
     let collector = Collector::default();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let endpoint = format!("http://{}", listener.local_addr().unwrap());
@@ -82,24 +91,48 @@ async fn spans_reach_the_collector_under_the_callers_trace() {
         ("OTEL_EXPORTER_OTLP_ENDPOINT", &endpoint),
     ]);
     let mut running = common::start_binary(&mut cmd);
-
-    let trace_id = "4bf92f3577b34da6a3ce929d0e0e4736";
-    let parent_id = "00f067aa0ba902b7";
     let mut client =
         ratelimitd::proto::RateLimitServiceClient::connect(format!("http://{}", running.grpc))
             .await
             .unwrap();
-    let mut req = tonic::Request::new(common::request(
-        "web",
-        vec![common::descriptor(&[("user", "u")])],
-    ));
-    req.metadata_mut().insert(
-        "traceparent",
-        format!("00-{trace_id}-{parent_id}-01").parse().unwrap(),
-    );
-    client.should_rate_limit(req).await.unwrap();
 
-    // Stopping flushes the batch of spans.
+    // One call per way of carrying the caller's trace: (trace id, caller's span id, headers).
+    let w3c = ("4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7");
+    let b3_single = ("80f198ee56343ba864fe8b2a57d3eff7", "e457b5a2e4d86bd1");
+    let b3_multi = ("463ac35c9f6413ad48485a3953bb6124", "a2fb4a1d1a96d312");
+    let b3_unsampled = ("0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331");
+    let b3_multi_unsampled = ("5b8efff798038103d269b633813fc60c", "eee19b7ec3c1b174");
+    let calls: Vec<Vec<(&str, String)>> = vec![
+        vec![("traceparent", format!("00-{}-{}-01", w3c.0, w3c.1))],
+        vec![(
+            "b3",
+            format!("{}-{}-1-05e3ac9a4f6e3b90", b3_single.0, b3_single.1),
+        )],
+        vec![
+            ("x-b3-traceid", b3_multi.0.to_string()),
+            ("x-b3-spanid", b3_multi.1.to_string()),
+            ("x-b3-parentspanid", "05e3ac9a4f6e3b90".to_string()),
+            ("x-b3-sampled", "1".to_string()),
+        ],
+        vec![("b3", format!("{}-{}-0", b3_unsampled.0, b3_unsampled.1))],
+        vec![
+            ("x-b3-traceid", b3_multi_unsampled.0.to_string()),
+            ("x-b3-spanid", b3_multi_unsampled.1.to_string()),
+            ("x-b3-sampled", "0".to_string()),
+        ],
+    ];
+    for headers in calls {
+        let mut req = tonic::Request::new(common::request(
+            "web",
+            vec![common::descriptor(&[("user", "u")])],
+        ));
+        for (name, value) in headers {
+            req.metadata_mut().insert(name, value.parse().unwrap());
+        }
+        client.should_rate_limit(req).await.unwrap();
+    }
+
+    // Stopping flushes the batch of spans; once the process is gone, everything has been exported.
     let pid = running.child.id().to_string();
     assert!(std::process::Command::new("kill")
         .args(["-TERM", &pid])
@@ -107,30 +140,53 @@ async fn spans_reach_the_collector_under_the_callers_trace() {
         .unwrap()
         .success());
     let deadline = Instant::now() + Duration::from_secs(15);
-    let (call, backend) = loop {
-        {
-            let spans = collector.spans.lock().unwrap();
-            let call = spans.iter().find(|s| s.name == "ShouldRateLimit").cloned();
-            let backend = spans.iter().find(|s| s.name == "backend call").cloned();
-            if let (Some(call), Some(backend)) = (call, backend) {
-                break (call, backend);
-            }
+    let exit = loop {
+        if let Some(exit) = running.child.try_wait().unwrap() {
+            break exit;
         }
-        assert!(Instant::now() < deadline, "no spans received");
+        assert!(Instant::now() < deadline, "ratelimitd did not stop");
         tokio::time::sleep(Duration::from_millis(100)).await;
     };
-    assert_eq!(running.child.wait().unwrap().code(), Some(0));
+    assert_eq!(exit.code(), Some(0));
+    let spans = collector.spans.lock().unwrap().clone();
+    let names: Vec<(String, String)> = spans
+        .iter()
+        .filter(|s| s.name == "ShouldRateLimit" || s.name == "backend call")
+        .map(|s| (s.name.clone(), hex(&s.trace_id)))
+        .collect();
+
+    for (how, (trace_id, parent_id)) in [
+        ("W3C traceparent", w3c),
+        ("B3 single header", b3_single),
+        ("B3 multiple headers", b3_multi),
+    ] {
+        let call = call_span(&spans, trace_id)
+            .unwrap_or_else(|| panic!("no span continues the {how} trace: {names:?}"));
+        assert_eq!(
+            hex(&call.parent_span_id),
+            parent_id,
+            "{how}: the caller's span is the parent"
+        );
+        assert_eq!(attribute(&call, "domain").as_deref(), Some("web"));
+        assert_eq!(attribute(&call, "decision").as_deref(), Some("OK"));
+        let backend = spans
+            .iter()
+            .find(|s| s.name == "backend call" && s.parent_span_id == call.span_id)
+            .unwrap_or_else(|| panic!("{how}: no backend call under the check: {names:?}"));
+        assert_eq!(attribute(backend, "backend").as_deref(), Some("memory"));
+    }
+    for (how, (trace_id, _)) in [
+        ("B3 single header", b3_unsampled),
+        ("B3 multiple headers", b3_multi_unsampled),
+    ] {
+        assert!(
+            spans.iter().all(|s| hex(&s.trace_id) != trace_id),
+            "{how}: the caller's decision not to sample is honoured: {names:?}"
+        );
+    }
     assert_eq!(
-        hex(&call.trace_id),
-        trace_id,
-        "continues the caller's trace"
+        spans.iter().filter(|s| s.name == "ShouldRateLimit").count(),
+        3,
+        "unsampled calls export nothing, not even a trace of their own: {names:?}"
     );
-    assert_eq!(hex(&call.parent_span_id), parent_id);
-    assert_eq!(attribute(&call, "domain").as_deref(), Some("web"));
-    assert_eq!(attribute(&call, "decision").as_deref(), Some("OK"));
-    assert_eq!(
-        backend.parent_span_id, call.span_id,
-        "the backend call is a child of the check"
-    );
-    assert_eq!(attribute(&backend, "backend").as_deref(), Some("memory"));
 }

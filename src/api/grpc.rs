@@ -39,7 +39,7 @@ impl RateLimitService for RateLimitApi {
         &self,
         request: Request<RateLimitRequest>,
     ) -> Result<Response<RateLimitResponse>, Status> {
-        // W3C trace context from the caller (Envoy, or a service's own tracer).
+        // The caller's trace context (Envoy, or a service's own tracer): W3C, else B3.
         let parent = opentelemetry::global::get_text_map_propagator(|p| {
             p.extract(&MetadataExtractor(request.metadata()))
         });

@@ -1,6 +1,8 @@
 //! Logging (`LOG_LEVEL`, `LOG_FORMAT`: text or JSON lines with time, level and message), traces
-//! (OpenTelemetry over OTLP/gRPC when `TRACING_ENABLED`) and metrics.
+//! (OpenTelemetry over OTLP/gRPC when `TRACING_ENABLED`, continuing the caller's W3C or B3 trace context)
+//! and metrics.
 
+pub mod b3;
 pub mod metrics;
 pub mod top;
 
@@ -51,8 +53,13 @@ pub fn init(log: &LogSettings, traces: &TracingSettings) -> Result<Telemetry, St
         let provider = tracer_provider(traces)?;
         let tracer = provider.tracer("ratelimitd");
         telemetry.provider = Some(provider);
+        // The composite asks each propagator in turn, and one that finds a context replaces what an
+        // earlier one found: W3C `traceparent` when the caller sends one, else B3.
         opentelemetry::global::set_text_map_propagator(
-            opentelemetry_sdk::propagation::TraceContextPropagator::new(),
+            opentelemetry::propagation::TextMapCompositePropagator::new(vec![
+                Box::new(b3::B3Propagator::default()),
+                Box::new(opentelemetry_sdk::propagation::TraceContextPropagator::new()),
+            ]),
         );
         // Spans are exported whatever LOG_LEVEL says about log lines.
         Some(

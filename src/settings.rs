@@ -565,6 +565,10 @@ pub struct RedisSettings {
     pub socket_type: Option<SocketType>,
     /// Env `REDIS_AUTH`: `password` or `user:password` (Redis ACL user).
     pub auth: Secret,
+    /// Env `REDIS_SENTINEL_AUTH`: the Sentinels' own `password` or `user:password`, for Sentinels with
+    /// `requirepass` (`auth` is the master's and is not sent to them). Unset: the Sentinels are asked
+    /// without authentication, as the reference does.
+    pub sentinel_auth: Secret,
     /// Env `REDIS_TLS`: connect with TLS (also implied by a `rediss://` URL). The server certificate is
     /// checked against `tls_ca_cert`, or the system's roots when unset.
     pub tls: bool,
@@ -601,6 +605,7 @@ impl Default for RedisSettings {
             topology: RedisTopology::Single,
             socket_type: None,
             auth: Secret::default(),
+            sentinel_auth: Secret::default(),
             tls: false,
             tls_ca_cert: None,
             tls_client_cert: None,
@@ -918,6 +923,9 @@ impl Settings {
         }
         if let Some(v) = env.get("REDIS_AUTH").filter(|v| !v.is_empty()) {
             self.redis.auth = Secret(v.clone());
+        }
+        if let Some(v) = env.get("REDIS_SENTINEL_AUTH").filter(|v| !v.is_empty()) {
+            self.redis.sentinel_auth = Secret(v.clone());
         }
         if let Some(v) = get("REDIS_TLS") {
             self.redis.tls = parse_bool(v, "REDIS_TLS")?;
@@ -1367,6 +1375,7 @@ mod tests {
                 ("REDIS_URL", "mymaster,10.0.0.1:26379,10.0.0.2:26379"),
                 ("REDIS_TYPE", "SENTINEL"),
                 ("REDIS_AUTH", "app:s3cret"),
+                ("REDIS_SENTINEL_AUTH", "sentinel-pw"),
                 ("REDIS_POOL_SIZE", "4"),
                 ("REDIS_TIMEOUT", "25ms"),
                 ("CACHE_KEY_PREFIX", "svc:"),
@@ -1379,6 +1388,7 @@ mod tests {
         assert_eq!(s.backend(), BackendKind::Redis, "a Redis URL selects redis");
         assert_eq!(s.redis.topology, RedisTopology::Sentinel);
         assert_eq!(s.redis.auth.0, "app:s3cret");
+        assert_eq!(s.redis.sentinel_auth.0, "sentinel-pw");
         assert_eq!(
             (s.redis.pool_size, s.redis.timeout),
             (4, Duration::from_millis(25))
@@ -1388,8 +1398,8 @@ mod tests {
         assert_eq!(s.on_backend_error, OnBackendError::Allow);
         let shown = format!("{s:?}");
         assert!(
-            !shown.contains("s3cret"),
-            "the password never shows: {shown}"
+            !shown.contains("s3cret") && !shown.contains("sentinel-pw"),
+            "the passwords never show: {shown}"
         );
 
         let err = Settings::load(None, &env(&[("REDIS_URL", "h:1")])).unwrap_err();

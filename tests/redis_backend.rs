@@ -14,7 +14,7 @@ use std::{
 
 use common::{
     descriptor,
-    redis::{command_calls, RedisCluster, RedisProcess, SentinelSet},
+    redis::{command_calls, RedisCluster, RedisProcess, SentinelPasswords, SentinelSet},
     request, TestServer,
 };
 use ratelimitd::{
@@ -462,6 +462,88 @@ async fn follows_a_sentinel_failover() {
         .cli(&["INFO", "replication"])
         .contains("role:master"));
     s.stop().await;
+}
+
+/// The binary on a Sentinel set through the reference variables, with the given REDIS_AUTH and
+/// REDIS_SENTINEL_AUTH.
+fn on_sentinels(
+    set: &SentinelSet,
+    rules: &std::path::Path,
+    auth: Option<&str>,
+    sentinel_auth: Option<&str>,
+) -> common::Running {
+    let mut cmd = common::binary(rules);
+    cmd.envs([
+        ("REDIS_TYPE", "sentinel"),
+        ("REDIS_URL", set.url().as_str()),
+        ("REDIS_TIMEOUT", "500ms"),
+        ("RATELIMITD_HASH_SECRET", "test-hash-secret"),
+    ]);
+    for (name, value) in [("REDIS_AUTH", auth), ("REDIS_SENTINEL_AUTH", sentinel_auth)] {
+        if let Some(value) = value {
+            cmd.env(name, value);
+        }
+    }
+    common::start_binary(&mut cmd)
+}
+
+/// The HTTP statuses of `n` login checks for one user (limit 5 a minute).
+fn logins(running: &common::Running, user: &str, n: usize) -> Vec<u16> {
+    let body = format!(
+        r#"{{"domain":"fleet","descriptors":[{{"entries":[{{"key":"login","value":"{user}"}}]}}]}}"#
+    );
+    (0..n)
+        .map(|_| common::http_request(running.http, "POST", "/json", &body).0)
+        .collect()
+}
+
+#[test]
+fn sentinels_with_a_password_of_their_own_need_redis_sentinel_auth() {
+    const MASTER_PASSWORD: &str = "master-password-41";
+    const SENTINEL_PASSWORD: &str = "sentinel-password-73";
+    let set = SentinelSet::start_with(SentinelPasswords {
+        master: Some(MASTER_PASSWORD),
+        sentinels: Some(SENTINEL_PASSWORD),
+    });
+    let rules = tempfile::tempdir().unwrap();
+    std::fs::write(rules.path().join("fleet.yaml"), RULES).unwrap();
+
+    let running = on_sentinels(
+        &set,
+        rules.path(),
+        Some(MASTER_PASSWORD),
+        Some(SENTINEL_PASSWORD),
+    );
+    assert!(
+        running.serving_within(Duration::from_secs(20)),
+        "not healthy with both passwords: {}",
+        running.log.lock().unwrap()
+    );
+    assert_eq!(
+        logins(&running, "eve", 6),
+        vec![200, 200, 200, 200, 200, 429]
+    );
+    let keys = set
+        .master
+        .cli(&["--scan", "--pattern", "fleet_login_eve_*"]);
+    assert_eq!(keys.lines().count(), 1, "counted on the master: {keys:?}");
+    drop(running);
+
+    // The master's password alone does not open the sentinels: never healthy, and the log says why.
+    let running = on_sentinels(&set, rules.path(), Some(MASTER_PASSWORD), None);
+    assert!(
+        !running.serving_within(Duration::from_secs(4)),
+        "healthy without the sentinels' password"
+    );
+    assert_ne!(logins(&running, "eve", 1), vec![200]);
+    let log = running.log.lock().unwrap().clone();
+    assert!(
+        log.contains("Sentinel Error: NOAUTH Authentication required"),
+        "{log}"
+    );
+    for secret in [MASTER_PASSWORD, SENTINEL_PASSWORD] {
+        assert!(!log.contains(secret), "{secret} in the log: {log}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -157,14 +157,17 @@ impl RedisProcess {
         self.launch();
     }
 
-    /// redis-cli against this server, with its `--requirepass` password if it has one.
+    /// redis-cli against this server, with its password if it has one (`--requirepass`, or a
+    /// `requirepass` line of a sentinel's configuration).
     pub fn cli(&self, args: &[&str]) -> String {
-        let password = self
-            .args
-            .iter()
-            .position(|a| a == "--requirepass")
-            .and_then(|i| self.args.get(i + 1));
-        cli_as(self.port, password.map(String::as_str), args)
+        let password = self.args.iter().enumerate().find_map(|(i, arg)| {
+            if arg == "--requirepass" {
+                self.args.get(i + 1).map(String::as_str)
+            } else {
+                arg.strip_prefix("requirepass ")
+            }
+        });
+        cli_as(self.port, password, args)
     }
 
     pub fn addr(&self) -> String {
@@ -280,18 +283,46 @@ pub struct SentinelSet {
     pub sentinels: Vec<RedisProcess>,
 }
 
+/// The passwords of a Sentinel set; `None`: no password.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct SentinelPasswords<'a> {
+    /// The master's and the replica's `requirepass` (the sentinels and the replica are given it too).
+    pub master: Option<&'a str>,
+    /// The sentinels' own `requirepass` (each sentinel is given it to talk to the others).
+    pub sentinels: Option<&'a str>,
+}
+
 impl SentinelSet {
+    /// A set without passwords.
     pub fn start() -> Self {
-        let master = RedisProcess::start(&[]);
-        let replica = RedisProcess::start(&["--replicaof", "127.0.0.1", &master.port.to_string()]);
+        Self::start_with(SentinelPasswords::default())
+    }
+
+    pub fn start_with(passwords: SentinelPasswords<'_>) -> Self {
+        let mut auth: Vec<&str> = Vec::new();
+        if let Some(password) = passwords.master {
+            auth.extend(["--requirepass", password, "--masterauth", password]);
+        }
+        let master = RedisProcess::start(&auth);
+        let master_port = master.port.to_string();
+        let mut replica_args = vec!["--replicaof", "127.0.0.1", &master_port];
+        replica_args.extend(&auth);
+        let replica = RedisProcess::start(&replica_args);
         let sentinels = (0..3)
             .map(|_| {
-                let conf = [
+                let mut conf = vec![
                     format!("sentinel monitor mymaster 127.0.0.1 {} 2", master.port),
                     "sentinel down-after-milliseconds mymaster 1000".to_string(),
                     "sentinel failover-timeout mymaster 3000".to_string(),
                     "sentinel parallel-syncs mymaster 1".to_string(),
                 ];
+                if let Some(password) = passwords.master {
+                    conf.push(format!("sentinel auth-pass mymaster {password}"));
+                }
+                if let Some(password) = passwords.sentinels {
+                    conf.push(format!("requirepass {password}"));
+                    conf.push(format!("sentinel sentinel-pass {password}"));
+                }
                 let conf: Vec<&str> = conf.iter().map(String::as_str).collect();
                 RedisProcess::spawn(free_port(), &conf, true)
             })

@@ -431,6 +431,12 @@ fn host_port(text: &str, default_port: u16) -> Result<(String, u16), StoreError>
 
 /// The fred configuration for the settings.
 fn client_config(settings: &RedisSettings) -> Result<Config, StoreError> {
+    // `password` or `user:password` (a Redis ACL user); empty: no authentication.
+    let credentials = |auth: &str| match auth.split_once(':') {
+        _ if auth.is_empty() => (None, None),
+        Some((user, password)) => (Some(user.to_owned()), Some(password.to_owned())),
+        None => (None, Some(auth.to_owned())),
+    };
     let url = settings.url.trim();
     let tls = settings.tls || url.starts_with("rediss://");
     let is_path = url.starts_with('/');
@@ -457,6 +463,7 @@ fn client_config(settings: &RedisSettings) -> Result<Config, StoreError> {
             }
         }
         RedisTopology::Sentinel => {
+            let (username, password) = credentials(&settings.sentinel_auth.0);
             let mut parts = url.split(',').map(str::trim).filter(|p| !p.is_empty());
             let service_name = parts.next().unwrap_or_default().to_owned();
             let hosts = parts
@@ -471,6 +478,8 @@ fn client_config(settings: &RedisSettings) -> Result<Config, StoreError> {
                 server: ServerConfig::Sentinel {
                     hosts,
                     service_name,
+                    username,
+                    password,
                 },
                 ..Config::default()
             }
@@ -494,14 +503,9 @@ fn client_config(settings: &RedisSettings) -> Result<Config, StoreError> {
         }
     };
     config.fail_fast = false;
+    // Without REDIS_AUTH, credentials in a `redis://user:password@...` URL stay.
     if !settings.auth.0.is_empty() {
-        match settings.auth.0.split_once(':') {
-            Some((user, password)) => {
-                config.username = Some(user.to_owned());
-                config.password = Some(password.to_owned());
-            }
-            None => config.password = Some(settings.auth.0.clone()),
-        }
+        (config.username, config.password) = credentials(&settings.auth.0);
     }
     if tls {
         config.tls = Some(tls::connector(settings)?.into());
@@ -561,6 +565,47 @@ mod tests {
         assert_eq!(
             (c.username.as_deref(), c.password.as_deref()),
             (Some("app"), Some("pw"))
+        );
+        let c = client_config(&settings("redis://u:p@h:7000", RedisTopology::Single)).unwrap();
+        assert_eq!(
+            (c.username.as_deref(), c.password.as_deref()),
+            (Some("u"), Some("p")),
+            "without REDIS_AUTH the URL's credentials stay"
+        );
+    }
+
+    #[test]
+    fn sentinels_get_their_own_credentials_and_the_master_its_own() {
+        let mut s = settings("mymaster,s1:26379", RedisTopology::Sentinel);
+        s.auth = crate::settings::Secret("master-pw".into());
+        let c = client_config(&s).unwrap();
+        assert_eq!(c.password.as_deref(), Some("master-pw"));
+        assert!(
+            matches!(
+                &c.server,
+                ServerConfig::Sentinel {
+                    username: None,
+                    password: None,
+                    ..
+                }
+            ),
+            "no REDIS_SENTINEL_AUTH: the sentinels are asked without the master's password"
+        );
+        s.sentinel_auth = crate::settings::Secret("watcher:sentinel-pw".into());
+        let c = client_config(&s).unwrap();
+        assert_eq!(
+            (c.username, c.password.as_deref()),
+            (None, Some("master-pw"))
+        );
+        let ServerConfig::Sentinel {
+            username, password, ..
+        } = &c.server
+        else {
+            panic!("not a sentinel config: {:?}", c.server);
+        };
+        assert_eq!(
+            (username.as_deref(), password.as_deref()),
+            (Some("watcher"), Some("sentinel-pw"))
         );
     }
 

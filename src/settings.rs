@@ -114,8 +114,9 @@ pub struct Settings {
     /// A separate Prometheus listener, as the reference service has (`/metrics` on the HTTP port is
     /// always there).
     pub prometheus: PrometheusSettings,
-    /// Secret of the HMAC-SHA256 that hashes sensitive values. Env `RATELIMITD_HASH_SECRET`. Required with
-    /// the Redis backend (the same on every replica); with the memory store a random one is made at start.
+    /// Secret of the HMAC-SHA256 that hashes sensitive values. Env `RATELIMITD_HASH_SECRET`; set it to the
+    /// same value on every replica. Unset: values are hashed with unkeyed SHA-256 (still never stored raw,
+    /// the same on every replica and restart, but a guessed value can be confirmed from the keys).
     pub hash_secret: Secret,
 }
 
@@ -1075,16 +1076,6 @@ impl Settings {
                     "must be longer than zero",
                 ));
             }
-            if !self.hashed_keys.is_empty() && self.hash_secret.0.is_empty() {
-                return Err(SettingsError::invalid(
-                    "RATELIMITD_HASH_SECRET",
-                    "",
-                    format!(
-                        "hashed_keys lists {} but there is no hash secret: set RATELIMITD_HASH_SECRET to the same secret on every replica, or set hashed_keys to an empty list",
-                        self.hashed_keys.join(", ")
-                    ),
-                ));
-            }
             if self.redis.breaker_failures == 0 {
                 return Err(SettingsError::invalid(
                     "redis.breaker_failures",
@@ -1402,16 +1393,12 @@ mod tests {
             "the passwords never show: {shown}"
         );
 
-        let err = Settings::load(None, &env(&[("REDIS_URL", "h:1")])).unwrap_err();
-        assert!(err.to_string().contains("RATELIMITD_HASH_SECRET"), "{err}");
-        let s = Settings::load(
-            None,
-            &env(&[
-                ("REDIS_URL", "h:1"),
-                ("RATELIMITD_HASHED_KEYS", "token,session"),
-            ]),
+        // The reference's variables alone are enough: without a secret, values are hashed unkeyed.
+        let s = Settings::load(None, &env(&[("REDIS_URL", "h:1")])).unwrap();
+        assert_eq!(
+            (s.backend(), s.hash_secret.0.as_str(), s.hashed_keys.len()),
+            (BackendKind::Redis, "", 3)
         );
-        assert!(s.is_err(), "still needs a secret");
         let s = Settings::load(
             None,
             &env(&[

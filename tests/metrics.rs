@@ -89,7 +89,7 @@ async fn metrics_count_known_traffic_by_rule() {
         !text.contains("sk_live_RAW"),
         "raw API key in /metrics:\n{text}"
     );
-    assert!(text.contains("rule=\"api_key_hmac-"), "{text}");
+    assert!(text.contains("rule=\"api_key_sha256-"), "{text}");
 
     assert_eq!(
         sample(&text, "ratelimitd_requests_total{result=\"ok\"}"),
@@ -174,7 +174,7 @@ async fn debug_top_lists_the_most_denied_descriptors_hashed() {
             o["descriptor"]
                 .as_str()
                 .unwrap()
-                .starts_with("web api_key=hmac-")
+                .starts_with("web api_key=sha256-")
         })
         .unwrap_or_else(|| panic!("{body}"));
     assert_eq!(api["denied"], 3);

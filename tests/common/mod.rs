@@ -282,7 +282,14 @@ pub fn start_binary(cmd: &mut Command) -> Running {
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
         assert!(Instant::now() < deadline, "no listening line in time");
-        let line = lines.next().expect("ratelimitd exited early").unwrap();
+        let Some(line) = lines.next() else {
+            panic!(
+                "ratelimitd exited early: {:?}\n{}",
+                running.child.wait(),
+                running.log.lock().unwrap()
+            );
+        };
+        let line = line.unwrap();
         running.log.lock().unwrap().push_str(&(line.clone() + "\n"));
         if let Some(rest) = line.split("Listening for gRPC on '").nth(1) {
             running.grpc = rest.split('\'').next().unwrap().parse().unwrap();

@@ -1,0 +1,136 @@
+//! First contact: the binary started the way an existing envoyproxy/ratelimit Deployment starts it, with
+//! the reference service's variables only (plus what Kubernetes adds to every pod), comes up and serves.
+
+mod common;
+
+use std::{
+    fs,
+    path::Path,
+    process::Command,
+    time::{Duration, SystemTime, UNIX_EPOCH},
+};
+
+use common::{descriptor, redis::RedisProcess, request, start_binary, Running};
+use ratelimitd::proto::{rate_limit_response::Code, RateLimitServiceClient};
+
+const RULES: &str = "domain: api\ndescriptors:\n  - key: api_key\n    rate_limit: {unit: hour, requests_per_unit: 3}\n";
+const RAW_KEY: &str = "sk_live_FIRSTCONTACT_7f3a";
+
+/// The binary with a clean environment and only the variables a reference Deployment on Redis sets, the
+/// rules in `RUNTIME_ROOT/ratelimit/config` as a ConfigMap mount puts them. Loopback and free ports
+/// stand in for the reference's 0.0.0.0:8081 and :8080, so tests can run side by side.
+fn reference_deployment(runtime_root: &Path, redis: &RedisProcess) -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_ratelimitd"));
+    cmd.env_clear().envs([
+        ("BACKEND_TYPE", "redis"),
+        ("REDIS_SOCKET_TYPE", "tcp"),
+        ("REDIS_URL", redis.addr().as_str()),
+        ("RUNTIME_ROOT", runtime_root.to_str().unwrap()),
+        ("RUNTIME_SUBDIRECTORY", "ratelimit"),
+        ("RUNTIME_APPDIRECTORY", "config"),
+        ("RUNTIME_WATCH_ROOT", "false"),
+        ("RUNTIME_IGNOREDOTFILES", "true"),
+        ("GRPC_HOST", "127.0.0.1"),
+        ("GRPC_PORT", "0"),
+        ("HOST", "127.0.0.1"),
+        ("PORT", "0"),
+    ]);
+    cmd
+}
+
+fn start_serving(cmd: &mut Command) -> Running {
+    let running = start_binary(cmd);
+    assert!(
+        running.serving_within(Duration::from_secs(20)),
+        "/healthcheck not 200 within 20 s; log:\n{}",
+        running.log.lock().unwrap()
+    );
+    running
+}
+
+/// One request with an `api_key` descriptor over gRPC; its overall code.
+async fn ask(running: &Running, api_key: &str) -> Code {
+    let mut client = RateLimitServiceClient::connect(format!("http://{}", running.grpc))
+        .await
+        .unwrap();
+    let answer = client
+        .should_rate_limit(request("api", vec![descriptor(&[("api_key", api_key)])]))
+        .await
+        .unwrap_or_else(|status| {
+            panic!(
+                "no decision: {status:?}; log:\n{}",
+                running.log.lock().unwrap()
+            )
+        })
+        .into_inner();
+    Code::try_from(answer.overall_code).unwrap()
+}
+
+/// The keys in Redis, sorted.
+fn redis_keys(redis: &RedisProcess) -> Vec<String> {
+    let mut keys: Vec<String> = redis
+        .cli(&["--scan"])
+        .lines()
+        .map(str::to_owned)
+        .filter(|k| !k.is_empty())
+        .collect();
+    keys.sort();
+    keys
+}
+
+/// The test counts in one hour window, restart included: near the end of one, wait for the next.
+fn wait_for_room_in_the_hour_window() {
+    let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap();
+    let left = 3600 - now.as_secs() % 3600;
+    if left < 60 {
+        std::thread::sleep(Duration::from_secs(left + 1));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_with_only_the_reference_variables_serves_hashes_api_keys_and_keeps_counting_across_a_restart(
+) {
+    let redis = RedisProcess::start(&[]);
+    let runtime = tempfile::tempdir().unwrap();
+    let config = runtime.path().join("ratelimit/config");
+    fs::create_dir_all(&config).unwrap();
+    fs::write(config.join("api.yaml"), RULES).unwrap();
+    wait_for_room_in_the_hour_window();
+
+    let first = start_serving(&mut reference_deployment(runtime.path(), &redis));
+    for hit in 1..=3 {
+        assert_eq!(ask(&first, RAW_KEY).await, Code::Ok, "hit {hit} of 3");
+    }
+    assert_eq!(ask(&first, RAW_KEY).await, Code::OverLimit, "hit 4 of 3");
+    let keys = redis_keys(&redis);
+    assert!(!keys.is_empty(), "the count is in Redis");
+    assert!(
+        keys.iter().all(|k| !k.contains(RAW_KEY)),
+        "the raw API key is in a Redis key: {keys:?}"
+    );
+    let log = first.log.lock().unwrap().clone();
+    assert!(
+        !log.contains(RAW_KEY),
+        "the raw API key is in the log:\n{log}"
+    );
+    assert_eq!(
+        log.lines()
+            .filter(|l| l.contains("RATELIMITD_HASH_SECRET"))
+            .count(),
+        1,
+        "one warning names the setting that makes the hash keyed:\n{log}"
+    );
+    drop(first);
+
+    let second = start_serving(&mut reference_deployment(runtime.path(), &redis));
+    assert_eq!(
+        ask(&second, RAW_KEY).await,
+        Code::OverLimit,
+        "after a restart the count continues"
+    );
+    assert_eq!(
+        redis_keys(&redis),
+        keys,
+        "after a restart the same Redis keys are used"
+    );
+}

@@ -139,6 +139,12 @@ pub async fn run_with_clock(
             tokio::spawn(async move { health.rules_loaded(domains).await });
         })
     };
+    // Watching starts before the first load, so that a change made while it reads is loaded too.
+    let watch = if settings.rules.watch {
+        rules::RulesWatch::start(&source)
+    } else {
+        None
+    };
     rules::reload(&source, &rules, &reload_stats, &on_loaded);
     register_rules_metrics(&metrics, &rules, &reload_stats);
 
@@ -187,9 +193,8 @@ pub async fn run_with_clock(
         tasks.spawn(async move { store.maintain(&clock, every, stop).await });
     }
 
-    if settings.rules.watch {
-        tasks.spawn(rules::watch(
-            source,
+    if let Some(watch) = watch {
+        tasks.spawn(watch.run(
             rules.clone(),
             reload_stats,
             on_loaded,

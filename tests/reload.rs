@@ -1,4 +1,5 @@
-//! Live reload of the rules folder, with real files, renames and symlinks.
+//! Live reload of the rules folder, with real files, renames and symlinks: each change is loaded exactly
+//! once, and nothing else (reading the files, other files nearby) loads the rules again.
 
 mod common;
 
@@ -15,14 +16,82 @@ const V1: &str = "domain: web\ndescriptors:\n  - key: user\n    rate_limit: {uni
 const V2: &str = "domain: web\ndescriptors:\n  - key: user\n    rate_limit: {unit: minute, requests_per_unit: 7}\n";
 const OTHER: &str = "domain: other\ndescriptors:\n  - key: ip\n    rate_limit: {unit: hour, requests_per_unit: 3}\n";
 
+/// The production default: long enough that one change, however many file system events it makes, is one
+/// burst even on a busy machine.
+const RELOAD_DELAY: Duration = Duration::from_millis(250);
+/// How long a finished change is given to (wrongly) load the rules again.
+const SETTLE: Duration = Duration::from_millis(1500);
+
 async fn start(root: &Path, ignore_dotfiles: bool) -> TestServer {
     let root = root.to_path_buf();
     TestServer::start(&[], move |s| {
         s.rules.path = Some(root);
         s.rules.ignore_dotfiles = ignore_dotfiles;
-        s.rules.reload_delay = Duration::from_millis(100);
+        s.rules.reload_delay = RELOAD_DELAY;
     })
     .await
+}
+
+/// The reference layout: `RUNTIME_ROOT=<dir>/current`, a symlink to `v1` (swapped whole to `v2` to publish),
+/// `RUNTIME_SUBDIRECTORY=ratelimit`, the rules under `config/`.
+async fn start_reference_layout(dir: &Path) -> TestServer {
+    for (version, text) in [("v1", V1), ("v2", V2)] {
+        let config = dir.join(version).join("ratelimit/config");
+        fs::create_dir_all(&config).unwrap();
+        fs::write(config.join("web.yaml"), text).unwrap();
+    }
+    symlink("v1", dir.join("current")).unwrap();
+    let root = dir.join("current");
+    TestServer::start(&[], move |s| {
+        s.rules.path = None;
+        s.rules.runtime_root = Some(root);
+        s.rules.runtime_subdirectory = "ratelimit".into();
+        s.rules.runtime_watch_root = true;
+        s.rules.reload_delay = RELOAD_DELAY;
+    })
+    .await
+}
+
+/// Rules loads that ran, from `/metrics`: (`ratelimit_service_config_load_success`, `..._error`).
+async fn loads(s: &TestServer) -> (u64, u64) {
+    let (_, text) = s.http("GET", "/metrics", "").await;
+    let sample = |name: &str| -> u64 {
+        text.lines()
+            .find_map(|l| l.strip_prefix(name).and_then(|v| v.strip_prefix(' ')))
+            .unwrap_or_else(|| panic!("no {name} in /metrics:\n{text}"))
+            .parse()
+            .unwrap()
+    };
+    (
+        sample("ratelimit_service_config_load_success"),
+        sample("ratelimit_service_config_load_error"),
+    )
+}
+
+/// Waits until the load counts satisfy `ok`; returns them.
+async fn wait_loads(s: &TestServer, what: &str, ok: impl Fn((u64, u64)) -> bool) -> (u64, u64) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let counts = loads(s).await;
+        if ok(counts) {
+            return counts;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{what}: (successes, errors) are still {counts:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// After a change was seen loaded: the counts stay where they are for one more quiet period.
+async fn assert_settled(s: &TestServer, what: &str, expected: (u64, u64)) {
+    tokio::time::sleep(SETTLE).await;
+    assert_eq!(
+        loads(s).await,
+        expected,
+        "{what}: (successes, errors) moved again after the change was loaded"
+    );
 }
 
 /// Waits until /rlconfig satisfies `ok`; returns its text.
@@ -73,9 +142,13 @@ async fn a_configmap_update_swaps_the_rules_in() {
     configmap_publish(dir.path(), 1, &[("web.yaml", V1)]);
     let s = start(dir.path(), true).await;
     wait_rules(&s, "initial", |t| t.contains(&user_limit(1))).await;
+    let before = wait_loads(&s, "initial", |(ok, _)| ok >= 1).await;
 
     configmap_publish(dir.path(), 2, &[("web.yaml", V2)]);
     wait_rules(&s, "after the ..data swap", |t| t.contains(&user_limit(7))).await;
+    let after = (before.0 + 1, before.1);
+    wait_loads(&s, "after the ..data swap", |n| n == after).await;
+    assert_settled(&s, "one ..data swap is one load", after).await;
     let mut c = s.client().await;
     let resp = c
         .should_rate_limit(request("web", vec![descriptor(&[("user", "u")])]))
@@ -102,7 +175,8 @@ async fn a_broken_file_keeps_the_old_rules_until_it_is_fixed() {
     )
     .unwrap();
     fs::write(dir.path().join("other.yaml"), OTHER).unwrap();
-    tokio::time::sleep(Duration::from_millis(800)).await;
+    // The broken set was loaded and refused: only then does "the old rules are still served" mean anything.
+    wait_loads(&s, "the broken file is refused", |(_, errors)| errors >= 1).await;
     let text = wait_rules(&s, "old rules kept", |t| t.contains(&user_limit(1))).await;
     assert!(
         !text.contains("other.ip"),
@@ -170,39 +244,97 @@ async fn an_editor_saving_through_a_rename_is_picked_up() {
     fs::write(dir.path().join("web.yaml"), V1).unwrap();
     let s = start(dir.path(), true).await;
     wait_rules(&s, "initial", |t| t.contains(&user_limit(1))).await;
+    let before = wait_loads(&s, "initial", |(ok, _)| ok >= 1).await;
     // Write a hidden temporary file, then rename it over the original, as vim and most editors do.
     let tmp = dir.path().join(".web.yaml.swp");
     fs::write(&tmp, V2).unwrap();
     fs::rename(&tmp, dir.path().join("web.yaml")).unwrap();
     wait_rules(&s, "after the rename", |t| t.contains(&user_limit(7))).await;
+    let after = (before.0 + 1, before.1);
+    wait_loads(&s, "after the rename", |n| n == after).await;
+    assert_settled(&s, "one editor save is one load", after).await;
     s.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_reference_layout_reloads_when_runtime_root_is_swapped() {
-    // RUNTIME_ROOT=<dir>/current -> v1, RUNTIME_SUBDIRECTORY=ratelimit, files under config/.
     let dir = tempfile::tempdir().unwrap();
-    for (version, text) in [("v1", V1), ("v2", V2)] {
-        let config = dir.path().join(version).join("ratelimit/config");
-        fs::create_dir_all(&config).unwrap();
-        fs::write(config.join("web.yaml"), text).unwrap();
-    }
-    symlink("v1", dir.path().join("current")).unwrap();
-    let root = dir.path().join("current");
-    let s = TestServer::start(&[], move |s| {
-        s.rules.path = None;
-        s.rules.runtime_root = Some(root);
-        s.rules.runtime_subdirectory = "ratelimit".into();
-        s.rules.runtime_watch_root = true;
-        s.rules.reload_delay = Duration::from_millis(100);
-    })
-    .await;
+    let s = start_reference_layout(dir.path()).await;
     wait_rules(&s, "initial", |t| t.contains(&user_limit(1))).await;
+    let before = wait_loads(&s, "initial", |(ok, _)| ok >= 1).await;
     symlink("v2", dir.path().join("current.tmp")).unwrap();
     fs::rename(dir.path().join("current.tmp"), dir.path().join("current")).unwrap();
     wait_rules(&s, "after swapping RUNTIME_ROOT", |t| {
         t.contains(&user_limit(7))
     })
     .await;
+    let after = (before.0 + 1, before.1);
+    wait_loads(&s, "after swapping RUNTIME_ROOT", |n| n == after).await;
+    assert_settled(&s, "one RUNTIME_ROOT swap is one load", after).await;
     s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn editing_a_file_loads_the_rules_once() {
+    let dir = tempfile::tempdir().unwrap();
+    fs::write(dir.path().join("web.yaml"), V1).unwrap();
+    let s = start(dir.path(), false).await;
+    wait_rules(&s, "initial", |t| t.contains(&user_limit(1))).await;
+    let before = wait_loads(&s, "initial", |(ok, _)| ok >= 1).await;
+    fs::write(dir.path().join("web.yaml"), V2).unwrap();
+    wait_rules(&s, "after the edit", |t| t.contains(&user_limit(7))).await;
+    let after = (before.0 + 1, before.1);
+    wait_loads(&s, "after the edit", |n| n == after).await;
+    assert_settled(&s, "one edit is one load", after).await;
+    s.stop().await;
+}
+
+/// Every file under `dir`, read whole (following symlinks, as `cat` does).
+fn read_all(dir: &Path) {
+    for entry in fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.is_dir() {
+            read_all(&path);
+        } else {
+            let _ = fs::read(&path);
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_service_loads_its_rules_once_even_when_they_are_read() {
+    // A plain folder, a ConfigMap mount, and the reference layout under a symlinked RUNTIME_ROOT.
+    let (plain, configmap, reference) = (
+        tempfile::tempdir().unwrap(),
+        tempfile::tempdir().unwrap(),
+        tempfile::tempdir().unwrap(),
+    );
+    fs::write(plain.path().join("web.yaml"), V1).unwrap();
+    configmap_publish(configmap.path(), 1, &[("web.yaml", V1)]);
+    let servers = [
+        ("a plain folder", start(plain.path(), false).await),
+        ("a ConfigMap mount", start(configmap.path(), true).await),
+        (
+            "the reference layout",
+            start_reference_layout(reference.path()).await,
+        ),
+    ];
+    for (what, s) in &servers {
+        wait_rules(s, what, |t| t.contains(&user_limit(1))).await;
+    }
+    // Others reading the rules (a backup, `kubectl exec cat`, check-config) change nothing.
+    for dir in [&plain, &configmap, &reference] {
+        read_all(dir.path());
+    }
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    for (what, s) in &servers {
+        assert_eq!(
+            loads(s).await,
+            (1, 0),
+            "{what}: an idle service loads its rules once, at start"
+        );
+    }
+    for (_, s) in servers {
+        s.stop().await;
+    }
 }

@@ -14,7 +14,7 @@ use arc_swap::ArcSwapOption;
 pub use loader::{load, LoadError, Loaded};
 pub use matcher::{Cidr, EntryRef, Wildcard};
 pub use model::{Domain, Level, Limit, Node, RuleSet, Unit};
-pub use watcher::{reload, watch, OnLoaded, ReloadStats};
+pub use watcher::{reload, OnLoaded, ReloadStats, RulesWatch};
 pub use yaml::{parse_file, DomainFile};
 
 /// The rule set requests are decided against; empty until the first successful load.

@@ -6,10 +6,15 @@
 //! when every file is valid; otherwise the current rules keep serving and the error is logged with the
 //! file and the rule, and counted. Kubernetes ConfigMap updates (a new hidden timestamped folder, then an
 //! atomic rename of the `..data` symlink), editors writing through a rename, deleted and new files all
-//! arrive as events here. A content fingerprint skips reloads that change nothing.
+//! arrive as events here. A content fingerprint skips swaps that change nothing.
+//!
+//! Only events that can change what is loaded start a load: creations, writes, renames and removals
+//! under the root, and, in the root's parent folder, those naming the root or the swap point. Reading the
+//! files raises events too (open, access, close without writing), the load's own reads among them: were
+//! those counted, every load would start the next one, forever.
 
 use std::{
-    path::Path,
+    path::{Path, PathBuf},
     sync::{
         atomic::{AtomicU64, Ordering},
         Arc,
@@ -17,7 +22,10 @@ use std::{
     time::Duration,
 };
 
-use notify::{RecursiveMode, Watcher};
+use notify::{
+    event::{AccessKind, AccessMode, ModifyKind},
+    EventKind, RecursiveMode, Watcher,
+};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
@@ -66,71 +74,210 @@ pub fn reload(
     }
 }
 
-/// Watches the rules root until `stop`, reloading after each burst of changes.
-pub async fn watch(
+/// Watches registered on the rules folder. Events are collected from [`RulesWatch::start`] on, so that a
+/// change made while the first load runs is not missed; [`RulesWatch::run`] acts on them.
+pub struct RulesWatch {
     source: RulesSource,
-    rules: Arc<Rules>,
-    stats: Arc<ReloadStats>,
-    on_loaded: OnLoaded,
-    quiet: Duration,
-    stop: CancellationToken,
-) {
-    let (tx, mut rx) = mpsc::unbounded_channel::<()>();
-    let mut watcher =
-        match notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
-            if event.is_ok() {
-                let _ = tx.send(());
+    watched: Watched,
+    watcher: notify::RecommendedWatcher,
+    changes: mpsc::UnboundedReceiver<()>,
+}
+
+impl RulesWatch {
+    /// Starts listening for changes to the rules. Call it before the first load. `None` (with the reason
+    /// logged) when the platform cannot watch: the rules then never reload.
+    pub fn start(source: &RulesSource) -> Option<Self> {
+        let Some(watched) = Watched::new(source) else {
+            tracing::error!(path = %source.root.display(), "cannot resolve the rules folder, rules will not reload");
+            return None;
+        };
+        let (tx, changes) = mpsc::unbounded_channel::<()>();
+        let filter = watched.clone();
+        let watcher = notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
+            if let Ok(event) = event {
+                if filter.may_change_rules(&event) {
+                    let _ = tx.send(());
+                }
             }
-        }) {
-            Ok(w) => w,
+        });
+        let mut watch = match watcher {
+            Ok(watcher) => Self {
+                source: source.clone(),
+                watched,
+                watcher,
+                changes,
+            },
             Err(err) => {
                 tracing::error!("cannot watch the rules folder, rules will not reload: {err}");
-                return;
+                return None;
             }
         };
-    let watch_paths = |watcher: &mut notify::RecommendedWatcher| {
-        let swapped = std::iter::once(&source.root).chain(source.swap_point.as_ref());
-        for path in swapped {
-            if let Some(parent) = absolute_parent(path) {
-                let _ = watcher.watch(&parent, RecursiveMode::NonRecursive);
-            }
+        watch.watch_paths();
+        Some(watch)
+    }
+
+    fn watch_paths(&mut self) {
+        for parent in self.watched.parents() {
+            let _ = self.watcher.watch(parent, RecursiveMode::NonRecursive);
         }
-        if let Err(err) = watcher.watch(&source.root, RecursiveMode::Recursive) {
-            tracing::debug!(path = %source.root.display(), "not watching the rules root yet: {err}");
+        if let Err(err) = self
+            .watcher
+            .watch(&self.watched.root, RecursiveMode::Recursive)
+        {
+            tracing::debug!(path = %self.source.root.display(), "not watching the rules root yet: {err}");
         }
-    };
-    watch_paths(&mut watcher);
-    loop {
-        tokio::select! {
-            _ = stop.cancelled() => return,
-            event = rx.recv() => if event.is_none() { return },
-        }
-        // Let the burst settle: kubelet and editors write several files and links in a row.
+    }
+
+    /// Reloads the rules after each burst of changes, until `stop`.
+    pub async fn run(
+        mut self,
+        rules: Arc<Rules>,
+        stats: Arc<ReloadStats>,
+        on_loaded: OnLoaded,
+        quiet: Duration,
+        stop: CancellationToken,
+    ) {
         loop {
             tokio::select! {
                 _ = stop.cancelled() => return,
-                more = tokio::time::timeout(quiet, rx.recv()) => match more {
-                    Ok(Some(())) => continue,
-                    Ok(None) => return,
-                    Err(_) => break,
-                },
+                event = self.changes.recv() => if event.is_none() { return },
             }
-        }
-        // The root may have been replaced (a swapped symlink, a recreated folder): watch it anew.
-        let _ = watcher.unwatch(&source.root);
-        watch_paths(&mut watcher);
-        let (source, rules, stats) = (&source, &rules, &stats);
-        if reload(source, rules, stats, &on_loaded) {
-            tracing::warn!(path = %source.root.display(), "rules reloaded");
+            // Let the burst settle: kubelet and editors write several files and links in a row.
+            loop {
+                tokio::select! {
+                    _ = stop.cancelled() => return,
+                    more = tokio::time::timeout(quiet, self.changes.recv()) => match more {
+                        Ok(Some(())) => continue,
+                        Ok(None) => return,
+                        Err(_) => break,
+                    },
+                }
+            }
+            // The root may have been replaced (a swapped symlink, a recreated folder): watch it anew,
+            // before loading, so that what changes from here on is noticed.
+            let _ = self.watcher.unwatch(&self.watched.root);
+            self.watch_paths();
+            if reload(&self.source, &rules, &stats, &on_loaded) {
+                tracing::warn!(path = %self.source.root.display(), "rules reloaded");
+            }
         }
     }
 }
 
-fn absolute_parent(path: &Path) -> Option<std::path::PathBuf> {
-    let absolute = if path.is_absolute() {
-        path.to_path_buf()
-    } else {
-        std::env::current_dir().ok()?.join(path)
-    };
-    absolute.parent().map(Path::to_path_buf)
+/// The paths the watcher listens to, absolute so that they compare with the paths of events.
+#[derive(Debug, Clone)]
+struct Watched {
+    /// The rules root, watched recursively: any change under it may change the rules.
+    root: PathBuf,
+    /// The path a deployment swaps whole (`RUNTIME_ROOT`), when it is not the root.
+    swap_point: Option<PathBuf>,
+}
+
+impl Watched {
+    fn new(source: &RulesSource) -> Option<Self> {
+        Some(Self {
+            root: std::path::absolute(&source.root).ok()?,
+            swap_point: match &source.swap_point {
+                Some(p) => Some(std::path::absolute(p).ok()?),
+                None => None,
+            },
+        })
+    }
+
+    /// The folders holding the root and the swap point, watched without recursion so that replacing
+    /// either whole (a symlink renamed over it, a folder created or removed) is noticed.
+    fn parents(&self) -> impl Iterator<Item = &Path> {
+        std::iter::once(&self.root)
+            .chain(self.swap_point.as_ref())
+            .filter_map(|p| p.parent())
+    }
+
+    /// Whether an event can change what a load would read: a change of content, name or existence, under
+    /// the root or of the root or swap point itself. Reads (open, access, close without writing), the
+    /// load's own included, cannot, and neither can anything else in the parent folders.
+    fn may_change_rules(&self, event: &notify::Event) -> bool {
+        let changes = match event.kind {
+            EventKind::Create(_) | EventKind::Remove(_) => true,
+            EventKind::Modify(ModifyKind::Data(_) | ModifyKind::Name(_) | ModifyKind::Any) => true,
+            EventKind::Access(AccessKind::Close(AccessMode::Write)) => true,
+            EventKind::Modify(_) | EventKind::Access(_) => false,
+            // The kernel dropped events (queue overflow): anything may have changed.
+            EventKind::Any | EventKind::Other => return true,
+        };
+        changes
+            && event.paths.iter().any(|path| {
+                path.starts_with(&self.root) || self.swap_point.as_deref() == Some(path.as_path())
+            })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use notify::event::{CreateKind, DataChange, MetadataKind, RemoveKind, RenameMode};
+
+    use super::*;
+
+    fn event(kind: EventKind, path: &str) -> notify::Event {
+        notify::Event::new(kind).add_path(PathBuf::from(path))
+    }
+
+    #[test]
+    fn only_changes_under_the_root_or_of_the_swap_point_count() {
+        let watched = Watched {
+            root: "/srv/runtime/current/ratelimit".into(),
+            swap_point: Some("/srv/runtime/current".into()),
+        };
+        let data = EventKind::Modify(ModifyKind::Data(DataChange::Any));
+        for (kind, path) in [
+            (data, "/srv/runtime/current/ratelimit/config/web.yaml"),
+            (
+                EventKind::Create(CreateKind::File),
+                "/srv/runtime/current/ratelimit/config/new.yaml",
+            ),
+            (
+                EventKind::Remove(RemoveKind::File),
+                "/srv/runtime/current/ratelimit/config/web.yaml",
+            ),
+            (
+                EventKind::Modify(ModifyKind::Name(RenameMode::To)),
+                "/srv/runtime/current",
+            ),
+            (
+                EventKind::Access(AccessKind::Close(AccessMode::Write)),
+                "/srv/runtime/current/ratelimit/config/web.yaml",
+            ),
+            (EventKind::Other, "/anywhere"),
+        ] {
+            assert!(
+                watched.may_change_rules(&event(kind, path)),
+                "{kind:?} {path}"
+            );
+        }
+        for (kind, path) in [
+            (
+                EventKind::Access(AccessKind::Open(AccessMode::Any)),
+                "/srv/runtime/current/ratelimit/config/web.yaml",
+            ),
+            (
+                EventKind::Access(AccessKind::Close(AccessMode::Read)),
+                "/srv/runtime/current/ratelimit",
+            ),
+            (
+                EventKind::Modify(ModifyKind::Metadata(MetadataKind::Any)),
+                "/srv/runtime/current/ratelimit/config/web.yaml",
+            ),
+            // Neighbours in the watched parent folders.
+            (data, "/srv/runtime/current/other.yaml"),
+            (
+                EventKind::Create(CreateKind::File),
+                "/srv/runtime/current.tmp",
+            ),
+            (data, "/srv/runtime/current/ratelimit2"),
+        ] {
+            assert!(
+                !watched.may_change_rules(&event(kind, path)),
+                "{kind:?} {path}"
+            );
+        }
+    }
 }

@@ -45,7 +45,12 @@ fn main() -> ExitCode {
         }
     };
     match cli.command.unwrap_or(Command::Serve) {
-        Command::CheckConfig { dir } => check_config(&settings, dir),
+        Command::CheckConfig { dir } => {
+            for warning in &settings.warnings {
+                eprintln!("ratelimitd: {warning}");
+            }
+            check_config(&settings, dir)
+        }
         Command::Serve => serve(settings),
     }
 }
@@ -92,6 +97,10 @@ fn serve(settings: Settings) -> ExitCode {
                 return ExitCode::from(EXIT_BAD_SETTINGS);
             }
         };
+        // Noticed while loading the settings, before there was a log to write to.
+        for warning in &settings.warnings {
+            tracing::warn!("{warning}");
+        }
         let listeners = match server::Listeners::bind(&settings).await {
             Ok(l) => l,
             Err(err) => {

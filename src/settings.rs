@@ -118,6 +118,10 @@ pub struct Settings {
     /// same value on every replica. Unset: values are hashed with unkeyed SHA-256 (still never stored raw,
     /// the same on every replica and restart, but a guessed value can be confirmed from the keys).
     pub hash_secret: Secret,
+    /// What loading noticed but did not stop for (unknown `RATELIMITD_*` variables), for the caller to log
+    /// once logging has started. Not a setting.
+    #[serde(skip)]
+    pub warnings: Vec<String>,
 }
 
 impl Default for Settings {
@@ -152,6 +156,7 @@ impl Default for Settings {
             prometheus: PrometheusSettings::default(),
             hashed_keys: vec!["api_key".into(), "authorization".into(), "x-api-key".into()],
             hash_secret: Secret::default(),
+            warnings: Vec::new(),
         }
     }
 }
@@ -848,11 +853,7 @@ impl Settings {
             })?;
             builder = builder.add_source(config::File::from_str(&text, format));
         }
-        let prefixed: config::Map<String, String> = env
-            .iter()
-            .filter(|(k, _)| k.starts_with("RATELIMITD_"))
-            .map(|(k, v)| (k.clone(), v.clone()))
-            .collect();
+        let (prefixed, unknown) = prefixed_env(env)?;
         builder = builder.add_source(
             config::Environment::with_prefix("RATELIMITD")
                 .prefix_separator("_")
@@ -868,6 +869,13 @@ impl Settings {
             .map_err(|e| from_config_error(file, e))?;
         settings.apply_reference_env(env)?;
         settings.validate()?;
+        if !unknown.is_empty() {
+            // Names only: a mistyped variable may well hold a secret.
+            settings.warnings.push(format!(
+                "ignoring environment variables that name no ratelimitd setting: {} (Kubernetes sets RATELIMITD_* service links in every pod of a namespace with a Service named ratelimitd)",
+                unknown.join(", ")
+            ));
+        }
         Ok(settings)
     }
 
@@ -1208,6 +1216,54 @@ impl Settings {
     }
 }
 
+/// The `RATELIMITD_*` variables that name a setting, to be read, and the names of those that do not, to
+/// be ignored with a warning. Unknown ones must not stop the service: Kubernetes injects service links
+/// such as `RATELIMITD_PORT=tcp://10.0.0.1:8081` into every pod when a Service is named `ratelimitd`.
+/// (Unknown keys in a settings file stay errors: that file is ratelimitd's own.)
+fn prefixed_env(
+    env: &HashMap<String, String>,
+) -> Result<(config::Map<String, String>, Vec<String>), SettingsError> {
+    let known = setting_keys()?;
+    let mut prefixed = config::Map::new();
+    let mut unknown = Vec::new();
+    for (name, value) in env {
+        let Some(rest) = name.strip_prefix("RATELIMITD_") else {
+            continue;
+        };
+        // The key the config crate makes of the name: lower case, `__` between nested keys.
+        if known.contains(&rest.to_lowercase().replace("__", ".")) {
+            prefixed.insert(name.clone(), value.clone());
+        } else {
+            unknown.push(name.clone());
+        }
+    }
+    unknown.sort();
+    Ok((prefixed, unknown))
+}
+
+/// Every settings key, sections and their fields alike (`grpc`, `grpc.port`, ...), as the defaults
+/// serialize them (a field that is unset by default serializes as null, so it is listed too).
+fn setting_keys() -> Result<std::collections::HashSet<String>, SettingsError> {
+    fn walk(prefix: &str, value: &serde_json::Value, keys: &mut std::collections::HashSet<String>) {
+        if let serde_json::Value::Object(fields) = value {
+            for (name, value) in fields {
+                let key = if prefix.is_empty() {
+                    name.clone()
+                } else {
+                    format!("{prefix}.{name}")
+                };
+                walk(&key, value, keys);
+                keys.insert(key);
+            }
+        }
+    }
+    let defaults = serde_json::to_value(Settings::default())
+        .map_err(|e| SettingsError::Source(e.to_string()))?;
+    let mut keys = std::collections::HashSet::new();
+    walk("", &defaults, &mut keys);
+    Ok(keys)
+}
+
 fn parse<T: FromStr>(value: &str, name: &str) -> Result<T, SettingsError>
 where
     T::Err: fmt::Display,
@@ -1520,6 +1576,51 @@ mod tests {
     }
 
     #[test]
+    fn unknown_prefixed_variables_are_a_warning_and_known_ones_still_apply() {
+        let s = Settings::load(
+            None,
+            &env(&[
+                // Kubernetes service links for a Service named ratelimitd.
+                ("RATELIMITD_PORT", "tcp://10.0.0.1:8081"),
+                ("RATELIMITD_PORT_8081_TCP_ADDR", "10.0.0.1"),
+                ("RATELIMITD_SERVICE_HOST", "10.0.0.1"),
+                ("RATELIMITD_SERVICE_PORT", "8081"),
+                // A typo, whose value may be a secret.
+                ("RATELIMITD_HASH_SECRETT", "typed-secret"),
+                ("RATELIMITD_GRPC__PROT", "1"),
+                ("RATELIMITD_MEMORY__MAX_KEYS", "10"),
+                ("RATELIMITD_HASH_SECRET", "s"),
+            ]),
+        )
+        .unwrap();
+        assert_eq!((s.memory.max_keys, s.hash_secret.0.as_str()), (10, "s"));
+        assert_eq!(s.grpc.port, 8081);
+        assert_eq!(s.warnings.len(), 1, "one warning: {:?}", s.warnings);
+        let warning = &s.warnings[0];
+        assert!(
+            warning.contains("RATELIMITD_GRPC__PROT, RATELIMITD_HASH_SECRETT, RATELIMITD_PORT, RATELIMITD_PORT_8081_TCP_ADDR, RATELIMITD_SERVICE_HOST, RATELIMITD_SERVICE_PORT"),
+            "{warning}"
+        );
+        assert!(
+            !warning.contains("typed-secret"),
+            "values are not shown: {warning}"
+        );
+        assert!(Settings::load(None, &env(&[])).unwrap().warnings.is_empty());
+
+        // A known setting with a bad value still stops the start, naming it.
+        let err = Settings::load(
+            None,
+            &env(&[
+                ("RATELIMITD_PORT", "tcp://10.0.0.1:8081"),
+                ("RATELIMITD_MEMORY__MAX_KEYS", "lots"),
+            ]),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("max_keys") && err.contains("lots"), "{err}");
+    }
+
+    #[test]
     fn a_broken_settings_file_is_reported_with_its_path() {
         let dir = tempfile::tempdir().unwrap();
         let file = dir.path().join("s.yaml");
@@ -1528,6 +1629,12 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("s.yaml") && err.contains("prot"), "{err}");
+        // Unknown keys in the file stay errors, unlike unknown variables: the file is ratelimitd's own.
+        std::fs::write(&file, "port: 8081\n").unwrap();
+        let err = Settings::load(Some(&file), &env(&[]))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("s.yaml") && err.contains("port"), "{err}");
         let err = Settings::load(Some(&dir.path().join("missing.yaml")), &env(&[]))
             .unwrap_err()
             .to_string();

@@ -134,3 +134,50 @@ async fn redis_with_only_the_reference_variables_serves_hashes_api_keys_and_keep
         "after a restart the same Redis keys are used"
     );
 }
+
+#[test]
+fn unknown_variables_from_kubernetes_or_the_reference_are_ignored_with_a_warning() {
+    let rules = tempfile::tempdir().unwrap();
+    fs::write(rules.path().join("api.yaml"), RULES).unwrap();
+    let unknown = [
+        // Service links Kubernetes adds to every pod when a Service is named ratelimitd.
+        ("RATELIMITD_PORT", "tcp://10.0.0.1:8081"),
+        ("RATELIMITD_PORT_8081_TCP", "tcp://10.0.0.1:8081"),
+        ("RATELIMITD_PORT_8081_TCP_ADDR", "10.0.0.1"),
+        ("RATELIMITD_SERVICE_HOST", "10.0.0.1"),
+        ("RATELIMITD_SERVICE_PORT", "8081"),
+        // A reference-style variable ratelimitd does not know, as Envoy Gateway sets it.
+        ("GRPC_SERVER_TLS_CA_CERT", "/certs/ca.crt"),
+    ];
+    let running = start_serving(common::binary(rules.path()).envs(unknown));
+    let body = r#"{"domain":"api","descriptors":[{"entries":[{"key":"api_key","value":"k"}]}]}"#;
+    assert_eq!(
+        common::http_request(running.http, "POST", "/json", body).0,
+        200,
+        "it serves"
+    );
+    let log = running.log.lock().unwrap().clone();
+    let warnings: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("RATELIMITD_PORT"))
+        .collect();
+    assert_eq!(warnings.len(), 1, "one warning names them:\n{log}");
+    assert!(
+        warnings[0].contains("WARN") && warnings[0].contains("RATELIMITD_SERVICE_HOST"),
+        "{log}"
+    );
+    assert!(
+        !log.contains("GRPC_SERVER_TLS_CA_CERT"),
+        "unknown reference-style variables are ignored silently, as the reference does:\n{log}"
+    );
+
+    // A known setting with a bad value still stops the start, naming it.
+    let out = common::binary(rules.path())
+        .envs(unknown)
+        .env("RATELIMITD_MEMORY__MAX_KEYS", "lots")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(64), "{err}");
+    assert!(err.contains("max_keys") && err.contains("lots"), "{err}");
+}

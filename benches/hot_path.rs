@@ -9,7 +9,7 @@ use ratelimitd::{
     clock::Clock,
     limiter::{Descriptor, Entry, Limiter, Options, Request},
     rules::{parse_file, RuleSet, Rules},
-    store::{keys, Batch, Check, CounterStore, MemoryStore, Role, Store},
+    store::{keys, Batch, Check, CounterStore, Deadline, MemoryStore, Role, Store},
 };
 
 const RULES: &str = include_str!("../examples/config/edge.yaml");
@@ -100,12 +100,17 @@ fn algorithms(c: &mut Criterion) {
                         },
                         cost: 1,
                         role: Role::Enforce,
+                        per_second: false,
                     }],
                     consume_on_deny: false,
                     known_denied: false,
                 };
                 runtime
-                    .block_on(store.apply(&batch, now.now_millis()))
+                    .block_on(store.apply(
+                        &batch,
+                        now.now_millis(),
+                        Deadline::within(std::time::Duration::from_secs(1)),
+                    ))
                     .unwrap()
             })
         });

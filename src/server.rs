@@ -21,7 +21,7 @@ use crate::{
     limiter::{self, Limiter},
     proto,
     rules::{self, Rules},
-    settings::{BackendKind, Settings},
+    settings::{BackendKind, OnBackendError, Settings},
     store::{DenyCache, MemoryStore, RedisStore, Store},
     telemetry::{Metrics, TopOffenders},
 };
@@ -151,14 +151,26 @@ pub async fn run_with_clock(
     let store = Arc::new(match backend {
         BackendKind::Memory => Store::Memory(MemoryStore::new(settings.memory.max_keys)),
         BackendKind::Redis => Store::Redis(
-            RedisStore::connect(&settings.redis, settings.expiration_jitter_max_seconds)
-                .map_err(|e| ServerError::Setup(e.to_string()))?,
+            RedisStore::connect(
+                &settings.redis,
+                settings.redis_per_second.as_ref(),
+                settings.expiration_jitter_max_seconds,
+                settings.overload.deadline,
+            )
+            .map_err(|e| ServerError::Setup(e.to_string()))?,
         ),
         BackendKind::Noop => {
             tracing::warn!("backend noop: every request is allowed and nothing is counted");
             Store::Noop
         }
     });
+    // `on_backend_error: local` decides from this replica's memory while Redis cannot.
+    let fallback = (backend == BackendKind::Redis
+        && settings.on_backend_error == OnBackendError::Local)
+        .then(|| limiter::Fallback {
+            store: Arc::new(Store::Memory(MemoryStore::new(settings.memory.max_keys))),
+            replicas: settings.fallback.replicas,
+        });
     let limiter = Arc::new(Limiter::new(
         rules.clone(),
         store.clone(),
@@ -180,6 +192,7 @@ pub async fn run_with_clock(
                 settings.top_offenders.capacity,
                 settings.top_offenders.interval,
             )),
+            fallback: fallback.clone(),
         },
     ));
 
@@ -187,8 +200,8 @@ pub async fn run_with_clock(
 
     let tasks = TaskTracker::new();
     let stop_tasks = CancellationToken::new();
-    {
-        let (store, stop, clock) = (store.clone(), stop_tasks.clone(), clock.clone());
+    for store in std::iter::once(store.clone()).chain(fallback.map(|f| f.store)) {
+        let (stop, clock) = (stop_tasks.clone(), clock.clone());
         let every = settings.memory.sweep_interval;
         tasks.spawn(async move { store.maintain(&clock, every, stop).await });
     }

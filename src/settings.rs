@@ -71,8 +71,13 @@ pub struct Settings {
     pub memory: MemorySettings,
     /// The Redis store.
     pub redis: RedisSettings,
+    /// A second Redis for limits whose unit is SECOND, as the reference's `REDIS_PERSECOND=true` with the
+    /// `REDIS_PERSECOND_*` variables configures it; unset, every limit counts in `redis`.
+    pub redis_per_second: Option<RedisSettings>,
     /// What to answer when the backend cannot decide. Env `RATELIMITD_ON_BACKEND_ERROR`; default `error`.
     pub on_backend_error: OnBackendError,
+    /// How `on_backend_error: local` shares a limit among the replicas while Redis cannot decide.
+    pub fallback: FallbackSettings,
     /// Prepended to every counter key, so that several services can share one Redis. Env `CACHE_KEY_PREFIX`.
     pub cache_key_prefix: String,
     /// Counters created in Redis live for their window plus a random 0..N seconds, spreading expiries.
@@ -137,7 +142,9 @@ impl Default for Settings {
             backend: None,
             memory: MemorySettings::default(),
             redis: RedisSettings::default(),
+            redis_per_second: None,
             on_backend_error: OnBackendError::Error,
+            fallback: FallbackSettings::default(),
             cache_key_prefix: String::new(),
             expiration_jitter_max_seconds: 300,
             grpc_tls: GrpcTlsSettings::default(),
@@ -437,6 +444,9 @@ pub enum OnBackendError {
     Allow,
     /// Answer OVER_LIMIT for every limited descriptor (fail closed).
     Deny,
+    /// Decide from this replica's memory, each limit divided by `fallback.replicas`, until Redis answers
+    /// again.
+    Local,
 }
 
 impl FromStr for OnBackendError {
@@ -446,8 +456,25 @@ impl FromStr for OnBackendError {
             "error" => Ok(Self::Error),
             "allow" => Ok(Self::Allow),
             "deny" => Ok(Self::Deny),
-            _ => Err("expected error, allow or deny".into()),
+            "local" => Ok(Self::Local),
+            _ => Err("expected error, allow, deny or local".into()),
         }
+    }
+}
+
+/// The local fallback of `on_backend_error: local`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct FallbackSettings {
+    /// Replicas sharing the limits (default 1): while Redis cannot decide, each replica admits
+    /// ⌈limit / replicas⌉ per window from its own memory, so the fleet stays near the limit without
+    /// failing open or locking everyone out. Set it to the Deployment's replica count.
+    pub replicas: u32,
+}
+
+impl Default for FallbackSettings {
+    fn default() -> Self {
+        Self { replicas: 1 }
     }
 }
 
@@ -589,19 +616,71 @@ pub struct RedisSettings {
     pub tls_skip_hostname_verification: bool,
     /// Env `REDIS_POOL_SIZE` (default 10): connections per Redis node; commands are pipelined on each.
     pub pool_size: usize,
-    /// Env `REDIS_TIMEOUT` (default `10ms`): the longest a request waits for Redis before the
-    /// `on_backend_error` policy answers. Keep it below Envoy's rate limit timeout (20 ms by default).
+    /// Env `REDIS_TIMEOUT` (default `1s`): the longest a request that carries no deadline of its own
+    /// waits for Redis before the `on_backend_error` policy answers (never past `overload.deadline`). A
+    /// gRPC call with a deadline (Envoy sends its filter timeout as `grpc-timeout`) waits until shortly
+    /// before that deadline instead. A dead or hung Redis is not waited for: see `unresponsive_after`.
     #[serde(with = "humantime_serde_compat")]
     pub timeout: Duration,
+    /// A Redis server that answers nothing at all for this long while commands wait for it is
+    /// unresponsive (hung, paused, stopped, or its connection lost): its circuit breaker opens
+    /// (default `300ms`). Answers that merely queue behind a burst never count: they keep arriving.
+    #[serde(with = "humantime_serde_compat")]
+    pub unresponsive_after: Duration,
     /// Longest wait for a connection to be set up (default `2s`).
     #[serde(with = "humantime_serde_compat")]
     pub connect_timeout: Duration,
-    /// Consecutive failed requests that open the circuit breaker (default 5). While open, requests are
-    /// answered at once by the `on_backend_error` policy, without waiting for Redis.
+    /// Consecutive connection failures (refused, lost, TLS, cluster routing) that open the circuit breaker
+    /// of a Redis server (default 5). While open, requests are answered at once by the `on_backend_error`
+    /// policy, without waiting for Redis. Error replies (a script refusing a request) are answers, never
+    /// failures.
     pub breaker_failures: u32,
     /// How long the breaker stays open before one request probes Redis again (default `500ms`).
     #[serde(with = "humantime_serde_compat")]
     pub breaker_open_for: Duration,
+}
+
+impl RedisSettings {
+    /// Applies the reference's variables of one Redis client: `REDIS_*` for the main one,
+    /// `REDIS_PERSECOND_*` for the per-second one.
+    fn apply_reference_env(
+        &mut self,
+        prefix: &str,
+        env: &HashMap<String, String>,
+    ) -> Result<(), SettingsError> {
+        let name = |suffix: &str| format!("{prefix}{suffix}");
+        let get = |suffix: &str| {
+            env.get(&name(suffix))
+                .map(|v| v.trim())
+                .filter(|v| !v.is_empty())
+        };
+        if let Some(v) = get("URL") {
+            self.url = v.to_owned();
+        }
+        if let Some(v) = get("TYPE") {
+            self.topology = parse(v, &name("TYPE"))?;
+        }
+        if let Some(v) = get("SOCKET_TYPE") {
+            self.socket_type = Some(parse(v, &name("SOCKET_TYPE"))?);
+        }
+        if let Some(v) = env.get(&name("AUTH")).filter(|v| !v.is_empty()) {
+            self.auth = Secret(v.clone());
+        }
+        if let Some(v) = env.get(&name("SENTINEL_AUTH")).filter(|v| !v.is_empty()) {
+            self.sentinel_auth = Secret(v.clone());
+        }
+        if let Some(v) = get("TLS") {
+            self.tls = parse_bool(v, &name("TLS"))?;
+        }
+        if let Some(v) = get("POOL_SIZE") {
+            self.pool_size = parse(v, &name("POOL_SIZE"))?;
+        }
+        if let Some(v) = get("TIMEOUT") {
+            self.timeout = humantime::parse_duration(v)
+                .map_err(|e| SettingsError::invalid(&name("TIMEOUT"), v, e))?;
+        }
+        Ok(())
+    }
 }
 
 impl Default for RedisSettings {
@@ -618,7 +697,8 @@ impl Default for RedisSettings {
             tls_client_key: None,
             tls_skip_hostname_verification: false,
             pool_size: 10,
-            timeout: Duration::from_millis(10),
+            timeout: Duration::from_secs(1),
+            unresponsive_after: Duration::from_millis(300),
             connect_timeout: Duration::from_secs(2),
             breaker_failures: 5,
             breaker_open_for: Duration::from_millis(500),
@@ -921,24 +1001,7 @@ impl Settings {
         if let Some(v) = get("BACKEND_TYPE") {
             self.backend = Some(parse(v, "BACKEND_TYPE")?);
         }
-        if let Some(v) = get("REDIS_URL") {
-            self.redis.url = v.to_owned();
-        }
-        if let Some(v) = get("REDIS_TYPE") {
-            self.redis.topology = parse(v, "REDIS_TYPE")?;
-        }
-        if let Some(v) = get("REDIS_SOCKET_TYPE") {
-            self.redis.socket_type = Some(parse(v, "REDIS_SOCKET_TYPE")?);
-        }
-        if let Some(v) = env.get("REDIS_AUTH").filter(|v| !v.is_empty()) {
-            self.redis.auth = Secret(v.clone());
-        }
-        if let Some(v) = env.get("REDIS_SENTINEL_AUTH").filter(|v| !v.is_empty()) {
-            self.redis.sentinel_auth = Secret(v.clone());
-        }
-        if let Some(v) = get("REDIS_TLS") {
-            self.redis.tls = parse_bool(v, "REDIS_TLS")?;
-        }
+        self.redis.apply_reference_env("REDIS_", env)?;
         if let Some(v) = get("REDIS_TLS_CACERT") {
             self.redis.tls_ca_cert = Some(PathBuf::from(v));
         }
@@ -975,12 +1038,20 @@ impl Settings {
             self.grpc.max_connection_age_grace = humantime::parse_duration(v)
                 .map_err(|e| SettingsError::invalid("GRPC_MAX_CONNECTION_AGE_GRACE", v, e))?;
         }
-        if let Some(v) = get("REDIS_POOL_SIZE") {
-            self.redis.pool_size = parse(v, "REDIS_POOL_SIZE")?;
-        }
-        if let Some(v) = get("REDIS_TIMEOUT") {
-            self.redis.timeout = humantime::parse_duration(v)
-                .map_err(|e| SettingsError::invalid("REDIS_TIMEOUT", v, e))?;
+        if let Some(v) = get("REDIS_PERSECOND") {
+            if parse_bool(v, "REDIS_PERSECOND")? {
+                let per_second = self.redis_per_second.get_or_insert_with(|| RedisSettings {
+                    // TLS files are shared with the main Redis, as in the reference.
+                    tls_ca_cert: self.redis.tls_ca_cert.clone(),
+                    tls_client_cert: self.redis.tls_client_cert.clone(),
+                    tls_client_key: self.redis.tls_client_key.clone(),
+                    tls_skip_hostname_verification: self.redis.tls_skip_hostname_verification,
+                    ..RedisSettings::default()
+                });
+                per_second.apply_reference_env("REDIS_PERSECOND_", env)?;
+            } else {
+                self.redis_per_second = None;
+            }
         }
         if let Some(v) = env.get("CACHE_KEY_PREFIX") {
             self.cache_key_prefix = v.clone();
@@ -1070,6 +1141,22 @@ impl Settings {
                     "the redis backend needs a Redis address",
                 ));
             }
+            if let Some(per_second) = &self.redis_per_second {
+                if per_second.url.trim().is_empty() {
+                    return Err(SettingsError::invalid(
+                        "REDIS_PERSECOND_URL",
+                        "",
+                        "REDIS_PERSECOND=true needs the per-second Redis address",
+                    ));
+                }
+                if per_second.pool_size == 0 || per_second.timeout.is_zero() {
+                    return Err(SettingsError::invalid(
+                        "REDIS_PERSECOND_POOL_SIZE",
+                        per_second.pool_size,
+                        "the per-second pool size and timeout must be above zero",
+                    ));
+                }
+            }
             if self.redis.pool_size == 0 {
                 return Err(SettingsError::invalid(
                     "REDIS_POOL_SIZE",
@@ -1084,6 +1171,13 @@ impl Settings {
                     "must be longer than zero",
                 ));
             }
+            if self.redis.unresponsive_after.is_zero() {
+                return Err(SettingsError::invalid(
+                    "redis.unresponsive_after",
+                    "0s",
+                    "must be longer than zero",
+                ));
+            }
             if self.redis.breaker_failures == 0 {
                 return Err(SettingsError::invalid(
                     "redis.breaker_failures",
@@ -1091,6 +1185,13 @@ impl Settings {
                     "must be at least 1",
                 ));
             }
+        }
+        if self.fallback.replicas == 0 {
+            return Err(SettingsError::invalid(
+                "fallback.replicas",
+                0,
+                "must be at least 1",
+            ));
         }
         self.grpc.addr("grpc.host")?;
         self.http.addr("http.host")?;
@@ -1257,8 +1358,13 @@ fn setting_keys() -> Result<std::collections::HashSet<String>, SettingsError> {
             }
         }
     }
-    let defaults = serde_json::to_value(Settings::default())
-        .map_err(|e| SettingsError::Source(e.to_string()))?;
+    // Optional sections are unset by default: fill them in so that their fields are listed too.
+    let defaults = Settings {
+        redis_per_second: Some(RedisSettings::default()),
+        ..Settings::default()
+    };
+    let defaults =
+        serde_json::to_value(defaults).map_err(|e| SettingsError::Source(e.to_string()))?;
     let mut keys = std::collections::HashSet::new();
     walk("", &defaults, &mut keys);
     Ok(keys)
@@ -1515,6 +1621,103 @@ mod tests {
             err.contains("GRPC_MAX_CONNECTION_AGE") && err.contains("a day"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn a_per_second_redis_from_the_reference_variables_or_our_own() {
+        let s = Settings::load(
+            None,
+            &env(&[
+                ("REDIS_URL", "main:6379"),
+                ("REDIS_TLS_CACERT", "/etc/ca.pem"),
+                ("REDIS_PERSECOND", "true"),
+                ("REDIS_PERSECOND_URL", "fast:6379"),
+                ("REDIS_PERSECOND_TYPE", "cluster"),
+                ("REDIS_PERSECOND_POOL_SIZE", "3"),
+                ("REDIS_PERSECOND_AUTH", "u:p"),
+                ("REDIS_PERSECOND_TIMEOUT", "50ms"),
+            ]),
+        )
+        .unwrap();
+        let per_second = s.redis_per_second.as_ref().expect("configured");
+        assert_eq!(
+            (
+                per_second.url.as_str(),
+                per_second.topology,
+                per_second.pool_size,
+                per_second.auth.0.as_str(),
+                per_second.timeout,
+            ),
+            (
+                "fast:6379",
+                RedisTopology::Cluster,
+                3,
+                "u:p",
+                Duration::from_millis(50)
+            )
+        );
+        assert_eq!(
+            per_second.tls_ca_cert.as_deref(),
+            Some(Path::new("/etc/ca.pem")),
+            "TLS files are shared"
+        );
+        assert_eq!(s.redis.url, "main:6379");
+        assert!(Settings::load(
+            None,
+            &env(&[("REDIS_URL", "m:1"), ("REDIS_PERSECOND", "true")])
+        )
+        .unwrap_err()
+        .to_string()
+        .contains("REDIS_PERSECOND_URL"));
+        let s = Settings::load(
+            None,
+            &env(&[
+                ("REDIS_URL", "m:1"),
+                ("RATELIMITD_REDIS_PER_SECOND__URL", "fast:1"),
+            ]),
+        )
+        .unwrap();
+        assert_eq!(s.redis_per_second.map(|r| r.url).as_deref(), Some("fast:1"));
+        assert!(s.warnings.is_empty(), "{:?}", s.warnings);
+    }
+
+    #[test]
+    fn the_local_fallback_and_the_waits_for_redis() {
+        let s = Settings::load(None, &env(&[("REDIS_URL", "m:1")])).unwrap();
+        assert_eq!(
+            (
+                s.redis.timeout,
+                s.redis.unresponsive_after,
+                s.on_backend_error
+            ),
+            (
+                Duration::from_secs(1),
+                Duration::from_millis(300),
+                OnBackendError::Error
+            )
+        );
+        let s = Settings::load(
+            None,
+            &env(&[
+                ("REDIS_URL", "m:1"),
+                ("RATELIMITD_ON_BACKEND_ERROR", "local"),
+                ("RATELIMITD_FALLBACK__REPLICAS", "3"),
+                ("RATELIMITD_REDIS__UNRESPONSIVE_AFTER", "150ms"),
+            ]),
+        )
+        .unwrap();
+        assert_eq!(
+            (
+                s.on_backend_error,
+                s.fallback.replicas,
+                s.redis.unresponsive_after
+            ),
+            (OnBackendError::Local, 3, Duration::from_millis(150))
+        );
+        let err = Settings::load(None, &env(&[("RATELIMITD_FALLBACK__REPLICAS", "0")]))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("fallback.replicas"), "{err}");
     }
 
     #[test]

@@ -876,3 +876,63 @@ async fn under_a_hot_key_attack_the_deny_cache_keeps_redis_out_of_it() {
     assert!(cached_line.ends_with(" 195"), "{cached_line}");
     s.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn second_limits_count_on_the_per_second_redis_only() {
+    let main = RedisProcess::start(&[]);
+    let per_second = RedisProcess::start(&[]);
+    let rules = tempfile::tempdir().unwrap();
+    std::fs::write(
+        rules.path().join("pace.yaml"),
+        "domain: pace\ndescriptors:\n  - key: burst\n    rate_limit: {unit: second, requests_per_unit: 5}\n  - key: steady\n    rate_limit: {unit: minute, requests_per_unit: 100}\n",
+    )
+    .unwrap();
+    let mut cmd = common::binary(rules.path());
+    cmd.envs([
+        ("REDIS_URL", main.addr().as_str()),
+        ("REDIS_PERSECOND", "true"),
+        ("REDIS_PERSECOND_SOCKET_TYPE", "tcp"),
+        ("REDIS_PERSECOND_URL", per_second.addr().as_str()),
+        ("REDIS_PERSECOND_POOL_SIZE", "2"),
+        ("EXPIRATION_JITTER_MAX_SECONDS", "0"),
+    ]);
+    let running = common::start_binary(&mut cmd);
+    assert!(
+        running.serving_within(Duration::from_secs(20)),
+        "not serving: {}",
+        running.log.lock().unwrap()
+    );
+    let mut client =
+        ratelimitd::proto::RateLimitServiceClient::connect(format!("http://{}", running.grpc))
+            .await
+            .unwrap();
+    let both = |burst_cost: Option<u64>| {
+        let mut burst = descriptor(&[("burst", "b1")]);
+        burst.hits_addend = burst_cost;
+        request("pace", vec![burst, descriptor(&[("steady", "s1")])])
+    };
+    let answer = client.should_rate_limit(both(None)).await.unwrap();
+    assert_eq!(answer.into_inner().overall_code, Code::Ok as i32);
+
+    // Each limit where its unit says: the minute on the main Redis, the second on the other one.
+    let scan = |redis: &RedisProcess| redis.cli(&["--scan", "--pattern", "pace_*"]);
+    let (on_main, on_second) = (scan(&main), scan(&per_second));
+    assert!(
+        on_main.starts_with("pace_steady_s1_") && on_main.lines().count() == 1,
+        "main Redis: {on_main:?}"
+    );
+    assert!(
+        on_second.starts_with("pace_burst_b1_") && on_second.lines().count() == 1,
+        "per-second Redis: {on_second:?}"
+    );
+    assert_eq!(main.cli(&["GET", on_main.trim()]), "1");
+
+    // A request the per-second limit denies consumes nothing on the main Redis either.
+    let answer = client.should_rate_limit(both(Some(10))).await.unwrap();
+    assert_eq!(answer.into_inner().overall_code, Code::OverLimit as i32);
+    assert_eq!(
+        main.cli(&["GET", on_main.trim()]),
+        "1",
+        "the minute counter was given back"
+    );
+}

@@ -13,7 +13,7 @@ use common::redis::{RedisCluster, RedisProcess};
 use ratelimitd::{
     algorithm::{Algorithm, Params},
     settings::{RedisSettings, RedisTopology},
-    store::{Applied, Batch, Check, CounterStore, MemoryStore, RedisStore, Role, Store},
+    store::{Applied, Batch, Check, CounterStore, Deadline, MemoryStore, RedisStore, Role, Store},
 };
 
 fn now_ms() -> u64 {
@@ -52,6 +52,7 @@ impl Case<'_> {
             },
             cost,
             role,
+            per_second: window_secs == 1,
         }
     }
 
@@ -62,7 +63,7 @@ impl Case<'_> {
             known_denied: false,
         };
         self.store
-            .apply(&batch, now_ms())
+            .apply(&batch, now_ms(), Deadline::within(Duration::from_secs(5)))
             .await
             .expect("the store decides")
     }
@@ -266,8 +267,14 @@ async fn same_answers(memory: &Store, redis: &Store, seed: u64) {
                 consume_on_deny: rng.random_bool(0.2),
                 known_denied: false,
             };
-            let m = memory.apply(&batch, now_ms()).await.unwrap();
-            let r = redis.apply(&batch, now_ms()).await.unwrap();
+            let m = memory
+                .apply(&batch, now_ms(), Deadline::within(Duration::from_secs(5)))
+                .await
+                .unwrap();
+            let r = redis
+                .apply(&batch, now_ms(), Deadline::within(Duration::from_secs(5)))
+                .await
+                .unwrap();
             let view = |a: &Applied| {
                 let outcomes: Vec<(bool, u64)> = a
                     .outcomes
@@ -289,7 +296,7 @@ async fn redis_store(url: String, topology: RedisTopology) -> Arc<RedisStore> {
         pool_size: 2,
         ..RedisSettings::default()
     };
-    let store = RedisStore::connect(&settings, 0).unwrap();
+    let store = RedisStore::connect(&settings, None, 0, Duration::from_secs(1)).unwrap();
     tokio::time::timeout(Duration::from_secs(20), store.ready())
         .await
         .expect("redis ready in time")

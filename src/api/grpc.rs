@@ -43,6 +43,13 @@ impl RateLimitService for RateLimitApi {
         let parent = opentelemetry::global::get_text_map_propagator(|p| {
             p.extract(&MetadataExtractor(request.metadata()))
         });
+        // Envoy sends its filter timeout as the call's deadline: the answer is due before it.
+        let due = request
+            .metadata()
+            .get("grpc-timeout")
+            .and_then(|v| v.to_str().ok())
+            .and_then(parse_grpc_timeout)
+            .map(|timeout| tokio::time::Instant::now() + timeout);
         let request = from_wire(request.into_inner());
         let span = tracing::info_span!(
             "ShouldRateLimit",
@@ -55,7 +62,7 @@ impl RateLimitService for RateLimitApi {
         let limiter = self.limiter.clone();
         let decided = span.clone();
         async move {
-            match limiter.should_rate_limit(&request).await {
+            match limiter.should_rate_limit_by(&request, due).await {
                 Ok(response) => {
                     let decision = match response.overall_code {
                         Code::Ok => "OK",
@@ -74,6 +81,27 @@ impl RateLimitService for RateLimitApi {
         .instrument(span)
         .await
     }
+}
+
+/// The `grpc-timeout` header: at most eight digits and a unit (`H`, `M`, `S`, `m`, `u`, `n`).
+fn parse_grpc_timeout(text: &str) -> Option<std::time::Duration> {
+    use std::time::Duration;
+    let (&unit, digits) = text.as_bytes().split_last()?;
+    if digits.is_empty() || digits.len() > 8 || !digits.iter().all(u8::is_ascii_digit) {
+        return None;
+    }
+    let n = digits
+        .iter()
+        .fold(0u64, |n, &d| n * 10 + u64::from(d - b'0'));
+    Some(match unit {
+        b'H' => Duration::from_secs(n * 3600),
+        b'M' => Duration::from_secs(n * 60),
+        b'S' => Duration::from_secs(n),
+        b'm' => Duration::from_millis(n),
+        b'u' => Duration::from_micros(n),
+        b'n' => Duration::from_nanos(n),
+        _ => return None,
+    })
 }
 
 /// Reads trace context headers from gRPC metadata.
@@ -203,4 +231,26 @@ pub fn refusals_are_invalid_argument(
         headers.insert("grpc-message", value);
     }
     response
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_grpc_timeout;
+    use std::time::Duration;
+
+    #[test]
+    fn grpc_timeouts_in_every_unit_and_nothing_else() {
+        assert_eq!(parse_grpc_timeout("20m"), Some(Duration::from_millis(20)));
+        assert_eq!(parse_grpc_timeout("1S"), Some(Duration::from_secs(1)));
+        assert_eq!(parse_grpc_timeout("2M"), Some(Duration::from_secs(120)));
+        assert_eq!(parse_grpc_timeout("1H"), Some(Duration::from_secs(3600)));
+        assert_eq!(
+            parse_grpc_timeout("99999999u"),
+            Some(Duration::from_micros(99_999_999))
+        );
+        assert_eq!(parse_grpc_timeout("5n"), Some(Duration::from_nanos(5)));
+        for bad in ["", "m", "123456789m", "20", "20x", "-1m", "2 m", "é"] {
+            assert_eq!(parse_grpc_timeout(bad), None, "{bad:?}");
+        }
+    }
 }

@@ -10,9 +10,12 @@ mod sensitive;
 
 pub use sensitive::Sensitive;
 
-use std::sync::{
-    atomic::{AtomicU64, Ordering},
-    Arc,
+use std::{
+    sync::{
+        atomic::{AtomicBool, AtomicU64, Ordering},
+        Arc,
+    },
+    time::Duration,
 };
 
 use smallvec::{smallvec, SmallVec};
@@ -23,7 +26,8 @@ use crate::{
     rules::{EntryRef, Node, Rules, Unit},
     settings::{HeaderNames, OnBackendError, OverloadSettings, RequestLimits, ResponseHeaders},
     store::{
-        keys, Applied, Batch, Check, CounterStore, DenyCache, Outcome, Role, Store, StoreError,
+        keys, Applied, Batch, Check, CounterStore, Deadline, DenyCache, Outcome, Role, Store,
+        StoreError,
     },
     telemetry::{
         metrics::{Histogram, RuleCounters},
@@ -196,6 +200,41 @@ pub struct Options {
     pub deny_cache: Option<Arc<DenyCache>>,
     /// Requests decided at once, and how long one may take.
     pub overload: OverloadSettings,
+    /// Where `on_backend_error: local` decides while the store cannot.
+    pub fallback: Option<Fallback>,
+}
+
+/// The local fallback of `on_backend_error: local`: this replica's own memory, each limit divided by
+/// the number of replicas sharing it.
+#[derive(Debug, Clone)]
+pub struct Fallback {
+    /// A memory store (swept like the main one).
+    pub store: Arc<Store>,
+    /// Replicas sharing the limits (`fallback.replicas`, at least 1).
+    pub replicas: u32,
+}
+
+impl Fallback {
+    /// The batch as this replica decides it alone: every limit (and burst) divided by the replicas,
+    /// rounded up, so that a limit of 1 still admits one request rather than none.
+    fn share(&self, batch: &Batch) -> Batch {
+        let replicas = u64::from(self.replicas.max(1));
+        let mut local = batch.clone();
+        for check in &mut local.checks {
+            check.params.limit = check.params.limit.div_ceil(replicas);
+            check.params.burst = check.params.burst.div_ceil(replicas);
+        }
+        local
+    }
+}
+
+/// The part of an answer's time reserved for sending it: the store stops waiting this long before the
+/// answer is due, 10 ms plus a tenth of the time left for the trip back and a late timer, at most 100 ms
+/// and never more than half of the time left (Envoy's default 20 ms: the store waits 10 ms).
+fn answer_margin(left: Duration) -> Duration {
+    (Duration::from_millis(10) + left / 10)
+        .min(Duration::from_millis(100))
+        .min(left / 2)
 }
 
 thread_local! {
@@ -225,6 +264,50 @@ struct Series {
     requests_ok: Arc<AtomicU64>,
     requests_over_limit: Arc<AtomicU64>,
     requests_error: Arc<AtomicU64>,
+    /// Requests decided by the local fallback.
+    fallback_decisions: Arc<AtomicU64>,
+    /// When the local fallback decides, for its gauge and its log lines.
+    fallback_episode: Arc<FallbackEpisode>,
+}
+
+/// Whether the local fallback is deciding, told once per episode in the log: an episode starts with the
+/// first fallback decision after a quiet second and ends with a store answer a second after the last
+/// fallback decision (a store failing for some requests only does not flood the log).
+#[derive(Debug)]
+struct FallbackEpisode {
+    active: AtomicBool,
+    /// Milliseconds since `epoch` of the last fallback decision, plus one (0: none yet).
+    last_ms: AtomicU64,
+    epoch: std::time::Instant,
+}
+
+impl FallbackEpisode {
+    const QUIET_MS: u64 = 1_000;
+
+    fn now_ms(&self) -> u64 {
+        u64::try_from(self.epoch.elapsed().as_millis()).unwrap_or(u64::MAX) + 1
+    }
+
+    /// Records a fallback decision; true when it starts an episode.
+    fn fell_back(&self) -> bool {
+        let now = self.now_ms();
+        let last = self.last_ms.swap(now, Ordering::Relaxed);
+        self.active.store(true, Ordering::Relaxed);
+        last == 0 || now.saturating_sub(last) > Self::QUIET_MS
+    }
+
+    /// Records a store answer; true when it ends an episode.
+    fn store_answered(&self) -> bool {
+        self.active.load(Ordering::Relaxed)
+            && self
+                .now_ms()
+                .saturating_sub(self.last_ms.load(Ordering::Relaxed))
+                > Self::QUIET_MS
+            && self
+                .active
+                .compare_exchange(true, false, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+    }
 }
 
 impl Series {
@@ -250,6 +333,28 @@ impl Series {
             requests_ok: requests("ok"),
             requests_over_limit: requests("over_limit"),
             requests_error: requests("error"),
+            fallback_decisions: metrics.counter(
+                "ratelimitd_fallback_decisions_total",
+                "Requests decided from this replica's memory because the store could not decide (on_backend_error: local).",
+                Vec::new(),
+            ),
+            fallback_episode: {
+                let episode = Arc::new(FallbackEpisode {
+                    active: AtomicBool::new(false),
+                    last_ms: AtomicU64::new(0),
+                    epoch: std::time::Instant::now(),
+                });
+                let read = episode.clone();
+                metrics.gauge_fn(
+                    "ratelimitd_fallback_active",
+                    "1 while the local fallback decides because the store cannot (on_backend_error: local).",
+                    Box::new(move || {
+                        let active = read.active.load(Ordering::Relaxed);
+                        vec![(Vec::new(), f64::from(u8::from(active)))]
+                    }),
+                );
+                episode
+            },
         }
     }
 }
@@ -307,8 +412,19 @@ impl Limiter {
         }
     }
 
-    /// Decides one request, and records it in the metrics.
+    /// Decides one request that carries no deadline of its own, and records it in the metrics.
     pub async fn should_rate_limit(&self, request: &Request) -> Result<Response, LimitError> {
+        self.should_rate_limit_by(request, None).await
+    }
+
+    /// Decides one request whose answer is due at `due` (the caller's deadline, when it sent one), and
+    /// records it in the metrics. The store is waited for until shortly before the answer is due; then
+    /// the `on_backend_error` policy answers.
+    pub async fn should_rate_limit_by(
+        &self,
+        request: &Request,
+        due: Option<tokio::time::Instant>,
+    ) -> Result<Response, LimitError> {
         let started = std::time::Instant::now();
         let result = match self.in_flight.try_acquire() {
             // Past the bound, answering at once beats queueing: the caller's own deadline would pass
@@ -317,10 +433,17 @@ impl Limiter {
                 max: self.options.overload.max_in_flight,
             }),
             Ok(_permit) => {
-                let deadline = self.options.overload.deadline;
-                tokio::time::timeout(deadline, self.decide(request))
+                let limit = self.options.overload.deadline;
+                let now = tokio::time::Instant::now();
+                let answer_by = due.map_or(now + limit, |due| due.min(now + limit));
+                let left = answer_by.saturating_duration_since(now);
+                let store_deadline = Deadline {
+                    at: answer_by - answer_margin(left),
+                    from_caller: due.is_some(),
+                };
+                tokio::time::timeout(limit, self.decide(request, store_deadline))
                     .await
-                    .unwrap_or(Err(LimitError::Deadline(deadline)))
+                    .unwrap_or(Err(LimitError::Deadline(limit)))
             }
         };
         self.series.check_duration.observe(started.elapsed());
@@ -348,7 +471,7 @@ impl Limiter {
         result
     }
 
-    async fn decide(&self, request: &Request) -> Result<Response, LimitError> {
+    async fn decide(&self, request: &Request, deadline: Deadline) -> Result<Response, LimitError> {
         self.validate(request)?;
         let rules = self.rules.snapshot().ok_or(LimitError::NoRules)?;
         let domain = rules.domains.get(&request.domain);
@@ -484,6 +607,7 @@ impl Limiter {
                         params: applicable.params,
                         cost,
                         role: *role,
+                        per_second: applicable.limit.unit == Unit::Second,
                     });
                 }
             }
@@ -524,8 +648,8 @@ impl Limiter {
                     consume_on_deny: self.options.consume_on_deny,
                     known_denied: true,
                 };
-                match self.call_store(&others, now_ms).await {
-                    Ok(decided) => {
+                match self.call_store(&others, now_ms, deadline).await {
+                    Ok((decided, _)) => {
                         for (&i, outcome) in rest.iter().zip(decided.outcomes) {
                             outcomes[i] = outcome;
                         }
@@ -538,9 +662,10 @@ impl Limiter {
                 outcomes,
             })
         } else {
-            match self.call_store(&batch, now_ms).await {
-                Ok(applied) => {
-                    if let Some(cache) = cache {
+            match self.call_store(&batch, now_ms, deadline).await {
+                Ok((applied, decided_locally)) => {
+                    // Only the store's own denials hold for other replicas' traffic too.
+                    if let Some(cache) = cache.filter(|_| !decided_locally) {
                         for (c, outcome) in batch.checks.iter().zip(&applied.outcomes) {
                             if c.role == Role::Enforce && !outcome.allowed {
                                 cache.insert(&c.key, c.params, c.cost, *outcome, now_ms);
@@ -718,7 +843,8 @@ impl Limiter {
     ) -> Result<Response, LimitError> {
         tracing::debug!(error = %err, policy = ?self.options.on_backend_error, "backend failed");
         let deny = match self.options.on_backend_error {
-            OnBackendError::Error => return Err(LimitError::Store(err)),
+            // `local` without a fallback store (a store that is itself local) answers like `error`.
+            OnBackendError::Error | OnBackendError::Local => return Err(LimitError::Store(err)),
             OnBackendError::Allow => false,
             OnBackendError::Deny => true,
         };
@@ -751,8 +877,14 @@ impl Limiter {
         })
     }
 
-    /// One call to the store, timed and traced.
-    async fn call_store(&self, batch: &Batch, now_ms: u64) -> Result<Applied, StoreError> {
+    /// One call to the store, timed and traced; when the store cannot decide and the policy is `local`,
+    /// the local fallback decides instead. Returns whether the fallback decided.
+    async fn call_store(
+        &self,
+        batch: &Batch,
+        now_ms: u64,
+        deadline: Deadline,
+    ) -> Result<(Applied, bool), StoreError> {
         let started = std::time::Instant::now();
         let span = tracing::info_span!(
             "backend call",
@@ -760,9 +892,42 @@ impl Limiter {
             backend = self.store.name(),
             checks = batch.checks.len(),
         );
-        let applied = tracing::Instrument::instrument(self.store.apply(batch, now_ms), span).await;
+        let applied =
+            tracing::Instrument::instrument(self.store.apply(batch, now_ms, deadline), span).await;
         self.series.backend_duration.observe(started.elapsed());
-        applied
+        let episode = &self.series.fallback_episode;
+        match (applied, &self.options.fallback) {
+            (Ok(applied), _) => {
+                if episode.store_answered() {
+                    tracing::warn!(
+                        backend = self.store.name(),
+                        "the store decides again: local fallback over"
+                    );
+                }
+                Ok((applied, false))
+            }
+            (Err(err), Some(fallback))
+                if self.options.on_backend_error == OnBackendError::Local =>
+            {
+                if episode.fell_back() {
+                    tracing::warn!(
+                        backend = self.store.name(),
+                        replicas = fallback.replicas,
+                        "the store cannot decide ({err}): deciding from this replica's memory, each limit divided by {} (on_backend_error: local)",
+                        fallback.replicas
+                    );
+                }
+                self.series
+                    .fallback_decisions
+                    .fetch_add(1, Ordering::Relaxed);
+                let local = fallback
+                    .store
+                    .apply(&fallback.share(batch), now_ms, deadline)
+                    .await?;
+                Ok((local, true))
+            }
+            (Err(err), _) => Err(err),
+        }
     }
 
     /// How a denied descriptor is named in `/debug/top`: the domain, then `key=value` entries, sensitive

@@ -1,7 +1,12 @@
-//! A circuit breaker in front of a remote store: after `failures` consecutive failed requests it opens
-//! and fails requests at once for `open_for`; then one probe request is let through, and its outcome
-//! closes the breaker or opens it again. While Redis is down, callers get an answer in microseconds
-//! instead of each waiting out a timeout.
+//! A circuit breaker in front of one Redis server. It opens only when the server itself is failing: its
+//! connections are refused or lost ([`Breaker::failure`], after `failures` in a row), or it has not
+//! answered anything at all for a while although commands wait for it ([`Breaker::trip`], a hung
+//! server). A slow answer is not a failure: while answers keep arriving, calls wait their turn, up to
+//! their deadline. Error replies (a script refusing a request, OOM, READONLY) are answers too: the server
+//! is alive, so they close the breaker rather than open it.
+//!
+//! While open, requests are answered at once by the `on_backend_error` policy, without waiting; after
+//! `open_for`, one probe is let through, and its outcome closes the breaker or opens it again.
 
 use std::{sync::Mutex, time::Duration};
 
@@ -15,8 +20,11 @@ enum State {
     Open {
         until: Instant,
     },
-    /// One probe is in flight; everything else is refused until it reports.
-    HalfOpen,
+    /// One probe is in flight since `since`; everything else is refused until it reports, or until
+    /// another `open_for` has passed (a probe whose caller went away reports nothing).
+    HalfOpen {
+        since: Instant,
+    },
 }
 
 #[derive(Debug)]
@@ -39,29 +47,36 @@ impl Breaker {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Whether a request may go to the store now.
+    /// Whether a request may go to the server now. When the breaker has been open long enough, the
+    /// caller that gets `true` is the probe.
     pub fn allow(&self) -> bool {
         let mut state = self.state();
+        let now = Instant::now();
         match *state {
             State::Closed { .. } => true,
-            State::Open { until } if Instant::now() >= until => {
-                *state = State::HalfOpen;
+            State::Open { until } if now >= until => {
+                *state = State::HalfOpen { since: now };
                 true
             }
-            State::Open { .. } | State::HalfOpen => false,
+            State::HalfOpen { since } if now >= since + self.open_for => {
+                *state = State::HalfOpen { since: now };
+                true
+            }
+            State::Open { .. } | State::HalfOpen { .. } => false,
         }
     }
 
-    /// Records a request the store answered.
-    pub fn success(&self) {
+    /// Records an answer from the server (a result or an error reply): it is alive. Returns true when
+    /// this closed an open breaker.
+    pub fn success(&self) -> bool {
         let mut state = self.state();
-        if *state == State::HalfOpen {
-            tracing::warn!("backend answered again: circuit breaker closed");
-        }
+        let was_open = !matches!(*state, State::Closed { .. });
         *state = State::Closed { failures: 0 };
+        was_open
     }
 
-    /// Records a request the store failed; returns true when this failure opened the breaker.
+    /// Records a connection-level failure (refused, lost, TLS or cluster routing); returns true when
+    /// this failure opened the breaker.
     pub fn failure(&self) -> bool {
         let mut state = self.state();
         let open = match *state {
@@ -72,7 +87,7 @@ impl Breaker {
                 };
                 false
             }
-            State::HalfOpen => true,
+            State::HalfOpen { .. } => true,
             State::Open { .. } => false,
         };
         if open {
@@ -81,6 +96,17 @@ impl Breaker {
             };
         }
         open
+    }
+
+    /// Opens the breaker at once: the server has stopped answering. Returns true when this opened it
+    /// (false when it was already open).
+    pub fn trip(&self) -> bool {
+        let mut state = self.state();
+        let was_closed = !matches!(*state, State::Open { .. });
+        *state = State::Open {
+            until: Instant::now() + self.open_for,
+        };
+        was_closed
     }
 
     pub fn is_open(&self) -> bool {
@@ -110,7 +136,25 @@ mod tests {
 
         tokio::time::advance(Duration::from_millis(500)).await;
         assert!(b.allow());
-        b.success();
+        assert!(b.success(), "the probe's answer closes it");
         assert!(b.allow() && b.allow() && !b.is_open());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_hung_server_opens_it_at_once_and_a_lost_probe_is_replaced() {
+        let b = Breaker::new(5, Duration::from_millis(500));
+        assert!(
+            b.trip(),
+            "no answers at all: open without waiting for five failures"
+        );
+        assert!(!b.trip(), "already open");
+        assert!(!b.allow());
+        tokio::time::advance(Duration::from_millis(500)).await;
+        assert!(b.allow(), "probe");
+        assert!(!b.allow());
+        // The probe's caller went away without reporting: another probe after another pause.
+        tokio::time::advance(Duration::from_millis(500)).await;
+        assert!(b.allow());
+        assert!(b.success() && !b.is_open());
     }
 }

@@ -18,7 +18,7 @@ use std::{
 
 use smallvec::SmallVec;
 
-use super::{Applied, Batch, CounterStore, Outcome, StoreError};
+use super::{Applied, Batch, CounterStore, Deadline, Outcome, StoreError};
 use crate::algorithm::{self, Decision, State};
 
 /// Per-batch bookkeeping, on the stack for requests of up to eight checks.
@@ -222,7 +222,13 @@ fn lock(shard: &Mutex<Shard>) -> MutexGuard<'_, Shard> {
 }
 
 impl CounterStore for MemoryStore {
-    async fn apply(&self, batch: &Batch, now_millis: u64) -> Result<Applied, StoreError> {
+    /// Decided at once under the shard locks: nothing to wait for, so the deadline does not apply.
+    async fn apply(
+        &self,
+        batch: &Batch,
+        now_millis: u64,
+        _deadline: Deadline,
+    ) -> Result<Applied, StoreError> {
         self.apply_now(batch, now_millis)
     }
 }

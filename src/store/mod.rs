@@ -42,6 +42,8 @@ pub struct Check {
     /// Hits this request adds; 0 only checks.
     pub cost: u64,
     pub role: Role,
+    /// The limit's unit is SECOND: with a per-second Redis (`REDIS_PERSECOND`), counted there.
+    pub per_second: bool,
 }
 
 impl Check {
@@ -57,6 +59,7 @@ impl Check {
             },
             cost,
             role,
+            per_second: window_secs == 1,
         }
     }
 
@@ -150,6 +153,26 @@ pub struct Applied {
     pub outcomes: Vec<Outcome>,
 }
 
+/// How long a store may wait for its backend: the answer to the caller is due.
+#[derive(Debug, Clone, Copy)]
+pub struct Deadline {
+    /// Give up waiting at this moment (the limiter keeps a margin after it to send the answer).
+    pub at: tokio::time::Instant,
+    /// Whether `at` comes from the caller's own deadline (gRPC `grpc-timeout`). Without one, a store
+    /// applies its own bound too (`REDIS_TIMEOUT`).
+    pub from_caller: bool,
+}
+
+impl Deadline {
+    /// No caller deadline: only the service's own bound, `within` from now.
+    pub fn within(within: Duration) -> Self {
+        Self {
+            at: tokio::time::Instant::now() + within,
+            from_caller: false,
+        }
+    }
+}
+
 /// Why a store could not decide.
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum StoreError {
@@ -157,10 +180,14 @@ pub enum StoreError {
     Full { max_keys: usize },
     #[error("{0}")]
     Backend(String),
-    #[error("redis did not answer within {0:?} (redis.timeout)")]
+    #[error("redis did not answer before the answer was due ({0:?} waited)")]
+    Deadline(Duration),
+    #[error("redis did not answer within {0:?} (REDIS_TIMEOUT)")]
     Timeout(Duration),
-    #[error("redis unavailable: circuit breaker open after repeated failures")]
-    CircuitOpen,
+    #[error("redis unresponsive: no answer at all for {0:?} while commands waited (redis.unresponsive_after)")]
+    Unresponsive(Duration),
+    #[error("redis unavailable: circuit breaker open ({0})")]
+    CircuitOpen(&'static str),
     #[error("invalid redis settings: {0}")]
     Config(String),
 }
@@ -168,11 +195,12 @@ pub enum StoreError {
 /// A place that keeps counters and decides batches atomically.
 pub trait CounterStore: Send + Sync {
     /// Checks every counter of the batch at `now_millis`; consumes them all when the request is allowed
-    /// (or when `consume_on_deny`), none otherwise.
+    /// (or when `consume_on_deny`), none otherwise. A remote store stops waiting at `deadline`.
     fn apply(
         &self,
         batch: &Batch,
         now_millis: u64,
+        deadline: Deadline,
     ) -> impl Future<Output = Result<Applied, StoreError>> + Send;
 }
 
@@ -219,10 +247,15 @@ impl Store {
 }
 
 impl CounterStore for Store {
-    async fn apply(&self, batch: &Batch, now_millis: u64) -> Result<Applied, StoreError> {
+    async fn apply(
+        &self,
+        batch: &Batch,
+        now_millis: u64,
+        deadline: Deadline,
+    ) -> Result<Applied, StoreError> {
         match self {
-            Store::Memory(store) => store.apply(batch, now_millis).await,
-            Store::Redis(store) => store.apply(batch, now_millis).await,
+            Store::Memory(store) => store.apply(batch, now_millis, deadline).await,
+            Store::Redis(store) => store.apply(batch, now_millis, deadline).await,
             Store::Noop => Ok(Applied {
                 denied: false,
                 outcomes: batch
@@ -256,7 +289,14 @@ mod tests {
             consume_on_deny: false,
             known_denied: false,
         };
-        store.apply(&batch, clock.now_millis()).await.unwrap();
+        store
+            .apply(
+                &batch,
+                clock.now_millis(),
+                Deadline::within(Duration::from_secs(1)),
+            )
+            .await
+            .unwrap();
         let Store::Memory(memory) = &*store else {
             unreachable!()
         };

@@ -151,6 +151,17 @@ impl RedisProcess {
         }
     }
 
+    /// Sends a signal to the server process (`STOP` freezes it as a hung host would: its connections
+    /// stay open and nothing answers; `CONT` wakes it).
+    pub fn signal(&self, signal: &str) {
+        let pid = self.child.as_ref().expect("running").id();
+        let status = Command::new("kill")
+            .args([&format!("-{signal}"), &pid.to_string()])
+            .status()
+            .expect("kill runs");
+        assert!(status.success(), "kill -{signal} {pid}");
+    }
+
     /// Starts again on the same port (empty: no persistence).
     pub fn restart(&mut self) {
         self.kill();

@@ -9,19 +9,21 @@
 //! - Cluster: checks are grouped by hash slot and the slots are asked concurrently. When one slot denies
 //!   the request, `refund.lua` gives back what the others consumed, so the fleet never admits more than
 //!   the limit.
-//! - Failure: every request waits at most `redis.timeout`; a circuit breaker answers at once while Redis
-//!   keeps failing. fred reconnects with backoff; scripts are loaded at start, on reconnect, and again on
-//!   NOSCRIPT.
+//! - Waiting: a request waits for Redis until its answer is due: shortly before the caller's gRPC deadline,
+//!   or `redis.timeout` for callers without one. Each server has a circuit breaker that opens only when
+//!   the server is failing (connections refused or lost, or no answer at all for
+//!   `redis.unresponsive_after` while commands wait: see [`node`]); while open, requests are answered at
+//!   once by the policy. fred reconnects with backoff; scripts are loaded at start, on reconnect, and again
+//!   on NOSCRIPT.
 
+mod backend;
+mod node;
 mod tls;
 
 use std::{
     collections::BTreeMap,
     path::PathBuf,
-    sync::{
-        atomic::{AtomicI64, Ordering},
-        Arc,
-    },
+    sync::{atomic::Ordering, Arc},
     time::Duration,
 };
 
@@ -33,8 +35,11 @@ use fred::{
     },
 };
 use futures_util::future::join_all;
+use tokio::time::Instant;
+use tokio_util::task::TaskTracker;
 
-use super::{breaker::Breaker, Applied, Batch, CounterStore, Outcome, Role, StoreError};
+use self::{backend::Backend, node::Node};
+use super::{Applied, Batch, CounterStore, Deadline, Outcome, Role, StoreError};
 use crate::{
     algorithm::{Algorithm, Decision},
     settings::{RedisSettings, RedisTopology, SocketType},
@@ -44,25 +49,17 @@ const DECIDE_LUA: &str = include_str!("decide.lua");
 const REFUND_LUA: &str = include_str!("refund.lua");
 
 /// Counters in Redis.
+#[derive(Debug)]
 pub struct RedisStore {
-    pool: Pool,
+    /// Where every limit counts, except those of the per-second Redis.
+    main: Arc<Backend>,
+    /// Limits whose unit is SECOND, when a per-second Redis is configured (`REDIS_PERSECOND`).
+    per_second: Option<Arc<Backend>>,
     decide: Script,
     refund: Script,
-    cluster: bool,
-    timeout: Duration,
     jitter_max: u64,
-    breaker: Breaker,
-    /// Estimated Redis clock minus local clock, in milliseconds.
-    clock_offset_ms: AtomicI64,
-}
-
-impl std::fmt::Debug for RedisStore {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RedisStore")
-            .field("cluster", &self.cluster)
-            .field("timeout", &self.timeout)
-            .finish_non_exhaustive()
-    }
+    /// Commands whose callers stopped waiting, watched until they end.
+    tasks: TaskTracker,
 }
 
 /// The reply of one `decide.lua` call.
@@ -74,110 +71,173 @@ struct SlotReply {
     outcomes: Vec<Outcome>,
 }
 
+/// The checks of one script call: one backend, one hash slot, one server.
+struct Group {
+    /// 0 for the main backend, 1 for the per-second one.
+    backend: usize,
+    checks: Vec<usize>,
+    node: Arc<Node>,
+}
+
 impl RedisStore {
     /// Builds the store and starts connecting in the background; it does not wait for Redis.
-    pub fn connect(settings: &RedisSettings, jitter_max: u64) -> Result<Arc<Self>, StoreError> {
-        let config = client_config(settings)?;
-        let pool = Builder::from_config(config)
-            .with_connection_config(|c| {
-                c.connection_timeout = settings.connect_timeout;
-                c.internal_command_timeout = settings.connect_timeout;
-                // Redirections (MOVED, ASK) during resharding count as attempts; redis.timeout bounds the wait.
-                c.max_command_attempts = 3;
-            })
-            .with_performance_config(|p| {
-                p.default_command_timeout = settings.timeout;
-            })
-            .set_policy(ReconnectPolicy::new_exponential(0, 50, 2_000, 2))
-            .build_pool(settings.pool_size)
-            .map_err(|e| StoreError::Config(e.to_string()))?;
-        let store = Arc::new(Self {
-            pool,
-            decide: Script::from_lua(DECIDE_LUA),
-            refund: Script::from_lua(REFUND_LUA),
-            cluster: settings.topology == RedisTopology::Cluster,
-            timeout: settings.timeout,
+    /// `per_second`, when set, is a second Redis for limits whose unit is SECOND. `longest_wait` is the
+    /// longest any request may wait for an answer (`overload.deadline`): commands still unanswered well
+    /// after it are abandoned by the client, never replayed after a reconnect.
+    pub fn connect(
+        settings: &RedisSettings,
+        per_second: Option<&RedisSettings>,
+        jitter_max: u64,
+        longest_wait: Duration,
+    ) -> Result<Arc<Self>, StoreError> {
+        let (decide, refund) = (Script::from_lua(DECIDE_LUA), Script::from_lua(REFUND_LUA));
+        let scripts = [decide.clone(), refund.clone()];
+        let command_timeout =
+            |s: &RedisSettings| longest_wait.max(s.timeout) + s.unresponsive_after.max(s.timeout);
+        let main = Backend::connect("main", settings, command_timeout(settings), scripts.clone())?;
+        let per_second = per_second
+            .map(|s| Backend::connect("per-second", s, command_timeout(s), scripts))
+            .transpose()?;
+        Ok(Arc::new(Self {
+            main,
+            per_second,
+            decide,
+            refund,
             jitter_max,
-            breaker: Breaker::new(settings.breaker_failures, settings.breaker_open_for),
-            clock_offset_ms: AtomicI64::new(0),
-        });
-        for client in store.pool.clients() {
-            let (decide, refund, reloading) =
-                (store.decide.clone(), store.refund.clone(), client.clone());
-            client.on_reconnect(move |server| {
-                let (decide, refund, client) = (decide.clone(), refund.clone(), reloading.clone());
-                async move {
-                    tracing::debug!(%server, "connected to Redis");
-                    if let Err(err) = load_scripts(&client, &decide, &refund).await {
-                        tracing::warn!(%server, "cannot load scripts after reconnecting: {err}");
-                    }
-                    Ok(())
-                }
-            });
-            client.on_error(|(err, server)| async move {
-                let server = server.map(|s| s.to_string()).unwrap_or_default();
-                tracing::warn!(server, "Redis connection error: {err}");
-                Ok(())
-            });
+            tasks: TaskTracker::new(),
+        }))
+    }
+
+    fn backends(&self) -> impl Iterator<Item = &Arc<Backend>> {
+        std::iter::once(&self.main).chain(&self.per_second)
+    }
+
+    fn backend(&self, index: usize) -> &Backend {
+        match (index, &self.per_second) {
+            (1, Some(per_second)) => per_second,
+            _ => &self.main,
         }
-        let _ = store.pool.connect_pool();
-        Ok(store)
     }
 
     /// Waits until every connection is up and the scripts are loaded.
     pub async fn ready(&self) -> Result<(), StoreError> {
-        for client in self.pool.clients() {
-            client.wait_for_connect().await.map_err(redis_error)?;
+        let scripts = [self.decide.clone(), self.refund.clone()];
+        for backend in self.backends() {
+            backend.ready(&scripts).await?;
         }
-        load_scripts(self.pool.next(), &self.decide, &self.refund)
-            .await
-            .map_err(redis_error)
+        Ok(())
     }
 
-    /// Closes the connections.
+    /// Closes the connections and waits briefly for the commands still watched.
     pub async fn close(&self) {
-        let _ = self.pool.quit().await;
+        self.tasks.close();
+        for backend in self.backends() {
+            backend.close().await;
+        }
+        let _ = tokio::time::timeout(Duration::from_secs(1), self.tasks.wait()).await;
     }
 
+    /// Whether a circuit breaker in front of a Redis server is open.
     pub fn breaker_open(&self) -> bool {
-        self.breaker.is_open()
+        self.backends().any(|b| b.breaker_open())
     }
 
-    /// Whether at least one connection to Redis is up.
+    /// Whether every Redis (the main one, and the per-second one when configured) has a connection up.
     pub fn connected(&self) -> bool {
-        self.pool.clients().iter().any(|c| c.is_connected())
+        self.backends().all(|b| b.connected())
     }
 
-    async fn decide_now(&self, batch: &Batch, local_ms: u64) -> Result<Applied, StoreError> {
-        let mut now_ms = local_ms as i64 + self.clock_offset_ms.load(Ordering::Relaxed);
+    /// When a call to `backend` stops waiting, and the error if that moment comes first.
+    fn wait_bound(backend: &Backend, deadline: Deadline) -> (Instant, StoreError) {
+        let now = Instant::now();
+        let own = now + backend.timeout;
+        if deadline.from_caller || deadline.at <= own {
+            (
+                deadline.at,
+                StoreError::Deadline(deadline.at.saturating_duration_since(now)),
+            )
+        } else {
+            (own, StoreError::Timeout(backend.timeout))
+        }
+    }
+
+    /// The backend a check counts on.
+    fn backend_of(&self, per_second: bool) -> usize {
+        usize::from(per_second && self.per_second.is_some())
+    }
+
+    async fn decide_now(
+        &self,
+        batch: &Batch,
+        local_ms: u64,
+        deadline: Deadline,
+    ) -> Result<Applied, StoreError> {
+        // The time on each backend's clock, as this replica estimates it.
+        let estimate = |b: &Backend| local_ms as i64 + b.clock_offset_ms.load(Ordering::Relaxed);
+        let mut now_ms = [estimate(&self.main), estimate(self.backend(1))];
         for _ in 0..2 {
-            let now_ms_u = u64::try_from(now_ms).unwrap_or(0);
             let keys: Vec<String> = batch
                 .checks
                 .iter()
-                .map(|c| c.storage_key(now_ms_u))
+                .map(|c| {
+                    let now = now_ms[self.backend_of(c.per_second)];
+                    c.storage_key(u64::try_from(now).unwrap_or(0))
+                })
                 .collect();
-            let groups = self.slot_groups(&keys);
+            let groups = self.groups(batch, &keys);
+            for group in &groups {
+                let backend = self.backend(group.backend);
+                if !backend.connected() {
+                    if group.node.breaker.trip() {
+                        tracing::warn!(server = %group.node.name(), backend = backend.name, "no connection to Redis: circuit breaker open");
+                    }
+                    return Err(StoreError::CircuitOpen("no connection to Redis"));
+                }
+            }
+            // Every server of the request must be asked, or none: a refused slot would leave the
+            // others' consumption unrefunded.
+            let mut servers: Vec<&Arc<Node>> = groups.iter().map(|g| &g.node).collect();
+            servers.sort_by_key(|node| Arc::as_ptr(node));
+            servers.dedup_by_key(|node| Arc::as_ptr(node));
+            if servers.iter().any(|node| !node.breaker.allow()) {
+                return Err(StoreError::CircuitOpen("Redis failing"));
+            }
             let complete = groups.len() == 1;
-            let replies = join_all(
-                groups
-                    .iter()
-                    .map(|group| self.call_decide(batch, &keys, group, complete, now_ms_u)),
-            )
+            let replies = join_all(groups.iter().map(|group| {
+                let now = u64::try_from(now_ms[group.backend]).unwrap_or(0);
+                self.call_decide(batch, &keys, group, complete, now, deadline)
+            }))
             .await;
             let mut slots = Vec::with_capacity(replies.len());
             for reply in replies {
                 slots.push(reply?);
             }
-            if let Some(server_ms) = slots.iter().map(|s| s.server_ms).max() {
-                self.clock_offset_ms
-                    .store(server_ms - local_ms as i64, Ordering::Relaxed);
+            for (index, backend) in self.backends().enumerate() {
+                let newest = groups
+                    .iter()
+                    .zip(&slots)
+                    .filter(|(g, _)| g.backend == index)
+                    .map(|(_, s)| s.server_ms)
+                    .max();
+                if let Some(server_ms) = newest {
+                    backend
+                        .clock_offset_ms
+                        .store(server_ms - local_ms as i64, Ordering::Relaxed);
+                }
             }
-            if let Some(mismatch) = slots.iter().find(|s| s.window_mismatch) {
-                let server_ms = mismatch.server_ms;
-                self.refund_consumed(batch, &keys, &groups, &slots).await?;
-                tracing::debug!(local_ms, server_ms, "window moved on the server; retrying");
-                now_ms = server_ms;
+            let mismatches: Vec<(usize, i64)> = groups
+                .iter()
+                .zip(&slots)
+                .filter(|(_, s)| s.window_mismatch)
+                .map(|(g, s)| (g.backend, s.server_ms))
+                .collect();
+            if !mismatches.is_empty() {
+                self.refund_consumed(batch, &keys, &groups, &slots, deadline)
+                    .await?;
+                for (backend, server_ms) in mismatches {
+                    tracing::debug!(local_ms, server_ms, "window moved on the server; retrying");
+                    now_ms[backend] = server_ms;
+                }
                 continue;
             }
             let mut outcomes = vec![
@@ -191,17 +251,18 @@ impl RedisStore {
                 batch.checks.len()
             ];
             for (group, slot) in groups.iter().zip(&slots) {
-                for (&i, outcome) in group.iter().zip(&slot.outcomes) {
+                for (&i, outcome) in group.checks.iter().zip(&slot.outcomes) {
                     outcomes[i] = *outcome;
                 }
             }
             let denied = batch.is_denied(|i| outcomes[i].allowed);
             if denied && !complete && !batch.consume_on_deny {
                 // Another slot denied what these consumed: give it back.
-                self.refund_consumed(batch, &keys, &groups, &slots).await?;
+                self.refund_consumed(batch, &keys, &groups, &slots, deadline)
+                    .await?;
                 for (group, slot) in groups.iter().zip(&slots) {
                     if !slot.denied {
-                        for &i in group {
+                        for &i in &group.checks {
                             if outcomes[i].allowed {
                                 outcomes[i].remaining = outcomes[i]
                                     .remaining
@@ -224,35 +285,42 @@ impl RedisStore {
         ))
     }
 
-    /// Indices of the checks, grouped by Cluster hash slot (one group outside Cluster).
-    fn slot_groups(&self, keys: &[String]) -> Vec<Vec<usize>> {
-        if !self.cluster {
-            return vec![(0..keys.len()).collect()];
+    /// The checks grouped by backend and, on Cluster, by hash slot, each with its server.
+    fn groups(&self, batch: &Batch, keys: &[String]) -> Vec<Group> {
+        let mut by_slot: BTreeMap<(usize, Option<u16>), Vec<usize>> = BTreeMap::new();
+        for (i, (check, key)) in batch.checks.iter().zip(keys).enumerate() {
+            let backend = self.backend_of(check.per_second);
+            let slot = self
+                .backend(backend)
+                .cluster
+                .then(|| fred::util::redis_keyslot(key.as_bytes()));
+            by_slot.entry((backend, slot)).or_default().push(i);
         }
-        let mut by_slot: BTreeMap<u16, Vec<usize>> = BTreeMap::new();
-        for (i, key) in keys.iter().enumerate() {
-            by_slot
-                .entry(fred::util::redis_keyslot(key.as_bytes()))
-                .or_default()
-                .push(i);
-        }
-        by_slot.into_values().collect()
+        by_slot
+            .into_iter()
+            .map(|((backend, slot), checks)| Group {
+                backend,
+                checks,
+                node: self.backend(backend).node_for_slot(slot),
+            })
+            .collect()
     }
 
     async fn call_decide(
         &self,
         batch: &Batch,
         keys: &[String],
-        group: &[usize],
+        group: &Group,
         complete: bool,
         now_ms: u64,
+        deadline: Deadline,
     ) -> Result<SlotReply, StoreError> {
         let jitter = if self.jitter_max == 0 {
             0
         } else {
             rand::random_range(0..=self.jitter_max)
         };
-        let mut args: Vec<i64> = Vec::with_capacity(3 + group.len() * 7);
+        let mut args: Vec<i64> = Vec::with_capacity(3 + group.checks.len() * 7);
         args.extend([
             i64::from(batch.consume_on_deny),
             if batch.known_denied {
@@ -262,8 +330,8 @@ impl RedisStore {
             },
             to_i64(jitter),
         ]);
-        let mut group_keys = Vec::with_capacity(group.len());
-        for &i in group {
+        let mut group_keys = Vec::with_capacity(group.checks.len());
+        for &i in &group.checks {
             let c = &batch.checks[i];
             group_keys.push(keys[i].clone());
             let p = &c.params;
@@ -281,12 +349,20 @@ impl RedisStore {
                 to_i64(c.window_start_secs(now_ms).unwrap_or(0)),
             ]);
         }
-        let reply: Vec<i64> = self
-            .decide
-            .evalsha_with_reload(self.pool.next(), group_keys, args)
-            .await
+        let backend = self.backend(group.backend);
+        let (client, script) = (backend.pool.next_connected().clone(), self.decide.clone());
+        let call = async move {
+            script
+                .evalsha_with_reload::<Vec<i64>, _, _>(&client, group_keys, args)
+                .await
+        };
+        let (until, late) = Self::wait_bound(backend, deadline);
+        let reply = group
+            .node
+            .wait(&self.tasks, call, until, late)
+            .await?
             .map_err(redis_error)?;
-        parse_reply(&reply, group.len())
+        parse_reply(&reply, group.checks.len())
     }
 
     /// Gives back the hits of every slot that consumed for this request.
@@ -294,17 +370,18 @@ impl RedisStore {
         &self,
         batch: &Batch,
         keys: &[String],
-        groups: &[Vec<usize>],
+        groups: &[Group],
         slots: &[SlotReply],
+        deadline: Deadline,
     ) -> Result<(), StoreError> {
         let calls = groups.iter().zip(slots).filter_map(|(group, slot)| {
             let consumed = !slot.window_mismatch && (!slot.denied || batch.consume_on_deny);
             if !consumed {
                 return None;
             }
-            let refund_keys: Vec<String> = group.iter().map(|&i| keys[i].clone()).collect();
+            let refund_keys: Vec<String> = group.checks.iter().map(|&i| keys[i].clone()).collect();
             let mut args: Vec<i64> = vec![slot.server_ms];
-            for (&i, outcome) in group.iter().zip(&slot.outcomes) {
+            for (&i, outcome) in group.checks.iter().zip(&slot.outcomes) {
                 let c = &batch.checks[i];
                 // Only what was consumed: allowed checks, and every fixed-window hit.
                 let hits = if outcome.allowed || c.params.algorithm == Algorithm::FixedWindow {
@@ -320,38 +397,31 @@ impl RedisStore {
                     to_i64(c.params.burst),
                 ]);
             }
-            Some(async move {
-                self.refund
-                    .evalsha_with_reload::<i64, _, _>(self.pool.next(), refund_keys, args)
+            let backend = self.backend(group.backend);
+            let (client, script) = (backend.pool.next_connected().clone(), self.refund.clone());
+            let call = async move {
+                script
+                    .evalsha_with_reload::<i64, _, _>(&client, refund_keys, args)
                     .await
-            })
+            };
+            let (until, late) = Self::wait_bound(backend, deadline);
+            Some(group.node.wait(&self.tasks, call, until, late))
         });
         for result in join_all(calls).await {
-            result.map_err(redis_error)?;
+            result?.map_err(redis_error)?;
         }
         Ok(())
     }
 }
 
 impl CounterStore for RedisStore {
-    async fn apply(&self, batch: &Batch, now_millis: u64) -> Result<Applied, StoreError> {
-        if !self.breaker.allow() {
-            return Err(StoreError::CircuitOpen);
-        }
-        let result =
-            match tokio::time::timeout(self.timeout, self.decide_now(batch, now_millis)).await {
-                Ok(result) => result,
-                Err(_) => Err(StoreError::Timeout(self.timeout)),
-            };
-        match &result {
-            Ok(_) => self.breaker.success(),
-            Err(err) => {
-                if self.breaker.failure() {
-                    tracing::warn!("Redis failing ({err}): circuit breaker open");
-                }
-            }
-        }
-        result
+    async fn apply(
+        &self,
+        batch: &Batch,
+        now_millis: u64,
+        deadline: Deadline,
+    ) -> Result<Applied, StoreError> {
+        self.decide_now(batch, now_millis, deadline).await
     }
 }
 
@@ -394,9 +464,11 @@ fn parse_reply(reply: &[i64], checks: usize) -> Result<SlotReply, StoreError> {
     })
 }
 
-async fn load_scripts(client: &Client, decide: &Script, refund: &Script) -> FredResult<()> {
-    decide.load(client).await?;
-    refund.load(client).await
+async fn load_scripts(client: &Client, scripts: &[Script; 2]) -> FredResult<()> {
+    for script in scripts {
+        script.load(client).await?;
+    }
+    Ok(())
 }
 
 fn redis_error(err: Error) -> StoreError {

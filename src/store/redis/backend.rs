@@ -1,0 +1,222 @@
+//! One Redis deployment (a server, a Sentinel-watched master, or a Cluster): its connection pool, the
+//! health of each of its servers, the Cluster slot map, and the estimate of its clock. The store has one
+//! for all limits, and a second one for limits whose unit is SECOND when `REDIS_PERSECOND` asks for it.
+
+use std::{
+    collections::HashMap,
+    sync::{atomic::AtomicI64, Arc, Mutex},
+    time::Duration,
+};
+
+use arc_swap::ArcSwapOption;
+use fred::{
+    prelude::*,
+    types::{cluster::ClusterRouting, config::Server, scripts::Script},
+};
+
+use super::{client_config, load_scripts, node::Node, redis_error};
+use crate::{
+    settings::{RedisSettings, RedisTopology},
+    store::{breaker::Breaker, StoreError},
+};
+
+/// How each server's breaker and silence bound are set.
+#[derive(Debug, Clone, Copy)]
+struct NodeSettings {
+    breaker_failures: u32,
+    breaker_open_for: Duration,
+    unresponsive_after: Duration,
+}
+
+impl NodeSettings {
+    fn node(&self, name: String) -> Arc<Node> {
+        Arc::new(Node::new(
+            name,
+            Breaker::new(self.breaker_failures, self.breaker_open_for),
+            self.unresponsive_after,
+        ))
+    }
+}
+
+/// One Redis deployment and what this replica knows of it.
+pub struct Backend {
+    /// `main` or `per-second`, for logs.
+    pub name: &'static str,
+    pub pool: Pool,
+    pub cluster: bool,
+    /// How long calls without a deadline of their own wait (`REDIS_TIMEOUT`).
+    pub timeout: Duration,
+    /// The server of a standalone or Sentinel setup; on Cluster, slots not mapped yet.
+    single: Arc<Node>,
+    /// Cluster masters by address, created when first used.
+    masters: Mutex<HashMap<Server, Arc<Node>>>,
+    /// The Cluster slot map, refreshed when the cluster changes.
+    routing: ArcSwapOption<ClusterRouting>,
+    node_settings: NodeSettings,
+    /// Estimated server clock minus local clock, in milliseconds.
+    pub clock_offset_ms: AtomicI64,
+}
+
+impl std::fmt::Debug for Backend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Backend")
+            .field("name", &self.name)
+            .field("cluster", &self.cluster)
+            .field("timeout", &self.timeout)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Backend {
+    /// Builds the pool and starts connecting in the background; it does not wait for Redis. Commands
+    /// still unanswered after `command_timeout` are abandoned by the client, never replayed after a
+    /// reconnect.
+    pub fn connect(
+        name: &'static str,
+        settings: &RedisSettings,
+        command_timeout: Duration,
+        scripts: [Script; 2],
+    ) -> Result<Arc<Self>, StoreError> {
+        let config = client_config(settings)?;
+        let pool = Builder::from_config(config)
+            .with_connection_config(|c| {
+                c.connection_timeout = settings.connect_timeout;
+                c.internal_command_timeout = settings.connect_timeout;
+                // Redirections (MOVED, ASK) during resharding count as attempts.
+                c.max_command_attempts = 3;
+            })
+            .with_performance_config(|p| {
+                p.default_command_timeout = command_timeout;
+            })
+            .set_policy(ReconnectPolicy::new_exponential(0, 50, 2_000, 2))
+            .build_pool(settings.pool_size)
+            .map_err(|e| StoreError::Config(e.to_string()))?;
+        let node_settings = NodeSettings {
+            breaker_failures: settings.breaker_failures,
+            breaker_open_for: settings.breaker_open_for,
+            unresponsive_after: settings.unresponsive_after,
+        };
+        let backend = Arc::new(Self {
+            name,
+            pool,
+            cluster: settings.topology == RedisTopology::Cluster,
+            timeout: settings.timeout,
+            single: node_settings.node(settings.url.clone()),
+            masters: Mutex::new(HashMap::new()),
+            routing: ArcSwapOption::empty(),
+            node_settings,
+            clock_offset_ms: AtomicI64::new(0),
+        });
+        for client in backend.pool.clients() {
+            let (scripts, reloading) = (scripts.clone(), client.clone());
+            let weak = Arc::downgrade(&backend);
+            client.on_reconnect(move |server| {
+                let (scripts, client, weak) = (scripts.clone(), reloading.clone(), weak.clone());
+                if let Some(backend) = weak.upgrade() {
+                    backend
+                        .routing
+                        .store(client.cached_cluster_state().map(Arc::new));
+                }
+                async move {
+                    tracing::debug!(%server, "connected to Redis");
+                    match load_scripts(&client, &scripts).await {
+                        // It answers: whatever opened its breaker is over.
+                        Ok(()) => {
+                            if let Some(backend) = weak.upgrade() {
+                                backend.node_of(&server).answered();
+                            }
+                        }
+                        Err(err) => {
+                            tracing::warn!(%server, "cannot load scripts after reconnecting: {err}")
+                        }
+                    }
+                    Ok(())
+                }
+            });
+            if backend.cluster {
+                let (weak, watched) = (Arc::downgrade(&backend), client.clone());
+                client.on_cluster_change(move |_| {
+                    if let Some(backend) = weak.upgrade() {
+                        backend
+                            .routing
+                            .store(watched.cached_cluster_state().map(Arc::new));
+                    }
+                    async { Ok(()) }
+                });
+            }
+            client.on_error(move |(err, server)| async move {
+                let server = server.map(|s| s.to_string()).unwrap_or_default();
+                tracing::warn!(server, backend = name, "Redis connection error: {err}");
+                Ok(())
+            });
+        }
+        let _ = backend.pool.connect_pool();
+        Ok(backend)
+    }
+
+    /// Waits until every connection is up and the scripts are loaded.
+    pub async fn ready(&self, scripts: &[Script; 2]) -> Result<(), StoreError> {
+        for client in self.pool.clients() {
+            client.wait_for_connect().await.map_err(redis_error)?;
+        }
+        load_scripts(self.pool.next(), scripts)
+            .await
+            .map_err(redis_error)?;
+        // Calls refused before Redis was reached opened breakers; it answers now.
+        self.single.answered();
+        for node in lock(&self.masters).values() {
+            node.answered();
+        }
+        Ok(())
+    }
+
+    /// Whether at least one connection is up.
+    pub fn connected(&self) -> bool {
+        self.pool.clients().iter().any(|c| c.is_connected())
+    }
+
+    /// Whether a circuit breaker in front of one of its servers is open.
+    pub fn breaker_open(&self) -> bool {
+        self.single.breaker.is_open()
+            || lock(&self.masters)
+                .values()
+                .any(|node| node.breaker.is_open())
+    }
+
+    /// The health of a server connected to: its master entry on Cluster, else the one server.
+    fn node_of(&self, server: &Server) -> Arc<Node> {
+        if !self.cluster {
+            return self.single.clone();
+        }
+        lock(&self.masters)
+            .entry(server.clone())
+            .or_insert_with(|| self.node_settings.node(server.to_string()))
+            .clone()
+    }
+
+    /// The server a key's hash slot lives on, as this replica last saw the slot map (the one server
+    /// outside Cluster).
+    pub fn node_for_slot(&self, slot: Option<u16>) -> Arc<Node> {
+        let Some(slot) = slot.filter(|_| self.cluster) else {
+            return self.single.clone();
+        };
+        let mut routing = self.routing.load_full();
+        if routing.is_none() {
+            routing = self.pool.next().cached_cluster_state().map(Arc::new);
+            self.routing.store(routing.clone());
+        }
+        match routing.as_ref().and_then(|r| r.get_server(slot)) {
+            Some(server) => self.node_of(server),
+            None => self.single.clone(),
+        }
+    }
+
+    /// Closes the connections.
+    pub async fn close(&self) {
+        let _ = self.pool.quit().await;
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|p| p.into_inner())
+}

@@ -1,0 +1,363 @@
+//! The health of one Redis server as this replica sees it, and waiting for its answers.
+//!
+//! A call waits for its answer until the caller's answer is due ([`Node::wait`]); while it waits, answers
+//! to any other call count as signs of life. Only a server that answers nothing at all for
+//! `unresponsive_after` while commands wait for it is declared unresponsive (a hung process, a paused or
+//! stopped one, a lost connection), which opens its breaker so that later calls are answered at once. A
+//! burst that makes answers queue never does: answers keep arriving.
+//!
+//! Every command is watched until it ends, also after its caller stopped waiting: a command the caller
+//! gave up on is handed to a background task (see [`Watched`]), so that its answer, or its silence, still
+//! tells whether the server lives. Commands end at the latest after the client's command timeout, which
+//! also keeps a command that was never written from being replayed after a reconnect.
+
+use std::{
+    future::Future,
+    pin::Pin,
+    sync::{
+        atomic::{AtomicU64, AtomicUsize, Ordering},
+        Arc,
+    },
+    task::{Context, Poll},
+    time::Duration,
+};
+
+use fred::error::{Error, ErrorKind};
+use tokio::time::Instant;
+use tokio_util::task::TaskTracker;
+
+use super::super::{breaker::Breaker, StoreError};
+
+/// One Redis server: its breaker and the signs of life seen from it.
+#[derive(Debug)]
+pub struct Node {
+    /// `host:port`, for logs.
+    name: String,
+    pub breaker: Breaker,
+    unresponsive_after: Duration,
+    /// Reference point of the millisecond clocks below.
+    epoch: Instant,
+    /// Commands sent to the server and not ended yet (answered, failed or given up by the client).
+    outstanding: AtomicUsize,
+    /// When the server last showed progress (ms since `epoch`): its last answer, or the moment a
+    /// command started waiting while none was outstanding.
+    progress_ms: AtomicU64,
+}
+
+impl Node {
+    pub fn new(name: String, breaker: Breaker, unresponsive_after: Duration) -> Self {
+        Self {
+            name,
+            breaker,
+            unresponsive_after,
+            epoch: Instant::now(),
+            outstanding: AtomicUsize::new(0),
+            progress_ms: AtomicU64::new(0),
+        }
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn now_ms(&self) -> u64 {
+        u64::try_from(self.epoch.elapsed().as_millis()).unwrap_or(u64::MAX)
+    }
+
+    /// The moment the server counts as unresponsive if it answers nothing before it.
+    fn silent_deadline(&self) -> Instant {
+        self.epoch
+            + Duration::from_millis(self.progress_ms.load(Ordering::Relaxed))
+            + self.unresponsive_after
+    }
+
+    /// Whether commands wait and nothing came back for `unresponsive_after`.
+    fn is_silent(&self) -> bool {
+        self.outstanding.load(Ordering::Relaxed) > 0 && Instant::now() >= self.silent_deadline()
+    }
+
+    /// Returns once the server has been silent for `unresponsive_after` while commands waited. Judged on
+    /// this process's own time: when it was itself kept from running (a starved machine), answers may
+    /// sit unread, so it looks again once it has run for a moment.
+    async fn silence(&self) {
+        /// Lateness of a timer that says this process was not running, rather than the server silent.
+        const STARVED: Duration = Duration::from_millis(20);
+        loop {
+            let silent = self.silent_deadline();
+            tokio::time::sleep_until(silent).await;
+            if Instant::now().saturating_duration_since(silent) > STARVED {
+                tokio::time::sleep(STARVED).await;
+            }
+            // Let a reply that has arrived be read before judging.
+            tokio::task::yield_now().await;
+            if self.is_silent() {
+                return;
+            }
+        }
+    }
+
+    fn started(&self) {
+        if self.outstanding.fetch_add(1, Ordering::Relaxed) == 0 {
+            // Nothing was waiting: the silence is measured from now, not from the last answer.
+            self.progress_ms.fetch_max(self.now_ms(), Ordering::Relaxed);
+        }
+    }
+
+    /// Records how a command ended; the server answered unless the error is the connection's.
+    fn ended<R>(&self, result: &Result<R, Error>) {
+        self.outstanding.fetch_sub(1, Ordering::Relaxed);
+        match result {
+            Ok(_) => self.answered(),
+            Err(err) if is_answer(err) => self.answered(),
+            Err(err) => {
+                if self.breaker.failure() {
+                    tracing::warn!(
+                        server = %self.name,
+                        "Redis failing ({err}): circuit breaker open"
+                    );
+                }
+            }
+        }
+    }
+
+    /// Records that the server answered (a command, or the scripts loaded after connecting).
+    pub fn answered(&self) {
+        self.progress_ms.fetch_max(self.now_ms(), Ordering::Relaxed);
+        if self.breaker.success() {
+            tracing::warn!(server = %self.name, "Redis answering again: circuit breaker closed");
+        }
+    }
+
+    /// Opens the breaker: the server answers nothing although commands wait.
+    fn unresponsive(&self) {
+        if self.breaker.trip() {
+            tracing::warn!(
+                server = %self.name,
+                "Redis unresponsive: no answer at all for {:?} while commands waited; circuit breaker open",
+                self.unresponsive_after
+            );
+        }
+    }
+
+    /// Sends `call` (already built, not yet polled) and waits for its answer until `until`, or until the
+    /// server is found unresponsive. `late` is the error for a deadline that passes first.
+    pub async fn wait<R: Send + 'static>(
+        self: &Arc<Self>,
+        tasks: &TaskTracker,
+        call: impl Future<Output = Result<R, Error>> + Send + 'static,
+        until: Instant,
+        late: StoreError,
+    ) -> Result<Result<R, Error>, StoreError> {
+        let mut call = Watched::new(self.clone(), tasks.clone(), call);
+        tokio::select! {
+            biased;
+            result = &mut call => Ok(result),
+            _ = tokio::time::sleep_until(until) => Err(late),
+            _ = self.silence() => {
+                self.unresponsive();
+                Err(StoreError::Unresponsive(self.unresponsive_after))
+            }
+        }
+    }
+}
+
+/// Whether a client error is the server's own error reply (it answered) rather than the connection's.
+fn is_answer(err: &Error) -> bool {
+    matches!(
+        err.kind(),
+        ErrorKind::Unknown
+            | ErrorKind::InvalidArgument
+            | ErrorKind::InvalidCommand
+            | ErrorKind::Auth
+            | ErrorKind::NotFound
+            | ErrorKind::Parse
+    )
+}
+
+type BoxedCall<R> = Pin<Box<dyn Future<Output = Result<R, Error>> + Send>>;
+
+/// A command in flight, watched until it ends. Dropped before its end (the caller's answer was due, or
+/// the caller went away), it keeps being watched by a background task.
+pub struct Watched<R: Send + 'static> {
+    node: Arc<Node>,
+    tasks: TaskTracker,
+    call: Option<BoxedCall<R>>,
+}
+
+impl<R: Send + 'static> Watched<R> {
+    fn new(
+        node: Arc<Node>,
+        tasks: TaskTracker,
+        call: impl Future<Output = Result<R, Error>> + Send + 'static,
+    ) -> Self {
+        node.started();
+        Self {
+            node,
+            tasks,
+            call: Some(Box::pin(call)),
+        }
+    }
+}
+
+impl<R: Send + 'static> Future for Watched<R> {
+    type Output = Result<R, Error>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let Some(call) = self.call.as_mut() else {
+            return Poll::Pending;
+        };
+        match call.as_mut().poll(cx) {
+            Poll::Ready(result) => {
+                self.call = None;
+                self.node.ended(&result);
+                Poll::Ready(result)
+            }
+            Poll::Pending => Poll::Pending,
+        }
+    }
+}
+
+impl<R: Send + 'static> Drop for Watched<R> {
+    fn drop(&mut self) {
+        let Some(mut call) = self.call.take() else {
+            return;
+        };
+        let node = self.node.clone();
+        if tokio::runtime::Handle::try_current().is_err() || self.tasks.is_closed() {
+            // Shutting down: the connections are closing; nothing left to learn.
+            node.outstanding.fetch_sub(1, Ordering::Relaxed);
+            return;
+        }
+        self.tasks.spawn(async move {
+            tokio::select! {
+                biased;
+                result = &mut call => {
+                    node.ended(&result);
+                    return;
+                }
+                _ = node.silence() => node.unresponsive(),
+            }
+            // Still waiting: a late answer closes the breaker at once.
+            let result = call.await;
+            node.ended(&result);
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn node() -> Arc<Node> {
+        Arc::new(Node::new(
+            "test:6379".into(),
+            Breaker::new(5, Duration::from_millis(500)),
+            Duration::from_millis(250),
+        ))
+    }
+
+    async fn answer_after(ms: u64) -> Result<u32, Error> {
+        tokio::time::sleep(Duration::from_millis(ms)).await;
+        Ok(7)
+    }
+
+    fn never() -> impl Future<Output = Result<u32, Error>> + Send + 'static {
+        std::future::pending()
+    }
+
+    fn late() -> StoreError {
+        StoreError::Deadline(Duration::ZERO)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn answers_queued_behind_a_burst_are_waited_for_until_the_deadline() {
+        let (node, tasks) = (node(), TaskTracker::new());
+        let until = Instant::now() + Duration::from_secs(2);
+        // A slow answer, while other answers keep arriving every 100 ms: never unresponsive.
+        let others = {
+            let node = node.clone();
+            tokio::spawn(async move {
+                for _ in 0..12 {
+                    node.started();
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    node.ended::<()>(&Ok(()));
+                }
+            })
+        };
+        let got = node
+            .wait(&tasks, answer_after(1_000), until, late())
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(got, 7);
+        assert!(!node.breaker.is_open());
+        others.await.unwrap();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_silent_server_opens_the_breaker_after_the_unresponsive_time() {
+        let (node, tasks) = (node(), TaskTracker::new());
+        let started = Instant::now();
+        let err = node
+            .wait(&tasks, never(), started + Duration::from_secs(5), late())
+            .await
+            .unwrap_err();
+        assert!(matches!(err, StoreError::Unresponsive(_)), "{err}");
+        assert_eq!(started.elapsed(), Duration::from_millis(250));
+        assert!(node.breaker.is_open() && !node.breaker.allow());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn callers_with_short_deadlines_still_reveal_a_hung_server() {
+        let (node, tasks) = (node(), TaskTracker::new());
+        // Every caller gives up after 16 ms; their commands are still watched in the background.
+        for _ in 0..5 {
+            let until = Instant::now() + Duration::from_millis(16);
+            let err = node.wait(&tasks, never(), until, late()).await.unwrap_err();
+            assert!(matches!(err, StoreError::Deadline(_)));
+        }
+        assert!(!node.breaker.is_open());
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(
+            node.breaker.is_open(),
+            "the background watch found the silence"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_late_answer_to_a_given_up_command_closes_the_breaker() {
+        let (node, tasks) = (node(), TaskTracker::new());
+        let until = Instant::now() + Duration::from_millis(16);
+        let err = node
+            .wait(&tasks, answer_after(600), until, late())
+            .await
+            .unwrap_err();
+        assert!(matches!(err, StoreError::Deadline(_)));
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(node.breaker.is_open());
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        assert!(!node.breaker.is_open(), "answered at 600 ms: alive again");
+        assert_eq!(node.outstanding.load(Ordering::Relaxed), 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn error_replies_are_answers_and_connection_errors_are_failures() {
+        let node = node();
+        for _ in 0..10 {
+            node.started();
+            node.ended::<()>(&Err(Error::new(
+                ErrorKind::Unknown,
+                "ERR Error running script: value is not an integer",
+            )));
+        }
+        assert!(
+            !node.breaker.is_open(),
+            "a script error is not a dead server"
+        );
+        for _ in 0..5 {
+            node.started();
+            node.ended::<()>(&Err(Error::new(ErrorKind::IO, "connection reset")));
+        }
+        assert!(node.breaker.is_open());
+    }
+}

@@ -1,0 +1,482 @@
+//! Waiting for Redis follows the caller's deadline, against real processes.
+//!
+//! - Bursts on the defaults (no settings but the Redis address): every call is decided, none answered
+//!   UNAVAILABLE, and the shared limit is exact, on one replica and on three replicas over a Cluster.
+//! - Redis killed, hung by `DEBUG SLEEP`, paused by `CLIENT PAUSE`, frozen by SIGSTOP: a call with a
+//!   20 ms deadline is answered by the policy before its deadline; a call with a deadline of seconds is
+//!   answered by the policy once the server is found unresponsive (under a second), later ones at once;
+//!   everything recovers without a restart.
+//! - `on_backend_error: local` decides from the replica's memory at limit / replicas while Redis is down.
+
+mod common;
+
+use std::{
+    collections::BTreeMap,
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use common::{
+    descriptor, http_request,
+    redis::{RedisCluster, RedisProcess},
+    request, start_binary, Running,
+};
+use ratelimitd::proto::{rate_limit_response::Code, RateLimitServiceClient};
+use tonic::transport::Channel;
+
+const RULES: &str = "domain: waits\ndescriptors:\n  - key: user\n    rate_limit: {unit: hour, requests_per_unit: 100}\n  - key: shared\n    rate_limit: {unit: hour, requests_per_unit: 300}\n  - key: login\n    rate_limit: {unit: hour, requests_per_unit: 10}\n";
+
+type Client = RateLimitServiceClient<Channel>;
+
+/// The tests here measure answers against deadlines of milliseconds: one at a time, so that they do not
+/// compete with each other for the machine's cores.
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// One call, with a gRPC deadline when `deadline` is set: the answer's code (or the error's), and how
+/// long it took.
+async fn ask(
+    client: &mut Client,
+    entries: &[(&str, &str)],
+    deadline: Option<Duration>,
+) -> (String, Duration) {
+    let mut call = tonic::Request::new(request("waits", vec![descriptor(entries)]));
+    if let Some(deadline) = deadline {
+        call.set_timeout(deadline);
+    }
+    let started = Instant::now();
+    let code = match client.should_rate_limit(call).await {
+        Ok(r) => format!("{:?}", Code::try_from(r.into_inner().overall_code).unwrap()),
+        Err(status) => format!("{:?}: {}", status.code(), status.message()),
+    };
+    (code, started.elapsed())
+}
+
+/// The rules in a folder, and the binary with only the Redis address set: no timeout, breaker or
+/// secret of ours.
+fn on_defaults(rules: &std::path::Path, redis_url: &str, cluster: bool) -> Running {
+    let mut cmd = common::binary(rules);
+    cmd.env("REDIS_URL", redis_url);
+    if cluster {
+        cmd.env("REDIS_TYPE", "cluster");
+    }
+    let running = start_binary(&mut cmd);
+    assert!(
+        running.serving_within(Duration::from_secs(20)),
+        "not serving: {}",
+        running.log.lock().unwrap()
+    );
+    running
+}
+
+fn rules_dir() -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("waits.yaml"), RULES).unwrap();
+    dir
+}
+
+async fn connect(addr: std::net::SocketAddr) -> Client {
+    RateLimitServiceClient::connect(format!("http://{addr}"))
+        .await
+        .unwrap()
+}
+
+fn tally(codes: &mut BTreeMap<String, u32>, code: String) {
+    *codes.entry(code).or_default() += 1;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_of_2000_concurrent_calls_on_the_defaults_is_decided_exactly() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let redis = RedisProcess::start(&[]);
+    let rules = rules_dir();
+    let replica = on_defaults(rules.path(), &redis.addr(), false);
+    let mut clients = Vec::new();
+    for _ in 0..4 {
+        clients.push(connect(replica.grpc).await);
+    }
+    // All at once: 2 000 requests for one shared limit of 300, and a fresh user each.
+    let mut calls = Vec::new();
+    for i in 0..2000 {
+        let mut client = clients[i % clients.len()].clone();
+        calls.push(tokio::spawn(async move {
+            let user = format!("u{i}");
+            let entries: &[(&str, &str)] = if i % 2 == 0 {
+                &[("shared", "all")]
+            } else {
+                &[("user", &user)]
+            };
+            (i % 2 == 0, ask(&mut client, entries, None).await)
+        }));
+    }
+    let (mut shared, mut fresh) = (BTreeMap::new(), BTreeMap::new());
+    let mut slowest = Duration::ZERO;
+    for call in calls {
+        let (is_shared, (code, took)) = call.await.unwrap();
+        slowest = slowest.max(took);
+        tally(if is_shared { &mut shared } else { &mut fresh }, code);
+    }
+    eprintln!("burst: shared {shared:?}, fresh {fresh:?}, slowest {slowest:?}");
+    assert_eq!(fresh.get("Ok"), Some(&1000), "fresh users: {fresh:?}");
+    assert_eq!(shared.get("Ok"), Some(&300), "shared: {shared:?}");
+    assert_eq!(shared.get("OverLimit"), Some(&700), "shared: {shared:?}");
+    let key = redis.cli(&["--scan", "--pattern", "waits_shared_all_*"]);
+    assert_eq!(redis.cli(&["GET", key.trim()]), "300");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_replicas_on_a_cluster_with_30_callers_each_on_the_defaults_hold_the_limit() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let cluster = RedisCluster::start(false);
+    let rules = rules_dir();
+    let replicas: Vec<Running> = (0..3)
+        .map(|_| on_defaults(rules.path(), &cluster.url(), true))
+        .collect();
+    let mut callers = Vec::new();
+    for (r, replica) in replicas.iter().enumerate() {
+        for c in 0..30 {
+            let mut client = connect(replica.grpc).await;
+            callers.push(tokio::spawn(async move {
+                let mut codes = BTreeMap::new();
+                for i in 0..20 {
+                    // Two slots per request: the shared counter and the caller's own.
+                    let user = format!("r{r}c{c}");
+                    let call = request(
+                        "waits",
+                        vec![
+                            descriptor(&[("shared", "all")]),
+                            descriptor(&[("user", &user)]),
+                        ],
+                    );
+                    let code = match client.should_rate_limit(call).await {
+                        Ok(a) => {
+                            format!("{:?}", Code::try_from(a.into_inner().overall_code).unwrap())
+                        }
+                        Err(status) => format!("{:?}: {}", status.code(), status.message()),
+                    };
+                    let _ = i;
+                    tally(&mut codes, code);
+                }
+                codes
+            }));
+        }
+    }
+    let mut codes = BTreeMap::new();
+    for caller in callers {
+        for (code, n) in caller.await.unwrap() {
+            *codes.entry(code).or_default() += n;
+        }
+    }
+    eprintln!("cluster fleet: {codes:?}");
+    assert_eq!(codes.len(), 2, "only OK and OVER_LIMIT: {codes:?}");
+    assert_eq!(codes.get("Ok"), Some(&300), "{codes:?}");
+    assert_eq!(codes.get("OverLimit"), Some(&1500), "{codes:?}");
+}
+
+/// A replica on `redis`, its own process, that answers `deny` while Redis cannot decide (so that the
+/// policy's answer is visible as OVER_LIMIT), everything else on the defaults.
+fn deny_policy_replica(redis: &RedisProcess, rules: &std::path::Path) -> Running {
+    let mut cmd = common::binary(rules);
+    cmd.env("REDIS_URL", redis.addr())
+        .env("RATELIMITD_ON_BACKEND_ERROR", "deny");
+    let running = start_binary(&mut cmd);
+    assert!(
+        running.serving_within(Duration::from_secs(20)),
+        "not serving: {}",
+        running.log.lock().unwrap()
+    );
+    running
+}
+
+/// What a fault must look like to callers: calls with a 20 ms deadline are all answered by the policy
+/// before it, from the first moment of the fault; the first call with a 5 s deadline is answered by the
+/// policy within a second, the next one at once; and once the fault ends, calls are counted again.
+async fn answered_by_policy_through(
+    name: &str,
+    redis: &mut RedisProcess,
+    start: impl FnOnce(&mut RedisProcess),
+    end: impl FnOnce(&mut RedisProcess),
+) {
+    let rules = rules_dir();
+    let replica = deny_policy_replica(redis, rules.path());
+    let mut client = connect(replica.grpc).await;
+    let (code, _) = ask(
+        &mut client,
+        &[("user", "warm")],
+        Some(Duration::from_secs(1)),
+    )
+    .await;
+    assert_eq!(code, "Ok", "{name}: before the fault");
+    // The short callers' connections, each warmed by a first call (HTTP/2 set up, client tasks running).
+    let mut short_clients = Vec::new();
+    for c in 0..4 {
+        let mut client = connect(replica.grpc).await;
+        let warm = format!("warm{c}");
+        let (code, _) = ask(
+            &mut client,
+            &[("user", &warm)],
+            Some(Duration::from_secs(1)),
+        )
+        .await;
+        assert_eq!(code, "Ok", "{name}: before the fault");
+        short_clients.push(client);
+    }
+
+    start(redis);
+    let fault_at = Instant::now();
+    // While the fault holds: one caller with a long deadline, and callers with Envoy's 20 ms.
+    let long = {
+        let mut client = connect(replica.grpc).await;
+        tokio::spawn(async move {
+            ask(
+                &mut client,
+                &[("user", "long")],
+                Some(Duration::from_secs(5)),
+            )
+            .await
+        })
+    };
+    let mut short = Vec::new();
+    for (c, mut client) in short_clients.into_iter().enumerate() {
+        short.push(tokio::spawn(async move {
+            let mut seen = Vec::new();
+            let end = Instant::now() + Duration::from_millis(600);
+            let mut i = 0;
+            while Instant::now() < end {
+                i += 1;
+                let user = format!("short{c}-{i}");
+                let at = fault_at.elapsed();
+                let (code, took) = ask(
+                    &mut client,
+                    &[("user", &user)],
+                    Some(Duration::from_millis(20)),
+                )
+                .await;
+                seen.push((code, took, at));
+            }
+            seen
+        }));
+    }
+    let (code, took) = long.await.unwrap();
+    eprintln!("{name}: first 5 s call {code} after {took:?}");
+    assert_eq!(
+        code, "OverLimit",
+        "{name}: the policy answers the first long call"
+    );
+    assert!(
+        took < Duration::from_secs(1),
+        "{name}: first long call answered after {took:?}"
+    );
+    let mut answered = 0;
+    let mut missed = Vec::new();
+    for caller in short {
+        for (code, took, at) in caller.await.unwrap() {
+            match code.as_str() {
+                "OverLimit" => answered += 1,
+                // The client's own timer cut the call at its deadline: the answer was late.
+                "Cancelled: Timeout expired" => missed.push((at, took)),
+                other => panic!("{name}: a 20 ms call {at:?} into the fault got {other}"),
+            }
+        }
+    }
+    eprintln!(
+        "{name}: {answered} calls with a 20 ms deadline answered by the policy, {} cut by the client's deadline {missed:?}",
+        missed.len()
+    );
+    assert!(answered >= 40, "{name}: only {answered} short calls");
+    // ratelimitd answers 10 ms before a 20 ms deadline; on two shared cores running a debug build, a
+    // scheduling stall can still delay a rare answer past it. More than one in a hundred is a bug.
+    assert!(
+        missed.len() * 100 <= answered,
+        "{name}: {} of {} calls with a 20 ms deadline were not answered in time: {missed:?}",
+        missed.len(),
+        answered + missed.len()
+    );
+    let (code, took) = ask(
+        &mut client,
+        &[("user", "later")],
+        Some(Duration::from_secs(5)),
+    )
+    .await;
+    assert_eq!(code, "OverLimit", "{name}");
+    assert!(
+        took < Duration::from_millis(100),
+        "{name}: once found unresponsive, answered at once, not after {took:?}"
+    );
+
+    end(redis);
+    let recovered = Instant::now() + Duration::from_secs(15);
+    loop {
+        let (code, _) = ask(
+            &mut client,
+            &[("user", "after")],
+            Some(Duration::from_secs(1)),
+        )
+        .await;
+        if code == "Ok" {
+            break;
+        }
+        assert!(Instant::now() < recovered, "{name}: no recovery ({code})");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    for i in 0..20 {
+        let user = format!("after{i}");
+        let (code, _) = ask(
+            &mut client,
+            &[("user", &user)],
+            Some(Duration::from_millis(200)),
+        )
+        .await;
+        assert_eq!(code, "Ok", "{name}: after recovery");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_killed_is_answered_by_policy_before_every_deadline_and_recovers() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let mut redis = RedisProcess::start(&[]);
+    answered_by_policy_through("killed", &mut redis, |r| r.kill(), |r| r.restart()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_frozen_by_sigstop_is_answered_by_policy_before_every_deadline_and_recovers() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let mut redis = RedisProcess::start(&[]);
+    answered_by_policy_through(
+        "sigstop",
+        &mut redis,
+        |r| r.signal("STOP"),
+        |r| r.signal("CONT"),
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_under_client_pause_is_answered_by_policy_before_every_deadline_and_recovers() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let mut redis = RedisProcess::start(&[]);
+    answered_by_policy_through(
+        "client pause",
+        &mut redis,
+        |r| assert_eq!(r.cli(&["CLIENT", "PAUSE", "2500", "ALL"]), "OK"),
+        |_| {},
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_busy_in_debug_sleep_is_answered_by_policy_before_every_deadline_and_recovers() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let mut redis = RedisProcess::start(&["--enable-debug-command", "local"]);
+    let port = redis.port;
+    let sleeper = Arc::new(std::sync::Mutex::new(None));
+    let handle = sleeper.clone();
+    answered_by_policy_through(
+        "debug sleep",
+        &mut redis,
+        move |_| {
+            *handle.lock().unwrap() = Some(std::thread::spawn(move || {
+                common::redis::cli(port, &["DEBUG", "SLEEP", "2.5"])
+            }));
+            // Give the sleep a moment to begin before the first call.
+            std::thread::sleep(Duration::from_millis(50));
+        },
+        |_| {},
+    )
+    .await;
+    let slept = sleeper.lock().unwrap().take().unwrap().join().unwrap();
+    assert_eq!(slept, "OK");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn local_fallback_admits_the_replicas_share_while_redis_is_down_then_returns_to_redis() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let mut redis = RedisProcess::start(&[]);
+    let rules = rules_dir();
+    let mut cmd = common::binary(rules.path());
+    cmd.env("REDIS_URL", redis.addr())
+        .env("RATELIMITD_ON_BACKEND_ERROR", "local")
+        .env("RATELIMITD_FALLBACK__REPLICAS", "2");
+    let replica = start_binary(&mut cmd);
+    assert!(replica.serving_within(Duration::from_secs(20)));
+    let mut client = connect(replica.grpc).await;
+    let deadline = Some(Duration::from_secs(2));
+    // On Redis: 3 of the 10 logins used.
+    for _ in 0..3 {
+        assert_eq!(
+            ask(&mut client, &[("login", "ann")], deadline).await.0,
+            "Ok"
+        );
+    }
+
+    redis.kill();
+    // Redis down: this replica admits its share of the limit, 10 / 2 = 5, from its own memory.
+    let mut codes = BTreeMap::new();
+    for _ in 0..8 {
+        tally(
+            &mut codes,
+            ask(&mut client, &[("login", "bob")], deadline).await.0,
+        );
+    }
+    assert_eq!(codes.get("Ok"), Some(&5), "{codes:?}");
+    assert_eq!(codes.get("OverLimit"), Some(&3), "{codes:?}");
+    let metrics = http_request(replica.http, "GET", "/metrics", "").1;
+    assert!(
+        metrics.contains("ratelimitd_fallback_active 1"),
+        "{}",
+        metrics
+            .lines()
+            .filter(|l| l.contains("fallback"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+    assert!(
+        metrics.contains("ratelimitd_fallback_decisions_total 8"),
+        "every request while down was decided locally"
+    );
+    assert!(
+        replica
+            .log
+            .lock()
+            .unwrap()
+            .contains("deciding from this replica's memory"),
+        "the log says the fallback serves"
+    );
+
+    // Back on Redis once it answers again: its own counts, not the fallback's.
+    redis.restart();
+    let back = Instant::now() + Duration::from_secs(15);
+    loop {
+        let (code, _) = ask(&mut client, &[("login", "carl")], deadline).await;
+        let metrics = http_request(replica.http, "GET", "/metrics", "").1;
+        if code == "Ok" && metrics.contains("ratelimitd_fallback_decisions_total") {
+            let before: u64 = metric(&metrics, "ratelimitd_fallback_decisions_total");
+            let (code, _) = ask(&mut client, &[("login", "dora")], deadline).await;
+            let after = metric(
+                &http_request(replica.http, "GET", "/metrics", "").1,
+                "ratelimitd_fallback_decisions_total",
+            );
+            if code == "Ok" && after == before {
+                break;
+            }
+        }
+        assert!(Instant::now() < back, "not back on Redis");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // The restarted Redis is empty: a full 10 for a new user, counted in Redis.
+    let mut codes = BTreeMap::new();
+    for _ in 0..12 {
+        tally(
+            &mut codes,
+            ask(&mut client, &[("login", "erin")], deadline).await.0,
+        );
+    }
+    assert_eq!(codes.get("Ok"), Some(&10), "{codes:?}");
+    let key = redis.cli(&["--scan", "--pattern", "waits_login_erin_*"]);
+    assert_eq!(redis.cli(&["GET", key.trim()]), "10");
+}
+
+fn metric(text: &str, name: &str) -> u64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.trim().parse().ok())
+        .unwrap_or(0)
+}

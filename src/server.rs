@@ -438,15 +438,13 @@ fn register_store_metrics(metrics: &Metrics, store: &Arc<Store>) {
 /// The hasher of sensitive values: HMAC-SHA256 under `hash_secret`, or unkeyed SHA-256 without one. Either
 /// depends on the value alone, so every replica and every restart counts a value under the same key.
 fn sensitive(settings: &Settings) -> Option<limiter::Sensitive> {
-    if settings.hashed_keys.is_empty() {
-        return None;
-    }
     let secret = Some(settings.hash_secret.0.as_bytes()).filter(|s| !s.is_empty());
-    if secret.is_none() {
+    if secret.is_none() && !settings.hashed_keys.is_empty() {
         tracing::warn!(
             hashed_keys = ?settings.hashed_keys,
             "RATELIMITD_HASH_SECRET is not set: sensitive values are hashed with unkeyed SHA-256 (sha256-...), so anyone who can read the counter keys can confirm a guessed value; set RATELIMITD_HASH_SECRET (the same on every replica) to make the hash keyed (HMAC-SHA256)"
         );
     }
+    // Built even with no `hashed_keys`: rule nodes marked `hash_value: true` are hashed regardless.
     Some(limiter::Sensitive::new(&settings.hashed_keys, secret))
 }

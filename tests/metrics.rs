@@ -189,3 +189,22 @@ async fn debug_top_lists_the_most_denied_descriptors_hashed() {
     assert_eq!(json["capacity"], 100);
     s.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hash_value_rules_are_hashed_even_with_no_hashed_keys() {
+    let rules = "domain: api\ndescriptors:\n  - key: token\n    hash_value: true\n    rate_limit: {unit: minute, requests_per_unit: 1}\n";
+    let s = TestServer::start(&[("api.yaml", rules)], |s| s.hashed_keys.clear()).await;
+    let mut c = s.client().await;
+    for _ in 0..3 {
+        c.should_rate_limit(request(
+            "api",
+            vec![descriptor(&[("token", "RAW-TOKEN-123")])],
+        ))
+        .await
+        .unwrap();
+    }
+    let (_, top) = s.http("GET", "/debug/top", "").await;
+    assert!(top.contains("api token=sha256-"), "{top}");
+    assert!(!top.contains("RAW-TOKEN-123"), "{top}");
+    s.stop().await;
+}

@@ -189,4 +189,16 @@ async fn spans_reach_the_collector_under_the_callers_w3c_or_b3_trace() {
         3,
         "unsampled calls export nothing, not even a trace of their own: {names:?}"
     );
+    // Only ratelimitd's own spans: not the HTTP/2, gRPC and Redis client internals beneath them.
+    let foreign: Vec<&str> = spans
+        .iter()
+        .map(|s| s.name.as_str())
+        .filter(|name| !["ShouldRateLimit", "backend call"].contains(name))
+        .collect();
+    assert!(
+        foreign.is_empty(),
+        "{} other spans: {:?}",
+        foreign.len(),
+        &foreign[..foreign.len().min(10)]
+    );
 }

@@ -61,11 +61,14 @@ pub fn init(log: &LogSettings, traces: &TracingSettings) -> Result<Telemetry, St
                 Box::new(opentelemetry_sdk::propagation::TraceContextPropagator::new()),
             ]),
         );
-        // Spans are exported whatever LOG_LEVEL says about log lines.
+        // ratelimitd's own spans, whatever LOG_LEVEL says about log lines; not the spans of the HTTP/2,
+        // gRPC and Redis libraries beneath them (hundreds per call, each a trace of its own).
         Some(
             tracing_opentelemetry::layer()
                 .with_tracer(tracer)
-                .with_filter(tracing_subscriber::filter::filter_fn(|m| m.is_span())),
+                .with_filter(tracing_subscriber::filter::filter_fn(|m| {
+                    m.is_span() && m.target().starts_with("ratelimitd")
+                })),
         )
     } else {
         None

@@ -281,6 +281,88 @@ proptest! {
     }
 }
 
+/// The limits of [`COUNTERS`]' rules: 10 per window, each with its own algorithm.
+const COUNTERS: &str = r#"
+domain: c
+descriptors:
+  - key: fixed
+    rate_limit: {unit: hour, requests_per_unit: 10}
+  - key: sliding
+    rate_limit: {unit: hour, requests_per_unit: 10, algorithm: sliding_window}
+  - key: log
+    rate_limit: {unit: hour, requests_per_unit: 10, algorithm: sliding_log}
+  - key: bucket
+    rate_limit: {unit: hour, requests_per_unit: 10, algorithm: token_bucket}
+  - key: gcra
+    rate_limit: {unit: hour, requests_per_unit: 10, algorithm: gcra}
+"#;
+
+/// A request of one to four descriptors on a few counters (so that counters repeat within and across
+/// requests), each with a cost from the small to the absurd.
+fn costly_requests() -> impl Strategy<Value = Vec<(usize, usize, u64)>> {
+    let cost = prop_oneof![
+        Just(0u64),
+        Just(1),
+        Just(2),
+        Just(10),
+        Just(11),
+        Just(1 << 63),
+        Just(u64::MAX),
+        any::<u64>(),
+    ];
+    prop::collection::vec((0usize..5, 0usize..2, cost), 1..5)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 300, failure_persistence: None, .. ProptestConfig::default() })]
+
+    /// Sequences of costly requests on repeated counters: every one decided, and no counter ever admits
+    /// more than its limit of 10 (an hour is longer than the test).
+    #[test]
+    fn costs_and_repeated_counters_never_break_or_exceed_a_limit(
+        requests in prop::collection::vec(costly_requests(), 1..30)
+    ) {
+        let keys = ["fixed", "sliding", "log", "bucket", "gcra"];
+        let rules = Rules::default();
+        rules.replace(RuleSet::build(&[("c.yaml".into(), parse_file(COUNTERS).unwrap())], false).unwrap());
+        let limiter = Limiter::new(
+            Arc::new(rules),
+            Arc::new(Store::Memory(MemoryStore::new(1_000))),
+            Clock::manual(1_000_000),
+            Options::default(),
+        );
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap();
+        let mut admitted = std::collections::HashMap::<(usize, usize), u64>::new();
+        for descriptors in requests {
+            let request = Request {
+                domain: "c".into(),
+                descriptors: descriptors
+                    .iter()
+                    .map(|&(key, value, cost)| Descriptor {
+                        entries: vec![Entry { key: keys[key].into(), value: format!("v{value}") }],
+                        limit: None,
+                        hits_addend: Some(cost),
+                    })
+                    .collect(),
+                hits_addend: 0,
+            };
+            let response = runtime.block_on(limiter.should_rate_limit(&request));
+            let response = match response {
+                Ok(response) => response,
+                Err(err) => return Err(TestCaseError::fail(format!("{err}"))),
+            };
+            prop_assert_eq!(response.statuses.len(), descriptors.len());
+            if response.overall_code == ratelimitd::limiter::Code::Ok {
+                for &(key, value, cost) in &descriptors {
+                    let total = admitted.entry((key, value)).or_default();
+                    *total = total.saturating_add(cost);
+                    prop_assert!(*total <= 10, "{} v{} admitted {} hits", keys[key], value, total);
+                }
+            }
+        }
+    }
+}
+
 /// Raw bytes as the body of ShouldRateLimit over a real socket, and of `/json`: a refusal, never a
 /// dropped connection or a dead server.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

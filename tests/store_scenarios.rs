@@ -169,6 +169,59 @@ async fn the_same_key_twice_counts_twice(c: Case<'_>) {
     assert!(a.outcomes[0].allowed && !a.outcomes[1].allowed);
 }
 
+/// Costs no limit could ever allow (2^63, 2^64 - 1, one above the limit) are denied like any cost
+/// above the limit: nothing changes, nothing fails, and the quota stays whole; the limit itself fits,
+/// and a check-only cost of 0 passes. The same counter twice with 1 and 2^64 - 1 is denied as a whole.
+async fn extreme_costs_are_denied_without_changing_anything(c: Case<'_>) {
+    for cost in [1u64 << 63, u64::MAX, 11] {
+        let a = c
+            .apply(vec![c.check("huge", 10, 3600, cost, Role::Enforce)], false)
+            .await;
+        assert!(a.denied && !a.outcomes[0].allowed, "cost {cost}");
+        assert_eq!(a.outcomes[0].remaining, 0);
+    }
+    let zero = c
+        .apply(vec![c.check("huge", 10, 3600, 0, Role::Enforce)], false)
+        .await;
+    assert!(!zero.denied);
+    assert_eq!(zero.outcomes[0].remaining, 10, "nothing was consumed");
+    let whole = c
+        .apply(vec![c.check("huge", 10, 3600, 10, Role::Enforce)], false)
+        .await;
+    assert!(!whole.denied);
+    assert_eq!(whole.outcomes[0].remaining, 0);
+
+    let twice = vec![
+        c.check("twice", 10, 3600, 1, Role::Enforce),
+        c.check("twice", 10, 3600, u64::MAX, Role::Enforce),
+    ];
+    let a = c.apply(twice, false).await;
+    assert!(a.denied && a.outcomes[0].allowed && !a.outcomes[1].allowed);
+    let a = c
+        .apply(vec![c.check("twice", 10, 3600, 10, Role::Enforce)], false)
+        .await;
+    assert!(!a.denied, "the denied request consumed nothing");
+
+    // Counting denied requests too: only a fixed window counts a denied cost, and a huge one leaves it
+    // over its limit for the window, as any cost above the limit would.
+    let a = c
+        .apply(
+            vec![c.check("counted", 10, 3600, u64::MAX, Role::Enforce)],
+            true,
+        )
+        .await;
+    assert!(a.denied);
+    let after = c
+        .apply(vec![c.check("counted", 10, 3600, 1, Role::Enforce)], true)
+        .await;
+    assert_eq!(
+        after.denied,
+        c.algorithm == Algorithm::FixedWindow,
+        "{:?}",
+        c.algorithm
+    );
+}
+
 /// Every algorithm at once: a 1-second limit of 1 is spent, denied with a wait of at most a second or
 /// two, and free again two windows later.
 async fn spent_limits_come_back_with_time(store: &Store) {
@@ -235,6 +288,7 @@ async fn run_table(store: &Store) {
         costs_above_one_and_zero_cost_checks,
         shadow_never_denies_and_quota_denies_only_when_all_are_over,
         the_same_key_twice_counts_twice,
+        extreme_costs_are_denied_without_changing_anything,
     );
     spent_limits_come_back_with_time(store).await;
 }
@@ -257,7 +311,9 @@ async fn same_answers(memory: &Store, redis: &Store, seed: u64) {
                     let key = ["a", "bb", "c"][rng.random_range(0..3)];
                     let limit = [3, 5][key.len() % 2];
                     let role = roles[rng.random_range(0..4)];
-                    let mut check = c.check(key, limit, 86_400, rng.random_range(0..=2), role);
+                    // Mostly small costs; now and then the limit, one above it, or 2^64 - 1.
+                    let cost = [0, 1, 1, 2, 2, limit, limit + 1, u64::MAX][rng.random_range(0..8)];
+                    let mut check = c.check(key, limit, 86_400, cost, role);
                     check.key = format!("seed{seed}:{}", check.key);
                     check
                 })

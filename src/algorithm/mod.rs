@@ -102,6 +102,17 @@ pub struct Params {
     pub burst: u64,
 }
 
+impl Params {
+    /// The largest cost that can ever be decided differently from a larger one: every algorithm
+    /// denies a cost above its capacity (the limit, or the burst) whatever its state, without changing
+    /// it, and reports the same wait. Costs are bounded by this before any arithmetic or storage, so a
+    /// caller's `hits_addend` of 2^64 - 1 does no more work, and writes no more, than one of
+    /// capacity + 1.
+    pub fn bounded_cost(&self, cost: u64) -> u64 {
+        cost.min(self.limit.max(self.burst).saturating_add(1))
+    }
+}
+
 /// The state of one counter.
 #[derive(Debug, Clone, PartialEq)]
 pub enum State {
@@ -113,8 +124,9 @@ pub enum State {
         current: u64,
         previous: u64,
     },
-    /// Times of the hits still inside the window, oldest first.
-    SlidingLog(VecDeque<u64>),
+    /// The requests still inside the window, oldest first: when each was counted (ms) and its cost.
+    /// One entry per request, whatever its cost, so memory follows requests, never hits.
+    SlidingLog(VecDeque<(u64, u64)>),
     /// Tokens left at `last_ms`.
     TokenBucket { tokens: f64, last_ms: u64 },
     /// Theoretical arrival time, in microseconds.
@@ -159,7 +171,9 @@ pub fn expires_at_ms(p: &Params, state: &State, now_ms: u64) -> u64 {
     match state {
         State::FixedWindow { start_ms, .. } => start_ms + p.window_ms,
         State::SlidingWindow { start_ms, .. } => start_ms + 2 * p.window_ms,
-        State::SlidingLog(hits) => hits.back().map_or(now_ms, |last| last + p.window_ms),
+        State::SlidingLog(entries) => entries
+            .back()
+            .map_or(now_ms, |&(last, _)| last + p.window_ms),
         State::TokenBucket { tokens, last_ms } => {
             last_ms
                 + ((p.burst as f64 - tokens).max(0.0) * p.window_ms as f64 / p.limit.max(1) as f64)
@@ -278,28 +292,37 @@ fn sliding_window_wait(p: &Params, current: u64, previous: u64, elapsed: u64, co
 
 fn sliding_log(p: &Params, state: Option<&State>, now_ms: u64, cost: u64) -> (Decision, State) {
     let empty = VecDeque::new();
-    let hits = match state {
-        Some(State::SlidingLog(hits)) => hits,
+    let entries = match state {
+        Some(State::SlidingLog(entries)) => entries,
         _ => &empty,
     };
-    // Hits before this one have left the window; the log is read in place and copied only when a
+    // Entries before these have left the window; the log is read in place and copied only when a
     // cost is added to it.
-    let gone = hits.partition_point(|&t| t + p.window_ms <= now_ms);
-    let count = (hits.len() - gone) as u64;
-    let allowed = count + cost <= p.limit;
+    let gone = entries.partition_point(|&(t, _)| t + p.window_ms <= now_ms);
+    let live = entries.range(gone..);
+    let count = live
+        .clone()
+        .fold(0u64, |sum, &(_, c)| sum.saturating_add(c));
+    let allowed = count.saturating_add(cost) <= p.limit;
     let retry_ms = if allowed {
         0
     } else if cost > p.limit {
         p.window_ms
     } else {
-        // The (count + cost - limit)-th oldest hit must leave the window.
-        let must_leave = (count + cost - p.limit) as usize;
-        hits[gone + must_leave - 1] + p.window_ms - now_ms
+        // Enough of the oldest requests must leave the window to free `count + cost - limit` hits.
+        let must_leave = count + cost - p.limit;
+        let mut left = 0u64;
+        live.clone()
+            .find(|&&(_, c)| {
+                left = left.saturating_add(c);
+                left >= must_leave
+            })
+            .map_or(p.window_ms, |&(t, _)| t + p.window_ms - now_ms)
     };
     let next = if allowed && cost > 0 {
-        let mut next = VecDeque::with_capacity((count + cost) as usize);
-        next.extend(hits.range(gone..).copied());
-        next.extend(std::iter::repeat_n(now_ms, cost as usize));
+        let mut next = VecDeque::with_capacity(entries.len() - gone + 1);
+        next.extend(live.clone().copied());
+        next.push_back((now_ms, cost));
         next
     } else {
         // Unused: `decide` keeps the state as it is.
@@ -308,7 +331,7 @@ fn sliding_log(p: &Params, state: Option<&State>, now_ms: u64, cost: u64) -> (De
     let last = if allowed && cost > 0 {
         Some(now_ms)
     } else {
-        hits.range(gone..).next_back().copied()
+        live.clone().next_back().map(|&(t, _)| t)
     };
     let reset_ms = last.map_or(0, |last| last + p.window_ms - now_ms);
     (

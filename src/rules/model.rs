@@ -205,7 +205,7 @@ impl Node {
 /// Rule values starting with this are networks matched against client addresses.
 pub const CIDR_PREFIX: &str = "cidr:";
 
-/// Largest `requests_per_unit` of a sliding log: it keeps one entry per hit.
+/// Largest `requests_per_unit` of a sliding log: it keeps one entry per counted request, up to this many.
 pub const SLIDING_LOG_MAX_LIMIT: u32 = 100_000;
 
 impl RuleSet {
@@ -485,7 +485,7 @@ fn compile_limit(
     };
     if algorithm == Algorithm::SlidingLog && spec.requests_per_unit > SLIDING_LOG_MAX_LIMIT {
         return Err(format!(
-            "rule '{rule}': {field}.requests_per_unit: a sliding_log keeps one entry per hit; use at most {SLIDING_LOG_MAX_LIMIT}, or sliding_window"
+            "rule '{rule}': {field}.requests_per_unit: a sliding_log keeps one entry per counted request; use at most {SLIDING_LOG_MAX_LIMIT}, or sliding_window"
         ));
     }
     if spec.unlimited {
@@ -601,7 +601,7 @@ mod tests {
             ),
             (
                 "domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: hour, requests_per_unit: 100001, algorithm: sliding_log}\n",
-                "config.f.yaml: rule 'd.a': rate_limit.requests_per_unit: a sliding_log keeps one entry per hit; use at most 100000, or sliding_window",
+                "config.f.yaml: rule 'd.a': rate_limit.requests_per_unit: a sliding_log keeps one entry per counted request; use at most 100000, or sliding_window",
             ),
             (
                 "domain: d\ndescriptors:\n  - key: a\n    rate_limits: [{unlimited: true}]\n",

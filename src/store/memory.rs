@@ -152,7 +152,8 @@ impl MemoryStore {
                     .filter(live)
                     .map(|e| &e.state),
             };
-            let (decision, after) = algorithm::decide(&check.params, state, now_ms, check.cost);
+            let (decision, after) =
+                algorithm::decide(&check.params, state, now_ms, check.bounded_cost());
             first_write.push(earlier.is_none() && after.is_some());
             next.push(after);
             decisions.push(decision);

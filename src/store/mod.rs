@@ -63,6 +63,12 @@ impl Check {
         }
     }
 
+    /// The cost as the store decides it: bounded by what the limit could ever allow (see
+    /// [`Params::bounded_cost`]), so that no caller-chosen number reaches arithmetic or storage.
+    pub fn bounded_cost(&self) -> u64 {
+        self.params.bounded_cost(self.cost)
+    }
+
     /// For fixed windows, the start (seconds since the epoch) of the window containing `now_ms`: the
     /// suffix of its key in the reference layout.
     pub fn window_start_secs(&self, now_ms: u64) -> Option<u64> {

@@ -17,8 +17,22 @@
 --   status 0: decided. status 1: a fixed-window start disagrees with this server's clock; nothing was
 --   read or written, and the caller retries with keys for the server time it is given.
 --
+-- Every number must be a whole number from 0 to 2^53 (costs arrive bounded by what the limit could
+-- ever allow); anything else is refused before anything is read or written.
+--
+-- A sliding-log key is a sorted set with one member per counted request, `<time>:<seq>:<cost>` scored
+-- by its time (members `<time>:<seq>` of earlier versions count 1 each): its memory follows requests,
+-- never the hits they carry.
+--
 -- The arithmetic mirrors src/algorithm/mod.rs operation for operation, so the memory store and Redis
 -- give the same answers. Time is the Redis server's (TIME), so replicas with skewed clocks agree.
+
+for i = 3, #ARGV do
+  local v = tonumber(ARGV[i])
+  if v == nil or v < 0 or v > 9007199254740992 or v ~= math.floor(v) then
+    return redis.error_reply('ratelimitd: argument ' .. i .. ' is not a whole number from 0 to 2^53')
+  end
+end
 
 local consume_on_deny = ARGV[1] == '1'
 local complete = ARGV[2] == '1'
@@ -58,10 +72,12 @@ local function load(c)
     if not v[1] then return nil end
     return { start = tonumber(v[1]), current = tonumber(v[2]), previous = tonumber(v[3]) }
   elseif c.alg == 2 then
-    local scores = redis.call('ZRANGEBYSCORE', key, '(' .. (now - c.w), '+inf', 'WITHSCORES')
-    local hits = {}
-    for j = 2, #scores, 2 do hits[#hits + 1] = tonumber(scores[j]) end
-    return { hits = hits, added = 0 }
+    local v = redis.call('ZRANGEBYSCORE', key, '(' .. (now - c.w), '+inf', 'WITHSCORES')
+    local entries = {}
+    for j = 1, #v, 2 do
+      entries[#entries + 1] = { tonumber(v[j + 1]), tonumber(string.match(v[j], '^%d+:%d+:(%d+)$')) or 1 }
+    end
+    return { entries = entries, new = {} }
   elseif c.alg == 3 then
     local v = redis.call('HMGET', key, 't', 'l')
     if not v[1] then return nil end
@@ -77,9 +93,10 @@ local function copy(s)
   if s == nil then return nil end
   local c = {}
   for k, v in pairs(s) do c[k] = v end
-  if s.hits then
-    c.hits = {}
-    for j = 1, #s.hits do c.hits[j] = s.hits[j] end
+  if s.entries then
+    c.entries, c.new = {}, {}
+    for j = 1, #s.entries do c.entries[j] = s.entries[j] end
+    for j = 1, #s.new do c.new[j] = s.new[j] end
   end
   return c
 end
@@ -139,28 +156,42 @@ local function sliding_window(c, s, cost)
 end
 
 local function sliding_log(c, s, cost)
-  local hits, added = {}, 0
+  local entries, new, count = {}, {}, 0
   if s then
-    for j = 1, #s.hits do
-      if s.hits[j] + c.w > now then hits[#hits + 1] = s.hits[j] end
+    for j = 1, #s.entries do
+      local e = s.entries[j]
+      if e[1] + c.w > now then
+        entries[#entries + 1] = e
+        count = count + e[2]
+      end
     end
-    added = s.added
+    for j = 1, #s.new do new[j] = s.new[j] end
   end
-  local count = #hits
   local allowed = count + cost <= c.limit
   local retry = 0
   if not allowed then
     if cost > c.limit then retry = c.w
-    else retry = hits[count + cost - c.limit] + c.w - now end
-  else
-    for _ = 1, cost do hits[#hits + 1] = now end
-    added = added + cost
+    else
+      -- Enough of the oldest requests must leave the window to free `count + cost - limit` hits.
+      local must_leave, left = count + cost - c.limit, 0
+      retry = c.w
+      for j = 1, #entries do
+        left = left + entries[j][2]
+        if left >= must_leave then
+          retry = entries[j][1] + c.w - now
+          break
+        end
+      end
+    end
+  elseif cost > 0 then
+    entries[#entries + 1] = { now, cost }
+    new[#new + 1] = cost
   end
   local reset = 0
-  if #hits > 0 then reset = hits[#hits] + c.w - now end
+  if #entries > 0 then reset = entries[#entries][1] + c.w - now end
   local remaining = 0
-  if allowed then remaining = c.limit - #hits end
-  return allowed, remaining, reset, retry, { hits = hits, added = added }
+  if allowed then remaining = c.limit - count - cost end
+  return allowed, remaining, reset, retry, { entries = entries, new = new }
 end
 
 local function token_bucket(c, s, cost)
@@ -257,9 +288,8 @@ if consume then
       elseif c.alg == 2 then
         redis.call('ZREMRANGEBYSCORE', c.key, '-inf', now - c.w)
         local card = redis.call('ZCARD', c.key)
-        local new = s.added - (original[c.key] and original[c.key].added or 0)
-        for j = 1, new do
-          redis.call('ZADD', c.key, now, now .. ':' .. (card + j))
+        for j = 1, #s.new do
+          redis.call('ZADD', c.key, now, now .. ':' .. (card + j) .. ':' .. s.new[j])
         end
         redis.call('PEXPIRE', c.key, c.w)
       elseif c.alg == 3 then

@@ -260,19 +260,20 @@ impl RedisStore {
                 // Another slot denied what these consumed: give it back.
                 self.refund_consumed(batch, &keys, &groups, &slots, deadline)
                     .await?;
+                // Report the quota as it stands, as a denied request does everywhere: each allowed
+                // check gets back what it, and earlier checks of its key in this request, consumed.
                 for (group, slot) in groups.iter().zip(&slots) {
                     if !slot.denied {
+                        let mut consumed: BTreeMap<&str, u64> = BTreeMap::new();
                         for &i in &group.checks {
+                            let c = &batch.checks[i];
                             if outcomes[i].allowed {
+                                let given_back = consumed.entry(keys[i].as_str()).or_default();
+                                *given_back = given_back.saturating_add(c.bounded_cost());
                                 outcomes[i].remaining = outcomes[i]
                                     .remaining
-                                    .saturating_add(batch.checks[i].cost)
-                                    .min(
-                                        batch.checks[i]
-                                            .params
-                                            .burst
-                                            .max(batch.checks[i].params.limit),
-                                    );
+                                    .saturating_add(*given_back)
+                                    .min(c.params.burst.max(c.params.limit));
                             }
                         }
                     }
@@ -339,7 +340,7 @@ impl RedisStore {
                 i64::from(p.algorithm.code()),
                 to_i64(p.limit),
                 to_i64(p.window_ms),
-                to_i64(c.cost),
+                to_i64(c.bounded_cost()),
                 match c.role {
                     Role::Enforce => 0,
                     Role::Shadow => 1,
@@ -385,7 +386,7 @@ impl RedisStore {
                 let c = &batch.checks[i];
                 // Only what was consumed: allowed checks, and every fixed-window hit.
                 let hits = if outcome.allowed || c.params.algorithm == Algorithm::FixedWindow {
-                    c.cost
+                    c.bounded_cost()
                 } else {
                     0
                 };

@@ -26,8 +26,14 @@ for i = 1, #KEYS do
         redis.call('HSET', key, 'p', math.max(tonumber(v[3]) - hits, 0))
       end
     elseif alg == 2 then
-      local members = redis.call('ZRANGEBYSCORE', key, stamp, stamp, 'LIMIT', 0, hits)
-      if #members > 0 then redis.call('ZREM', key, unpack(members)) end
+      -- The request's entry: counted at the stamp, with its cost (any such entry is the same).
+      local members = redis.call('ZRANGEBYSCORE', key, stamp, stamp)
+      for j = 1, #members do
+        if (tonumber(string.match(members[j], '^%d+:%d+:(%d+)$')) or 1) == hits then
+          redis.call('ZREM', key, members[j])
+          break
+        end
+      end
     elseif alg == 3 then
       local tokens = tonumber(redis.call('HGET', key, 't'))
       redis.call('HSET', key, 't', string.format('%.17g', math.min(tokens + hits, burst)))

@@ -193,6 +193,7 @@ pub async fn run_with_clock(
                 settings.top_offenders.interval,
             )),
             fallback: fallback.clone(),
+            metric_values_per_rule: settings.metrics.max_values_per_rule,
         },
     ));
 

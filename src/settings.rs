@@ -114,6 +114,8 @@ pub struct Settings {
     pub local_cache_max_entries: usize,
     /// The `/debug/top` sketch of the most denied descriptors.
     pub top_offenders: TopOffendersSettings,
+    /// Bounds on the metrics that requests shape.
+    pub metrics: MetricsSettings,
     /// OpenTelemetry traces.
     pub tracing: TracingSettings,
     /// A separate Prometheus listener, as the reference service has (`/metrics` on the HTTP port is
@@ -159,6 +161,7 @@ impl Default for Settings {
             shutdown: ShutdownSettings::default(),
             local_cache_max_entries: 0,
             top_offenders: TopOffendersSettings::default(),
+            metrics: MetricsSettings::default(),
             tracing: TracingSettings::default(),
             prometheus: PrometheusSettings::default(),
             hashed_keys: vec!["api_key".into(), "authorization".into(), "x-api-key".into()],
@@ -808,6 +811,24 @@ impl Default for TracingSettings {
             service_name: "RateLimit".into(),
             sampling_rate: 1.0,
             endpoint: None,
+        }
+    }
+}
+
+/// Bounds on the metric series that request values can create.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct MetricsSettings {
+    /// Most `rule` label values one rule takes from request values (`detailed_metric`,
+    /// `value_to_metric`; default 1 000); further values are counted together under
+    /// `<rule> (other values)`, so callers cannot grow `/metrics` without bound.
+    pub max_values_per_rule: usize,
+}
+
+impl Default for MetricsSettings {
+    fn default() -> Self {
+        Self {
+            max_values_per_rule: 1000,
         }
     }
 }

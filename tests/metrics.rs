@@ -208,3 +208,65 @@ async fn hash_value_rules_are_hashed_even_with_no_hashed_keys() {
     assert!(!top.contains("RAW-TOKEN-123"), "{top}");
     s.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn callers_cannot_grow_metrics_without_bound() {
+    let s = TestServer::start(&[("web.yaml", RULES)], |s| {
+        s.metrics.max_values_per_rule = 50;
+    })
+    .await;
+    let (_, before) = s.http("GET", "/metrics", "").await;
+    let mut c = s.client().await;
+    // 3 000 requests each with an override and entry keys never seen before, and 3 000 distinct
+    // values on a `detailed_metric` rule.
+    for i in 0..3000 {
+        let key = format!("k{i}");
+        let over = common::with_override(descriptor(&[(key.as_str(), "v")]), 10, 2);
+        c.should_rate_limit(request("web", vec![over]))
+            .await
+            .unwrap();
+        let value = format!("key-{i}");
+        c.should_rate_limit(request("web", vec![descriptor(&[("api_key", &value)])]))
+            .await
+            .unwrap();
+    }
+    let (_, after) = s.http("GET", "/metrics", "").await;
+    eprintln!(
+        "/metrics: {} bytes before, {} after",
+        before.len(),
+        after.len()
+    );
+    assert!(
+        after.len() < before.len() + 64 * 1024,
+        "/metrics grew from {} to {} bytes",
+        before.len(),
+        after.len()
+    );
+    assert!(
+        !after.contains("k2999"),
+        "caller-chosen keys are no label values"
+    );
+    // Every override shares one label; the detailed rule has its 50 values, then one for the rest.
+    assert_eq!(
+        sample(
+            &after,
+            "ratelimit_service_rate_limit_total_hits{domain=\"web\",rule=\"override\"}"
+        ),
+        3000.0
+    );
+    assert_eq!(
+        sample(
+            &after,
+            "ratelimit_service_rate_limit_total_hits{domain=\"web\",rule=\"api_key (other values)\"}"
+        ),
+        2950.0
+    );
+    let api_key_series = after
+        .lines()
+        .filter(|l| {
+            l.starts_with("ratelimit_service_rate_limit_total_hits{domain=\"web\",rule=\"api_key_")
+        })
+        .count();
+    assert_eq!(api_key_series, 50);
+    s.stop().await;
+}

@@ -202,6 +202,9 @@ pub struct Options {
     pub overload: OverloadSettings,
     /// Where `on_backend_error: local` decides while the store cannot.
     pub fallback: Option<Fallback>,
+    /// Most `rule` label values a rule may take from request values (`detailed_metric`,
+    /// `value_to_metric`); further values share one label, `<rule> (other values)`.
+    pub metric_values_per_rule: usize,
 }
 
 /// The local fallback of `on_backend_error: local`: this replica's own memory, each limit divided by
@@ -712,7 +715,7 @@ impl Limiter {
         // Window length of each limited status's limit, in order, for the IETF policy header.
         let mut windows: Small<u64> = Small::new();
         // (descriptor index, rule label, role, chosen limit, outcome) for the per-rule metrics.
-        let mut stats: Small<(usize, std::borrow::Cow<'_, str>, Role, u64, Outcome)> = Small::new();
+        let mut stats: Small<(usize, RuleLabel<'_>, Role, u64, Outcome)> = Small::new();
         let statuses: Vec<DescriptorStatus> = resolved
             .into_iter()
             .enumerate()
@@ -793,7 +796,16 @@ impl Limiter {
                 self.options.top.denied(&name);
                 SCRATCH.set(name);
             }
-            let counters = self.options.metrics.rule(&request.domain, &rule);
+            let counters = match rule.request_values_of {
+                // Request values in the label: at most so many series per rule, then one for the rest.
+                Some(written) => self.options.metrics.rule_within(
+                    &request.domain,
+                    &rule.text,
+                    written,
+                    self.options.metric_values_per_rule,
+                ),
+                None => self.options.metrics.rule(&request.domain, &rule.text),
+            };
             self.record_rule(
                 &counters,
                 role,
@@ -1062,23 +1074,49 @@ impl Limiter {
     }
 }
 
+/// The `rule` metric label of a descriptor.
+struct RuleLabel<'a> {
+    text: std::borrow::Cow<'a, str>,
+    /// When the label carries request values: the rule's path as written, under which the number of
+    /// such labels is bounded.
+    request_values_of: Option<&'a str>,
+}
+
+impl<'a> From<&'a str> for RuleLabel<'a> {
+    fn from(text: &'a str) -> Self {
+        Self {
+            text: text.into(),
+            request_values_of: None,
+        }
+    }
+}
+
 /// The `rule` metric label of a descriptor: its rule's path (`key_value.key`...), with request values only
 /// where the rule asks for them (`detailed_metric` on the matched rule, `value_to_metric` on a level
-/// matched by its key or a wildcard), sensitive values hashed. Overrides are labelled by their entry keys.
+/// matched by its key or a wildcard), sensitive values hashed. Every override is labelled `override`: its
+/// entry keys are the caller's to choose, so they never become label values.
 fn rule_label<'a>(
     node: Option<&'a Node>,
     domain: &str,
     descriptor: &Descriptor,
     sensitive: Option<&Sensitive>,
-) -> std::borrow::Cow<'a, str> {
+) -> RuleLabel<'a> {
     let show = |key: &str, value: &str, hashed: bool| -> String {
         match sensitive {
             Some(s) => s.show(key, value, hashed).into_owned(),
             None => value.to_owned(),
         }
     };
+    let Some(node) = node else {
+        return "override".into();
+    };
+    let written = node
+        .full_key
+        .strip_prefix(domain)
+        .and_then(|p| p.strip_prefix('.'))
+        .unwrap_or(&node.full_key);
     // Most rules: the path as written, borrowed from the rule without building anything.
-    if let Some(node) = node {
+    {
         let written_sensitive = sensitive.is_some_and(|s| {
             node.path.iter().enumerate().any(|(i, (key, value))| {
                 !value.is_empty()
@@ -1086,19 +1124,10 @@ fn rule_label<'a>(
             })
         });
         if !node.detailed_metric && node.metric_levels.is_empty() && !written_sensitive {
-            if let Some(path) = node
-                .full_key
-                .strip_prefix(domain)
-                .and_then(|p| p.strip_prefix('.'))
-            {
-                return path.into();
-            }
+            return written.into();
         }
     }
-    let Some(node) = node else {
-        let keys: Vec<&str> = descriptor.entries.iter().map(|e| e.key.as_str()).collect();
-        return format!("override:{}", keys.join(".")).into();
-    };
+    let mut from_any_request_value = false;
     let mut parts = Vec::with_capacity(node.path.len());
     for (i, (key, value)) in node.path.iter().enumerate() {
         let hashed = node.hashed_levels.get(i).copied().unwrap_or(false);
@@ -1108,6 +1137,7 @@ fn rule_label<'a>(
         let from_request = !shared
             && !request_value.is_empty()
             && (node.detailed_metric || (to_metric && (value.is_empty() || value.contains('*'))));
+        from_any_request_value |= from_request;
         parts.push(if from_request {
             format!("{key}_{}", show(key, request_value, hashed))
         } else if value.is_empty() {
@@ -1118,7 +1148,10 @@ fn rule_label<'a>(
             format!("{key}_{}", show(key, value, hashed))
         });
     }
-    parts.join(".").into()
+    RuleLabel {
+        text: parts.join(".").into(),
+        request_values_of: from_any_request_value.then_some(written),
+    }
 }
 
 /// Drops every matched limit whose name another matched limit of the same request replaces

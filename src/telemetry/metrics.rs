@@ -122,11 +122,16 @@ const RULE_FAMILIES: &[(&str, &str, RuleField)] = &[
 /// The counters of one domain's rules, by rule label.
 type DomainRules = HashMap<Box<str>, Arc<RuleCounters>>;
 
+/// How many labels made of request values each (domain, rule as written) has.
+type ValueLabels = HashMap<(Box<str>, Box<str>), usize>;
+
 /// Every metric of the process.
 pub struct Metrics {
     families: RwLock<BTreeMap<&'static str, Family>>,
     /// Per-rule counters by domain, then rule: looked up with borrowed names, nothing built.
     rules: RwLock<HashMap<Box<str>, DomainRules>>,
+    /// Labels made of request values, counted per rule (see [`Metrics::rule_within`]).
+    value_labels: std::sync::Mutex<ValueLabels>,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -146,6 +151,7 @@ impl Metrics {
         let m = Self {
             families: RwLock::new(BTreeMap::new()),
             rules: RwLock::new(HashMap::new()),
+            value_labels: std::sync::Mutex::new(HashMap::new()),
         };
         m.gauge_fn(
             "ratelimitd_build_info",
@@ -178,6 +184,43 @@ impl Metrics {
             histograms: RwLock::new(BTreeMap::new()),
             readings: Vec::new(),
         });
+    }
+
+    /// The counters of a rule label made of request values: created on first use while the rule
+    /// `written` has fewer than `max` such labels in `domain`; past that, the counters of the one label
+    /// `<written> (other values)`. Callers choose request values, so they must not choose how many
+    /// series there are.
+    pub fn rule_within(
+        &self,
+        domain: &str,
+        label: &str,
+        written: &str,
+        max: usize,
+    ) -> Arc<RuleCounters> {
+        if let Some(c) = self
+            .rules
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(domain)
+            .and_then(|rules| rules.get(label))
+        {
+            return c.clone();
+        }
+        let admitted = {
+            let mut counts = self.value_labels.lock().unwrap_or_else(|p| p.into_inner());
+            let count = counts.entry((domain.into(), written.into())).or_insert(0);
+            if *count < max {
+                *count += 1;
+                true
+            } else {
+                false
+            }
+        };
+        if admitted {
+            self.rule(domain, label)
+        } else {
+            self.rule(domain, &format!("{written} (other values)"))
+        }
     }
 
     /// The counters of one rule; created on first use.

@@ -679,8 +679,7 @@ impl RedisSettings {
             self.pool_size = parse(v, &name("POOL_SIZE"))?;
         }
         if let Some(v) = get("TIMEOUT") {
-            self.timeout = humantime::parse_duration(v)
-                .map_err(|e| SettingsError::invalid(&name("TIMEOUT"), v, e))?;
+            self.timeout = parse_duration(v, &name("TIMEOUT"))?;
         }
         Ok(())
     }
@@ -1052,12 +1051,11 @@ impl Settings {
             self.grpc_tls.client_san = Some(v.to_owned());
         }
         if let Some(v) = get("GRPC_MAX_CONNECTION_AGE") {
-            self.grpc.max_connection_age = humantime::parse_duration(v)
-                .map_err(|e| SettingsError::invalid("GRPC_MAX_CONNECTION_AGE", v, e))?;
+            self.grpc.max_connection_age = parse_duration(v, "GRPC_MAX_CONNECTION_AGE")?;
         }
         if let Some(v) = get("GRPC_MAX_CONNECTION_AGE_GRACE") {
-            self.grpc.max_connection_age_grace = humantime::parse_duration(v)
-                .map_err(|e| SettingsError::invalid("GRPC_MAX_CONNECTION_AGE_GRACE", v, e))?;
+            self.grpc.max_connection_age_grace =
+                parse_duration(v, "GRPC_MAX_CONNECTION_AGE_GRACE")?;
         }
         if let Some(v) = get("REDIS_PERSECOND") {
             if parse_bool(v, "REDIS_PERSECOND")? {
@@ -1398,6 +1396,58 @@ where
     value
         .parse()
         .map_err(|e| SettingsError::invalid(name, value, e))
+}
+
+/// A duration in a reference variable, as Go's `time.ParseDuration` reads it (`300ms`, `1.5h`, `2h45m`,
+/// `0`), which is what the reference accepts; also the forms of the settings file (`250ms`, `1m 30s`).
+fn parse_duration(value: &str, name: &str) -> Result<Duration, SettingsError> {
+    parse_go_duration(value)
+        .or_else(|| humantime::parse_duration(value).ok())
+        .ok_or_else(|| {
+            SettingsError::invalid(
+                name,
+                value,
+                "expected a duration such as 500ms, 10s, 1.5h or 2h45m",
+            )
+        })
+}
+
+/// Go's duration syntax: a sequence of decimal numbers, each with a unit (`ns`, `us`, `µs`, `ms`, `s`,
+/// `m`, `h`); or `0`. Negative durations mean nothing here and are refused.
+fn parse_go_duration(text: &str) -> Option<Duration> {
+    if text == "0" {
+        return Some(Duration::ZERO);
+    }
+    let mut rest = text.strip_prefix('+').unwrap_or(text);
+    if rest.is_empty() {
+        return None;
+    }
+    let mut total = 0f64;
+    while !rest.is_empty() {
+        let number_len = rest
+            .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+            .unwrap_or(rest.len());
+        let (number, after) = rest.split_at(number_len);
+        if number.is_empty() || number == "." {
+            return None;
+        }
+        let unit_len = after
+            .find(|c: char| c.is_ascii_digit() || c == '.')
+            .unwrap_or(after.len());
+        let (unit, after) = after.split_at(unit_len);
+        let nanos_per_unit = match unit {
+            "ns" => 1.0,
+            "us" | "µs" | "μs" => 1e3,
+            "ms" => 1e6,
+            "s" => 1e9,
+            "m" => 60e9,
+            "h" => 3600e9,
+            _ => return None,
+        };
+        total += number.parse::<f64>().ok()? * nanos_per_unit;
+        rest = after;
+    }
+    (total.is_finite() && total < u64::MAX as f64).then(|| Duration::from_nanos(total as u64))
 }
 
 /// Booleans as Go's `strconv.ParseBool` reads them, which is what the reference accepts.
@@ -1842,6 +1892,34 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(err.contains("max_keys") && err.contains("lots"), "{err}");
+    }
+
+    #[test]
+    fn reference_durations_read_as_go_reads_them() {
+        for (text, want) in [
+            ("10s", Duration::from_secs(10)),
+            ("300ms", Duration::from_millis(300)),
+            ("1.5h", Duration::from_secs(5400)),
+            ("2h45m", Duration::from_secs(9900)),
+            ("1m30.5s", Duration::from_millis(90_500)),
+            ("250us", Duration::from_micros(250)),
+            ("0", Duration::ZERO),
+            ("1m 30s", Duration::from_secs(90)),
+        ] {
+            assert_eq!(parse_duration(text, "X").unwrap(), want, "{text}");
+        }
+        for bad in ["", "10", "-1s", "1x", "h", "1.2.3s", ".s"] {
+            let err = parse_duration(bad, "REDIS_TIMEOUT")
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains("REDIS_TIMEOUT"), "{bad}: {err}");
+        }
+        let s = Settings::load(
+            None,
+            &env(&[("REDIS_URL", "h:1"), ("REDIS_TIMEOUT", "1.5s")]),
+        )
+        .unwrap();
+        assert_eq!(s.redis.timeout, Duration::from_millis(1500));
     }
 
     #[test]

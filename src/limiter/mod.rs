@@ -488,8 +488,6 @@ impl Limiter {
             );
         }
 
-        // Composite keys for matching are built in a buffer this thread keeps between requests.
-        let mut scratch = SCRATCH.take();
         let mut resolved: Small<Resolved<'_>> = Small::new();
         for (index, descriptor) in request.descriptors.iter().enumerate() {
             let Some(domain) = domain else {
@@ -519,7 +517,7 @@ impl Limiter {
                 });
                 continue;
             }
-            let node = domain.find(&descriptor.entries, &mut scratch);
+            let node = domain.find(&descriptor.entries);
             resolved.push(match node {
                 None => Resolved::NoLimit,
                 Some(node) if node.limits.is_empty() => Resolved::NoLimit,
@@ -550,7 +548,6 @@ impl Limiter {
                 },
             });
         }
-        SCRATCH.set(scratch);
         apply_replaces(&mut resolved);
 
         let mut batch = Batch {

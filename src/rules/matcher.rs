@@ -1,9 +1,15 @@
 //! Matching a request descriptor against a domain's rules tree.
 //!
-//! One request entry per level; at each level the exact `key_value` node wins, then the CIDR nodes (the
-//! longest prefix containing the value, when it is an IP address), then the wildcard nodes in file order,
-//! then the key-only default node. There is no backtracking, and only a match of the full request depth
-//! yields a rule.
+//! One request entry per level. At each level only the nodes written with exactly the entry's key are
+//! candidates; among them the node with exactly the entry's value wins, then the CIDR nodes (the longest
+//! prefix containing the value, when it is an IP address), then the wildcard nodes in file order (the
+//! pattern against the value alone), then the key-only default node. There is no backtracking, and only
+//! a match of the full request depth yields a rule.
+//!
+//! The reference service looks nodes up by the joined string `key_value`, so a request key `api_key`
+//! reaches a rule `key: api, value: "*"`, and an entry `a_b=c` the rule `key: a, value: b_c`. Keeping the
+//! key and the value apart is the one place ratelimitd matches differently: no caller can pick another
+//! key's rules by putting `_` in a key.
 
 use std::net::IpAddr;
 
@@ -78,7 +84,7 @@ impl Cidr {
 }
 
 /// A value pattern with `*` standing for any run of characters (possibly empty), matched against a
-/// request's composite `key_value` string.
+/// request entry's value.
 #[derive(Debug, Clone)]
 pub struct Wildcard {
     pattern: Box<str>,
@@ -95,7 +101,7 @@ impl Wildcard {
         }
     }
 
-    /// The composite `key_value` pattern as written.
+    /// The value pattern as written.
     pub fn pattern(&self) -> &str {
         &self.pattern
     }
@@ -131,16 +137,12 @@ pub trait EntryRef {
 
 impl Domain {
     /// Finds the rule node a descriptor lands on: the node matched by its last entry, if every entry
-    /// matched a level. `scratch` is reused between calls to build composite keys without allocating.
-    pub fn find<'a, E: EntryRef>(
-        &'a self,
-        entries: &[E],
-        scratch: &mut String,
-    ) -> Option<&'a Node> {
+    /// matched a level.
+    pub fn find<'a, E: EntryRef>(&'a self, entries: &[E]) -> Option<&'a Node> {
         let mut level: &Level = &self.root;
         let mut found = None;
         for entry in entries {
-            let node = level.find(entry.key(), entry.value(), scratch)?;
+            let node = level.find(entry.key(), entry.value())?;
             found = Some(node);
             level = &node.children;
         }
@@ -149,26 +151,23 @@ impl Domain {
 }
 
 impl Level {
-    fn find<'a>(&'a self, key: &str, value: &str, scratch: &mut String) -> Option<&'a Node> {
-        scratch.clear();
-        scratch.push_str(key);
-        scratch.push('_');
-        scratch.push_str(value);
-        if let Some(node) = self.exact.get(scratch.as_str()) {
+    fn find(&self, key: &str, value: &str) -> Option<&Node> {
+        let nodes = self.keys.get(key)?;
+        if let Some(node) = nodes.values.get(value) {
             return Some(node);
         }
-        if !self.cidrs.is_empty() {
+        if !nodes.cidrs.is_empty() {
             if let Ok(addr) = value.trim().parse::<IpAddr>() {
                 // Longest prefix first, so the first hit is the most specific network.
-                if let Some((_, node)) = self.cidrs.iter().find(|(c, _)| c.contains(addr)) {
+                if let Some((_, node)) = nodes.cidrs.iter().find(|(c, _)| c.contains(addr)) {
                     return Some(node);
                 }
             }
         }
-        if let Some((_, node)) = self.wildcards.iter().find(|(w, _)| w.matches(scratch)) {
+        if let Some((_, node)) = nodes.wildcards.iter().find(|(w, _)| w.matches(value)) {
             return Some(node);
         }
-        self.exact.get(key)
+        nodes.default.as_ref()
     }
 }
 
@@ -193,7 +192,7 @@ mod tests {
 
     fn hit(set: &RuleSet, entries: &[E]) -> Option<String> {
         set.domains["d"]
-            .find(entries, &mut String::new())
+            .find(entries)
             .map(|n| n.full_key.to_string())
     }
 
@@ -264,6 +263,64 @@ descriptors:
         assert_eq!(hit(&set, &[E("k", "")]).as_deref(), Some("d.k_*"));
         assert_eq!(hit(&set, &[E("j", "anything")]).as_deref(), Some("d.j"));
         assert_eq!(hit(&set, &[E("unknown", "x")]), None);
+    }
+
+    #[test]
+    fn an_entry_meets_only_the_nodes_of_its_own_key_and_values_match_alone() {
+        let set = rules(
+            r#"
+domain: d
+descriptors:
+  - key: api
+    value: "*"
+    rate_limit: {unit: second, requests_per_unit: 1}
+  - key: a
+    value: b_c
+    rate_limit: {unit: second, requests_per_unit: 2}
+  - key: k
+    value: v
+    rate_limit: {unit: second, requests_per_unit: 3}
+  - key: x
+    value: "cidr:10.0.0.0/8"
+    rate_limit: {unit: second, requests_per_unit: 4}
+  - key: x_y
+    value: "1*"
+    rate_limit: {unit: second, requests_per_unit: 5}
+"#,
+        );
+        // The reference joins `key_value` first: `api_key_1` fits the pattern `api_*`, `a_b_c` is the
+        // exact `a_b_c`, and the key `k_v` finds `k_v` among the key-only nodes.
+        assert_eq!(hit(&set, &[E("api_key", "1")]), None);
+        assert_eq!(hit(&set, &[E("a_b", "c")]), None);
+        assert_eq!(hit(&set, &[E("k_v", "anything")]), None);
+        assert_eq!(hit(&set, &[E("x", "y_10.1.2.3")]), None);
+        assert_eq!(hit(&set, &[E("x", "y_1")]), None);
+        // The entries the rules were written for still match, `_` in values included.
+        assert_eq!(hit(&set, &[E("api", "key_1")]).as_deref(), Some("d.api_*"));
+        assert_eq!(hit(&set, &[E("api", "")]).as_deref(), Some("d.api_*"));
+        assert_eq!(hit(&set, &[E("a", "b_c")]).as_deref(), Some("d.a_b_c"));
+        assert_eq!(hit(&set, &[E("k", "v")]).as_deref(), Some("d.k_v"));
+        assert_eq!(
+            hit(&set, &[E("x", "10.1.2.3")]).as_deref(),
+            Some("d.x_cidr:10.0.0.0/8")
+        );
+        assert_eq!(hit(&set, &[E("x_y", "12")]).as_deref(), Some("d.x_y_1*"));
+    }
+
+    #[test]
+    fn composite_keys_stay_duplicates_as_in_the_reference() {
+        for text in [
+            "domain: d\ndescriptors:\n  - {key: a, value: \"b*\"}\n  - {key: a_b*}\n",
+            "domain: d\ndescriptors:\n  - {key: a_b, value: c}\n  - {key: a, value: b_c}\n",
+            "domain: d\ndescriptors:\n  - {key: a, value: \"cidr:10.0.0.0/8\"}\n  - {key: a, value: \"cidr:10.0.0.0/8\"}\n",
+        ] {
+            let err = RuleSet::build(&[("f".into(), parse_file(text).unwrap())], false)
+                .unwrap_err();
+            assert!(
+                err.starts_with("f: duplicate descriptor composite key 'd.a_"),
+                "{text}: {err}"
+            );
+        }
     }
 
     #[test]
@@ -359,9 +416,7 @@ descriptors:
         assert_eq!(hit(&set, &[E("j", "v"), E("deeper", "x")]), None);
         // An allow-list node matches but carries no limit.
         let set2 = rules(TREE);
-        let bare = set2.domains["d"]
-            .find(&[E("bare", "x")], &mut String::new())
-            .unwrap();
+        let bare = set2.domains["d"].find(&[E("bare", "x")]).unwrap();
         assert!(bare.limits.is_empty());
     }
 }

@@ -155,15 +155,73 @@ pub struct Node {
     pub children: Level,
 }
 
-/// The descriptor nodes at one depth under one parent.
+/// The descriptor nodes at one depth under one parent, grouped by their `key`: a request entry only ever
+/// meets the nodes written with exactly its key, so no key can reach another key's rules whatever `_`s
+/// the two contain.
 #[derive(Debug, Clone, Default)]
 pub struct Level {
-    /// Nodes by composite key: `key_value` for valued nodes, `key` for the key-only default node.
-    pub exact: HashMap<Box<str>, Node>,
-    /// Wildcard-valued nodes, in file order; they match against the request's `key_value`.
-    pub wildcards: Vec<(Wildcard, Node)>,
+    pub keys: HashMap<Box<str>, KeyNodes>,
+}
+
+/// The nodes of one level that share a `key`, by how their value matches the request's value.
+#[derive(Debug, Clone, Default)]
+pub struct KeyNodes {
+    /// Nodes with a plain value, by that value.
+    pub values: HashMap<Box<str>, Node>,
     /// `cidr:` nodes, longest prefix first.
     pub cidrs: Vec<(Cidr, Node)>,
+    /// Wildcard-valued nodes, in file order; the pattern is matched against the value alone.
+    pub wildcards: Vec<(Wildcard, Node)>,
+    /// The node written without a value: any value.
+    pub default: Option<Node>,
+}
+
+impl Level {
+    /// The node written with exactly this `key` and `value` (`""`: the key-only node), however it
+    /// matches: what tests and tools look rules up by.
+    pub fn node(&self, key: &str, value: &str) -> Option<&Node> {
+        let nodes = self.keys.get(key)?;
+        if value.is_empty() {
+            return nodes.default.as_ref();
+        }
+        nodes.values.get(value).or_else(|| nodes.written(value))
+    }
+
+    /// Whether a node of this level already has the reference service's composite key (`key_value`, or
+    /// `key` without a value). The reference keys a level by that string, so `key: a_b` and
+    /// `key: a, value: b` are duplicates there; they stay duplicates here, with its message, although
+    /// matching tells them apart. Tries each `_` of the composite as the place key and value meet.
+    fn has_composite(&self, composite: &str) -> bool {
+        if self
+            .keys
+            .get(composite)
+            .is_some_and(|k| k.default.is_some())
+        {
+            return true;
+        }
+        composite
+            .char_indices()
+            .filter(|&(_, c)| c == '_')
+            .any(|(at, _)| {
+                let (key, value) = (&composite[..at], &composite[at + 1..]);
+                !value.is_empty()
+                    && self
+                        .keys
+                        .get(key)
+                        .is_some_and(|k| k.values.contains_key(value) || k.written(value).is_some())
+            })
+    }
+}
+
+impl KeyNodes {
+    /// The `cidr:` or wildcard node whose value is written exactly so.
+    fn written(&self, value: &str) -> Option<&Node> {
+        self.cidrs
+            .iter()
+            .map(|(_, n)| n)
+            .chain(self.wildcards.iter().map(|(_, n)| n))
+            .find(|n| n.path.last().is_some_and(|(_, v)| &**v == value))
+    }
 }
 
 /// One domain's rules.
@@ -277,10 +335,12 @@ impl RuleSet {
             show: &dyn Fn(&str, &str, bool) -> String,
             out: &mut Vec<String>,
         ) {
-            let nodes = level
-                .exact
-                .values()
-                .chain(level.wildcards.iter().map(|(_, n)| n));
+            let nodes = level.keys.values().flat_map(|k| {
+                k.values
+                    .values()
+                    .chain(k.wildcards.iter().map(|(_, n)| n))
+                    .chain(k.default.iter())
+            });
             for node in nodes {
                 let full_key = name(domain, node, show);
                 for limit in &node.limits {
@@ -347,12 +407,7 @@ fn add_level(
             format!("{}_{}", spec.key, spec.value)
         };
         let full_key = format!("{parent_key}.{composite}");
-        let duplicate = level.exact.contains_key(composite.as_str())
-            || level
-                .wildcards
-                .iter()
-                .any(|(w, _)| w.pattern() == composite);
-        if duplicate {
+        if level.has_composite(&composite) {
             return Err(format!("duplicate descriptor composite key '{full_key}'"));
         }
         let mut limits = Vec::with_capacity(1 + spec.rate_limits.len());
@@ -439,15 +494,18 @@ fn add_level(
             &below,
             default_algorithm,
         )?;
+        let same_key = level.keys.entry(spec.key.as_str().into()).or_default();
         if let Some(cidr) = cidr {
-            let at = level
+            let at = same_key
                 .cidrs
                 .partition_point(|(c, _)| c.prefix() >= cidr.prefix());
-            level.cidrs.insert(at, (cidr, node));
+            same_key.cidrs.insert(at, (cidr, node));
         } else if is_wildcard {
-            level.wildcards.push((Wildcard::new(&composite), node));
+            same_key.wildcards.push((Wildcard::new(&spec.value), node));
+        } else if spec.value.is_empty() {
+            same_key.default = Some(node);
         } else {
-            level.exact.insert(composite.into(), node);
+            same_key.values.insert(spec.value.as_str().into(), node);
         }
     }
     Ok(())
@@ -627,7 +685,7 @@ mod tests {
             false,
         )
         .unwrap();
-        let limits = &set.domains["d"].root.exact["a"].limits;
+        let limits = &set.domains["d"].root.node("a", "").unwrap().limits;
         assert_eq!(limits.len(), 2);
         assert_eq!(
             limits[0].params(),
@@ -647,7 +705,7 @@ mod tests {
         )
         .unwrap();
         assert_eq!(
-            gcra.domains["d"].root.exact["a"].limits[0].algorithm,
+            gcra.domains["d"].root.node("a", "").unwrap().limits[0].algorithm,
             Algorithm::Gcra,
             "the default algorithm applies"
         );
@@ -663,7 +721,7 @@ mod tests {
         );
         let merged = build(&[a, b], true).unwrap();
         let root = &merged.domains["d"].root;
-        assert!(root.exact.contains_key("a") && root.exact.contains_key("b"));
+        assert!(root.node("a", "").is_some() && root.node("b", "").is_some());
         let b_again = ("config.c.yaml", "domain: d\ndescriptors:\n  - key: a\n");
         assert_eq!(
             build(&[a, b_again], true).unwrap_err(),
@@ -682,13 +740,20 @@ mod tests {
         )
         .unwrap();
         let root = &set.domains["d"].root;
-        let unit = |k: &str| root.exact[k].limit().unwrap().unit.seconds();
+        let unit = |k: &str| root.node(k, "").unwrap().limit().unwrap().unit.seconds();
         assert_eq!(unit("s"), 1);
         assert_eq!(unit("w"), 604_800);
         assert_eq!(unit("m"), 2_592_000);
         assert_eq!(unit("y"), 31_536_000);
-        assert!(root.exact["u"].limit().unwrap().unlimited);
-        assert_eq!(root.exact["z"].limit().unwrap().requests_per_unit, 0);
+        assert!(root.node("u", "").unwrap().limit().unwrap().unlimited);
+        assert_eq!(
+            root.node("z", "")
+                .unwrap()
+                .limit()
+                .unwrap()
+                .requests_per_unit,
+            0
+        );
     }
 
     #[test]

@@ -1,10 +1,11 @@
 //! Requests that the reference service cannot tell apart, told apart: an entry key only ever matches rules
-//! written with exactly that key.
+//! written with exactly that key, and descriptors whose parts join to the same text count in their own
+//! counters (every algorithm but the fixed window, which keeps the reference's Redis layout).
 
 mod common;
 
 use common::{descriptor, request, TestServer};
-use ratelimitd::proto::{RateLimitResponse, RateLimitServiceClient};
+use ratelimitd::proto::{rate_limit_response::Code, RateLimitResponse, RateLimitServiceClient};
 use tonic::transport::Channel;
 
 async fn ask(
@@ -51,6 +52,54 @@ async fn an_entry_key_never_reaches_the_rules_of_a_shorter_key() {
     assert_eq!(
         limit_name(&[("a", "b_c")]).await.as_deref(),
         Some("a_is_b_c")
+    );
+    s.stop().await;
+}
+
+/// One limit of 1 per minute on `user`, and one on `user` + `path`, with the given algorithm.
+fn joined_rules(algorithm: &str) -> String {
+    format!(
+        r#"
+domain: web
+descriptors:
+  - key: user
+    rate_limit: {{unit: minute, requests_per_unit: 1, algorithm: {algorithm}}}
+    descriptors:
+      - key: path
+        rate_limit: {{unit: minute, requests_per_unit: 1, algorithm: {algorithm}}}
+"#
+    )
+}
+
+/// Sends `[user="u_path_/login"]`, then `[user=u, path=/login]`: the same counter key under the reference
+/// layout. Returns both overall codes.
+async fn joined_then_apart(s: &TestServer) -> (i32, i32) {
+    let mut c = s.client().await;
+    let joined = ask(&mut c, &[("user", "u_path_/login")]).await;
+    let apart = ask(&mut c, &[("user", "u"), ("path", "/login")]).await;
+    (joined.overall_code, apart.overall_code)
+}
+
+#[tokio::test]
+async fn descriptors_joining_to_the_same_text_count_apart_in_memory() {
+    for algorithm in ["sliding_window", "sliding_log", "token_bucket", "gcra"] {
+        let s = TestServer::start(&[("web.yaml", &joined_rules(algorithm))], |_| {}).await;
+        assert_eq!(
+            joined_then_apart(&s).await,
+            (Code::Ok as i32, Code::Ok as i32),
+            "{algorithm}: each descriptor has its own limit of 1"
+        );
+        s.stop().await;
+    }
+}
+
+#[tokio::test]
+async fn fixed_windows_keep_the_reference_layout_and_its_ambiguity() {
+    // Documented: a fleet moving from the reference service shares its counters, ambiguity included.
+    let s = TestServer::start(&[("web.yaml", &joined_rules("fixed_window"))], |_| {}).await;
+    assert_eq!(
+        joined_then_apart(&s).await,
+        (Code::Ok as i32, Code::OverLimit as i32)
     );
     s.stop().await;
 }

@@ -192,6 +192,56 @@ async fn counters_keep_the_reference_layout_for_a_shared_migration() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn descriptors_joining_to_the_same_text_count_apart_on_redis() {
+    // `[user="u_path_/login"]` and `[user=u, path=/login]` share the reference layout's key; every
+    // algorithm but the fixed window escapes its key parts, so each keeps its own counter.
+    const JOINED: &str = r#"
+domain: fleet
+descriptors:
+  - key: user
+    rate_limit: {unit: minute, requests_per_unit: 1, algorithm: token_bucket}
+    descriptors:
+      - key: path
+        rate_limit: {unit: minute, requests_per_unit: 1, algorithm: token_bucket}
+"#;
+    let redis = RedisProcess::start(&[]);
+    let s = TestServer::start_with_clock(
+        &[("fleet.yaml", JOINED)],
+        Clock::System,
+        on_redis(redis.addr(), RedisTopology::Single),
+    )
+    .await;
+    s.wait_serving(Duration::from_secs(20)).await;
+    let mut c = s.client().await;
+    for entries in [
+        &[("user", "u_path_/login")][..],
+        &[("user", "u"), ("path", "/login")][..],
+    ] {
+        let resp = c
+            .should_rate_limit(request("fleet", vec![descriptor(entries)]))
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(resp.overall_code, Code::Ok as i32, "{entries:?}");
+    }
+    let keys = redis.cli(&["--scan", "--pattern", "*fleet*"]);
+    let mut keys: Vec<&str> = keys.lines().collect();
+    keys.sort();
+    assert_eq!(
+        keys,
+        [
+            "{fleet_user_u%5Fpath%5F/login_}:token_bucket:60:0",
+            "{fleet_user_u_path_/login_}:token_bucket:60:0",
+        ]
+    );
+    for key in keys {
+        let ttl: i64 = redis.cli(&["PTTL", key]).trim().parse().unwrap();
+        assert!(ttl > 0, "{key} has a TTL: {ttl}");
+    }
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cache_key_prefix_keeps_services_apart_on_one_redis() {
     let redis = RedisProcess::start(&[]);
     let a = start_tweaked(redis.addr(), RedisTopology::Single, |s| {

@@ -307,6 +307,9 @@ impl FromStr for LogFormat {
     }
 }
 
+/// Default of `rules.max_yaml_nodes`: room for rules files of some 90 000 descriptors with a limit each.
+pub const DEFAULT_MAX_YAML_NODES: usize = 1_000_000;
+
 /// Where the rules live. With `path` set, every file under it is a rules file. Otherwise, when
 /// `runtime_root` is set, the reference layout applies (see [`RulesSettings::source`]); with neither,
 /// rules come from `./config` when that folder exists.
@@ -337,6 +340,9 @@ pub struct RulesSettings {
     /// Quiet time after the last change before reloading (default `250ms`): changes come in bursts.
     #[serde(with = "humantime_serde_compat")]
     pub reload_delay: Duration,
+    /// Most YAML nodes (maps, lists and scalars, aliases expanded) one rules file may hold (default
+    /// 1 000 000, some 90 000 descriptors with a limit each); a larger file is refused, naming this setting.
+    pub max_yaml_nodes: usize,
 }
 
 impl Default for RulesSettings {
@@ -352,6 +358,7 @@ impl Default for RulesSettings {
             default_algorithm: Algorithm::FixedWindow,
             watch: true,
             reload_delay: Duration::from_millis(250),
+            max_yaml_nodes: DEFAULT_MAX_YAML_NODES,
         }
     }
 }
@@ -373,6 +380,8 @@ pub struct RulesSource {
     /// The path a deployment swaps whole to publish new rules (`RUNTIME_ROOT`, often a symlink), when it
     /// differs from `root`; its parent folder is watched too.
     pub swap_point: Option<PathBuf>,
+    /// Most YAML nodes one file may hold (`rules.max_yaml_nodes`).
+    pub max_yaml_nodes: usize,
 }
 
 impl RulesSettings {
@@ -401,6 +410,7 @@ impl RulesSettings {
             merge_domains: self.merge_domains,
             default_algorithm: self.default_algorithm,
             swap_point,
+            max_yaml_nodes: self.max_yaml_nodes,
         }
     }
 }
@@ -1303,6 +1313,7 @@ impl Settings {
                 self.overload.max_streams_per_connection as usize,
             ),
             ("overload.max_in_flight", self.overload.max_in_flight),
+            ("rules.max_yaml_nodes", self.rules.max_yaml_nodes),
         ] {
             if value == 0 {
                 return Err(SettingsError::invalid(name, value, "must be at least 1"));

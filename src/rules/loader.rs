@@ -12,7 +12,7 @@ use std::{
 
 use sha2::{Digest, Sha256};
 
-use super::{model::RuleSet, yaml::parse_file};
+use super::{model::RuleSet, yaml::parse_file_within};
 use crate::settings::RulesSource;
 
 /// Why a rules folder could not be loaded. The text is the reference service's message.
@@ -55,7 +55,8 @@ pub fn load(source: &RulesSource) -> Result<Loaded, LoadError> {
             fs::read(&path).map_err(|e| LoadError(format!("{name}: cannot read file: {e}")))?;
         let text = String::from_utf8(text)
             .map_err(|_| LoadError(format!("{name}: error loading config file: not UTF-8 text")))?;
-        let file = parse_file(&text).map_err(|e| LoadError(format!("{name}: {e}")))?;
+        let file = parse_file_within(&text, source.max_yaml_nodes)
+            .map_err(|e| LoadError(format!("{name}: {e}")))?;
         digest.update(name.as_bytes());
         digest.update([0]);
         digest.update(text.as_bytes());
@@ -115,6 +116,7 @@ mod tests {
             merge_domains: false,
             default_algorithm: crate::algorithm::Algorithm::FixedWindow,
             swap_point: None,
+            max_yaml_nodes: crate::settings::DEFAULT_MAX_YAML_NODES,
         }
     }
 

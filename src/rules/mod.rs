@@ -15,7 +15,7 @@ pub use loader::{load, LoadError, Loaded};
 pub use matcher::{Cidr, EntryRef, Wildcard};
 pub use model::{Domain, Level, Limit, Node, RuleSet, Unit};
 pub use watcher::{reload, OnLoaded, ReloadStats, RulesWatch};
-pub use yaml::{parse_file, DomainFile};
+pub use yaml::{parse_file, parse_file_within, DomainFile};
 
 /// The rule set requests are decided against; empty until the first successful load.
 #[derive(Debug, Default)]

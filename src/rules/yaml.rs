@@ -9,6 +9,7 @@ use std::fmt;
 use serde::de::{Deserialize, Deserializer, MapAccess, SeqAccess, Visitor};
 
 use super::model::Unit;
+use crate::settings::DEFAULT_MAX_YAML_NODES;
 
 /// Every key name accepted anywhere in a rules file (one flat set, as the reference checks it).
 const VALID_KEYS: &[&str] = &[
@@ -193,16 +194,35 @@ impl RateLimitSpec {
     }
 }
 
-/// Parses and validates the text of one rules file. Messages are those of the reference service, without
-/// the `<file>: ` prefix the caller adds.
+/// Most YAML events aliases (`*name`) may replay in one file, whatever `rules.max_yaml_nodes` allows: an
+/// alias bomb (nested aliases doubling at every level) is refused after this much work, in well under a
+/// second, while sharing a block of a few nodes among thousands of rules still fits.
+pub const MAX_ALIAS_REPLAYED_EVENTS: usize = 100_000;
+
+/// Parses and validates the text of one rules file with the default node budget. Messages are those of
+/// the reference service, without the `<file>: ` prefix the caller adds.
 pub fn parse_file(text: &str) -> Result<DomainFile, String> {
+    parse_file_within(text, DEFAULT_MAX_YAML_NODES)
+}
+
+/// [`parse_file`], refusing a file of more than `max_yaml_nodes` YAML nodes (`rules.max_yaml_nodes`).
+pub fn parse_file_within(text: &str, max_yaml_nodes: usize) -> Result<DomainFile, String> {
     // YAML 1.2 booleans only, so that values such as `on`, `no` or `y` stay text, and numbers with a
     // leading zero stay text too (`value: 010` is the string "010").
     let mut options = serde_saphyr::Options::default();
     options.strict_booleans = true;
     options.leading_zero_numbers_as_strings = true;
+    // Messages carry a line and column, never the file's text (see `syntax_error`).
+    options.with_snippet = false;
+    let mut budget = serde_saphyr::Budget::default();
+    budget.max_nodes = max_yaml_nodes;
+    // Every node is one event, and closing a map or a list one more: this bound never trips before the
+    // node budget does, which names the setting.
+    budget.max_events = max_yaml_nodes.saturating_mul(2).saturating_add(4096);
+    options.budget = Some(budget);
+    options.alias_limits.max_total_replayed_events = MAX_ALIAS_REPLAYED_EVENTS;
     let docs: Vec<Yaml> = serde_saphyr::from_multiple_with_options(text, options)
-        .map_err(|e| format!("error loading config file: {}", one_line(&e.to_string())))?;
+        .map_err(|e| syntax_error(&e, max_yaml_nodes))?;
     // Like the reference, only the first document counts.
     let root = docs.into_iter().next().unwrap_or(Yaml::Null);
     validate_keys(&root)?;
@@ -225,8 +245,54 @@ pub fn parse_file(text: &str) -> Result<DomainFile, String> {
     })
 }
 
-fn one_line(text: &str) -> String {
-    text.lines().next().unwrap_or_default().trim().to_owned()
+/// The message for a file the YAML parser refused: where, and what kind of problem, in the reference's
+/// `error loading config file: yaml: ...` form. The parser's text is used only for the errors known to
+/// describe the problem without quoting the file (syntax errors name a bracket or a quote at most); the
+/// others are named by their kind, so that no file content reaches a log line or `check-config`.
+fn syntax_error(err: &serde_saphyr::Error, max_yaml_nodes: usize) -> String {
+    use serde_saphyr::{budget::BudgetBreach, Error};
+    // The error itself, out of the wrappers that add a snippet or the place an alias was defined.
+    let mut inner = err;
+    while let Error::WithSnippet { error, .. } | Error::AliasError { error, .. } = inner {
+        inner = error;
+    }
+    let at = inner
+        .location()
+        .or_else(|| err.location())
+        .map_or_else(String::new, |l| {
+            format!("line {} column {}: ", l.line(), l.column())
+        });
+    let err = inner;
+    // "<what> at line L, column C", first line only: the location is written in front instead.
+    let own_text = || {
+        let text = err.to_string();
+        let first = text.lines().next().unwrap_or_default();
+        first
+            .rsplit_once(" at line ")
+            .map_or(first, |(what, _)| what)
+            .trim()
+            .to_owned()
+    };
+    let what = match err {
+        Error::Budget {
+            breach: BudgetBreach::Nodes { .. } | BudgetBreach::Events { .. },
+            ..
+        } => format!(
+            "the file has more than {max_yaml_nodes} YAML nodes (maps, lists and scalars, aliases expanded); raise rules.max_yaml_nodes to load it"
+        ),
+        Error::DuplicateMappingKey { .. } => "a key appears twice in one map".into(),
+        Error::NonFiniteFloat { .. } => "error checking config".into(),
+        Error::ExternalMessage { .. }
+        | Error::Budget { .. }
+        | Error::UnknownAnchor { .. }
+        | Error::AliasReplayLimitExceeded { .. }
+        | Error::AliasExpansionLimitExceeded { .. }
+        | Error::AliasReplayStackDepthExceeded { .. }
+        | Error::InvalidScalar { .. }
+        | Error::Eof { .. } => own_text(),
+        _ => "not a valid rules file".into(),
+    };
+    format!("error loading config file: yaml: {at}{what}")
 }
 
 /// First pass: map keys must be strings from [`VALID_KEYS`]; list items must be maps; leaves must be
@@ -272,7 +338,28 @@ fn key_str(k: &Yaml) -> &str {
 }
 
 fn unmarshal_error(found: &Yaml, field: &str, expected: &str) -> String {
-    format!("error loading config file: yaml: unmarshal errors: cannot unmarshal `{found}` into {field} (expected {expected})")
+    format!(
+        "error loading config file: yaml: unmarshal errors: cannot unmarshal {} into {field} (expected {expected})",
+        brief(found)
+    )
+}
+
+/// A found value as the reference's YAML decoder names it in type errors: a short scalar in full, a
+/// longer one by its first seven characters, a list or a map by its kind alone. A file that is not a
+/// rules file at all (a whole text read as one scalar) is thus never repeated in a message.
+fn brief(v: &Yaml) -> String {
+    match v {
+        Yaml::List(_) => "!!seq".into(),
+        Yaml::Map(_) => "!!map".into(),
+        scalar => {
+            let text = scalar.to_string();
+            if text.chars().count() > 10 {
+                format!("`{}...`", text.chars().take(7).collect::<String>())
+            } else {
+                format!("`{text}`")
+            }
+        }
+    }
 }
 
 /// A string field; like the reference's YAML decoder, integer and boolean scalars are taken as text.
@@ -397,7 +484,8 @@ fn metadata(v: &Yaml) -> Result<Option<serde_json::Map<String, serde_json::Value
         Yaml::Null => Ok(None),
         Yaml::Map(entries) => Ok(Some(to_json_map(entries)?)),
         other => Err(format!(
-            "error parsing metadata: expected a map, found `{other}`"
+            "error parsing metadata: expected a map, found {}",
+            brief(other)
         )),
     }
 }
@@ -424,7 +512,10 @@ fn to_json_map(
     let mut out = serde_json::Map::new();
     for (k, v) in entries {
         let Yaml::String(k) = k else {
-            return Err(format!("error parsing metadata: key `{k}` is not a string"));
+            return Err(format!(
+                "error parsing metadata: key {} is not a string",
+                brief(k)
+            ));
         };
         out.insert(k.clone(), to_json(v)?);
     }
@@ -537,5 +628,73 @@ descriptors:
         let err =
             parse_file("domain: d\ndescriptors:\n  - key: a\n    metadata: [1, 2]\n").unwrap_err();
         assert!(err.starts_with("error parsing metadata: "), "{err}");
+    }
+
+    #[test]
+    fn the_node_budget_is_a_setting_named_when_a_file_exceeds_it() {
+        let mut text = String::from("domain: d\ndescriptors:\n");
+        for i in 0..100 {
+            text.push_str(&format!(
+                "  - key: k\n    value: v{i}\n    rate_limit: {{unit: second, requests_per_unit: 1}}\n"
+            ));
+        }
+        // 5 nodes for the root map, its keys, the domain and the list; 11 per descriptor.
+        assert!(parse_file_within(&text, 1_105).is_ok());
+        let err = parse_file_within(&text, 1_104).unwrap_err();
+        assert!(
+            err.starts_with("error loading config file: yaml: line ")
+                && err.ends_with(
+                    ": the file has more than 1104 YAML nodes (maps, lists and scalars, aliases expanded); raise rules.max_yaml_nodes to load it"
+                ),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn errors_name_the_place_and_the_problem_but_never_quote_the_file() {
+        let cases = [
+            (
+                "domain: d\nsecret: [SECRET\n",
+                "line 2 column 9: unclosed bracket '['",
+            ),
+            ("domain: d\n\tSECRET: x\n", "found a tab"),
+            (
+                "domain: *SECRET\n",
+                "line 1 column 9: alias references unknown anchor",
+            ),
+            (
+                "SECRET: x\nSECRET: y\n",
+                "line 2 column 1: a key appears twice in one map",
+            ),
+            (
+                "domain: d\ndomain: SECRET\n",
+                "line 2 column 1: a key appears twice in one map",
+            ),
+            ("domain: !!binary SECRET\n", "line 1 column 18: "),
+            (
+                "domain: 1e999 # SECRET\n",
+                "line 1 column 9: error checking config",
+            ),
+            ("key: 'SECRET\n", "line 1 column 6: unclosed quote"),
+            // A file that is not YAML for rules at all, read as one long scalar.
+            (
+                "password=SECRET 0123456789abcdef\n",
+                "cannot unmarshal `passwor...` into the file (expected a map)",
+            ),
+            (
+                "domain: {domain: SECRET}\n",
+                "cannot unmarshal !!map into domain",
+            ),
+            (
+                "domain: d\ndescriptors:\n  - key: a\n    metadata: x-SECRET-SECRET\n",
+                "error parsing metadata: expected a map, found `x-SECRE...`",
+            ),
+        ];
+        for (text, want) in cases {
+            let err = parse_file(text).unwrap_err();
+            assert!(err.contains(want), "{text:?}: {err}");
+            assert!(!err.contains("SECRET"), "{text:?}: {err}");
+            assert!(!err.contains('\n'), "one line: {err}");
+        }
     }
 }

@@ -93,51 +93,6 @@ fn check_config_reports_ok_or_the_first_error() {
     assert_eq!(out.status.code(), Some(0));
 }
 
-/// A rules file of `n` descriptors, each with a value and a limit: 11 YAML nodes apiece.
-fn big_rules(n: usize) -> String {
-    let mut text = String::from("domain: big\ndescriptors:\n");
-    for i in 0..n {
-        text.push_str(&format!(
-            "  - key: user\n    value: u{i}\n    rate_limit: {{unit: minute, requests_per_unit: 10}}\n"
-        ));
-    }
-    text
-}
-
-#[test]
-fn a_big_rules_file_loads_within_the_default_yaml_budget_and_the_bound_is_a_setting() {
-    // 30 000 descriptors are some 330 000 YAML nodes: over the parser's own default of 250 000, well
-    // within rules.max_yaml_nodes (1 000 000).
-    let dir = tempfile::tempdir().unwrap();
-    std::fs::write(dir.path().join("big.yaml"), big_rules(30_000)).unwrap();
-    let out = ratelimitd(&["check-config", "."], &[], dir.path())
-        .output()
-        .unwrap();
-    assert_eq!(
-        String::from_utf8_lossy(&out.stdout),
-        "all rate limit configs ok\n"
-    );
-    assert_eq!(out.status.code(), Some(0));
-
-    // Past the bound, the file is refused with its name and the setting to raise.
-    let out = ratelimitd(
-        &["check-config", "."],
-        &[("RATELIMITD_RULES__MAX_YAML_NODES", "300000")],
-        dir.path(),
-    )
-    .output()
-    .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert_eq!(out.status.code(), Some(1), "{text}");
-    assert!(
-        text.starts_with(
-            "error loading rate limit configs: big.yaml: error loading config file: yaml: line "
-        ) && text.contains("the file has more than 300000 YAML nodes")
-            && text.contains("raise rules.max_yaml_nodes"),
-        "{text}"
-    );
-}
-
 #[test]
 fn a_wrong_setting_exits_64_naming_it() {
     let dir = tempfile::tempdir().unwrap();

@@ -94,6 +94,24 @@ fn check_config_reports_ok_or_the_first_error() {
 }
 
 #[test]
+fn check_config_refuses_a_window_longer_than_ten_years_naming_the_rule() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("web.yaml"),
+        "domain: web\ndescriptors:\n  - key: user\n    value: forever\n    rate_limit: {unit: year, requests_per_unit: 1, unit_multiplier: 4294967295, algorithm: token_bucket}\n",
+    )
+    .unwrap();
+    let out = ratelimitd(&["check-config", "."], &[], dir.path())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "error loading rate limit configs: web.yaml: rule 'web.user_forever': rate_limit.unit_multiplier: a window of 4294967295 x YEAR (135446088615120000 seconds) is longer than the longest a limit may have, 10 years (315360000 seconds)\n"
+    );
+}
+
+#[test]
 fn a_wrong_setting_exits_64_naming_it() {
     let dir = tempfile::tempdir().unwrap();
     for (name, value) in [

@@ -266,6 +266,14 @@ pub const CIDR_PREFIX: &str = "cidr:";
 /// Largest `requests_per_unit` of a sliding log: it keeps one entry per counted request, up to this many.
 pub const SLIDING_LOG_MAX_LIMIT: u32 = 100_000;
 
+/// Longest window a limit may have (`unit` x `unit_multiplier`), and longest a token bucket or GCRA may
+/// take to refill a full burst: ten years of 365 days, in seconds. Every time the algorithms and the Redis
+/// script derive from a limit then stays far inside what they count with: milliseconds in a `u64`,
+/// microseconds since the epoch in a Lua double (exact below 2^53, some 285 years), and the TTLs Redis
+/// accepts from EXPIRE and PEXPIRE. Without a bound, `unit_multiplier` overflowed the window, and Redis
+/// refused an expiry after the script had already counted, leaving a key without a TTL.
+pub const MAX_WINDOW_SECS: u64 = 10 * 365 * 86_400;
+
 impl RuleSet {
     /// Builds the rule set from parsed files, in the order given, counting with fixed windows unless a
     /// rule says otherwise. Errors are prefixed with the file name.
@@ -553,6 +561,9 @@ fn compile_limit(
     } else if unit.is_none() {
         return Err(format!("invalid rate limit unit '{}'", spec.unit));
     }
+    if let (Some(unit), false) = (unit, spec.unlimited) {
+        check_window(rule, field, unit, unit_multiplier, algorithm, spec)?;
+    }
     let name = (!spec.name.is_empty()).then(|| Arc::<str>::from(spec.name.as_str()));
     let mut replaces = Vec::with_capacity(spec.replaces.len());
     for r in &spec.replaces {
@@ -574,6 +585,38 @@ fn compile_limit(
         name,
         replaces: replaces.into(),
     })
+}
+
+/// Refuses a limit whose window, or whose time to refill a full burst, is longer than [`MAX_WINDOW_SECS`].
+fn check_window(
+    rule: &str,
+    field: &str,
+    unit: Unit,
+    unit_multiplier: u32,
+    algorithm: Algorithm,
+    spec: &super::yaml::RateLimitSpec,
+) -> Result<(), String> {
+    let window_secs = u128::from(unit.seconds()) * u128::from(unit_multiplier);
+    if window_secs > u128::from(MAX_WINDOW_SECS) {
+        return Err(format!(
+            "rule '{rule}': {field}.unit_multiplier: a window of {unit_multiplier} x {unit} ({window_secs} seconds) is longer than the longest a limit may have, 10 years ({MAX_WINDOW_SECS} seconds)"
+        ));
+    }
+    if algorithm.uses_burst() {
+        let burst = u128::from(
+            spec.burst
+                .unwrap_or_else(|| u64::from(spec.requests_per_unit)),
+        );
+        // A bucket refills `requests_per_unit` per window (one per window when that is 0, as the
+        // algorithms count it for expiry).
+        let per_window = u128::from(spec.requests_per_unit.max(1));
+        if window_secs * burst > u128::from(MAX_WINDOW_SECS) * per_window {
+            return Err(format!(
+                "rule '{rule}': {field}.burst: refilling a burst of {burst} at {per_window} per {window_secs} seconds takes longer than the longest a limit may take to reset, 10 years ({MAX_WINDOW_SECS} seconds); lower burst or the window, or raise requests_per_unit"
+            ));
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -673,6 +716,52 @@ mod tests {
             "domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: hour, burst: -1}\n",
         );
         assert!(err.contains("burst"), "{err}");
+    }
+
+    #[test]
+    fn windows_and_refill_times_are_bounded_at_ten_years() {
+        let limit = |body: &str| {
+            format!("domain: d\ndescriptors:\n  - key: a\n    rate_limit: {{{body}}}\n")
+        };
+        for ok in [
+            "unit: year, unit_multiplier: 10, requests_per_unit: 1",
+            "unit: day, unit_multiplier: 3650, requests_per_unit: 1, algorithm: sliding_window",
+            "unit: second, unit_multiplier: 315360000, requests_per_unit: 1, algorithm: gcra",
+            "unit: second, requests_per_unit: 10, algorithm: token_bucket, burst: 3153600000",
+            "unit_multiplier: 4294967295, unlimited: true",
+        ] {
+            let text = limit(ok);
+            assert!(build(&[("f", &text)], false).is_ok(), "{ok}");
+        }
+        let cases = [
+            (
+                "unit: year, unit_multiplier: 11, requests_per_unit: 1",
+                "f: rule 'd.a': rate_limit.unit_multiplier: a window of 11 x YEAR (346896000 seconds) is longer than the longest a limit may have, 10 years (315360000 seconds)",
+            ),
+            (
+                "unit: year, unit_multiplier: 4294967295, requests_per_unit: 1, algorithm: sliding_log",
+                "f: rule 'd.a': rate_limit.unit_multiplier: a window of 4294967295 x YEAR (135446088615120000 seconds) is longer than the longest a limit may have, 10 years (315360000 seconds)",
+            ),
+            (
+                "unit: second, unit_multiplier: 315360001, requests_per_unit: 1",
+                "f: rule 'd.a': rate_limit.unit_multiplier: a window of 315360001 x SECOND (315360001 seconds) is longer than the longest a limit may have, 10 years (315360000 seconds)",
+            ),
+            (
+                "unit: year, requests_per_unit: 1, algorithm: gcra, burst: 4294967295",
+                "f: rule 'd.a': rate_limit.burst: refilling a burst of 4294967295 at 1 per 31536000 seconds takes longer than the longest a limit may take to reset, 10 years (315360000 seconds); lower burst or the window, or raise requests_per_unit",
+            ),
+            (
+                "unit: day, requests_per_unit: 0, algorithm: token_bucket, burst: 3651",
+                "f: rule 'd.a': rate_limit.burst: refilling a burst of 3651 at 1 per 86400 seconds takes longer than the longest a limit may take to reset, 10 years (315360000 seconds); lower burst or the window, or raise requests_per_unit",
+            ),
+        ];
+        for (body, want) in cases {
+            assert_eq!(
+                build(&[("f", &limit(body))], false).unwrap_err(),
+                want,
+                "{body}"
+            );
+        }
     }
 
     #[test]

@@ -338,3 +338,57 @@ async fn an_idle_service_loads_its_rules_once_even_when_they_are_read() {
         s.stop().await;
     }
 }
+
+#[test]
+fn a_link_to_a_file_outside_the_folder_is_refused_and_its_content_never_shown() {
+    const SECRET: &str = "TOP-SECRET-7f3a9c";
+    let outside = tempfile::tempdir().unwrap();
+    // A list item: the reference's own message for it would quote it in full.
+    let secret = outside.path().join("secret.yaml");
+    fs::write(&secret, format!("domain: x\ndescriptors:\n  - {SECRET}\n")).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    fs::write(dir.path().join("web.yaml"), V1).unwrap();
+    let running = common::start_binary(
+        common::binary(dir.path()).env("RATELIMITD_RULES__RELOAD_DELAY", "100ms"),
+    );
+    assert!(running.serving_within(Duration::from_secs(10)));
+
+    symlink(&secret, dir.path().join("leak.yaml")).unwrap();
+    let refused = "Error loading new configuration: leak.yaml: points outside the rules folder";
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !running.log.lock().unwrap().contains(refused) {
+        assert!(
+            Instant::now() < deadline,
+            "no refusal in the log:\n{}",
+            running.log.lock().unwrap()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let (_, rules) = common::http_request(running.http, "GET", "/rlconfig", "");
+    assert!(
+        rules.contains(&user_limit(1)) && !rules.contains("x."),
+        "the old rules keep serving:\n{rules}"
+    );
+
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_ratelimitd"))
+        .args(["check-config", dir.path().to_str().unwrap()])
+        .env_clear()
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "error loading rate limit configs: leak.yaml: points outside the rules folder\n"
+    );
+    let log = running.log.lock().unwrap().clone();
+    for text in [
+        &log,
+        &String::from_utf8_lossy(&out.stdout).into_owned(),
+        &String::from_utf8_lossy(&out.stderr).into_owned(),
+    ] {
+        assert!(
+            !text.contains(SECRET),
+            "the linked file's content shows:\n{text}"
+        );
+    }
+}

@@ -4,6 +4,13 @@
 //! `config.basic.yaml`), as the reference service names them in error messages. Symlinked files are
 //! read; symlinked folders are not entered (a Kubernetes ConfigMap mount shows its files twice otherwise:
 //! once through the `..data` link and once in the hidden timestamped folder, which `ignore_dotfiles` skips).
+//!
+//! Only what lies inside the rules folder is ever read. The root is resolved once (it may itself be a
+//! symlink swapped whole, as `RUNTIME_ROOT` is) and walked through its real path, so one load sees one
+//! version of it; a file or folder that is a symlink must resolve inside that real root (a ConfigMap's
+//! `web.yaml -> ..data/web.yaml -> ..2026_.../web.yaml` does). One that resolves elsewhere is refused as
+//! `<file>: points outside the rules folder`, before anything is read from it: a link to a secret cannot
+//! make its content appear in an error message or a log line.
 
 use std::{
     fs,
@@ -30,27 +37,45 @@ pub struct Loaded {
     pub fingerprint: u64,
 }
 
+/// What the walk found under one dotted name.
+#[derive(Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum Found {
+    /// A rules file, at its real path inside the root.
+    File(PathBuf),
+    /// A symlink (to a file or a folder) that resolves outside the root.
+    Outside,
+}
+
 /// Loads every rules file of the source. A missing root folder is an empty rule set.
 pub fn load(source: &RulesSource) -> Result<Loaded, LoadError> {
     let mut found = Vec::new();
-    if source.root.is_dir() {
-        walk(
-            &source.root,
-            &source.root,
-            source.ignore_dotfiles,
-            &mut found,
-        )
-        .map_err(|e| LoadError(format!("{}: {e}", source.root.display())))?;
+    // The root's real path, resolved once: a swap of the root during the load does not mix versions.
+    if let Ok(root) = fs::canonicalize(&source.root) {
+        if root.is_dir() {
+            walk(&root, &root, source.ignore_dotfiles, &mut found)
+                .map_err(|e| LoadError(format!("{}: {e}", source.root.display())))?;
+        }
     }
     found.sort();
     let mut parsed = Vec::with_capacity(found.len());
     let mut digest = Sha256::new();
-    for (name, path) in found {
+    for (name, what) in found {
         if let Some(prefix) = &source.key_prefix {
-            if !name.starts_with(prefix.as_str()) {
+            // A link to a folder is named like the folder: `config` would hold the files `config.*`.
+            let selected = name.starts_with(prefix.as_str())
+                || (what == Found::Outside && prefix.starts_with(&format!("{name}.")));
+            if !selected {
                 continue;
             }
         }
+        let path = match what {
+            Found::File(path) => path,
+            Found::Outside => {
+                return Err(LoadError(format!(
+                    "{name}: points outside the rules folder"
+                )))
+            }
+        };
         let text =
             fs::read(&path).map_err(|e| LoadError(format!("{name}: cannot read file: {e}")))?;
         let text = String::from_utf8(text)
@@ -75,12 +100,22 @@ pub fn load(source: &RulesSource) -> Result<Loaded, LoadError> {
     })
 }
 
+/// Collects the files under `dir` by dotted name. `root` is a real path (no symlinks), so every path
+/// built under it is real too, except at the symlinks themselves, which are resolved here.
 fn walk(
     root: &Path,
     dir: &Path,
     ignore_dotfiles: bool,
-    out: &mut Vec<(String, PathBuf)>,
+    out: &mut Vec<(String, Found)>,
 ) -> std::io::Result<()> {
+    let dotted = |path: &Path| {
+        let relative = path.strip_prefix(root).unwrap_or(path);
+        relative
+            .components()
+            .map(|c| c.as_os_str().to_string_lossy())
+            .collect::<Vec<_>>()
+            .join(".")
+    };
     for entry in fs::read_dir(dir)? {
         let entry = entry?;
         let name = entry.file_name();
@@ -91,14 +126,19 @@ fn walk(
         let file_type = entry.file_type()?;
         if file_type.is_dir() {
             walk(root, &path, ignore_dotfiles, out)?;
-        } else if file_type.is_file() || (file_type.is_symlink() && path.is_file()) {
-            let relative = path.strip_prefix(root).unwrap_or(&path);
-            let key = relative
-                .components()
-                .map(|c| c.as_os_str().to_string_lossy())
-                .collect::<Vec<_>>()
-                .join(".");
-            out.push((key, path));
+        } else if file_type.is_file() {
+            out.push((dotted(&path), Found::File(path)));
+        } else if file_type.is_symlink() {
+            // A dangling link is skipped, as before; one that cannot be resolved is nothing to read.
+            let Ok(target) = fs::canonicalize(&path) else {
+                continue;
+            };
+            if !target.starts_with(root) {
+                out.push((dotted(&path), Found::Outside));
+            } else if target.is_file() {
+                out.push((dotted(&path), Found::File(target)));
+            }
+            // A link to a folder inside the root is not entered: its files are walked where they are.
         }
     }
     Ok(())
@@ -169,6 +209,82 @@ mod tests {
         // Without ignoring dotfiles the hidden copy is loaded too: a duplicate domain, as in the reference.
         let err = load(&source(dir.path(), None, false)).unwrap_err();
         assert!(err.0.contains("duplicate domain 'one'"), "{}", err.0);
+    }
+
+    /// A folder outside the rules folder holding a file with a recognisable secret, which no message
+    /// may ever repeat: YAML-wise a list item the reference's messages would quote in full.
+    #[cfg(unix)]
+    fn outside_secret() -> (tempfile::TempDir, PathBuf) {
+        let outside = tempfile::tempdir().unwrap();
+        let secret = outside.path().join("secret.yaml");
+        fs::write(&secret, "domain: x\ndescriptors:\n  - TOP-SECRET-42\n").unwrap();
+        (outside, secret)
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn links_resolving_outside_the_folder_are_refused_before_anything_is_read() {
+        use std::os::unix::fs::symlink;
+        let (outside, secret) = outside_secret();
+        let cases: [(&str, PathBuf, &str); 4] = [
+            ("leak.yaml", secret.clone(), "leak.yaml"),
+            (
+                "up.yaml",
+                PathBuf::from("../")
+                    .join(outside.path().file_name().unwrap())
+                    .join("secret.yaml"),
+                "up.yaml",
+            ),
+            ("shared", outside.path().to_owned(), "shared"),
+            ("nested/deep.yaml", secret.clone(), "nested.deep.yaml"),
+        ];
+        for (link, target, name) in cases {
+            let dir = tempfile::tempdir_in(outside.path().parent().unwrap()).unwrap();
+            fs::write(dir.path().join("one.yaml"), ONE).unwrap();
+            let link = dir.path().join(link);
+            fs::create_dir_all(link.parent().unwrap()).unwrap();
+            symlink(&target, &link).unwrap();
+            let err = load(&source(dir.path(), None, false)).unwrap_err();
+            assert_eq!(err.0, format!("{name}: points outside the rules folder"));
+            assert!(!err.0.contains("SECRET"));
+        }
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn links_inside_the_folder_and_a_symlinked_root_load() {
+        use std::os::unix::fs::symlink;
+        let dir = tempfile::tempdir().unwrap();
+        let v1 = dir.path().join("v1");
+        fs::create_dir_all(v1.join("config/.versions")).unwrap();
+        fs::write(v1.join("config/.versions/one.yaml"), ONE).unwrap();
+        symlink(".versions/one.yaml", v1.join("config/one.yaml")).unwrap();
+        // A link to a folder inside the root is not entered, wherever it points there.
+        symlink(".versions", v1.join("config/current")).unwrap();
+        symlink("v1", dir.path().join("current")).unwrap();
+        let loaded = load(&source(&dir.path().join("current"), Some("config."), true)).unwrap();
+        assert_eq!(loaded.files, vec!["config.one.yaml"]);
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn with_the_reference_layout_only_links_under_the_app_directory_matter() {
+        use std::os::unix::fs::symlink;
+        let (outside, secret) = outside_secret();
+        let dir = tempfile::tempdir().unwrap();
+        fs::create_dir(dir.path().join("config")).unwrap();
+        fs::write(dir.path().join("config/one.yaml"), ONE).unwrap();
+        // Not under `config.`: never read, so never refused either.
+        symlink(&secret, dir.path().join("elsewhere.yaml")).unwrap();
+        assert!(load(&source(dir.path(), Some("config."), false)).is_ok());
+        symlink(&secret, dir.path().join("config/leak.yaml")).unwrap();
+        let err = load(&source(dir.path(), Some("config."), false)).unwrap_err();
+        assert_eq!(err.0, "config.leak.yaml: points outside the rules folder");
+        // The app directory itself linked outside the root.
+        fs::remove_dir_all(dir.path().join("config")).unwrap();
+        symlink(outside.path(), dir.path().join("config")).unwrap();
+        let err = load(&source(dir.path(), Some("config."), false)).unwrap_err();
+        assert_eq!(err.0, "config: points outside the rules folder");
     }
 
     #[test]

@@ -752,6 +752,10 @@ pub struct RequestLimits {
     pub max_value_bytes: usize,
     /// Largest encoded gRPC request, in bytes (default 65 536); the `/json` body may be four times that.
     pub max_message_bytes: usize,
+    /// Honour a descriptor's `limit` override (default true, as the reference service does). False refuses
+    /// a request carrying one with INVALID_ARGUMENT: for callers that reach ratelimitd directly rather
+    /// than through Envoy, who must not choose their own limit.
+    pub allow_overrides: bool,
 }
 
 impl Default for RequestLimits {
@@ -762,6 +766,7 @@ impl Default for RequestLimits {
             max_key_bytes: 1024,
             max_value_bytes: 1024,
             max_message_bytes: 64 * 1024,
+            allow_overrides: true,
         }
     }
 }

@@ -334,6 +334,52 @@ async fn request_overrides_apply_to_known_domains_and_reject_unknown_units() {
 }
 
 #[tokio::test]
+async fn overrides_are_refused_when_request_limits_allow_overrides_is_false() {
+    let s = TestServer::start(&[("web.yaml", RULES)], |s| {
+        s.request_limits.allow_overrides = false;
+    })
+    .await;
+    let mut c = s.client().await;
+    let refused = "descriptor 1: rate limit overrides are refused here (request_limits.allow_overrides is false)";
+    let d = with_override(
+        descriptor(&[("user", "mallory")]),
+        1_000_000,
+        RateLimitUnit::Second as i32,
+    );
+    let err = c
+        .should_rate_limit(request("web", vec![descriptor(&[("user", "a")]), d]))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Status::InvalidArgument);
+    assert_eq!(err.message(), refused);
+
+    let (code, body) = s
+        .http(
+            "POST",
+            "/json",
+            r#"{"domain":"web","descriptors":[{"entries":[{"key":"user","value":"a"}]},{"entries":[{"key":"user","value":"mallory"}],"limit":{"requestsPerUnit":1000000,"unit":"SECOND"}}]}"#,
+        )
+        .await;
+    assert_eq!((code, body.trim()), (400, refused));
+
+    // Without an override the same descriptors are decided by the rules.
+    let resp = c
+        .should_rate_limit(request("web", vec![descriptor(&[("user", "mallory")])]))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        resp.statuses[0]
+            .current_limit
+            .as_ref()
+            .unwrap()
+            .requests_per_unit,
+        2
+    );
+    s.stop().await;
+}
+
+#[tokio::test]
 async fn response_headers_when_enabled() {
     let s = TestServer::start(&[("web.yaml", RULES)], |s| {
         s.response_headers = ratelimitd::settings::ResponseHeaders::Envoy;

@@ -154,6 +154,8 @@ pub enum LimitError {
     },
     #[error("descriptor {index}: rate limit override has unit UNKNOWN; use SECOND, MINUTE, HOUR, DAY, WEEK, MONTH or YEAR")]
     UnknownOverrideUnit { index: usize },
+    #[error("descriptor {index}: rate limit overrides are refused here (request_limits.allow_overrides is false)")]
+    OverrideRefused { index: usize },
     #[error("{0}")]
     Store(#[from] StoreError),
     #[error("overloaded: {max} requests already being decided (overload.max_in_flight)")]
@@ -171,6 +173,7 @@ impl LimitError {
                 | Self::NoDescriptors
                 | Self::TooLarge { .. }
                 | Self::UnknownOverrideUnit { .. }
+                | Self::OverrideRefused { .. }
         )
     }
 }
@@ -1046,6 +1049,9 @@ impl Limiter {
             &|| "the number of descriptors".into(),
         )?;
         for (i, d) in request.descriptors.iter().enumerate() {
+            if d.limit.is_some() && !limits.allow_overrides {
+                return Err(LimitError::OverrideRefused { index: i });
+            }
             check(
                 d.entries.len(),
                 limits.max_entries,

@@ -222,6 +222,35 @@ async fn extreme_costs_are_denied_without_changing_anything(c: Case<'_>) {
     );
 }
 
+/// A token bucket that never refills (`requests_per_unit: 0`) admits its burst once, and stays spent:
+/// its state is kept, not forgotten a moment after it is written.
+async fn a_bucket_that_never_refills_stays_spent(store: &Store) {
+    let check = Check {
+        key: "never:bucket_".into(),
+        params: Params {
+            algorithm: Algorithm::TokenBucket,
+            limit: 0,
+            window_ms: 1000,
+            burst: 2,
+        },
+        cost: 1,
+        role: Role::Enforce,
+        per_second: false,
+    };
+    let batch = Batch {
+        checks: vec![check],
+        ..Batch::default()
+    };
+    let deadline = || Deadline::within(Duration::from_secs(5));
+    for _ in 0..2 {
+        let a = store.apply(&batch, now_ms(), deadline()).await.unwrap();
+        assert!(!a.denied, "the burst fits");
+    }
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let a = store.apply(&batch, now_ms(), deadline()).await.unwrap();
+    assert!(a.denied, "a bucket that never refills stays spent");
+}
+
 /// Every algorithm at once: a 1-second limit of 1 is spent, denied with a wait of at most a second or
 /// two, and free again two windows later.
 async fn spent_limits_come_back_with_time(store: &Store) {
@@ -291,6 +320,7 @@ async fn run_table(store: &Store) {
         extreme_costs_are_denied_without_changing_anything,
     );
     spent_limits_come_back_with_time(store).await;
+    a_bucket_that_never_refills_stays_spent(store).await;
 }
 
 /// Random sequences of requests (keys, costs, roles, consume_on_deny) get the same answers from both

@@ -293,8 +293,9 @@ if consume then
         end
         redis.call('PEXPIRE', c.key, c.w)
       elseif c.alg == 3 then
-        local full_in = 1
-        if c.limit > 0 then full_in = ceil0((c.burst - s.tokens) / (c.limit / c.w)) + 1 end
+        -- Until the bucket is full again (as the memory store keeps it): one that never refills
+        -- (requests_per_unit 0) keeps its state for burst x window, not for a moment.
+        local full_in = ceil0((c.burst - s.tokens) * c.w / math.max(c.limit, 1)) + 1
         redis.call('HSET', c.key, 't', string.format('%.17g', s.tokens), 'l', s.last)
         redis.call('PEXPIRE', c.key, full_in)
       else

@@ -12,7 +12,7 @@ use axum::{
     Router,
 };
 
-use super::{health::Health, json};
+use super::{health::Health, json, to_http_status};
 use crate::{
     limiter::{Code, Limiter},
     telemetry::Metrics,
@@ -107,7 +107,8 @@ async fn healthcheck(State(state): State<AppState>) -> Response {
 }
 
 /// A protobuf-JSON `RateLimitRequest` in, the response out: 200 for OK, 429 for OVER_LIMIT, 400 for a
-/// request that cannot be read or decided.
+/// request that cannot be read or decided as sent, 503 when the service cannot decide
+/// ([`to_http_status`]).
 async fn decide_json(State(state): State<AppState>, body: Bytes) -> Response {
     let request = match json::parse_request(&body) {
         Ok(r) => r,
@@ -125,7 +126,13 @@ async fn decide_json(State(state): State<AppState>, body: Bytes) -> Response {
             let body = json::render_response(&response).to_string();
             (status, [(header::CONTENT_TYPE, "application/json")], body).into_response()
         }
-        Err(err) => (StatusCode::BAD_REQUEST, format!("{err}\n")).into_response(),
+        Err(err) => {
+            let (status, reason) = to_http_status(&err);
+            if status.is_server_error() {
+                tracing::debug!(error = %err, "/json not decided");
+            }
+            (status, format!("{reason}\n")).into_response()
+        }
     }
 }
 

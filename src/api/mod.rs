@@ -8,9 +8,10 @@ pub mod http;
 mod json;
 pub mod tls;
 
+use axum::http::StatusCode;
 use tonic::{Code as GrpcCode, Status};
 
-use crate::limiter::LimitError;
+use crate::{limiter::LimitError, store::StoreError};
 
 /// The one mapping from limiter errors to gRPC status codes: a bad request is INVALID_ARGUMENT,
 /// anything that keeps the service from deciding is UNAVAILABLE.
@@ -22,4 +23,19 @@ pub fn to_status(err: &LimitError) -> Status {
         _ => GrpcCode::Unavailable,
     };
     Status::new(code, err.to_string())
+}
+
+/// The same mapping for `/json`: 400 for a request that cannot be decided as sent, 503 whenever the
+/// service cannot decide (backend down or slow, breaker open, no rules loaded, overloaded), so that a
+/// caller retries elsewhere or applies its failure mode instead of "fixing" a valid request. The
+/// reason is short and ratelimitd's own: a backend's raw error text stays in the log.
+pub fn to_http_status(err: &LimitError) -> (StatusCode, String) {
+    if err.is_invalid_request() {
+        return (StatusCode::BAD_REQUEST, err.to_string());
+    }
+    let reason = match err {
+        LimitError::Store(StoreError::Backend(_)) => "rate limit backend unavailable".to_owned(),
+        err => err.to_string(),
+    };
+    (StatusCode::SERVICE_UNAVAILABLE, reason)
 }

@@ -11,10 +11,10 @@ use tokio_util::{sync::CancellationToken, task::TaskTracker};
 
 use crate::{
     api::{
-        conn::{Acceptor, ConnectionAge},
+        conn::{Acceptor, Bounds, ConnectionAge, TrackCallsLayer},
         grpc::RateLimitApi,
         health::Health,
-        http,
+        http, http1,
         tls::ReloadingTls,
     },
     clock::Clock,
@@ -264,13 +264,16 @@ pub async fn run_with_clock(
         "gRPC connections are closed gracefully at their age and cut after the grace"
     );
     let mut server = tonic::transport::Server::builder()
-        .max_concurrent_streams(settings.overload.max_streams_per_connection);
+        .max_concurrent_streams(settings.overload.max_streams_per_connection)
+        .http2_keepalive_interval(Some(settings.grpc.keepalive_interval))
+        .http2_keepalive_timeout(Some(settings.grpc.keepalive_timeout));
     // Only the age goes to tonic (GOAWAY at the age); the grace is the acceptor's cut-off, because
     // tonic's own grace would replace the GOAWAY with an abrupt close (see `api::conn`).
     if let Some(age) = age.close_after {
         server = server.max_connection_age(age);
     }
     let router = server
+        .layer(TrackCallsLayer)
         .layer(tower::util::MapResponseLayer::new(
             crate::api::grpc::refusals_are_invalid_argument,
         ))
@@ -282,8 +285,13 @@ pub async fn run_with_clock(
                 .into_server()
                 .max_decoding_message_size(settings.request_limits.max_message_bytes),
         );
-    let acceptor = Acceptor::new(listeners.grpc, settings.overload.max_connections)
-        .cut_off_after(age.cut_off_after);
+    let acceptor =
+        Acceptor::new(listeners.grpc, settings.overload.max_connections, "gRPC").bounds(Bounds {
+            handshake: Some(settings.grpc.handshake_timeout),
+            idle: Some(settings.grpc.idle_timeout),
+            stall: None,
+            cut_off: age.cut_off_after,
+        });
     let grpc = if settings.grpc_tls.enabled {
         let tls = Arc::new(
             ReloadingTls::load(&settings.grpc_tls)
@@ -304,25 +312,33 @@ pub async fn run_with_clock(
             stop_accepting.clone().cancelled_owned(),
         ))
     };
-    let http = axum::serve(
-        listeners.http,
-        http::router(limiter, health.clone(), metrics.clone()),
-    )
-    .with_graceful_shutdown(stop_accepting.clone().cancelled_owned());
+    // The HTTP listeners have places of their own, so that clients of the side port can never take the
+    // file descriptors that gRPC and health checks need.
+    let http_acceptor = |listener, what| {
+        Acceptor::new(listener, settings.http.max_connections, what).bounds(Bounds {
+            stall: Some(settings.http.idle_timeout),
+            ..Bounds::default()
+        })
+    };
+    let timeouts = http1::Timeouts {
+        header_read: settings.http.header_read_timeout,
+        request: settings.http.request_timeout,
+    };
     if let Some(listener) = listeners.prometheus {
-        let router = http::metrics_router(metrics.clone(), &settings.prometheus.path);
-        let stop = stop_accepting.clone();
-        tasks.spawn(async move {
-            let served = axum::serve(listener, router)
-                .with_graceful_shutdown(stop.cancelled_owned())
-                .await;
-            if let Err(err) = served {
-                tracing::error!("Prometheus listener failed: {err}");
-            }
-        });
+        tasks.spawn(http1::serve(
+            http_acceptor(listener, "Prometheus"),
+            http::metrics_router(metrics.clone(), &settings.prometheus.path),
+            timeouts,
+            stop_accepting.clone(),
+        ));
     }
     let mut grpc = grpc;
-    let mut http = tokio::spawn(async move { http.await });
+    let mut http = tokio::spawn(http1::serve(
+        http_acceptor(listeners.http, "HTTP"),
+        http::router(limiter, health.clone(), metrics.clone()),
+        timeouts,
+        stop_accepting.clone(),
+    ));
     if let (Some(g), Some(h)) = (grpc_addr, http_addr) {
         tracing::warn!("Listening for gRPC on '{g}', HTTP on '{h}'");
     }
@@ -330,7 +346,7 @@ pub async fn run_with_clock(
     let early = tokio::select! {
         _ = shutdown.cancelled() => None,
         r = &mut grpc => Some(("gRPC", r.map_err(|e| e.to_string()).and_then(|r| r.map_err(|e| e.to_string())))),
-        r = &mut http => Some(("HTTP", r.map_err(|e| e.to_string()).and_then(|r| r.map_err(|e| e.to_string())))),
+        r = &mut http => Some(("HTTP", r.map_err(|e| e.to_string()))),
     };
     health.shutting_down().await;
     if let Some((what, result)) = early {

@@ -55,7 +55,7 @@ pub struct Settings {
     /// The gRPC listener (Envoy RLS, health, reflection) and how long its connections live.
     pub grpc: GrpcSettings,
     /// The HTTP listener (`/healthcheck`, `/json`, `/rlconfig`). Env `HOST`, `PORT`; default 0.0.0.0:8080.
-    pub http: Listen,
+    pub http: HttpSettings,
     /// TLS and mTLS on the gRPC listener.
     pub grpc_tls: GrpcTlsSettings,
     /// Bounds that keep an overloaded or attacked replica answering quickly instead of queueing.
@@ -135,10 +135,7 @@ impl Default for Settings {
     fn default() -> Self {
         Self {
             grpc: GrpcSettings::default(),
-            http: Listen {
-                host: "0.0.0.0".into(),
-                port: 8080,
-            },
+            http: HttpSettings::default(),
             log: LogSettings::default(),
             rules: RulesSettings::default(),
             backend: None,
@@ -171,17 +168,49 @@ impl Default for Settings {
     }
 }
 
-/// A host and port to listen on.
+/// The HTTP listener, and the bounds that keep slow or idle clients from holding its connections (and
+/// the file descriptors that gRPC and health checks need). The separate Prometheus listener, when
+/// enabled, has the same bounds, with places of its own.
 #[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct Listen {
-    /// IP address to bind, e.g. `0.0.0.0` or `127.0.0.1`.
+#[serde(default, deny_unknown_fields)]
+pub struct HttpSettings {
+    /// IP address to bind, e.g. `0.0.0.0` or `127.0.0.1`. Env `HOST`; default `0.0.0.0`.
     pub host: String,
-    /// TCP port; 0 picks a free one.
+    /// TCP port; 0 picks a free one. Env `PORT`; default 8080.
     pub port: u16,
+    /// Open HTTP connections at most (default 256, well below the usual 1 024 file descriptors); beyond
+    /// it new connections wait in the kernel's backlog until one closes.
+    pub max_connections: usize,
+    /// The longest a client may take to send a request's headers (default `10s`), counted from the
+    /// moment the connection waits for them: from the accept, and after each answer on a keep-alive
+    /// connection, so it is also how long an idle keep-alive connection stays open. Then the connection
+    /// is closed.
+    #[serde(with = "humantime_serde_compat")]
+    pub header_read_timeout: Duration,
+    /// The longest one request may take from its headers to its answer, reading its body included
+    /// (default `10s`); then it is answered 408 and the connection closed.
+    #[serde(with = "humantime_serde_compat")]
+    pub request_timeout: Duration,
+    /// A connection that moves no byte either way for this long is closed (default `30s`): a stalled
+    /// upload, or a client that stops reading its answer.
+    #[serde(with = "humantime_serde_compat")]
+    pub idle_timeout: Duration,
 }
 
-impl Listen {
+impl Default for HttpSettings {
+    fn default() -> Self {
+        Self {
+            host: "0.0.0.0".into(),
+            port: 8080,
+            max_connections: 256,
+            header_read_timeout: Duration::from_secs(10),
+            request_timeout: Duration::from_secs(10),
+            idle_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+impl HttpSettings {
     /// The socket address to bind.
     pub fn addr(&self, name: &str) -> Result<SocketAddr, SettingsError> {
         socket_addr(&self.host, self.port, name)
@@ -215,6 +244,23 @@ pub struct GrpcSettings {
     /// closed whatever runs on it. `0s`: no bound. Env `GRPC_MAX_CONNECTION_AGE_GRACE`; default `1h`.
     #[serde(with = "humantime_serde_compat")]
     pub max_connection_age_grace: Duration,
+    /// A new connection must finish its TLS handshake (with TLS) and send the HTTP/2 client preface
+    /// within this long of its accept, or it is dropped (default `10s`): connections that say nothing
+    /// cannot keep `overload.max_connections` full.
+    #[serde(with = "humantime_serde_compat")]
+    pub handshake_timeout: Duration,
+    /// A connection on which no call has been in flight for this long is closed (default `5m`; grpc-go's
+    /// MaxConnectionIdle). Clients such as Envoy reconnect by themselves on their next call. The close
+    /// carries no GOAWAY: a call sent at the very moment of the close fails as on any lost connection.
+    #[serde(with = "humantime_serde_compat")]
+    pub idle_timeout: Duration,
+    /// After this long without a frame from the client, the server sends an HTTP/2 PING (default `1m`)...
+    #[serde(with = "humantime_serde_compat")]
+    pub keepalive_interval: Duration,
+    /// ...and closes the connection when the PING is not answered within this long (default `20s`): a
+    /// peer that vanished (host gone, network cut) frees its connection.
+    #[serde(with = "humantime_serde_compat")]
+    pub keepalive_timeout: Duration,
 }
 
 impl Default for GrpcSettings {
@@ -224,6 +270,10 @@ impl Default for GrpcSettings {
             port: 8081,
             max_connection_age: Duration::from_secs(24 * 3600),
             max_connection_age_grace: Duration::from_secs(3600),
+            handshake_timeout: Duration::from_secs(10),
+            idle_timeout: Duration::from_secs(300),
+            keepalive_interval: Duration::from_secs(60),
+            keepalive_timeout: Duration::from_secs(20),
         }
     }
 }
@@ -1324,12 +1374,30 @@ impl Settings {
                 return Err(SettingsError::invalid(name, value, "must be at least 1"));
             }
         }
-        if self.overload.deadline.is_zero() {
+        if self.http.max_connections == 0 {
             return Err(SettingsError::invalid(
-                "overload.deadline",
-                "0s",
-                "must be longer than zero",
+                "http.max_connections",
+                0,
+                "must be at least 1",
             ));
+        }
+        for (name, value) in [
+            ("overload.deadline", self.overload.deadline),
+            ("grpc.handshake_timeout", self.grpc.handshake_timeout),
+            ("grpc.idle_timeout", self.grpc.idle_timeout),
+            ("grpc.keepalive_interval", self.grpc.keepalive_interval),
+            ("grpc.keepalive_timeout", self.grpc.keepalive_timeout),
+            ("http.header_read_timeout", self.http.header_read_timeout),
+            ("http.request_timeout", self.http.request_timeout),
+            ("http.idle_timeout", self.http.idle_timeout),
+        ] {
+            if value.is_zero() {
+                return Err(SettingsError::invalid(
+                    name,
+                    "0s",
+                    "must be longer than zero",
+                ));
+            }
         }
         for (name, value) in [
             ("header_names.limit", &self.header_names.limit),
@@ -1708,6 +1776,106 @@ mod tests {
             err.contains("GRPC_MAX_CONNECTION_AGE") && err.contains("a day"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn listener_bounds_have_defaults_are_set_by_name_and_refuse_zero() {
+        let s = Settings::load(None, &env(&[])).unwrap();
+        assert_eq!(
+            (
+                s.grpc.handshake_timeout,
+                s.grpc.idle_timeout,
+                s.grpc.keepalive_interval,
+                s.grpc.keepalive_timeout
+            ),
+            (
+                Duration::from_secs(10),
+                Duration::from_secs(300),
+                Duration::from_secs(60),
+                Duration::from_secs(20)
+            )
+        );
+        assert_eq!(
+            (
+                s.http.max_connections,
+                s.http.header_read_timeout,
+                s.http.request_timeout,
+                s.http.idle_timeout
+            ),
+            (
+                256,
+                Duration::from_secs(10),
+                Duration::from_secs(10),
+                Duration::from_secs(30)
+            )
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("s.yaml");
+        std::fs::write(
+            &file,
+            "http:\n  max_connections: 64\n  header_read_timeout: 2s\ngrpc:\n  idle_timeout: 1m\n",
+        )
+        .unwrap();
+        let s = Settings::load(
+            Some(&file),
+            &env(&[
+                ("PORT", "9000"),
+                ("RATELIMITD_GRPC__HANDSHAKE_TIMEOUT", "3s"),
+            ]),
+        )
+        .unwrap();
+        assert_eq!(
+            (
+                s.http.port,
+                s.http.max_connections,
+                s.http.header_read_timeout
+            ),
+            (9000, 64, Duration::from_secs(2))
+        );
+        assert_eq!(s.http.host, "0.0.0.0", "unnamed fields keep their default");
+        assert_eq!(
+            (s.grpc.idle_timeout, s.grpc.handshake_timeout),
+            (Duration::from_secs(60), Duration::from_secs(3))
+        );
+        for (variable, name, zero) in [
+            (
+                "RATELIMITD_HTTP__MAX_CONNECTIONS",
+                "http.max_connections",
+                "0",
+            ),
+            (
+                "RATELIMITD_HTTP__HEADER_READ_TIMEOUT",
+                "http.header_read_timeout",
+                "0s",
+            ),
+            (
+                "RATELIMITD_HTTP__REQUEST_TIMEOUT",
+                "http.request_timeout",
+                "0s",
+            ),
+            ("RATELIMITD_HTTP__IDLE_TIMEOUT", "http.idle_timeout", "0s"),
+            (
+                "RATELIMITD_GRPC__HANDSHAKE_TIMEOUT",
+                "grpc.handshake_timeout",
+                "0s",
+            ),
+            ("RATELIMITD_GRPC__IDLE_TIMEOUT", "grpc.idle_timeout", "0s"),
+            (
+                "RATELIMITD_GRPC__KEEPALIVE_INTERVAL",
+                "grpc.keepalive_interval",
+                "0s",
+            ),
+            (
+                "RATELIMITD_GRPC__KEEPALIVE_TIMEOUT",
+                "grpc.keepalive_timeout",
+                "0s",
+            ),
+        ] {
+            let err = Settings::load(None, &env(&[(variable, zero)]))
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(name), "{variable}: {err}");
+        }
     }
 
     #[test]

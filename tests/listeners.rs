@@ -5,9 +5,9 @@
 
 mod common;
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use common::{redis::RedisProcess, TestServer};
+use common::{descriptor, redis::RedisProcess, request, TestServer};
 use ratelimitd::settings::{BackendKind, RedisTopology, Secret};
 
 const RULES: &str =
@@ -65,4 +65,357 @@ async fn json_answers_503_with_no_rules_loaded() {
     );
     assert_eq!(server.http("POST", "/json", "{not json").await.0, 400);
     server.stop().await;
+}
+
+/// Reads until the server closes the connection (end of stream or an error); when that was, or `None`
+/// if it was still open after `within`.
+async fn closed_within(stream: &mut tokio::net::TcpStream, within: Duration) -> Option<Instant> {
+    use tokio::io::AsyncReadExt;
+    let mut buf = [0u8; 1024];
+    tokio::time::timeout(within, async {
+        loop {
+            match stream.read(&mut buf).await {
+                Ok(0) | Err(_) => return Instant::now(),
+                Ok(_) => {}
+            }
+        }
+    })
+    .await
+    .ok()
+}
+
+fn grpc_client(
+    addr: std::net::SocketAddr,
+) -> ratelimitd::proto::RateLimitServiceClient<tonic::transport::Channel> {
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .connect_lazy();
+    ratelimitd::proto::RateLimitServiceClient::new(channel)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn silent_grpc_connections_are_dropped_at_the_handshake_bound_and_new_callers_get_in() {
+    let handshake = Duration::from_millis(500);
+    let server = TestServer::start(&[("l.yaml", RULES)], move |s| {
+        s.overload.max_connections = 20;
+        s.grpc.handshake_timeout = handshake;
+    })
+    .await;
+    // 25 connections that never say a word: 20 take every place, 5 wait in the backlog.
+    let opened = Instant::now();
+    let mut silent = Vec::new();
+    for _ in 0..25 {
+        silent.push(
+            tokio::net::TcpStream::connect(server.grpc_addr)
+                .await
+                .unwrap(),
+        );
+    }
+    let mut caller = grpc_client(server.grpc_addr);
+    let answered = tokio::time::timeout(
+        Duration::from_secs(10),
+        caller.should_rate_limit(request("l", vec![descriptor(&[("user", "c")])])),
+    )
+    .await
+    .expect("a new caller is served while silent connections are open");
+    let served_after = opened.elapsed();
+    assert!(answered.is_ok(), "{answered:?}");
+    // The caller waited for places to free up: the first 20 silent ones dropped at the bound.
+    assert!(
+        served_after >= handshake && served_after < handshake * 4,
+        "served after {served_after:?}"
+    );
+    // Every silent connection is dropped, each within the bound of its own accept (the last five were
+    // accepted once the first twenty were dropped), and none before it.
+    for (i, stream) in silent.iter_mut().enumerate() {
+        let closed = closed_within(stream, Duration::from_secs(5))
+            .await
+            .unwrap_or_else(|| panic!("silent connection {i} still open"));
+        let after = closed - opened;
+        assert!(
+            after >= handshake && after < handshake * 4,
+            "silent connection {i} closed after {after:?}"
+        );
+    }
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_grpc_connection_is_closed_and_its_client_reconnects_but_a_call_in_flight_keeps_it()
+{
+    let idle = Duration::from_millis(700);
+    let server = TestServer::start(&[("l.yaml", RULES)], move |s| {
+        // One place: a second client is served only once the first one's connection is closed.
+        s.overload.max_connections = 1;
+        s.grpc.idle_timeout = idle;
+    })
+    .await;
+    let ask = |user: &str| request("l", vec![descriptor(&[("user", user)])]);
+    let mut first = grpc_client(server.grpc_addr);
+    first.should_rate_limit(ask("a")).await.unwrap();
+    let idle_from = Instant::now();
+
+    let mut second = grpc_client(server.grpc_addr);
+    let answered =
+        tokio::time::timeout(Duration::from_secs(10), second.should_rate_limit(ask("b")))
+            .await
+            .expect("the idle connection is closed and frees its place");
+    assert!(answered.is_ok(), "{answered:?}");
+    let after = idle_from.elapsed();
+    assert!(
+        after >= idle * 9 / 10,
+        "served after {after:?}: before the idle bound"
+    );
+    // The first client's connection is gone; the same client opens a new one by itself (once the
+    // second client's connection idles out in turn). The close carries no GOAWAY: a call the client
+    // sends before it has read the close fails as on any lost connection (here, right after the
+    // close, that can happen), and the one after it goes over a new connection.
+    let again = tokio::time::timeout(Duration::from_secs(10), async {
+        match first.should_rate_limit(ask("a")).await {
+            Err(status) if status.code() == tonic::Code::Unknown => {
+                first.should_rate_limit(ask("a")).await
+            }
+            answered => answered,
+        }
+    })
+    .await
+    .expect("the first client reconnects");
+    assert!(again.is_ok(), "{again:?}");
+
+    // A call in flight (a health Watch stream, open until the client ends it) is not idleness.
+    use tonic_health::pb::{health_client::HealthClient, HealthCheckRequest};
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", server.grpc_addr))
+        .unwrap()
+        .connect_lazy();
+    let mut watch = tokio::time::timeout(
+        Duration::from_secs(10),
+        HealthClient::new(channel).watch(HealthCheckRequest {
+            service: String::new(),
+        }),
+    )
+    .await
+    .expect("a place for the watcher")
+    .unwrap()
+    .into_inner();
+    let first_status = watch.message().await.unwrap();
+    assert!(first_status.is_some());
+    let held = tokio::time::timeout(idle * 3, watch.message()).await;
+    assert!(
+        held.is_err(),
+        "the stream ended or failed within three idle bounds: {held:?}"
+    );
+    // An open stream would hold the drain until the grace period.
+    drop(watch);
+    server.stop().await;
+}
+
+/// Sends `bytes` one at a time, `every` apart, on a new connection to `addr`, and returns what the
+/// server answered and how long after the first byte it closed the connection (`None`: still open
+/// after `within`).
+async fn trickle(
+    addr: std::net::SocketAddr,
+    bytes: &[u8],
+    every: Duration,
+    within: Duration,
+) -> (String, Option<Duration>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let (mut read, mut write) = stream.into_split();
+    let bytes = bytes.to_vec();
+    let started = Instant::now();
+    let writer = tokio::spawn(async move {
+        for b in bytes {
+            if write.write_all(&[b]).await.is_err() {
+                return;
+            }
+            tokio::time::sleep(every).await;
+        }
+        // Everything sent: keep the connection open, saying nothing more.
+        std::future::pending::<()>().await;
+    });
+    let mut answer = Vec::new();
+    let closed = tokio::time::timeout(within, async {
+        let mut buf = [0u8; 1024];
+        loop {
+            match read.read(&mut buf).await {
+                Ok(0) | Err(_) => return started.elapsed(),
+                Ok(n) => answer.extend_from_slice(&buf[..n]),
+            }
+        }
+    })
+    .await
+    .ok();
+    writer.abort();
+    (String::from_utf8_lossy(&answer).into_owned(), closed)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http_client_sending_its_headers_a_byte_a_second_is_dropped_at_the_header_bound() {
+    let header_read = Duration::from_secs(2);
+    let server = TestServer::start(&[("l.yaml", RULES)], move |s| {
+        s.http.header_read_timeout = header_read;
+    })
+    .await;
+    let headers = format!(
+        "GET /healthcheck HTTP/1.1\r\nHost: l\r\nX-Slow: {}\r\n\r\n",
+        "a".repeat(60)
+    );
+    let (answer, closed) = trickle(
+        server.http_addr,
+        headers.as_bytes(),
+        Duration::from_secs(1),
+        Duration::from_secs(10),
+    )
+    .await;
+    let closed = closed.expect("dropped while still sending its headers");
+    assert!(
+        closed >= header_read && closed < header_read * 2,
+        "dropped after {closed:?}"
+    );
+    assert!(!answer.contains("200 OK"), "{answer}");
+    // The same bound ends a keep-alive connection that sends no further request after its answer.
+    let (answer, closed) = trickle(
+        server.http_addr,
+        b"GET /healthcheck HTTP/1.1\r\nHost: l\r\n\r\n",
+        Duration::ZERO,
+        Duration::from_secs(10),
+    )
+    .await;
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    let closed = closed.expect("an idle keep-alive connection is closed");
+    assert!(
+        closed >= header_read && closed < header_read * 2,
+        "idle keep-alive connection closed after {closed:?}"
+    );
+    // Nobody else noticed.
+    assert_eq!(
+        server.http("GET", "/healthcheck", "").await,
+        (200, "OK".into())
+    );
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http_request_whose_body_trickles_is_answered_408_at_the_request_bound() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let request_timeout = Duration::from_secs(2);
+    let server = TestServer::start(&[("l.yaml", RULES)], move |s| {
+        s.http.request_timeout = request_timeout;
+    })
+    .await;
+    let head = format!(
+        "POST /json HTTP/1.1\r\nHost: l\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+        ASK.len()
+    );
+    // The headers at once, then the body a byte a second: it would take over a minute.
+    let stream = tokio::net::TcpStream::connect(server.http_addr)
+        .await
+        .unwrap();
+    let (mut read, mut write) = stream.into_split();
+    write.write_all(head.as_bytes()).await.unwrap();
+    let started = Instant::now();
+    let writer = tokio::spawn(async move {
+        for b in ASK.bytes() {
+            if write.write_all(&[b]).await.is_err() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+    });
+    let mut answer = Vec::new();
+    let closed = tokio::time::timeout(Duration::from_secs(10), read.read_to_end(&mut answer))
+        .await
+        .ok()
+        .map(|_| started.elapsed());
+    writer.abort();
+    let answer = String::from_utf8_lossy(&answer);
+    let closed = closed.expect("answered and closed while the body still trickled");
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+    assert!(answer.contains("http.request_timeout"), "{answer}");
+    assert!(
+        closed >= request_timeout && closed < request_timeout * 2,
+        "answered and closed after {closed:?}"
+    );
+    // The whole request at once is answered as usual.
+    assert_eq!(server.http("POST", "/json", ASK).await.0, 200);
+    server.stop().await;
+}
+
+/// Where util-linux's `prlimit` is, to start the binary with a low file-descriptor limit.
+fn prlimit() -> String {
+    let out = std::process::Command::new("sh")
+        .args(["-c", "command -v prlimit"])
+        .output()
+        .expect("sh runs");
+    let path = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+    assert!(
+        !path.is_empty(),
+        "prlimit not found: install util-linux (scripts/test does)"
+    );
+    path
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_http_connections_cannot_use_up_the_descriptors_of_grpc_and_health() {
+    // 64 descriptors for the whole process (about 16 in use at rest), 16 of them at most for HTTP
+    // connections; 60 idle HTTP connections would take every descriptor left without the cap.
+    let rules = tempfile::tempdir().unwrap();
+    std::fs::write(rules.path().join("l.yaml"), RULES).unwrap();
+    let prlimit = prlimit();
+    let mut cmd = common::binary_under(&[&prlimit, "--nofile=64:64", "--"], rules.path());
+    cmd.env("RATELIMITD_HTTP__MAX_CONNECTIONS", "16")
+        .env("RATELIMITD_HTTP__HEADER_READ_TIMEOUT", "1s");
+    let running = common::start_binary(&mut cmd);
+    assert!(running.serving_within(Duration::from_secs(10)));
+
+    let opened = Instant::now();
+    let mut idle = Vec::new();
+    for _ in 0..60 {
+        idle.push(tokio::net::TcpStream::connect(running.http).await.unwrap());
+    }
+    // gRPC is served at once meanwhile.
+    let mut caller = grpc_client(running.grpc);
+    for user in ["a", "b", "c"] {
+        let asked = Instant::now();
+        let answered = tokio::time::timeout(
+            Duration::from_secs(2),
+            caller.should_rate_limit(request("l", vec![descriptor(&[("user", user)])])),
+        )
+        .await
+        .expect("gRPC answers while the HTTP port is full");
+        assert!(answered.is_ok(), "{answered:?}");
+        assert!(asked.elapsed() < Duration::from_secs(1));
+    }
+    // A new health check waits behind the idle connections, which leave 16 at a time as their header
+    // bound passes (about 4 s for 60), and is then answered.
+    let health = tokio::time::timeout(Duration::from_secs(20), async {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut stream = tokio::net::TcpStream::connect(running.http).await.unwrap();
+        stream
+            .write_all(b"GET /healthcheck HTTP/1.1\r\nHost: l\r\nConnection: close\r\n\r\n")
+            .await
+            .unwrap();
+        let mut answer = String::new();
+        let _ = stream.read_to_string(&mut answer).await;
+        answer
+    })
+    .await
+    .expect("health answered once the idle connections timed out");
+    assert!(health.starts_with("HTTP/1.1 200"), "{health}");
+    let waited = opened.elapsed();
+    assert!(
+        waited >= Duration::from_secs(3),
+        "answered after {waited:?}"
+    );
+    // Every idle connection was closed by the server.
+    for (i, stream) in idle.iter_mut().enumerate() {
+        assert!(
+            closed_within(stream, Duration::from_secs(5))
+                .await
+                .is_some(),
+            "idle connection {i} still open"
+        );
+    }
+    let log = running.log.lock().unwrap().clone();
+    assert!(!log.contains("panicked"), "{log}");
 }

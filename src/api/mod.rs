@@ -5,6 +5,7 @@ pub mod conn;
 pub mod grpc;
 pub mod health;
 pub mod http;
+pub mod http1;
 mod json;
 pub mod tls;
 

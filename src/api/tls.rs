@@ -1,11 +1,13 @@
 //! TLS on the gRPC listener: server certificates, optional client certificates (mTLS) with an optional
 //! required SAN, all read from files and reloaded when the files change, without a restart.
 //!
-//! Connections are accepted on the TCP listener and their handshakes run in tasks of their own, bounded in
-//! time, so a slow or hostile client cannot hold up the others; finished handshakes are handed to the gRPC
-//! server as a stream. Every handshake uses the configuration current at that moment: a rotated
-//! certificate (a Kubernetes Secret update, cert-manager) applies to new connections as soon as it is
-//! read, while open connections keep the one they started with.
+//! Connections are accepted on the TCP listener and their handshakes run in tasks of their own, so a slow
+//! or hostile client cannot hold up the others; finished handshakes are handed to the gRPC server as a
+//! stream. A handshake must end by the connection's handshake deadline (`grpc.handshake_timeout` from
+//! the accept, see `api::conn`), which then also bounds the HTTP/2 preface that follows it. Every
+//! handshake uses the configuration current at that moment: a rotated certificate (a Kubernetes Secret
+//! update, cert-manager) applies to new connections as soon as it is read, while open connections keep
+//! the one they started with.
 
 use std::{
     sync::Arc,
@@ -34,8 +36,6 @@ pub enum TlsError {
     Config(String),
 }
 
-/// How long a client may take to complete its handshake.
-const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// How often the certificate files are checked for changes.
 const RELOAD_CHECK: Duration = Duration::from_secs(2);
 
@@ -92,7 +92,7 @@ impl ReloadingTls {
         acceptor: Acceptor,
         stop: CancellationToken,
         failures: Arc<std::sync::atomic::AtomicU64>,
-    ) -> ReceiverStream<std::io::Result<TlsStream<Counted<TcpStream>>>> {
+    ) -> ReceiverStream<std::io::Result<Counted<TlsStream<TcpStream>>>> {
         let (tx, rx) = tokio::sync::mpsc::channel(128);
         let tls = self.clone();
         let reload_stop = stop.clone();
@@ -116,23 +116,26 @@ impl ReloadingTls {
             }
         });
         tokio::spawn(async move {
-            while let Some(conn) = acceptor.accept(&stop).await {
+            while let Some((tcp, place)) = acceptor.accept(&stop).await {
                 let tls_acceptor = self.acceptor();
                 let required_san = self.settings.client_san.clone();
                 let tx = tx.clone();
                 let failures = failures.clone();
                 tokio::spawn(async move {
-                    let handshake =
-                        tokio::time::timeout(HANDSHAKE_TIMEOUT, tls_acceptor.accept(conn)).await;
+                    let handshake = tls_acceptor.accept(tcp);
+                    let handshake = match place.handshake_deadline() {
+                        Some(deadline) => tokio::time::timeout_at(deadline, handshake).await,
+                        None => Ok(handshake.await),
+                    };
                     let refused = match handshake {
-                        Err(_) => Some("handshake timed out".to_owned()),
+                        Err(_) => Some("handshake timed out (grpc.handshake_timeout)".to_owned()),
                         Ok(Err(err)) => Some(err.to_string()),
                         Ok(Ok(stream)) => match required_san.as_deref() {
                             Some(san) if !client_has_san(&stream, san) => {
                                 Some(format!("client certificate has no DNS SAN {san:?}"))
                             }
                             _ => {
-                                let _ = tx.send(Ok(stream)).await;
+                                let _ = tx.send(Ok(place.connection(stream))).await;
                                 None
                             }
                         },

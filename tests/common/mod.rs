@@ -223,7 +223,21 @@ pub fn request(domain: &str, descriptors: Vec<RateLimitDescriptor>) -> RateLimit
 /// The ratelimitd binary with a clean environment, loopback listeners on free ports and the rules in
 /// `rules`; add what a test needs, then [`start_binary`].
 pub fn binary(rules: &std::path::Path) -> Command {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_ratelimitd"));
+    binary_under(&[], rules)
+}
+
+/// [`binary`] started by a wrapper command that runs it as its last argument (e.g.
+/// `["/usr/bin/prlimit", "--nofile=64:64", "--"]`); an empty wrapper starts the binary itself.
+pub fn binary_under(wrapper: &[&str], rules: &std::path::Path) -> Command {
+    let bin = env!("CARGO_BIN_EXE_ratelimitd");
+    let mut cmd = match wrapper.split_first() {
+        Some((program, args)) => {
+            let mut cmd = Command::new(program);
+            cmd.args(args).arg(bin);
+            cmd
+        }
+        None => Command::new(bin),
+    };
     cmd.env_clear()
         .env("GRPC_HOST", "127.0.0.1")
         .env("GRPC_PORT", "0")

@@ -292,6 +292,9 @@ pub async fn run_with_clock(
             stall: None,
             cut_off: age.cut_off_after,
         });
+    // Cancelled once the gRPC listening socket is closed: the drain's GOAWAY waits for it, so that
+    // clients reconnecting after it are refused at connect rather than reset in the backlog.
+    let grpc_closed = CancellationToken::new();
     let grpc = if settings.grpc_tls.enabled {
         let tls = Arc::new(
             ReloadingTls::load(&settings.grpc_tls)
@@ -302,14 +305,17 @@ pub async fn run_with_clock(
             "gRPC connections refused during the TLS handshake (bad or missing client certificate, timeout).",
             Vec::new(),
         );
-        let incoming = tls.incoming(acceptor, stop_accepting.clone(), failures);
-        tokio::spawn(
-            router.serve_with_incoming_shutdown(incoming, stop_accepting.clone().cancelled_owned()),
-        )
+        let incoming = tls.incoming(
+            acceptor,
+            stop_accepting.clone(),
+            grpc_closed.clone(),
+            failures,
+        );
+        tokio::spawn(router.serve_with_incoming_shutdown(incoming, grpc_closed.cancelled_owned()))
     } else {
         tokio::spawn(router.serve_with_incoming_shutdown(
-            acceptor.plaintext(stop_accepting.clone()),
-            stop_accepting.clone().cancelled_owned(),
+            acceptor.plaintext(stop_accepting.clone(), grpc_closed.clone()),
+            grpc_closed.cancelled_owned(),
         ))
     };
     // The HTTP listeners have places of their own, so that clients of the side port can never take the

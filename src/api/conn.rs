@@ -552,20 +552,51 @@ impl Acceptor {
         }
     }
 
-    /// Plaintext connections as a stream for the gRPC server.
+    /// Plaintext connections as a stream for the gRPC server, until `stop`; `closed` is cancelled once
+    /// the listening socket is closed (see [`Acceptor::close_then`]).
     pub fn plaintext(
         self,
         stop: CancellationToken,
+        closed: CancellationToken,
     ) -> ReceiverStream<std::io::Result<Counted<TcpStream>>> {
         let (tx, rx) = tokio::sync::mpsc::channel(128);
         tokio::spawn(async move {
-            while let Some((io, place)) = self.accept(&stop).await {
+            let acceptor = self.close_then(closed);
+            while let Some((io, place)) = acceptor.accept(&stop).await {
                 if tx.send(Ok(place.connection(io))).await.is_err() {
                     return;
                 }
             }
         });
         ReceiverStream::new(rx)
+    }
+}
+
+/// An [`Acceptor`] that cancels a token once it is dropped, that is once its listening socket is
+/// closed. The gRPC server's graceful shutdown (GOAWAY) waits for it: a client that reconnects at once
+/// after the GOAWAY is then refused at connect (and tries another replica) instead of landing in a
+/// backlog that is about to be reset.
+#[derive(Debug)]
+pub struct Closing {
+    acceptor: Acceptor,
+    _closed: tokio_util::sync::DropGuard,
+}
+
+impl std::ops::Deref for Closing {
+    type Target = Acceptor;
+
+    fn deref(&self) -> &Acceptor {
+        &self.acceptor
+    }
+}
+
+impl Acceptor {
+    /// This acceptor, cancelling `closed` once dropped.
+    pub fn close_then(self, closed: CancellationToken) -> Closing {
+        Closing {
+            acceptor: self,
+            _closed: closed.drop_guard(),
+        }
     }
 }
 

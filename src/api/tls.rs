@@ -86,11 +86,13 @@ impl ReloadingTls {
     }
 
     /// Accepts connections from `acceptor` and yields those whose handshake succeeds (and whose client
-    /// certificate carries the required SAN, when one is set), until `stop`. Also reloads the files.
+    /// certificate carries the required SAN, when one is set), until `stop`; `closed` is cancelled once
+    /// the listening socket is closed. Also reloads the files.
     pub fn incoming(
         self: Arc<Self>,
         acceptor: Acceptor,
         stop: CancellationToken,
+        closed: CancellationToken,
         failures: Arc<std::sync::atomic::AtomicU64>,
     ) -> ReceiverStream<std::io::Result<Counted<TlsStream<TcpStream>>>> {
         let (tx, rx) = tokio::sync::mpsc::channel(128);
@@ -116,6 +118,7 @@ impl ReloadingTls {
             }
         });
         tokio::spawn(async move {
+            let acceptor = acceptor.close_then(closed);
             while let Some((tcp, place)) = acceptor.accept(&stop).await {
                 let tls_acceptor = self.acceptor();
                 let required_san = self.settings.client_san.clone();

@@ -78,6 +78,35 @@ fn check_config(settings: &Settings, dir: PathBuf) -> ExitCode {
     }
 }
 
+/// Raises the soft limit on open files to the hard one: every connection costs a file descriptor, and
+/// the usual soft default (1 024) is far below what the connection bounds allow. Says so when even the
+/// hard limit is below them: when descriptors run out, new connections wait (see SECURITY.md).
+fn raise_open_files_limit(settings: &Settings) {
+    let limit = match rlimit::increase_nofile_limit(u64::MAX) {
+        Ok(limit) => limit,
+        Err(err) => {
+            tracing::warn!("cannot raise the open files limit (RLIMIT_NOFILE): {err}");
+            return;
+        }
+    };
+    // Room for Redis connections, the rules watcher, logs and the runtime itself.
+    const OWN: usize = 64;
+    let http = settings.http.max_connections * if settings.prometheus.enabled { 2 } else { 1 };
+    let wanted = settings
+        .overload
+        .max_connections
+        .saturating_add(http)
+        .saturating_add(OWN);
+    if limit < wanted as u64 {
+        tracing::warn!(
+            limit,
+            "the open files limit (RLIMIT_NOFILE) is below overload.max_connections plus http.max_connections plus {OWN}: past it new connections wait until descriptors free up"
+        );
+    } else {
+        tracing::info!(limit, "open files limit (RLIMIT_NOFILE)");
+    }
+}
+
 fn serve(settings: Settings) -> ExitCode {
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -101,6 +130,7 @@ fn serve(settings: Settings) -> ExitCode {
         for warning in &settings.warnings {
             tracing::warn!("{warning}");
         }
+        raise_open_files_limit(&settings);
         let listeners = match server::Listeners::bind(&settings).await {
             Ok(l) => l,
             Err(err) => {

@@ -419,3 +419,22 @@ async fn idle_http_connections_cannot_use_up_the_descriptors_of_grpc_and_health(
     let log = running.log.lock().unwrap().clone();
     assert!(!log.contains("panicked"), "{log}");
 }
+
+#[test]
+fn the_soft_open_files_limit_is_raised_to_the_hard_one_at_start() {
+    let rules = tempfile::tempdir().unwrap();
+    std::fs::write(rules.path().join("l.yaml"), RULES).unwrap();
+    let prlimit = prlimit();
+    let mut cmd = common::binary_under(&[&prlimit, "--nofile=256:4096", "--"], rules.path());
+    let running = common::start_binary(&mut cmd);
+    let limits = std::fs::read_to_string(format!("/proc/{}/limits", running.child.id())).unwrap();
+    let open_files = limits
+        .lines()
+        .find(|l| l.starts_with("Max open files"))
+        .unwrap_or_default();
+    let numbers: Vec<&str> = open_files.split_whitespace().skip(3).take(2).collect();
+    assert_eq!(numbers, ["4096", "4096"], "{open_files}");
+    // 4 096 is below the default overload.max_connections: the log says what that means.
+    let log = running.log.lock().unwrap().clone();
+    assert!(log.contains("RLIMIT_NOFILE"), "{log}");
+}

@@ -166,6 +166,72 @@ async fn grpc_tls_answers_clients_that_trust_the_server_and_refuses_plaintext() 
     );
 }
 
+/// Reads until the server closes the connection; how long after `since` that was, or `None` if it was
+/// still open after `within`.
+async fn closed_after(
+    io: &mut (impl tokio::io::AsyncRead + Unpin),
+    since: Instant,
+    within: Duration,
+) -> Option<Duration> {
+    use tokio::io::AsyncReadExt;
+    let mut buf = [0u8; 1024];
+    tokio::time::timeout(within, async {
+        while let Ok(1..) = io.read(&mut buf).await {}
+        since.elapsed()
+    })
+    .await
+    .ok()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_silent_before_or_after_its_tls_handshake_is_dropped_at_the_handshake_bound() {
+    let (rules, certs) = (rules_dir(), tempfile::tempdir().unwrap());
+    let ca = Ca::new("server ca");
+    server_files(certs.path(), &ca);
+    let bound = Duration::from_secs(1);
+    let running = start_tls(
+        rules.path(),
+        certs.path(),
+        &[("RATELIMITD_GRPC__HANDSHAKE_TIMEOUT", "1s")],
+    );
+
+    // A connection that never starts its TLS handshake.
+    let opened = Instant::now();
+    let mut silent = tokio::net::TcpStream::connect(running.grpc).await.unwrap();
+    let closed = closed_after(&mut silent, opened, Duration::from_secs(5))
+        .await
+        .expect("dropped without a TLS handshake");
+    assert!(closed >= bound && closed < bound * 2, "after {closed:?}");
+
+    // A connection that completes its TLS handshake, then never sends the HTTP/2 preface: the same
+    // bound, counted from the accept, covers both.
+    let mut roots = rustls::RootCertStore::empty();
+    roots.add(ca.cert.der().clone()).unwrap();
+    let mut config = rustls::ClientConfig::builder_with_provider(
+        rustls::crypto::ring::default_provider().into(),
+    )
+    .with_safe_default_protocol_versions()
+    .unwrap()
+    .with_root_certificates(roots)
+    .with_no_client_auth();
+    config.alpn_protocols = vec![b"h2".to_vec()];
+    let connector = tokio_rustls::TlsConnector::from(std::sync::Arc::new(config));
+    let opened = Instant::now();
+    let tcp = tokio::net::TcpStream::connect(running.grpc).await.unwrap();
+    let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
+    let mut tls = connector
+        .connect(name, tcp)
+        .await
+        .expect("the TLS handshake itself succeeds");
+    let closed = closed_after(&mut tls, opened, Duration::from_secs(5))
+        .await
+        .expect("dropped without an HTTP/2 preface after the handshake");
+    assert!(closed >= bound && closed < bound * 2, "after {closed:?}");
+
+    // Clients that speak are served as before.
+    assert_eq!(call_tls(&running, &ca.pem(), None, "s").await, Ok(Code::Ok));
+}
+
 #[tokio::test]
 async fn mtls_admits_only_client_certificates_from_the_ca_with_the_required_san() {
     let (rules, certs) = (rules_dir(), tempfile::tempdir().unwrap());

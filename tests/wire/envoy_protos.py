@@ -75,6 +75,10 @@ def checks(stub):
         )
 
     def counting_and_status_fields():
+        # The limit is a fixed window aligned to the minute: start well inside one, so the three calls share it.
+        left = 60 - time.time() % 60
+        if left < 5:
+            time.sleep(left + 0.1)
         r = ask(descriptor(("user", "a")))
         assert r.overall_code == Response.OK, r
         s = r.statuses[0]

@@ -4,6 +4,8 @@
 mod loader;
 mod matcher;
 mod model;
+mod pattern;
+mod unit;
 mod watcher;
 mod yaml;
 
@@ -12,8 +14,10 @@ use std::sync::Arc;
 use arc_swap::ArcSwapOption;
 
 pub use loader::{load, LoadError, Loaded};
-pub use matcher::{Cidr, EntryRef, Wildcard};
-pub use model::{Domain, Level, Limit, Node, RuleSet, Unit};
+pub use matcher::EntryRef;
+pub use model::{Domain, Level, Limit, Node, RuleSet};
+pub use pattern::{Cidr, Wildcard};
+pub use unit::Unit;
 pub use watcher::{reload, OnLoaded, ReloadStats, RulesWatch};
 pub use yaml::{parse_file, parse_file_within, DomainFile};
 

@@ -4,98 +4,14 @@
 //! (units, unlimited, replaces, duplicates, share_threshold) with its messages. A `RuleSet` is immutable;
 //! a reload builds a new one and swaps it in whole.
 
-use std::{collections::HashMap, fmt, sync::Arc};
+use std::{collections::HashMap, sync::Arc};
 
 use super::{
-    matcher::{Cidr, Wildcard},
-    yaml::{DescriptorSpec, DomainFile},
+    pattern::{Cidr, Wildcard, CIDR_PREFIX},
+    unit::Unit,
+    yaml::{DescriptorSpec, DomainFile, RateLimitSpec},
 };
 use crate::algorithm::{Algorithm, Params};
-
-/// Length of a rate limit window. Months are 30 days and years 365 days, as in the reference service;
-/// windows are aligned to the Unix epoch.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Unit {
-    Second,
-    Minute,
-    Hour,
-    Day,
-    Week,
-    Month,
-    Year,
-}
-
-impl Unit {
-    /// Parses a unit name in any case (`second`, `MINUTE`, ...).
-    pub fn from_name(name: &str) -> Option<Unit> {
-        Some(match name.to_ascii_uppercase().as_str() {
-            "SECOND" => Unit::Second,
-            "MINUTE" => Unit::Minute,
-            "HOUR" => Unit::Hour,
-            "DAY" => Unit::Day,
-            "WEEK" => Unit::Week,
-            "MONTH" => Unit::Month,
-            "YEAR" => Unit::Year,
-            _ => return None,
-        })
-    }
-
-    /// The wire number of the unit (the same in the request and response enums; WEEK is 7).
-    pub fn from_wire(n: i32) -> Option<Unit> {
-        Some(match n {
-            1 => Unit::Second,
-            2 => Unit::Minute,
-            3 => Unit::Hour,
-            4 => Unit::Day,
-            5 => Unit::Month,
-            6 => Unit::Year,
-            7 => Unit::Week,
-            _ => return None,
-        })
-    }
-
-    pub fn to_wire(self) -> i32 {
-        match self {
-            Unit::Second => 1,
-            Unit::Minute => 2,
-            Unit::Hour => 3,
-            Unit::Day => 4,
-            Unit::Month => 5,
-            Unit::Year => 6,
-            Unit::Week => 7,
-        }
-    }
-
-    pub fn name(self) -> &'static str {
-        match self {
-            Unit::Second => "SECOND",
-            Unit::Minute => "MINUTE",
-            Unit::Hour => "HOUR",
-            Unit::Day => "DAY",
-            Unit::Week => "WEEK",
-            Unit::Month => "MONTH",
-            Unit::Year => "YEAR",
-        }
-    }
-
-    pub fn seconds(self) -> u64 {
-        match self {
-            Unit::Second => 1,
-            Unit::Minute => 60,
-            Unit::Hour => 3_600,
-            Unit::Day => 86_400,
-            Unit::Week => 604_800,
-            Unit::Month => 2_592_000,
-            Unit::Year => 31_536_000,
-        }
-    }
-}
-
-impl fmt::Display for Unit {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
 
 /// A limit of a rule (`rate_limit`, or an entry of `rate_limits`).
 #[derive(Debug, Clone, PartialEq)]
@@ -259,9 +175,6 @@ impl Node {
         self.limits.first()
     }
 }
-
-/// Rule values starting with this are networks matched against client addresses.
-pub const CIDR_PREFIX: &str = "cidr:";
 
 /// Largest `requests_per_unit` of a sliding log: it keeps one entry per counted request, up to this many.
 pub const SLIDING_LOG_MAX_LIMIT: u32 = 100_000;
@@ -520,12 +433,12 @@ fn add_level(
 }
 
 fn compile_limit(
-    spec: &super::yaml::RateLimitSpec,
+    spec: &RateLimitSpec,
     rule: &str,
     field: &str,
     default_algorithm: Algorithm,
 ) -> Result<Limit, String> {
-    let unit = spec.parsed_unit();
+    let unit = Unit::from_name(&spec.unit);
     let algorithm = if spec.algorithm.is_empty() {
         default_algorithm
     } else {
@@ -594,7 +507,7 @@ fn check_window(
     unit: Unit,
     unit_multiplier: u32,
     algorithm: Algorithm,
-    spec: &super::yaml::RateLimitSpec,
+    spec: &RateLimitSpec,
 ) -> Result<(), String> {
     let window_secs = u128::from(unit.seconds()) * u128::from(unit_multiplier);
     if window_secs > u128::from(MAX_WINDOW_SECS) {

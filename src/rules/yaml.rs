@@ -8,7 +8,6 @@ use std::fmt;
 
 use serde::de::{Deserialize, Deserializer, MapAccess, SeqAccess, Visitor};
 
-use super::model::Unit;
 use crate::settings::DEFAULT_MAX_YAML_NODES;
 
 /// Every key name accepted anywhere in a rules file (one flat set, as the reference checks it).
@@ -185,13 +184,6 @@ pub struct RateLimitSpec {
     pub burst: Option<u64>,
     /// Written as an integer; `None` when absent.
     pub unit_multiplier: Option<i64>,
-}
-
-impl RateLimitSpec {
-    /// The unit, when it names one.
-    pub fn parsed_unit(&self) -> Option<Unit> {
-        Unit::from_name(&self.unit)
-    }
 }
 
 /// Most YAML events aliases (`*name`) may replay in one file, whatever `rules.max_yaml_nodes` allows: an
@@ -536,7 +528,7 @@ mod tests {
         assert_eq!(f.descriptors.len(), 2);
         assert_eq!(f.descriptors[0].value, "8080");
         let rl = f.descriptors[0].rate_limit.as_ref().unwrap();
-        assert_eq!(rl.parsed_unit(), Some(Unit::Minute));
+        assert_eq!(rl.unit, "Minute");
         assert_eq!((rl.requests_per_unit, rl.name.as_str()), (5, "n"));
         assert!(f.descriptors[1].descriptors[0].shadow_mode);
     }

@@ -1,10 +1,12 @@
 //! The rules: the reference YAML format, validated and compiled into an immutable [`RuleSet`] that
 //! requests are matched against. The current set lives in [`Rules`] and is swapped whole.
 
+mod compile;
 mod loader;
 mod matcher;
 mod model;
 mod pattern;
+mod rlconfig;
 mod unit;
 mod watcher;
 mod yaml;
@@ -15,7 +17,7 @@ use arc_swap::ArcSwapOption;
 
 pub use loader::{load, LoadError, Loaded};
 pub use matcher::EntryRef;
-pub use model::{Domain, Level, Limit, Node, RuleSet};
+pub use model::{Domain, KeyNodes, Level, Limit, Node, RuleSet};
 pub use pattern::{Cidr, Wildcard};
 pub use unit::Unit;
 pub use watcher::{reload, OnLoaded, ReloadStats, RulesWatch};

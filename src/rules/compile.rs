@@ -1,0 +1,613 @@
+//! Compiling validated rules files into a [`RuleSet`].
+//!
+//! The reference service's semantic checks (units, unlimited, replaces, duplicates, share_threshold) are
+//! applied here with its messages, and ratelimitd's extensions (algorithms, burst, unit_multiplier,
+//! several limits per rule, CIDR values) with messages naming the file, the rule and the field. A file
+//! either compiles whole or the build fails with the first error.
+
+use std::sync::Arc;
+
+use super::{
+    model::{Level, Limit, Node, RuleSet},
+    pattern::{Cidr, Wildcard, CIDR_PREFIX},
+    unit::Unit,
+    yaml::{DescriptorSpec, DomainFile, RateLimitSpec},
+};
+use crate::algorithm::Algorithm;
+
+/// Largest `requests_per_unit` of a sliding log: it keeps one entry per counted request, up to this many.
+pub const SLIDING_LOG_MAX_LIMIT: u32 = 100_000;
+
+/// Longest window a limit may have (`unit` x `unit_multiplier`), and longest a token bucket or GCRA may
+/// take to refill a full burst: ten years of 365 days, in seconds. Every time the algorithms and the Redis
+/// script derive from a limit then stays far inside what they count with: milliseconds in a `u64`,
+/// microseconds since the epoch in a Lua double (exact below 2^53, some 285 years), and the TTLs Redis
+/// accepts from EXPIRE and PEXPIRE. Without a bound, `unit_multiplier` overflowed the window, and Redis
+/// refused an expiry after the script had already counted, leaving a key without a TTL.
+pub const MAX_WINDOW_SECS: u64 = 10 * 365 * 86_400;
+
+impl RuleSet {
+    /// Builds the rule set from parsed files, in the order given, counting with fixed windows unless a
+    /// rule says otherwise. Errors are prefixed with the file name.
+    pub fn build(files: &[(String, DomainFile)], merge_domains: bool) -> Result<RuleSet, String> {
+        Self::build_with(files, merge_domains, Algorithm::FixedWindow)
+    }
+
+    /// [`RuleSet::build`] with another default algorithm.
+    pub fn build_with(
+        files: &[(String, DomainFile)],
+        merge_domains: bool,
+        default_algorithm: Algorithm,
+    ) -> Result<RuleSet, String> {
+        let mut set = RuleSet::default();
+        for (file_name, file) in files {
+            set.add_file(file, merge_domains, default_algorithm)
+                .map_err(|e| format!("{file_name}: {e}"))?;
+        }
+        Ok(set)
+    }
+
+    fn add_file(
+        &mut self,
+        file: &DomainFile,
+        merge_domains: bool,
+        default_algorithm: Algorithm,
+    ) -> Result<(), String> {
+        if file.domain.is_empty() {
+            return Err("config file cannot have empty domain".into());
+        }
+        if self.domains.contains_key(&file.domain) && !merge_domains {
+            return Err(format!("duplicate domain '{}' in config file", file.domain));
+        }
+        let domain = self.domains.entry(file.domain.clone()).or_default();
+        add_level(
+            &mut domain.root,
+            &file.descriptors,
+            &file.domain,
+            &Ancestry::default(),
+            default_algorithm,
+        )
+    }
+}
+
+/// What a node inherits from the levels above it.
+#[derive(Default, Clone)]
+struct Ancestry {
+    shared: Vec<Option<Box<str>>>,
+    hashed: Vec<bool>,
+    to_metric: Vec<bool>,
+    path: Vec<(Box<str>, Box<str>)>,
+}
+
+/// How a node's written value meets a request's value, which decides where in its level it goes.
+enum ValueMatch {
+    /// No value: any value.
+    Any,
+    /// A plain value: exactly that value.
+    Exact,
+    /// `cidr:`: the addresses of a network.
+    Cidr(Cidr),
+    /// A value with `*`.
+    Wildcard,
+}
+
+impl ValueMatch {
+    fn of(spec: &DescriptorSpec, full_key: &str) -> Result<ValueMatch, String> {
+        if let Some(net) = spec.value.strip_prefix(CIDR_PREFIX) {
+            let cidr = Cidr::parse(net).map_err(|e| {
+                format!(
+                    "rule '{full_key}': value: malformed CIDR '{}': {e}",
+                    spec.value
+                )
+            })?;
+            return Ok(ValueMatch::Cidr(cidr));
+        }
+        Ok(if spec.value.is_empty() {
+            ValueMatch::Any
+        } else if spec.value.contains('*') {
+            ValueMatch::Wildcard
+        } else {
+            ValueMatch::Exact
+        })
+    }
+}
+
+/// Compiles the descriptors written at one depth under one parent (`parent_key` names it) into `level`,
+/// their children with them.
+fn add_level(
+    level: &mut Level,
+    specs: &[DescriptorSpec],
+    parent_key: &str,
+    ancestry: &Ancestry,
+    default_algorithm: Algorithm,
+) -> Result<(), String> {
+    for spec in specs {
+        if spec.key.is_empty() {
+            return Err("descriptor has empty key".into());
+        }
+        let composite = if spec.value.is_empty() {
+            spec.key.clone()
+        } else {
+            format!("{}_{}", spec.key, spec.value)
+        };
+        let full_key = format!("{parent_key}.{composite}");
+        if level.has_composite(&composite) {
+            return Err(format!("duplicate descriptor composite key '{full_key}'"));
+        }
+        let limits = compile_limits(spec, &full_key, default_algorithm)?;
+        let value_match = ValueMatch::of(spec, &full_key)?;
+        if spec.share_threshold && matches!(value_match, ValueMatch::Any | ValueMatch::Exact) {
+            return Err(format!(
+                "share_threshold can only be used with wildcard values (containing '*'), but found key '{composite}'"
+            ));
+        }
+        let below = ancestry.below(spec);
+        let mut node = new_node(spec, full_key, limits, &below);
+        add_level(
+            &mut node.children,
+            &spec.descriptors,
+            &node.full_key,
+            &below,
+            default_algorithm,
+        )?;
+        level.insert(spec, value_match, node);
+    }
+    Ok(())
+}
+
+impl Ancestry {
+    /// What the children of the node `spec` describes inherit.
+    fn below(&self, spec: &DescriptorSpec) -> Ancestry {
+        let mut below = self.clone();
+        below
+            .shared
+            .push(spec.share_threshold.then(|| spec.value.as_str().into()));
+        below.hashed.push(spec.hash_value);
+        below.to_metric.push(spec.value_to_metric);
+        below
+            .path
+            .push((spec.key.as_str().into(), spec.value.as_str().into()));
+        below
+    }
+}
+
+/// The node `spec` describes, without its children; `ancestry` includes the node's own level.
+fn new_node(
+    spec: &DescriptorSpec,
+    full_key: String,
+    limits: Vec<Limit>,
+    ancestry: &Ancestry,
+) -> Node {
+    let shared_values: Box<[Option<Box<str>>]> = if ancestry.shared.iter().any(Option::is_some) {
+        ancestry.shared.clone().into()
+    } else {
+        Box::new([])
+    };
+    let hashed_levels: Box<[bool]> = if ancestry.hashed.contains(&true) {
+        ancestry.hashed.clone().into()
+    } else {
+        Box::new([])
+    };
+    let metric_levels: Box<[bool]> = if ancestry.to_metric.contains(&true) {
+        ancestry.to_metric.clone().into()
+    } else {
+        Box::new([])
+    };
+    Node {
+        full_key: full_key.into(),
+        limits,
+        shadow_mode: spec.shadow_mode,
+        quota_mode: spec.quota_mode,
+        detailed_metric: spec.detailed_metric,
+        value_to_metric: spec.value_to_metric,
+        share_threshold: spec.share_threshold,
+        hash_value: spec.hash_value,
+        hashed_levels,
+        metric_levels,
+        path: ancestry.path.clone().into(),
+        metadata: spec.metadata.clone().map(Arc::new),
+        shared_values,
+        children: Level::default(),
+    }
+}
+
+impl Level {
+    /// Whether a node of this level already has the reference service's composite key (`key_value`, or
+    /// `key` without a value). The reference keys a level by that string, so `key: a_b` and
+    /// `key: a, value: b` are duplicates there; they stay duplicates here, with its message, although
+    /// matching tells them apart. Tries each `_` of the composite as the place key and value meet.
+    fn has_composite(&self, composite: &str) -> bool {
+        if self
+            .keys
+            .get(composite)
+            .is_some_and(|k| k.default.is_some())
+        {
+            return true;
+        }
+        composite
+            .char_indices()
+            .filter(|&(_, c)| c == '_')
+            .any(|(at, _)| {
+                let (key, value) = (&composite[..at], &composite[at + 1..]);
+                !value.is_empty()
+                    && self
+                        .keys
+                        .get(key)
+                        .is_some_and(|k| k.values.contains_key(value) || k.written(value).is_some())
+            })
+    }
+
+    /// Adds the node `spec` describes where its kind of value belongs: CIDRs longest prefix first,
+    /// wildcards in file order.
+    fn insert(&mut self, spec: &DescriptorSpec, value_match: ValueMatch, node: Node) {
+        let same_key = self.keys.entry(spec.key.as_str().into()).or_default();
+        match value_match {
+            ValueMatch::Cidr(cidr) => {
+                let at = same_key
+                    .cidrs
+                    .partition_point(|(c, _)| c.prefix() >= cidr.prefix());
+                same_key.cidrs.insert(at, (cidr, node));
+            }
+            ValueMatch::Wildcard => same_key.wildcards.push((Wildcard::new(&spec.value), node)),
+            ValueMatch::Any => same_key.default = Some(node),
+            ValueMatch::Exact => {
+                same_key.values.insert(spec.value.as_str().into(), node);
+            }
+        }
+    }
+}
+
+/// The limits of a rule: its `rate_limit` first, then its `rate_limits`.
+fn compile_limits(
+    spec: &DescriptorSpec,
+    full_key: &str,
+    default_algorithm: Algorithm,
+) -> Result<Vec<Limit>, String> {
+    let mut limits = Vec::with_capacity(1 + spec.rate_limits.len());
+    if let Some(rate_limit) = &spec.rate_limit {
+        limits.push(compile_limit(
+            rate_limit,
+            full_key,
+            "rate_limit",
+            default_algorithm,
+        )?);
+    }
+    for (i, rate_limit) in spec.rate_limits.iter().enumerate() {
+        let field = format!("rate_limits[{i}]");
+        let limit = compile_limit(rate_limit, full_key, &field, default_algorithm)?;
+        if limit.unlimited {
+            return Err(format!(
+                "rule '{full_key}': {field}: unlimited belongs in rate_limit, not in rate_limits"
+            ));
+        }
+        limits.push(limit);
+    }
+    Ok(limits)
+}
+
+fn compile_limit(
+    spec: &RateLimitSpec,
+    rule: &str,
+    field: &str,
+    default_algorithm: Algorithm,
+) -> Result<Limit, String> {
+    let unit = Unit::from_name(&spec.unit);
+    let algorithm = if spec.algorithm.is_empty() {
+        default_algorithm
+    } else {
+        Algorithm::from_name(&spec.algorithm).ok_or_else(|| {
+            format!(
+                "rule '{rule}': {field}.algorithm: unknown algorithm '{}'; use one of {}",
+                spec.algorithm,
+                Algorithm::NAMES.join(", ")
+            )
+        })?
+    };
+    if spec.burst.is_some() && !algorithm.uses_burst() {
+        return Err(format!(
+            "rule '{rule}': {field}.burst: burst means nothing for {}; it sets the capacity of token_bucket and gcra",
+            algorithm.name()
+        ));
+    }
+    let unit_multiplier = match spec.unit_multiplier {
+        None => 1,
+        Some(m) => u32::try_from(m).ok().filter(|m| *m >= 1).ok_or_else(|| {
+            format!("rule '{rule}': {field}.unit_multiplier: must be a whole number of at least 1, not {m}")
+        })?,
+    };
+    if algorithm == Algorithm::SlidingLog && spec.requests_per_unit > SLIDING_LOG_MAX_LIMIT {
+        return Err(format!(
+            "rule '{rule}': {field}.requests_per_unit: a sliding_log keeps one entry per counted request; use at most {SLIDING_LOG_MAX_LIMIT}, or sliding_window"
+        ));
+    }
+    if spec.unlimited {
+        if unit.is_some() {
+            return Err("should not specify rate limit unit when unlimited".into());
+        }
+    } else if unit.is_none() {
+        return Err(format!("invalid rate limit unit '{}'", spec.unit));
+    }
+    if let (Some(unit), false) = (unit, spec.unlimited) {
+        check_window(rule, field, unit, unit_multiplier, algorithm, spec)?;
+    }
+    let name = (!spec.name.is_empty()).then(|| Arc::<str>::from(spec.name.as_str()));
+    let mut replaces = Vec::with_capacity(spec.replaces.len());
+    for r in &spec.replaces {
+        if r.is_empty() {
+            return Err("should not have an empty replaces entry".into());
+        }
+        if name.as_deref() == Some(r.as_str()) {
+            return Err("replaces should not contain name of same descriptor".into());
+        }
+        replaces.push(Arc::<str>::from(r.as_str()));
+    }
+    Ok(Limit {
+        requests_per_unit: spec.requests_per_unit,
+        unit: unit.unwrap_or(Unit::Second),
+        unit_multiplier,
+        algorithm,
+        burst: spec.burst.unwrap_or(u64::from(spec.requests_per_unit)),
+        unlimited: spec.unlimited,
+        name,
+        replaces: replaces.into(),
+    })
+}
+
+/// Refuses a limit whose window, or whose time to refill a full burst, is longer than [`MAX_WINDOW_SECS`].
+fn check_window(
+    rule: &str,
+    field: &str,
+    unit: Unit,
+    unit_multiplier: u32,
+    algorithm: Algorithm,
+    spec: &RateLimitSpec,
+) -> Result<(), String> {
+    let window_secs = u128::from(unit.seconds()) * u128::from(unit_multiplier);
+    if window_secs > u128::from(MAX_WINDOW_SECS) {
+        return Err(format!(
+            "rule '{rule}': {field}.unit_multiplier: a window of {unit_multiplier} x {unit} ({window_secs} seconds) is longer than the longest a limit may have, 10 years ({MAX_WINDOW_SECS} seconds)"
+        ));
+    }
+    if algorithm.uses_burst() {
+        let burst = u128::from(
+            spec.burst
+                .unwrap_or_else(|| u64::from(spec.requests_per_unit)),
+        );
+        // A bucket refills `requests_per_unit` per window (one per window when that is 0, as the
+        // algorithms count it for expiry).
+        let per_window = u128::from(spec.requests_per_unit.max(1));
+        if window_secs * burst > u128::from(MAX_WINDOW_SECS) * per_window {
+            return Err(format!(
+                "rule '{rule}': {field}.burst: refilling a burst of {burst} at {per_window} per {window_secs} seconds takes longer than the longest a limit may take to reset, 10 years ({MAX_WINDOW_SECS} seconds); lower burst or the window, or raise requests_per_unit"
+            ));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{algorithm::Params, rules::yaml::parse_file};
+
+    fn build(files: &[(&str, &str)], merge: bool) -> Result<RuleSet, String> {
+        let parsed = files
+            .iter()
+            .map(|(name, text)| Ok((name.to_string(), parse_file(text)?)))
+            .collect::<Result<Vec<_>, String>>()
+            .map_err(|e| format!("{}: {e}", files[0].0))?;
+        RuleSet::build(&parsed, merge)
+    }
+
+    fn build_err(text: &str) -> String {
+        build(&[("config.f.yaml", text)], false).unwrap_err()
+    }
+
+    #[test]
+    fn every_semantic_error_uses_the_reference_message() {
+        let cases = [
+            ("descriptors: []\n", "config.f.yaml: config file cannot have empty domain"),
+            ("", "config.f.yaml: config file cannot have empty domain"),
+            ("domain: d\ndescriptors:\n  - value: v\n", "config.f.yaml: descriptor has empty key"),
+            (
+                "domain: d\ndescriptors:\n  - key: a\n    value: b\n  - key: a\n    value: b\n",
+                "config.f.yaml: duplicate descriptor composite key 'd.a_b'",
+            ),
+            (
+                "domain: d\ndescriptors:\n  - key: a_b\n  - key: a\n    value: b\n",
+                "config.f.yaml: duplicate descriptor composite key 'd.a_b'",
+            ),
+            (
+                "domain: d\ndescriptors:\n  - key: a\n    descriptors:\n      - key: s\n      - key: s\n",
+                "config.f.yaml: duplicate descriptor composite key 'd.a.s'",
+            ),
+            (
+                "domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: fortnight, requests_per_unit: 1}\n",
+                "config.f.yaml: invalid rate limit unit 'fortnight'",
+            ),
+            (
+                "domain: d\ndescriptors:\n  - key: a\n    rate_limit: {requests_per_unit: 1}\n",
+                "config.f.yaml: invalid rate limit unit ''",
+            ),
+            (
+                "domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: second, unlimited: true}\n",
+                "config.f.yaml: should not specify rate limit unit when unlimited",
+            ),
+            (
+                "domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: second, requests_per_unit: 1, replaces: [{name: ''}]}\n",
+                "config.f.yaml: should not have an empty replaces entry",
+            ),
+            (
+                "domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: second, requests_per_unit: 1, name: x, replaces: [{name: x}]}\n",
+                "config.f.yaml: replaces should not contain name of same descriptor",
+            ),
+            (
+                "domain: d\ndescriptors:\n  - key: a\n    value: b\n    share_threshold: true\n",
+                "config.f.yaml: share_threshold can only be used with wildcard values (containing '*'), but found key 'a_b'",
+            ),
+        ];
+        for (text, want) in cases {
+            assert_eq!(build_err(text), want, "{text}");
+        }
+    }
+
+    #[test]
+    fn extension_errors_name_the_file_the_rule_and_the_field() {
+        let cases = [
+            (
+                "domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: second, requests_per_unit: 1, algorithm: leaky}\n",
+                "config.f.yaml: rule 'd.a': rate_limit.algorithm: unknown algorithm 'leaky'; use one of fixed_window, sliding_window, sliding_log, token_bucket, gcra",
+            ),
+            (
+                "domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: second, requests_per_unit: 1, burst: 5}\n",
+                "config.f.yaml: rule 'd.a': rate_limit.burst: burst means nothing for fixed_window; it sets the capacity of token_bucket and gcra",
+            ),
+            (
+                "domain: d\ndescriptors:\n  - key: a\n    value: b\n    rate_limits:\n      - {unit: second, requests_per_unit: 1}\n      - {unit: day, requests_per_unit: 9, unit_multiplier: 0}\n",
+                "config.f.yaml: rule 'd.a_b': rate_limits[1].unit_multiplier: must be a whole number of at least 1, not 0",
+            ),
+            (
+                "domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: hour, requests_per_unit: 100001, algorithm: sliding_log}\n",
+                "config.f.yaml: rule 'd.a': rate_limit.requests_per_unit: a sliding_log keeps one entry per counted request; use at most 100000, or sliding_window",
+            ),
+            (
+                "domain: d\ndescriptors:\n  - key: a\n    rate_limits: [{unlimited: true}]\n",
+                "config.f.yaml: rule 'd.a': rate_limits[0]: unlimited belongs in rate_limit, not in rate_limits",
+            ),
+        ];
+        for (text, want) in cases {
+            assert_eq!(build_err(text), want, "{text}");
+        }
+        let err = build_err(
+            "domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: hour, burst: -1}\n",
+        );
+        assert!(err.contains("burst"), "{err}");
+    }
+
+    #[test]
+    fn windows_and_refill_times_are_bounded_at_ten_years() {
+        let limit = |body: &str| {
+            format!("domain: d\ndescriptors:\n  - key: a\n    rate_limit: {{{body}}}\n")
+        };
+        for ok in [
+            "unit: year, unit_multiplier: 10, requests_per_unit: 1",
+            "unit: day, unit_multiplier: 3650, requests_per_unit: 1, algorithm: sliding_window",
+            "unit: second, unit_multiplier: 315360000, requests_per_unit: 1, algorithm: gcra",
+            "unit: second, requests_per_unit: 10, algorithm: token_bucket, burst: 3153600000",
+            "unit_multiplier: 4294967295, unlimited: true",
+        ] {
+            let text = limit(ok);
+            assert!(build(&[("f", &text)], false).is_ok(), "{ok}");
+        }
+        let cases = [
+            (
+                "unit: year, unit_multiplier: 11, requests_per_unit: 1",
+                "f: rule 'd.a': rate_limit.unit_multiplier: a window of 11 x YEAR (346896000 seconds) is longer than the longest a limit may have, 10 years (315360000 seconds)",
+            ),
+            (
+                "unit: year, unit_multiplier: 4294967295, requests_per_unit: 1, algorithm: sliding_log",
+                "f: rule 'd.a': rate_limit.unit_multiplier: a window of 4294967295 x YEAR (135446088615120000 seconds) is longer than the longest a limit may have, 10 years (315360000 seconds)",
+            ),
+            (
+                "unit: second, unit_multiplier: 315360001, requests_per_unit: 1",
+                "f: rule 'd.a': rate_limit.unit_multiplier: a window of 315360001 x SECOND (315360001 seconds) is longer than the longest a limit may have, 10 years (315360000 seconds)",
+            ),
+            (
+                "unit: year, requests_per_unit: 1, algorithm: gcra, burst: 4294967295",
+                "f: rule 'd.a': rate_limit.burst: refilling a burst of 4294967295 at 1 per 31536000 seconds takes longer than the longest a limit may take to reset, 10 years (315360000 seconds); lower burst or the window, or raise requests_per_unit",
+            ),
+            (
+                "unit: day, requests_per_unit: 0, algorithm: token_bucket, burst: 3651",
+                "f: rule 'd.a': rate_limit.burst: refilling a burst of 3651 at 1 per 86400 seconds takes longer than the longest a limit may take to reset, 10 years (315360000 seconds); lower burst or the window, or raise requests_per_unit",
+            ),
+        ];
+        for (body, want) in cases {
+            assert_eq!(
+                build(&[("f", &limit(body))], false).unwrap_err(),
+                want,
+                "{body}"
+            );
+        }
+    }
+
+    #[test]
+    fn extensions_compile_into_limits() {
+        let set = build(
+            &[(
+                "f",
+                "domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: second, requests_per_unit: 10, algorithm: token_bucket, burst: 20}\n    rate_limits:\n      - {unit: minute, requests_per_unit: 100, unit_multiplier: 5, algorithm: sliding_window}\n",
+            )],
+            false,
+        )
+        .unwrap();
+        let limits = &set.domains["d"].root.node("a", "").unwrap().limits;
+        assert_eq!(limits.len(), 2);
+        assert_eq!(
+            limits[0].params(),
+            Params {
+                algorithm: Algorithm::TokenBucket,
+                limit: 10,
+                window_ms: 1000,
+                burst: 20
+            }
+        );
+        assert_eq!(limits[1].window_secs(), 300);
+        assert_eq!(limits[1].burst, 100, "burst defaults to the limit");
+        let gcra = RuleSet::build_with(
+            &[("f".into(), parse_file("domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: second, requests_per_unit: 1}\n").unwrap())],
+            false,
+            Algorithm::Gcra,
+        )
+        .unwrap();
+        assert_eq!(
+            gcra.domains["d"].root.node("a", "").unwrap().limits[0].algorithm,
+            Algorithm::Gcra,
+            "the default algorithm applies"
+        );
+    }
+
+    #[test]
+    fn duplicate_domains_are_refused_unless_merging() {
+        let a = ("config.a.yaml", "domain: d\ndescriptors:\n  - key: a\n");
+        let b = ("config.b.yaml", "domain: d\ndescriptors:\n  - key: b\n");
+        assert_eq!(
+            build(&[a, b], false).unwrap_err(),
+            "config.b.yaml: duplicate domain 'd' in config file"
+        );
+        let merged = build(&[a, b], true).unwrap();
+        let root = &merged.domains["d"].root;
+        assert!(root.node("a", "").is_some() && root.node("b", "").is_some());
+        let b_again = ("config.c.yaml", "domain: d\ndescriptors:\n  - key: a\n");
+        assert_eq!(
+            build(&[a, b_again], true).unwrap_err(),
+            "config.c.yaml: duplicate descriptor composite key 'd.a'"
+        );
+    }
+
+    #[test]
+    fn all_units_and_special_limits_compile() {
+        let set = build(
+            &[(
+                "f",
+                "domain: d\ndescriptors:\n  - {key: s, rate_limit: {unit: second, requests_per_unit: 1}}\n  - {key: w, rate_limit: {unit: WEEK, requests_per_unit: 1}}\n  - {key: m, rate_limit: {unit: month, requests_per_unit: 1}}\n  - {key: y, rate_limit: {unit: year, requests_per_unit: 1}}\n  - {key: u, rate_limit: {unlimited: true}}\n  - {key: z, rate_limit: {unit: hour, requests_per_unit: 0}}\n",
+            )],
+            false,
+        )
+        .unwrap();
+        let root = &set.domains["d"].root;
+        let unit = |k: &str| root.node(k, "").unwrap().limit().unwrap().unit.seconds();
+        assert_eq!(unit("s"), 1);
+        assert_eq!(unit("w"), 604_800);
+        assert_eq!(unit("m"), 2_592_000);
+        assert_eq!(unit("y"), 31_536_000);
+        assert!(root.node("u", "").unwrap().limit().unwrap().unlimited);
+        assert_eq!(
+            root.node("z", "")
+                .unwrap()
+                .limit()
+                .unwrap()
+                .requests_per_unit,
+            0
+        );
+    }
+}

@@ -23,7 +23,7 @@ use smallvec::{smallvec, SmallVec};
 use crate::{
     algorithm::{Algorithm, Params},
     clock::Clock,
-    rules::{EntryRef, Node, Rules, Unit},
+    rules::{EntryRef, Node, PathStep, Rules, Unit},
     settings::{HeaderNames, OnBackendError, OverloadSettings, RequestLimits, ResponseHeaders},
     store::{
         keys, Applied, Batch, Check, CounterStore, Deadline, DenyCache, Outcome, Role, Store,
@@ -541,9 +541,9 @@ impl Limiter {
                         })
                         .collect(),
                     node: Some(node),
-                    role: if node.shadow_mode {
+                    role: if node.flags.shadow_mode {
                         Role::Shadow
-                    } else if node.quota_mode {
+                    } else if node.flags.quota_mode {
                         Role::Quota
                     } else {
                         Role::Enforce
@@ -560,19 +560,17 @@ impl Limiter {
         };
         for (descriptor, r) in request.descriptors.iter().zip(&resolved) {
             if let Resolved::Limited { limits, node, role } = r {
-                let shared = node.map_or(&[][..], |n| &n.shared_values[..]);
-                let hashed = node.map_or(&[][..], |n| &n.hashed_levels[..]);
+                let path = node.map_or(&[][..], |n| &n.path[..]);
+                let shared = |i: usize| path.get(i).and_then(PathStep::shared_value);
                 // Values as they go into counter keys: shared patterns, or hashes of sensitive values.
                 let values: Small<std::borrow::Cow<'_, str>> = descriptor
                     .entries
                     .iter()
                     .enumerate()
-                    .map(|(i, e)| match shared.get(i).and_then(|v| v.as_deref()) {
+                    .map(|(i, e)| match shared(i) {
                         Some(pattern) => pattern.into(),
                         None => match &self.options.sensitive {
-                            Some(s) => {
-                                s.show(&e.key, &e.value, hashed.get(i).copied().unwrap_or(false))
-                            }
+                            Some(s) => s.show(&e.key, &e.value, hashed_at(path, i)),
                             None => e.value.as_str().into(),
                         },
                     })
@@ -705,10 +703,10 @@ impl Limiter {
             })
             .collect();
         // The `hash_value` levels of each descriptor's rule, for naming offenders.
-        let hashed_by_index: Small<&[bool]> = resolved
+        let hashed_by_index: Small<&[PathStep]> = resolved
             .iter()
             .map(|r| match r {
-                Resolved::Limited { node: Some(n), .. } => &n.hashed_levels[..],
+                Resolved::Limited { node: Some(n), .. } => &n.path[..],
                 _ => &[][..],
             })
             .collect();
@@ -950,14 +948,14 @@ impl Limiter {
         domain: &str,
         descriptor: &Descriptor,
         index: usize,
-        hashed_by_index: &[&[bool]],
+        hashed_by_index: &[&[PathStep]],
     ) {
-        let hashed = hashed_by_index.get(index).copied().unwrap_or_default();
+        let path = hashed_by_index.get(index).copied().unwrap_or_default();
         out.clear();
         out.push_str(domain);
         for (i, e) in descriptor.entries.iter().enumerate() {
             let value = match &self.options.sensitive {
-                Some(s) => s.show(&e.key, &e.value, hashed.get(i).copied().unwrap_or(false)),
+                Some(s) => s.show(&e.key, &e.value, hashed_at(path, i)),
                 None => e.value.as_str().into(),
             };
             out.push(' ');
@@ -1121,25 +1119,27 @@ fn rule_label<'a>(
     // Most rules: the path as written, borrowed from the rule without building anything.
     {
         let written_sensitive = sensitive.is_some_and(|s| {
-            node.path.iter().enumerate().any(|(i, (key, value))| {
-                !value.is_empty()
-                    && s.is_sensitive(key, node.hashed_levels.get(i).copied().unwrap_or(false))
+            node.path.iter().any(|step| {
+                !step.value.is_empty() && s.is_sensitive(&step.key, step.flags.hash_value)
             })
         });
-        if !node.detailed_metric && node.metric_levels.is_empty() && !written_sensitive {
+        let any_to_metric = node.path.iter().any(|step| step.flags.value_to_metric);
+        if !node.flags.detailed_metric && !any_to_metric && !written_sensitive {
             return written.into();
         }
     }
     let mut from_any_request_value = false;
     let mut parts = Vec::with_capacity(node.path.len());
-    for (i, (key, value)) in node.path.iter().enumerate() {
-        let hashed = node.hashed_levels.get(i).copied().unwrap_or(false);
+    for (i, step) in node.path.iter().enumerate() {
+        let (key, value) = (&*step.key, &*step.value);
+        let hashed = step.flags.hash_value;
         let request_value = descriptor.entries.get(i).map_or("", |e| e.value.as_str());
-        let shared = node.shared_values.get(i).is_some_and(Option::is_some);
-        let to_metric = node.metric_levels.get(i).copied().unwrap_or(false);
+        let shared = step.flags.share_threshold;
+        let to_metric = step.flags.value_to_metric;
         let from_request = !shared
             && !request_value.is_empty()
-            && (node.detailed_metric || (to_metric && (value.is_empty() || value.contains('*'))));
+            && (node.flags.detailed_metric
+                || (to_metric && (value.is_empty() || value.contains('*'))));
         from_any_request_value |= from_request;
         parts.push(if from_request {
             format!("{key}_{}", show(key, request_value, hashed))
@@ -1155,6 +1155,11 @@ fn rule_label<'a>(
         text: parts.join(".").into(),
         request_values_of: from_any_request_value.then_some(written),
     }
+}
+
+/// Whether the rule says `hash_value` at level `i` of its path (no path: a request override).
+fn hashed_at(path: &[PathStep], i: usize) -> bool {
+    path.get(i).is_some_and(|step| step.flags.hash_value)
 }
 
 /// Drops every matched limit whose name another matched limit of the same request replaces

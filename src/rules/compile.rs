@@ -8,7 +8,7 @@
 use std::sync::Arc;
 
 use super::{
-    model::{Level, Limit, Node, RuleSet},
+    model::{Level, Limit, Node, PathStep, RuleSet},
     pattern::{Cidr, Wildcard, CIDR_PREFIX},
     unit::Unit,
     yaml::{DescriptorSpec, DomainFile, RateLimitSpec},
@@ -64,19 +64,10 @@ impl RuleSet {
             &mut domain.root,
             &file.descriptors,
             &file.domain,
-            &Ancestry::default(),
+            &[],
             default_algorithm,
         )
     }
-}
-
-/// What a node inherits from the levels above it.
-#[derive(Default, Clone)]
-struct Ancestry {
-    shared: Vec<Option<Box<str>>>,
-    hashed: Vec<bool>,
-    to_metric: Vec<bool>,
-    path: Vec<(Box<str>, Box<str>)>,
 }
 
 /// How a node's written value meets a request's value, which decides where in its level it goes.
@@ -112,13 +103,14 @@ impl ValueMatch {
     }
 }
 
-/// Compiles the descriptors written at one depth under one parent (`parent_key` names it) into `level`,
-/// their children with them.
+/// Compiles the descriptors written at one depth under one parent into `level`, their children with
+/// them. `parent_key` and `parent_path` are the parent's `full_key` and `path` (the domain's name and
+/// nothing at the top).
 fn add_level(
     level: &mut Level,
     specs: &[DescriptorSpec],
     parent_key: &str,
-    ancestry: &Ancestry,
+    parent_path: &[PathStep],
     default_algorithm: Algorithm,
 ) -> Result<(), String> {
     for spec in specs {
@@ -136,18 +128,18 @@ fn add_level(
         }
         let limits = compile_limits(spec, &full_key, default_algorithm)?;
         let value_match = ValueMatch::of(spec, &full_key)?;
-        if spec.share_threshold && matches!(value_match, ValueMatch::Any | ValueMatch::Exact) {
+        if spec.flags.share_threshold && matches!(value_match, ValueMatch::Any | ValueMatch::Exact)
+        {
             return Err(format!(
                 "share_threshold can only be used with wildcard values (containing '*'), but found key '{composite}'"
             ));
         }
-        let below = ancestry.below(spec);
-        let mut node = new_node(spec, full_key, limits, &below);
+        let mut node = new_node(spec, full_key, limits, parent_path);
         add_level(
             &mut node.children,
             &spec.descriptors,
             &node.full_key,
-            &below,
+            &node.path,
             default_algorithm,
         )?;
         level.insert(spec, value_match, node);
@@ -155,58 +147,24 @@ fn add_level(
     Ok(())
 }
 
-impl Ancestry {
-    /// What the children of the node `spec` describes inherit.
-    fn below(&self, spec: &DescriptorSpec) -> Ancestry {
-        let mut below = self.clone();
-        below
-            .shared
-            .push(spec.share_threshold.then(|| spec.value.as_str().into()));
-        below.hashed.push(spec.hash_value);
-        below.to_metric.push(spec.value_to_metric);
-        below
-            .path
-            .push((spec.key.as_str().into(), spec.value.as_str().into()));
-        below
-    }
-}
-
-/// The node `spec` describes, without its children; `ancestry` includes the node's own level.
+/// The node `spec` describes, without its children.
 fn new_node(
     spec: &DescriptorSpec,
     full_key: String,
     limits: Vec<Limit>,
-    ancestry: &Ancestry,
+    parent_path: &[PathStep],
 ) -> Node {
-    let shared_values: Box<[Option<Box<str>>]> = if ancestry.shared.iter().any(Option::is_some) {
-        ancestry.shared.clone().into()
-    } else {
-        Box::new([])
-    };
-    let hashed_levels: Box<[bool]> = if ancestry.hashed.contains(&true) {
-        ancestry.hashed.clone().into()
-    } else {
-        Box::new([])
-    };
-    let metric_levels: Box<[bool]> = if ancestry.to_metric.contains(&true) {
-        ancestry.to_metric.clone().into()
-    } else {
-        Box::new([])
+    let step = PathStep {
+        key: spec.key.as_str().into(),
+        value: spec.value.as_str().into(),
+        flags: spec.flags,
     };
     Node {
         full_key: full_key.into(),
         limits,
-        shadow_mode: spec.shadow_mode,
-        quota_mode: spec.quota_mode,
-        detailed_metric: spec.detailed_metric,
-        value_to_metric: spec.value_to_metric,
-        share_threshold: spec.share_threshold,
-        hash_value: spec.hash_value,
-        hashed_levels,
-        metric_levels,
-        path: ancestry.path.clone().into(),
+        flags: spec.flags,
+        path: parent_path.iter().cloned().chain([step]).collect(),
         metadata: spec.metadata.clone().map(Arc::new),
-        shared_values,
         children: Level::default(),
     }
 }

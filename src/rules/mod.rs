@@ -2,6 +2,7 @@
 //! requests are matched against. The current set lives in [`Rules`] and is swapped whole.
 
 mod compile;
+mod flags;
 mod loader;
 mod matcher;
 mod model;
@@ -15,9 +16,10 @@ use std::sync::Arc;
 
 use arc_swap::ArcSwapOption;
 
+pub use flags::RuleFlags;
 pub use loader::{load, LoadError, Loaded};
 pub use matcher::EntryRef;
-pub use model::{Domain, KeyNodes, Level, Limit, Node, RuleSet};
+pub use model::{Domain, KeyNodes, Level, Limit, Node, PathStep, RuleSet};
 pub use pattern::{Cidr, Wildcard};
 pub use unit::Unit;
 pub use watcher::{reload, OnLoaded, ReloadStats, RulesWatch};

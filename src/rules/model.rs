@@ -6,6 +6,7 @@
 use std::{collections::HashMap, sync::Arc};
 
 use super::{
+    flags::RuleFlags,
     pattern::{Cidr, Wildcard},
     unit::Unit,
 };
@@ -40,33 +41,33 @@ pub struct Node {
     /// The limits of the node: its `rate_limit` first, then its `rate_limits`. A node without limits and
     /// without children is an allow-list entry.
     pub limits: Vec<Limit>,
-    /// Over-limit answers of this rule are turned into OK (the counting still happens).
-    pub shadow_mode: bool,
-    /// The rule takes part in the quota-mode overall decision (see the limiter).
-    pub quota_mode: bool,
-    /// Metric naming flags, kept for the metrics of the rule.
-    pub detailed_metric: bool,
-    pub value_to_metric: bool,
-    /// The node's wildcard shares one counter across all values it matches.
-    pub share_threshold: bool,
-    /// The request's value at this node's level is sensitive (`hash_value: true`).
-    pub hash_value: bool,
-    /// For each level from the domain down to this node, whether that level's node says `hash_value`.
-    /// Empty when none does.
-    pub hashed_levels: Box<[bool]>,
-    /// The `(key, value)` of each level from the domain down to this node, as written in the rules.
-    pub path: Box<[(Box<str>, Box<str>)]>,
-    /// For each level from the domain down to this node, whether that level's node says
-    /// `value_to_metric`. Empty when none does.
-    pub metric_levels: Box<[bool]>,
+    /// The rule's own yes/no settings (those of the last step of `path`).
+    pub flags: RuleFlags,
+    /// Each level from the domain down to this node, as written in the rules: the last is the node's own.
+    pub path: Box<[PathStep]>,
     /// Free-form metadata of the rule.
     pub metadata: Option<Arc<serde_json::Map<String, serde_json::Value>>>,
-    /// For each level from the domain down to this node, the value counter keys use instead of the
-    /// request's: the wildcard pattern of a `share_threshold` node, `None` elsewhere. Empty when no level
-    /// shares.
-    pub shared_values: Box<[Option<Box<str>>]>,
     /// Nested descriptors.
     pub children: Level,
+}
+
+/// One level of a rule's path: the `key` and `value` written there, and that level's flags, which shape
+/// how the request's value at that level is counted (`share_threshold`), shown (`hash_value`) and
+/// labelled in metrics (`value_to_metric`).
+#[derive(Debug, Clone)]
+pub struct PathStep {
+    pub key: Box<str>,
+    /// `""` for a key-only level.
+    pub value: Box<str>,
+    pub flags: RuleFlags,
+}
+
+impl PathStep {
+    /// The value counter keys use at this level instead of the request's: the written pattern, when the
+    /// level shares one counter among all values it matches.
+    pub fn shared_value(&self) -> Option<&str> {
+        self.flags.share_threshold.then_some(&*self.value)
+    }
 }
 
 /// The descriptor nodes at one depth under one parent, grouped by their `key`: a request entry only ever
@@ -109,7 +110,7 @@ impl KeyNodes {
             .iter()
             .map(|(_, n)| n)
             .chain(self.wildcards.iter().map(|(_, n)| n))
-            .find(|n| n.path.last().is_some_and(|(_, v)| &**v == value))
+            .find(|n| n.path.last().is_some_and(|step| &*step.value == value))
     }
 }
 

@@ -47,20 +47,19 @@ fn describe_level(domain: &str, level: &Level, show: ShowValue<'_>, out: &mut Ve
 /// `domain.key_value.key...`, each written value shown as `show` says.
 fn rule_name(domain: &str, node: &Node, show: ShowValue<'_>) -> String {
     let mut out = domain.to_owned();
-    for (i, (key, value)) in node.path.iter().enumerate() {
+    for step in &node.path {
         out.push('.');
-        out.push_str(key);
-        if !value.is_empty() {
-            let hashed = node.hashed_levels.get(i).copied().unwrap_or(false);
+        out.push_str(&step.key);
+        if !step.value.is_empty() {
             out.push('_');
-            out.push_str(&show(key, value, hashed));
+            out.push_str(&show(&step.key, &step.value, step.flags.hash_value));
         }
     }
     out
 }
 
 fn limit_line(name: &str, node: &Node, limit: &Limit) -> String {
-    let (shadow_mode, quota_mode) = (node.shadow_mode, node.quota_mode);
+    let (shadow_mode, quota_mode) = (node.flags.shadow_mode, node.flags.quota_mode);
     if limit.unlimited {
         return format!("{name}: unlimited, shadow_mode: {shadow_mode}, quota_mode: {quota_mode}");
     }

@@ -8,9 +8,11 @@ use std::fmt;
 
 use serde::de::{Deserialize, Deserializer, MapAccess, SeqAccess, Visitor};
 
+use super::flags::RuleFlags;
 use crate::settings::DEFAULT_MAX_YAML_NODES;
 
-/// Every key name accepted anywhere in a rules file (one flat set, as the reference checks it).
+/// Every key name accepted anywhere in a rules file besides the [`RuleFlags`] (one flat set, as the
+/// reference checks it).
 const VALID_KEYS: &[&str] = &[
     "domain",
     "key",
@@ -20,20 +22,14 @@ const VALID_KEYS: &[&str] = &[
     "unit",
     "requests_per_unit",
     "unlimited",
-    "shadow_mode",
-    "quota_mode",
     "name",
     "replaces",
-    "detailed_metric",
-    "value_to_metric",
-    "share_threshold",
     "metadata",
     // ratelimitd's extensions.
     "rate_limits",
     "algorithm",
     "burst",
     "unit_multiplier",
-    "hash_value",
 ];
 
 /// A YAML node, keeping map order (wildcards match in file order) and non-string keys (to reject them).
@@ -161,13 +157,7 @@ pub struct DescriptorSpec {
     /// Further limits on the same rule (`rate_limits:`).
     pub rate_limits: Vec<RateLimitSpec>,
     pub descriptors: Vec<DescriptorSpec>,
-    pub shadow_mode: bool,
-    pub quota_mode: bool,
-    pub detailed_metric: bool,
-    pub value_to_metric: bool,
-    pub share_threshold: bool,
-    /// The request's value for this node is sensitive: counted and shown only as a keyed hash.
-    pub hash_value: bool,
+    pub flags: RuleFlags,
     pub metadata: Option<serde_json::Map<String, serde_json::Value>>,
 }
 
@@ -296,7 +286,8 @@ fn validate_keys(node: &Yaml) -> Result<(), String> {
                 let Yaml::String(name) = k else {
                     return Err(format!("config error, key is not of type string: {k}"));
                 };
-                if !VALID_KEYS.contains(&name.as_str()) {
+                if !VALID_KEYS.contains(&name.as_str()) && !RuleFlags::KEYS.contains(&name.as_str())
+                {
                     return Err(format!("config error, unknown key '{name}'"));
                 }
                 if name != "metadata" {
@@ -406,14 +397,12 @@ fn descriptor(v: &Yaml) -> Result<DescriptorSpec, String> {
                 }
             }
             "descriptors" => spec.descriptors = descriptor_list(v)?,
-            "shadow_mode" => spec.shadow_mode = boolean(v, "shadow_mode")?,
-            "quota_mode" => spec.quota_mode = boolean(v, "quota_mode")?,
-            "detailed_metric" => spec.detailed_metric = boolean(v, "detailed_metric")?,
-            "value_to_metric" => spec.value_to_metric = boolean(v, "value_to_metric")?,
-            "share_threshold" => spec.share_threshold = boolean(v, "share_threshold")?,
-            "hash_value" => spec.hash_value = boolean(v, "hash_value")?,
             "metadata" => spec.metadata = metadata(v)?,
-            _ => {}
+            key => {
+                if let Some(flag) = spec.flags.by_key(key) {
+                    *flag = boolean(v, key)?;
+                }
+            }
         }
     }
     Ok(spec)
@@ -530,7 +519,7 @@ mod tests {
         let rl = f.descriptors[0].rate_limit.as_ref().unwrap();
         assert_eq!(rl.unit, "Minute");
         assert_eq!((rl.requests_per_unit, rl.name.as_str()), (5, "n"));
-        assert!(f.descriptors[1].descriptors[0].shadow_mode);
+        assert!(f.descriptors[1].descriptors[0].flags.shadow_mode);
     }
 
     #[test]

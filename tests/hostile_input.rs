@@ -20,8 +20,10 @@ use ratelimitd::{
 
 /// Parses and builds one rules file; `Err` is fine, a panic is not.
 fn load(text: &str) -> Result<(), String> {
-    let file = parse_file(text)?;
-    RuleSet::build(&[("fuzz.yaml".into(), file)], false).map(|_| ())
+    let file = parse_file(text).map_err(|e| e.to_string())?;
+    RuleSet::build(&[("fuzz.yaml".into(), file)], false)
+        .map(|_| ())
+        .map_err(|e| e.to_string())
 }
 
 /// Words the rules format knows, so generated documents reach past the YAML parser into validation.

@@ -8,28 +8,21 @@
 use std::sync::Arc;
 
 use super::{
-    model::{Level, Limit, Node, PathStep, RuleSet},
+    error::{BuildError, LimitField, RuleError},
+    model::{Level, Limit, Node, PathStep, RuleSet, MAX_WINDOW_SECS, SLIDING_LOG_MAX_LIMIT},
     pattern::{Cidr, Wildcard, CIDR_PREFIX},
     unit::Unit,
     yaml::{DescriptorSpec, DomainFile, RateLimitSpec},
 };
 use crate::algorithm::Algorithm;
 
-/// Largest `requests_per_unit` of a sliding log: it keeps one entry per counted request, up to this many.
-pub const SLIDING_LOG_MAX_LIMIT: u32 = 100_000;
-
-/// Longest window a limit may have (`unit` x `unit_multiplier`), and longest a token bucket or GCRA may
-/// take to refill a full burst: ten years of 365 days, in seconds. Every time the algorithms and the Redis
-/// script derive from a limit then stays far inside what they count with: milliseconds in a `u64`,
-/// microseconds since the epoch in a Lua double (exact below 2^53, some 285 years), and the TTLs Redis
-/// accepts from EXPIRE and PEXPIRE. Without a bound, `unit_multiplier` overflowed the window, and Redis
-/// refused an expiry after the script had already counted, leaving a key without a TTL.
-pub const MAX_WINDOW_SECS: u64 = 10 * 365 * 86_400;
-
 impl RuleSet {
     /// Builds the rule set from parsed files, in the order given, counting with fixed windows unless a
-    /// rule says otherwise. Errors are prefixed with the file name.
-    pub fn build(files: &[(String, DomainFile)], merge_domains: bool) -> Result<RuleSet, String> {
+    /// rule says otherwise. The error names the file it is about.
+    pub fn build(
+        files: &[(String, DomainFile)],
+        merge_domains: bool,
+    ) -> Result<RuleSet, BuildError> {
         Self::build_with(files, merge_domains, Algorithm::FixedWindow)
     }
 
@@ -38,11 +31,14 @@ impl RuleSet {
         files: &[(String, DomainFile)],
         merge_domains: bool,
         default_algorithm: Algorithm,
-    ) -> Result<RuleSet, String> {
+    ) -> Result<RuleSet, BuildError> {
         let mut set = RuleSet::default();
         for (file_name, file) in files {
             set.add_file(file, merge_domains, default_algorithm)
-                .map_err(|e| format!("{file_name}: {e}"))?;
+                .map_err(|error| BuildError {
+                    file: file_name.clone(),
+                    error,
+                })?;
         }
         Ok(set)
     }
@@ -52,12 +48,12 @@ impl RuleSet {
         file: &DomainFile,
         merge_domains: bool,
         default_algorithm: Algorithm,
-    ) -> Result<(), String> {
+    ) -> Result<(), RuleError> {
         if file.domain.is_empty() {
-            return Err("config file cannot have empty domain".into());
+            return Err(RuleError::EmptyDomain);
         }
         if self.domains.contains_key(&file.domain) && !merge_domains {
-            return Err(format!("duplicate domain '{}' in config file", file.domain));
+            return Err(RuleError::DuplicateDomain(file.domain.clone()));
         }
         let domain = self.domains.entry(file.domain.clone()).or_default();
         add_level(
@@ -83,13 +79,12 @@ enum ValueMatch {
 }
 
 impl ValueMatch {
-    fn of(spec: &DescriptorSpec, full_key: &str) -> Result<ValueMatch, String> {
+    fn of(spec: &DescriptorSpec, full_key: &str) -> Result<ValueMatch, RuleError> {
         if let Some(net) = spec.value.strip_prefix(CIDR_PREFIX) {
-            let cidr = Cidr::parse(net).map_err(|e| {
-                format!(
-                    "rule '{full_key}': value: malformed CIDR '{}': {e}",
-                    spec.value
-                )
+            let cidr = Cidr::parse(net).map_err(|source| RuleError::MalformedCidr {
+                rule: full_key.into(),
+                value: spec.value.clone(),
+                source,
             })?;
             return Ok(ValueMatch::Cidr(cidr));
         }
@@ -112,10 +107,10 @@ fn add_level(
     parent_key: &str,
     parent_path: &[PathStep],
     default_algorithm: Algorithm,
-) -> Result<(), String> {
+) -> Result<(), RuleError> {
     for spec in specs {
         if spec.key.is_empty() {
-            return Err("descriptor has empty key".into());
+            return Err(RuleError::EmptyKey);
         }
         let composite = if spec.value.is_empty() {
             spec.key.clone()
@@ -124,15 +119,13 @@ fn add_level(
         };
         let full_key = format!("{parent_key}.{composite}");
         if level.has_composite(&composite) {
-            return Err(format!("duplicate descriptor composite key '{full_key}'"));
+            return Err(RuleError::DuplicateKey(full_key));
         }
         let limits = compile_limits(spec, &full_key, default_algorithm)?;
         let value_match = ValueMatch::of(spec, &full_key)?;
         if spec.flags.share_threshold && matches!(value_match, ValueMatch::Any | ValueMatch::Exact)
         {
-            return Err(format!(
-                "share_threshold can only be used with wildcard values (containing '*'), but found key '{composite}'"
-            ));
+            return Err(RuleError::ShareThresholdWithoutWildcard(composite));
         }
         let mut node = new_node(spec, full_key, limits, parent_path);
         add_level(
@@ -220,85 +213,68 @@ fn compile_limits(
     spec: &DescriptorSpec,
     full_key: &str,
     default_algorithm: Algorithm,
-) -> Result<Vec<Limit>, String> {
+) -> Result<Vec<Limit>, RuleError> {
     let mut limits = Vec::with_capacity(1 + spec.rate_limits.len());
     if let Some(rate_limit) = &spec.rate_limit {
         limits.push(compile_limit(
             rate_limit,
             full_key,
-            "rate_limit",
+            LimitField::RateLimit,
             default_algorithm,
         )?);
     }
     for (i, rate_limit) in spec.rate_limits.iter().enumerate() {
-        let field = format!("rate_limits[{i}]");
-        let limit = compile_limit(rate_limit, full_key, &field, default_algorithm)?;
+        let field = LimitField::RateLimits(i);
+        let limit = compile_limit(rate_limit, full_key, field, default_algorithm)?;
         if limit.unlimited {
-            return Err(format!(
-                "rule '{full_key}': {field}: unlimited belongs in rate_limit, not in rate_limits"
-            ));
+            return Err(RuleError::UnlimitedInRateLimits {
+                rule: full_key.into(),
+                field,
+            });
         }
         limits.push(limit);
     }
     Ok(limits)
 }
 
+/// One limit of the rule `rule`, written at `field`.
 fn compile_limit(
     spec: &RateLimitSpec,
     rule: &str,
-    field: &str,
+    field: LimitField,
     default_algorithm: Algorithm,
-) -> Result<Limit, String> {
-    let unit = Unit::from_name(&spec.unit);
-    let algorithm = if spec.algorithm.is_empty() {
-        default_algorithm
-    } else {
-        Algorithm::from_name(&spec.algorithm).ok_or_else(|| {
-            format!(
-                "rule '{rule}': {field}.algorithm: unknown algorithm '{}'; use one of {}",
-                spec.algorithm,
-                Algorithm::NAMES.join(", ")
-            )
-        })?
-    };
+) -> Result<Limit, RuleError> {
+    let algorithm =
+        algorithm_of(spec, default_algorithm).ok_or_else(|| RuleError::UnknownAlgorithm {
+            rule: rule.into(),
+            field,
+            name: spec.algorithm.clone(),
+        })?;
     if spec.burst.is_some() && !algorithm.uses_burst() {
-        return Err(format!(
-            "rule '{rule}': {field}.burst: burst means nothing for {}; it sets the capacity of token_bucket and gcra",
-            algorithm.name()
-        ));
+        return Err(RuleError::BurstWithoutBucket {
+            rule: rule.into(),
+            field,
+            algorithm,
+        });
     }
-    let unit_multiplier = match spec.unit_multiplier {
-        None => 1,
-        Some(m) => u32::try_from(m).ok().filter(|m| *m >= 1).ok_or_else(|| {
-            format!("rule '{rule}': {field}.unit_multiplier: must be a whole number of at least 1, not {m}")
-        })?,
-    };
+    let unit_multiplier =
+        unit_multiplier_of(spec).map_err(|written| RuleError::UnitMultiplier {
+            rule: rule.into(),
+            field,
+            written,
+        })?;
     if algorithm == Algorithm::SlidingLog && spec.requests_per_unit > SLIDING_LOG_MAX_LIMIT {
-        return Err(format!(
-            "rule '{rule}': {field}.requests_per_unit: a sliding_log keeps one entry per counted request; use at most {SLIDING_LOG_MAX_LIMIT}, or sliding_window"
-        ));
+        return Err(RuleError::SlidingLogTooLarge {
+            rule: rule.into(),
+            field,
+        });
     }
-    if spec.unlimited {
-        if unit.is_some() {
-            return Err("should not specify rate limit unit when unlimited".into());
-        }
-    } else if unit.is_none() {
-        return Err(format!("invalid rate limit unit '{}'", spec.unit));
-    }
-    if let (Some(unit), false) = (unit, spec.unlimited) {
+    let unit = unit_of(spec)?;
+    if let Some(unit) = unit {
         check_window(rule, field, unit, unit_multiplier, algorithm, spec)?;
     }
     let name = (!spec.name.is_empty()).then(|| Arc::<str>::from(spec.name.as_str()));
-    let mut replaces = Vec::with_capacity(spec.replaces.len());
-    for r in &spec.replaces {
-        if r.is_empty() {
-            return Err("should not have an empty replaces entry".into());
-        }
-        if name.as_deref() == Some(r.as_str()) {
-            return Err("replaces should not contain name of same descriptor".into());
-        }
-        replaces.push(Arc::<str>::from(r.as_str()));
-    }
+    let replaces = replaces_of(spec, name.as_deref())?;
     Ok(Limit {
         requests_per_unit: spec.requests_per_unit,
         unit: unit.unwrap_or(Unit::Second),
@@ -307,37 +283,90 @@ fn compile_limit(
         burst: spec.burst.unwrap_or(u64::from(spec.requests_per_unit)),
         unlimited: spec.unlimited,
         name,
-        replaces: replaces.into(),
+        replaces,
     })
+}
+
+/// The limit's algorithm; `None` when it names none.
+fn algorithm_of(spec: &RateLimitSpec, default_algorithm: Algorithm) -> Option<Algorithm> {
+    if spec.algorithm.is_empty() {
+        Some(default_algorithm)
+    } else {
+        Algorithm::from_name(&spec.algorithm)
+    }
+}
+
+/// The limit's `unit_multiplier` (1 when absent), or the written number when it is not one.
+fn unit_multiplier_of(spec: &RateLimitSpec) -> Result<u32, i64> {
+    match spec.unit_multiplier {
+        None => Ok(1),
+        Some(m) => u32::try_from(m).ok().filter(|m| *m >= 1).ok_or(m),
+    }
+}
+
+/// The limit's unit; `None` for an unlimited limit, which must not name one.
+fn unit_of(spec: &RateLimitSpec) -> Result<Option<Unit>, RuleError> {
+    match (spec.unlimited, Unit::from_name(&spec.unit)) {
+        (false, Some(unit)) => Ok(Some(unit)),
+        (false, None) => Err(RuleError::InvalidUnit(spec.unit.clone())),
+        (true, None) => Ok(None),
+        (true, Some(_)) => Err(RuleError::UnitWhenUnlimited),
+    }
+}
+
+/// The names the limit replaces; none may be empty or the limit's own `name`.
+fn replaces_of(spec: &RateLimitSpec, name: Option<&str>) -> Result<Box<[Arc<str>]>, RuleError> {
+    spec.replaces
+        .iter()
+        .map(|r| {
+            if r.is_empty() {
+                Err(RuleError::EmptyReplaces)
+            } else if name == Some(r.as_str()) {
+                Err(RuleError::ReplacesItself)
+            } else {
+                Ok(Arc::from(r.as_str()))
+            }
+        })
+        .collect()
 }
 
 /// Refuses a limit whose window, or whose time to refill a full burst, is longer than [`MAX_WINDOW_SECS`].
 fn check_window(
     rule: &str,
-    field: &str,
+    field: LimitField,
     unit: Unit,
     unit_multiplier: u32,
     algorithm: Algorithm,
     spec: &RateLimitSpec,
-) -> Result<(), String> {
-    let window_secs = u128::from(unit.seconds()) * u128::from(unit_multiplier);
-    if window_secs > u128::from(MAX_WINDOW_SECS) {
-        return Err(format!(
-            "rule '{rule}': {field}.unit_multiplier: a window of {unit_multiplier} x {unit} ({window_secs} seconds) is longer than the longest a limit may have, 10 years ({MAX_WINDOW_SECS} seconds)"
-        ));
+) -> Result<(), RuleError> {
+    // At most u32::MAX years: far inside a u64.
+    let window_secs = unit.seconds() * u64::from(unit_multiplier);
+    if window_secs > MAX_WINDOW_SECS {
+        return Err(RuleError::WindowTooLong {
+            rule: rule.into(),
+            field,
+            unit_multiplier,
+            unit,
+            window_secs,
+        });
     }
     if algorithm.uses_burst() {
-        let burst = u128::from(
-            spec.burst
-                .unwrap_or_else(|| u64::from(spec.requests_per_unit)),
-        );
+        let burst = spec
+            .burst
+            .unwrap_or_else(|| u64::from(spec.requests_per_unit));
         // A bucket refills `requests_per_unit` per window (one per window when that is 0, as the
         // algorithms count it for expiry).
-        let per_window = u128::from(spec.requests_per_unit.max(1));
-        if window_secs * burst > u128::from(MAX_WINDOW_SECS) * per_window {
-            return Err(format!(
-                "rule '{rule}': {field}.burst: refilling a burst of {burst} at {per_window} per {window_secs} seconds takes longer than the longest a limit may take to reset, 10 years ({MAX_WINDOW_SECS} seconds); lower burst or the window, or raise requests_per_unit"
-            ));
+        let per_window = u64::from(spec.requests_per_unit.max(1));
+        if u128::from(window_secs) * u128::from(burst)
+            > u128::from(MAX_WINDOW_SECS) * u128::from(per_window)
+        {
+            return Err(RuleError::RefillTooLong {
+                rule: rule.into(),
+                field,
+                burst,
+                per_window,
+                window_secs,
+            });
         }
     }
     Ok(())
@@ -346,15 +375,18 @@ fn check_window(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{algorithm::Params, rules::yaml::parse_file};
+    use crate::{
+        algorithm::Params,
+        rules::{error::ParseError, yaml::parse_file},
+    };
 
     fn build(files: &[(&str, &str)], merge: bool) -> Result<RuleSet, String> {
         let parsed = files
             .iter()
             .map(|(name, text)| Ok((name.to_string(), parse_file(text)?)))
-            .collect::<Result<Vec<_>, String>>()
+            .collect::<Result<Vec<_>, ParseError>>()
             .map_err(|e| format!("{}: {e}", files[0].0))?;
-        RuleSet::build(&parsed, merge)
+        RuleSet::build(&parsed, merge).map_err(|e| e.to_string())
     }
 
     fn build_err(text: &str) -> String {
@@ -431,6 +463,18 @@ mod tests {
             (
                 "domain: d\ndescriptors:\n  - key: a\n    rate_limits: [{unlimited: true}]\n",
                 "config.f.yaml: rule 'd.a': rate_limits[0]: unlimited belongs in rate_limit, not in rate_limits",
+            ),
+            (
+                "domain: d\ndescriptors:\n  - {key: ip, value: \"cidr:10.1.0.0/8\"}\n",
+                "config.f.yaml: rule 'd.ip_cidr:10.1.0.0/8': value: malformed CIDR 'cidr:10.1.0.0/8': host bits are set; the network is 10.0.0.0/8",
+            ),
+            (
+                "domain: d\ndescriptors:\n  - {key: ip, value: \"cidr:10.0.0.0/33\"}\n",
+                "config.f.yaml: rule 'd.ip_cidr:10.0.0.0/33': value: malformed CIDR 'cidr:10.0.0.0/33': prefix '/33' must be 0 to 32",
+            ),
+            (
+                "domain: d\ndescriptors:\n  - {key: ip, value: \"cidr:x/1\"}\n",
+                "config.f.yaml: rule 'd.ip_cidr:x/1': value: malformed CIDR 'cidr:x/1': 'x' is not an IP address",
             ),
         ];
         for (text, want) in cases {

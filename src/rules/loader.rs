@@ -19,13 +19,8 @@ use std::{
 
 use sha2::{Digest, Sha256};
 
-use super::{model::RuleSet, yaml::parse_file_within};
+use super::{error::LoadError, model::RuleSet, yaml::parse_file_within};
 use crate::settings::RulesSource;
-
-/// Why a rules folder could not be loaded. The text is the reference service's message.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{0}")]
-pub struct LoadError(pub String);
 
 /// The result of a successful load.
 #[derive(Debug)]
@@ -52,8 +47,12 @@ pub fn load(source: &RulesSource) -> Result<Loaded, LoadError> {
     // The root's real path, resolved once: a swap of the root during the load does not mix versions.
     if let Ok(root) = fs::canonicalize(&source.root) {
         if root.is_dir() {
-            walk(&root, &root, source.ignore_dotfiles, &mut found)
-                .map_err(|e| LoadError(format!("{}: {e}", source.root.display())))?;
+            walk(&root, &root, source.ignore_dotfiles, &mut found).map_err(|err| {
+                LoadError::Walk {
+                    root: source.root.display().to_string(),
+                    source: err,
+                }
+            })?;
         }
     }
     found.sort();
@@ -70,26 +69,26 @@ pub fn load(source: &RulesSource) -> Result<Loaded, LoadError> {
         }
         let path = match what {
             Found::File(path) => path,
-            Found::Outside => {
-                return Err(LoadError(format!(
-                    "{name}: points outside the rules folder"
-                )))
-            }
+            Found::Outside => return Err(LoadError::Outside { file: name }),
         };
-        let text =
-            fs::read(&path).map_err(|e| LoadError(format!("{name}: cannot read file: {e}")))?;
-        let text = String::from_utf8(text)
-            .map_err(|_| LoadError(format!("{name}: error loading config file: not UTF-8 text")))?;
-        let file = parse_file_within(&text, source.max_yaml_nodes)
-            .map_err(|e| LoadError(format!("{name}: {e}")))?;
+        let text = match fs::read(&path) {
+            Ok(text) => text,
+            Err(source) => return Err(LoadError::Read { file: name, source }),
+        };
+        let Ok(text) = String::from_utf8(text) else {
+            return Err(LoadError::NotUtf8 { file: name });
+        };
+        let file = match parse_file_within(&text, source.max_yaml_nodes) {
+            Ok(file) => file,
+            Err(source) => return Err(LoadError::Parse { file: name, source }),
+        };
         digest.update(name.as_bytes());
         digest.update([0]);
         digest.update(text.as_bytes());
         digest.update([0]);
         parsed.push((name, file));
     }
-    let rules = RuleSet::build_with(&parsed, source.merge_domains, source.default_algorithm)
-        .map_err(LoadError)?;
+    let rules = RuleSet::build_with(&parsed, source.merge_domains, source.default_algorithm)?;
     let digest = digest.finalize();
     let mut first = [0u8; 8];
     first.copy_from_slice(&digest[..8]);
@@ -188,8 +187,10 @@ mod tests {
             "domain: two\ndescriptors:\n  - key: a\n    rate_limit: {unit: lightyear}\n",
         )
         .unwrap();
-        let err = load(&source(dir.path(), None, false)).unwrap_err();
-        assert_eq!(err.0, "two.yaml: invalid rate limit unit 'lightyear'");
+        let err = load(&source(dir.path(), None, false))
+            .unwrap_err()
+            .to_string();
+        assert_eq!(err, "two.yaml: invalid rate limit unit 'lightyear'");
     }
 
     #[cfg(unix)]
@@ -207,8 +208,10 @@ mod tests {
         let loaded = load(&source(dir.path(), None, true)).unwrap();
         assert_eq!(loaded.files, vec!["one.yaml"]);
         // Without ignoring dotfiles the hidden copy is loaded too: a duplicate domain, as in the reference.
-        let err = load(&source(dir.path(), None, false)).unwrap_err();
-        assert!(err.0.contains("duplicate domain 'one'"), "{}", err.0);
+        let err = load(&source(dir.path(), None, false))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("duplicate domain 'one'"), "{}", err);
     }
 
     /// A folder outside the rules folder holding a file with a recognisable secret, which no message
@@ -244,9 +247,11 @@ mod tests {
             let link = dir.path().join(link);
             fs::create_dir_all(link.parent().unwrap()).unwrap();
             symlink(&target, &link).unwrap();
-            let err = load(&source(dir.path(), None, false)).unwrap_err();
-            assert_eq!(err.0, format!("{name}: points outside the rules folder"));
-            assert!(!err.0.contains("SECRET"));
+            let err = load(&source(dir.path(), None, false))
+                .unwrap_err()
+                .to_string();
+            assert_eq!(err, format!("{name}: points outside the rules folder"));
+            assert!(!err.contains("SECRET"));
         }
     }
 
@@ -278,13 +283,17 @@ mod tests {
         symlink(&secret, dir.path().join("elsewhere.yaml")).unwrap();
         assert!(load(&source(dir.path(), Some("config."), false)).is_ok());
         symlink(&secret, dir.path().join("config/leak.yaml")).unwrap();
-        let err = load(&source(dir.path(), Some("config."), false)).unwrap_err();
-        assert_eq!(err.0, "config.leak.yaml: points outside the rules folder");
+        let err = load(&source(dir.path(), Some("config."), false))
+            .unwrap_err()
+            .to_string();
+        assert_eq!(err, "config.leak.yaml: points outside the rules folder");
         // The app directory itself linked outside the root.
         fs::remove_dir_all(dir.path().join("config")).unwrap();
         symlink(outside.path(), dir.path().join("config")).unwrap();
-        let err = load(&source(dir.path(), Some("config."), false)).unwrap_err();
-        assert_eq!(err.0, "config: points outside the rules folder");
+        let err = load(&source(dir.path(), Some("config."), false))
+            .unwrap_err()
+            .to_string();
+        assert_eq!(err, "config: points outside the rules folder");
     }
 
     #[test]

@@ -174,7 +174,8 @@ descriptors:
             "domain: d\ndescriptors:\n  - {key: a, value: \"cidr:10.0.0.0/8\"}\n  - {key: a, value: \"cidr:10.0.0.0/8\"}\n",
         ] {
             let err = RuleSet::build(&[("f".into(), parse_file(text).unwrap())], false)
-                .unwrap_err();
+                .unwrap_err()
+                .to_string();
             assert!(
                 err.starts_with("f: duplicate descriptor composite key 'd.a_"),
                 "{text}: {err}"

@@ -2,6 +2,7 @@
 //! requests are matched against. The current set lives in [`Rules`] and is swapped whole.
 
 mod compile;
+mod error;
 mod flags;
 mod loader;
 mod matcher;
@@ -16,8 +17,11 @@ use std::sync::Arc;
 
 use arc_swap::ArcSwapOption;
 
+pub use error::{
+    BuildError, CidrError, LimitField, LoadError, Location, ParseError, RuleError, SyntaxProblem,
+};
 pub use flags::RuleFlags;
-pub use loader::{load, LoadError, Loaded};
+pub use loader::{load, Loaded};
 pub use matcher::EntryRef;
 pub use model::{Domain, KeyNodes, Level, Limit, Node, PathStep, RuleSet};
 pub use pattern::{Cidr, Wildcard};

@@ -33,6 +33,17 @@ pub struct Limit {
     pub replaces: Box<[Arc<str>]>,
 }
 
+/// Largest `requests_per_unit` of a sliding log: it keeps one entry per counted request, up to this many.
+pub const SLIDING_LOG_MAX_LIMIT: u32 = 100_000;
+
+/// Longest window a limit may have (`unit` x `unit_multiplier`), and longest a token bucket or GCRA may
+/// take to refill a full burst: ten years of 365 days, in seconds. Every time the algorithms and the Redis
+/// script derive from a limit then stays far inside what they count with: milliseconds in a `u64`,
+/// microseconds since the epoch in a Lua double (exact below 2^53, some 285 years), and the TTLs Redis
+/// accepts from EXPIRE and PEXPIRE. Without a bound, `unit_multiplier` overflowed the window, and Redis
+/// refused an expiry after the script had already counted, leaving a key without a TTL.
+pub const MAX_WINDOW_SECS: u64 = 10 * 365 * 86_400;
+
 /// A descriptor node of the rules tree.
 #[derive(Debug, Clone)]
 pub struct Node {

@@ -3,6 +3,8 @@
 
 use std::net::IpAddr;
 
+use super::error::CidrError;
+
 /// Rule values starting with this are networks matched against client addresses.
 pub const CIDR_PREFIX: &str = "cidr:";
 
@@ -15,7 +17,7 @@ pub struct Cidr {
 
 impl Cidr {
     /// Parses `10.0.0.0/8`, `2001:db8::/32` or a bare address (a /32 or /128).
-    pub fn parse(text: &str) -> Result<Self, String> {
+    pub fn parse(text: &str) -> Result<Self, CidrError> {
         let (addr, prefix) = match text.split_once('/') {
             Some((addr, prefix)) => (addr, Some(prefix)),
             None => (text, None),
@@ -23,7 +25,7 @@ impl Cidr {
         let network: IpAddr = addr
             .trim()
             .parse()
-            .map_err(|_| format!("'{addr}' is not an IP address"))?;
+            .map_err(|_| CidrError::NotAnAddress(addr.into()))?;
         let max = if network.is_ipv4() { 32 } else { 128 };
         let prefix = match prefix {
             None => max,
@@ -32,14 +34,17 @@ impl Cidr {
                 .parse::<u8>()
                 .ok()
                 .filter(|p| *p <= max)
-                .ok_or_else(|| format!("prefix '/{p}' must be 0 to {max}"))?,
+                .ok_or_else(|| CidrError::Prefix {
+                    prefix: p.into(),
+                    max,
+                })?,
         };
         let cidr = Self { network, prefix };
         if cidr.mask(network) != network {
-            return Err(format!(
-                "host bits are set; the network is {}/{prefix}",
-                cidr.mask(network)
-            ));
+            return Err(CidrError::HostBits {
+                network: cidr.mask(network),
+                prefix,
+            });
         }
         Ok(cidr)
     }

@@ -8,7 +8,10 @@ use std::fmt;
 
 use serde::de::{Deserialize, Deserializer, MapAccess, SeqAccess, Visitor};
 
-use super::flags::RuleFlags;
+use super::{
+    error::{Location, ParseError, SyntaxProblem},
+    flags::RuleFlags,
+};
 use crate::settings::DEFAULT_MAX_YAML_NODES;
 
 /// Every key name accepted anywhere in a rules file besides the [`RuleFlags`] (one flat set, as the
@@ -183,12 +186,12 @@ pub const MAX_ALIAS_REPLAYED_EVENTS: usize = 100_000;
 
 /// Parses and validates the text of one rules file with the default node budget. Messages are those of
 /// the reference service, without the `<file>: ` prefix the caller adds.
-pub fn parse_file(text: &str) -> Result<DomainFile, String> {
+pub fn parse_file(text: &str) -> Result<DomainFile, ParseError> {
     parse_file_within(text, DEFAULT_MAX_YAML_NODES)
 }
 
 /// [`parse_file`], refusing a file of more than `max_yaml_nodes` YAML nodes (`rules.max_yaml_nodes`).
-pub fn parse_file_within(text: &str, max_yaml_nodes: usize) -> Result<DomainFile, String> {
+pub fn parse_file_within(text: &str, max_yaml_nodes: usize) -> Result<DomainFile, ParseError> {
     // YAML 1.2 booleans only, so that values such as `on`, `no` or `y` stay text, and numbers with a
     // leading zero stay text too (`value: 010` is the string "010").
     let mut options = serde_saphyr::Options::default();
@@ -231,19 +234,19 @@ pub fn parse_file_within(text: &str, max_yaml_nodes: usize) -> Result<DomainFile
 /// `error loading config file: yaml: ...` form. The parser's text is used only for the errors known to
 /// describe the problem without quoting the file (syntax errors name a bracket or a quote at most); the
 /// others are named by their kind, so that no file content reaches a log line or `check-config`.
-fn syntax_error(err: &serde_saphyr::Error, max_yaml_nodes: usize) -> String {
+fn syntax_error(err: &serde_saphyr::Error, max_yaml_nodes: usize) -> ParseError {
     use serde_saphyr::{budget::BudgetBreach, Error};
     // The error itself, out of the wrappers that add a snippet or the place an alias was defined.
     let mut inner = err;
     while let Error::WithSnippet { error, .. } | Error::AliasError { error, .. } = inner {
         inner = error;
     }
-    let at = inner
-        .location()
-        .or_else(|| err.location())
-        .map_or_else(String::new, |l| {
-            format!("line {} column {}: ", l.line(), l.column())
-        });
+    let at = Location {
+        line_column: inner
+            .location()
+            .or_else(|| err.location())
+            .map(|l| (l.line(), l.column())),
+    };
     let err = inner;
     // "<what> at line L, column C", first line only: the location is written in front instead.
     let own_text = || {
@@ -255,15 +258,13 @@ fn syntax_error(err: &serde_saphyr::Error, max_yaml_nodes: usize) -> String {
             .trim()
             .to_owned()
     };
-    let what = match err {
+    let problem = match err {
         Error::Budget {
             breach: BudgetBreach::Nodes { .. } | BudgetBreach::Events { .. },
             ..
-        } => format!(
-            "the file has more than {max_yaml_nodes} YAML nodes (maps, lists and scalars, aliases expanded); raise rules.max_yaml_nodes to load it"
-        ),
-        Error::DuplicateMappingKey { .. } => "a key appears twice in one map".into(),
-        Error::NonFiniteFloat { .. } => "error checking config".into(),
+        } => SyntaxProblem::TooManyNodes(max_yaml_nodes),
+        Error::DuplicateMappingKey { .. } => SyntaxProblem::DuplicateKey,
+        Error::NonFiniteFloat { .. } => SyntaxProblem::NotFinite,
         Error::ExternalMessage { .. }
         | Error::Budget { .. }
         | Error::UnknownAnchor { .. }
@@ -271,24 +272,24 @@ fn syntax_error(err: &serde_saphyr::Error, max_yaml_nodes: usize) -> String {
         | Error::AliasExpansionLimitExceeded { .. }
         | Error::AliasReplayStackDepthExceeded { .. }
         | Error::InvalidScalar { .. }
-        | Error::Eof { .. } => own_text(),
-        _ => "not a valid rules file".into(),
+        | Error::Eof { .. } => SyntaxProblem::Described(own_text()),
+        _ => SyntaxProblem::NotRules,
     };
-    format!("error loading config file: yaml: {at}{what}")
+    ParseError::Syntax { at, problem }
 }
 
 /// First pass: map keys must be strings from [`VALID_KEYS`]; list items must be maps; leaves must be
 /// strings, integers, booleans or null. `metadata` contents are free-form.
-fn validate_keys(node: &Yaml) -> Result<(), String> {
+fn validate_keys(node: &Yaml) -> Result<(), ParseError> {
     match node {
         Yaml::Map(entries) => {
             for (k, v) in entries {
                 let Yaml::String(name) = k else {
-                    return Err(format!("config error, key is not of type string: {k}"));
+                    return Err(ParseError::KeyNotString(k.to_string()));
                 };
                 if !VALID_KEYS.contains(&name.as_str()) && !RuleFlags::KEYS.contains(&name.as_str())
                 {
-                    return Err(format!("config error, unknown key '{name}'"));
+                    return Err(ParseError::UnknownKey(name.clone()));
                 }
                 if name != "metadata" {
                     validate_keys(v)?;
@@ -299,16 +300,14 @@ fn validate_keys(node: &Yaml) -> Result<(), String> {
         Yaml::List(items) => {
             for item in items {
                 if !matches!(item, Yaml::Map(_)) {
-                    return Err(format!(
-                        "config error, yaml file contains list of type other than map: {item}"
-                    ));
+                    return Err(ParseError::ListItemNotMap(item.to_string()));
                 }
                 validate_keys(item)?;
             }
             Ok(())
         }
         Yaml::Null | Yaml::Bool(_) | Yaml::Int(_) | Yaml::String(_) => Ok(()),
-        Yaml::BigUint(_) | Yaml::Float(_) => Err("error checking config".into()),
+        Yaml::BigUint(_) | Yaml::Float(_) => Err(ParseError::UnsupportedNumber),
     }
 }
 
@@ -320,11 +319,12 @@ fn key_str(k: &Yaml) -> &str {
     }
 }
 
-fn unmarshal_error(found: &Yaml, field: &str, expected: &str) -> String {
-    format!(
-        "error loading config file: yaml: unmarshal errors: cannot unmarshal {} into {field} (expected {expected})",
-        brief(found)
-    )
+fn unmarshal_error(found: &Yaml, field: &str, expected: &'static str) -> ParseError {
+    ParseError::WrongType {
+        found: brief(found),
+        field: field.into(),
+        expected,
+    }
 }
 
 /// A found value as the reference's YAML decoder names it in type errors: a short scalar in full, a
@@ -346,7 +346,7 @@ fn brief(v: &Yaml) -> String {
 }
 
 /// A string field; like the reference's YAML decoder, integer and boolean scalars are taken as text.
-fn scalar_string(v: &Yaml, field: &str) -> Result<String, String> {
+fn scalar_string(v: &Yaml, field: &str) -> Result<String, ParseError> {
     match v {
         Yaml::Null => Ok(String::new()),
         Yaml::String(s) => Ok(s.clone()),
@@ -356,7 +356,7 @@ fn scalar_string(v: &Yaml, field: &str) -> Result<String, String> {
     }
 }
 
-fn boolean(v: &Yaml, field: &str) -> Result<bool, String> {
+fn boolean(v: &Yaml, field: &str) -> Result<bool, ParseError> {
     match v {
         Yaml::Null => Ok(false),
         Yaml::Bool(b) => Ok(*b),
@@ -364,7 +364,7 @@ fn boolean(v: &Yaml, field: &str) -> Result<bool, String> {
     }
 }
 
-fn list<'a>(v: &'a Yaml, field: &str) -> Result<&'a [Yaml], String> {
+fn list<'a>(v: &'a Yaml, field: &str) -> Result<&'a [Yaml], ParseError> {
     match v {
         Yaml::Null => Ok(&[]),
         Yaml::List(items) => Ok(items),
@@ -372,7 +372,7 @@ fn list<'a>(v: &'a Yaml, field: &str) -> Result<&'a [Yaml], String> {
     }
 }
 
-fn map<'a>(v: &'a Yaml, field: &str) -> Result<&'a [(Yaml, Yaml)], String> {
+fn map<'a>(v: &'a Yaml, field: &str) -> Result<&'a [(Yaml, Yaml)], ParseError> {
     match v {
         Yaml::Null => Ok(&[]),
         Yaml::Map(entries) => Ok(entries),
@@ -380,11 +380,11 @@ fn map<'a>(v: &'a Yaml, field: &str) -> Result<&'a [(Yaml, Yaml)], String> {
     }
 }
 
-fn descriptor_list(v: &Yaml) -> Result<Vec<DescriptorSpec>, String> {
+fn descriptor_list(v: &Yaml) -> Result<Vec<DescriptorSpec>, ParseError> {
     list(v, "descriptors")?.iter().map(descriptor).collect()
 }
 
-fn descriptor(v: &Yaml) -> Result<DescriptorSpec, String> {
+fn descriptor(v: &Yaml) -> Result<DescriptorSpec, ParseError> {
     let mut spec = DescriptorSpec::default();
     for (k, v) in map(v, "descriptor")? {
         match key_str(k) {
@@ -408,7 +408,7 @@ fn descriptor(v: &Yaml) -> Result<DescriptorSpec, String> {
     Ok(spec)
 }
 
-fn rate_limit(v: &Yaml) -> Result<RateLimitSpec, String> {
+fn rate_limit(v: &Yaml) -> Result<RateLimitSpec, ParseError> {
     let mut spec = RateLimitSpec::default();
     for (k, v) in map(v, "rate_limit")? {
         match key_str(k) {
@@ -460,18 +460,15 @@ fn rate_limit(v: &Yaml) -> Result<RateLimitSpec, String> {
     Ok(spec)
 }
 
-fn metadata(v: &Yaml) -> Result<Option<serde_json::Map<String, serde_json::Value>>, String> {
+fn metadata(v: &Yaml) -> Result<Option<serde_json::Map<String, serde_json::Value>>, ParseError> {
     match v {
         Yaml::Null => Ok(None),
         Yaml::Map(entries) => Ok(Some(to_json_map(entries)?)),
-        other => Err(format!(
-            "error parsing metadata: expected a map, found {}",
-            brief(other)
-        )),
+        other => Err(ParseError::MetadataNotMap(brief(other))),
     }
 }
 
-fn to_json(v: &Yaml) -> Result<serde_json::Value, String> {
+fn to_json(v: &Yaml) -> Result<serde_json::Value, ParseError> {
     use serde_json::Value;
     Ok(match v {
         Yaml::Null => Value::Null,
@@ -480,7 +477,7 @@ fn to_json(v: &Yaml) -> Result<serde_json::Value, String> {
         Yaml::BigUint(u) => Value::from(*u),
         Yaml::Float(x) => serde_json::Number::from_f64(*x)
             .map(Value::Number)
-            .ok_or_else(|| format!("error parsing metadata: {x} is not a finite number"))?,
+            .ok_or(ParseError::MetadataNotFinite(*x))?,
         Yaml::String(s) => Value::String(s.clone()),
         Yaml::List(items) => Value::Array(items.iter().map(to_json).collect::<Result<_, _>>()?),
         Yaml::Map(entries) => Value::Object(to_json_map(entries)?),
@@ -489,14 +486,11 @@ fn to_json(v: &Yaml) -> Result<serde_json::Value, String> {
 
 fn to_json_map(
     entries: &[(Yaml, Yaml)],
-) -> Result<serde_json::Map<String, serde_json::Value>, String> {
+) -> Result<serde_json::Map<String, serde_json::Value>, ParseError> {
     let mut out = serde_json::Map::new();
     for (k, v) in entries {
         let Yaml::String(k) = k else {
-            return Err(format!(
-                "error parsing metadata: key {} is not a string",
-                brief(k)
-            ));
+            return Err(ParseError::MetadataKeyNotString(brief(k)));
         };
         out.insert(k.clone(), to_json(v)?);
     }
@@ -579,18 +573,20 @@ descriptors:
             ),
         ];
         for (text, want) in cases {
-            assert_eq!(parse_file(text).unwrap_err(), want, "{text}");
+            assert_eq!(parse_file(text).unwrap_err().to_string(), want, "{text}");
         }
     }
 
     #[test]
     fn syntax_and_type_errors_say_error_loading_config_file() {
-        let err = parse_file("domain: d\ndescriptors:\n  - key: [a\n").unwrap_err();
+        let err = parse_file("domain: d\ndescriptors:\n  - key: [a\n")
+            .unwrap_err()
+            .to_string();
         assert!(err.starts_with("error loading config file: "), "{err}");
         let err = parse_file(
             "domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: second, requests_per_unit: -1}\n",
         )
-        .unwrap_err();
+        .unwrap_err().to_string();
         assert!(
             err.starts_with("error loading config file: yaml: unmarshal errors:"),
             "{err}"
@@ -606,8 +602,9 @@ descriptors:
         .unwrap();
         let m = f.descriptors[0].metadata.as_ref().unwrap();
         assert_eq!(m["team"], "x");
-        let err =
-            parse_file("domain: d\ndescriptors:\n  - key: a\n    metadata: [1, 2]\n").unwrap_err();
+        let err = parse_file("domain: d\ndescriptors:\n  - key: a\n    metadata: [1, 2]\n")
+            .unwrap_err()
+            .to_string();
         assert!(err.starts_with("error parsing metadata: "), "{err}");
     }
 
@@ -621,7 +618,7 @@ descriptors:
         }
         // 5 nodes for the root map, its keys, the domain and the list; 11 per descriptor.
         assert!(parse_file_within(&text, 1_105).is_ok());
-        let err = parse_file_within(&text, 1_104).unwrap_err();
+        let err = parse_file_within(&text, 1_104).unwrap_err().to_string();
         assert!(
             err.starts_with("error loading config file: yaml: line ")
                 && err.ends_with(
@@ -672,7 +669,7 @@ descriptors:
             ),
         ];
         for (text, want) in cases {
-            let err = parse_file(text).unwrap_err();
+            let err = parse_file(text).unwrap_err().to_string();
             assert!(err.contains(want), "{text:?}: {err}");
             assert!(!err.contains("SECRET"), "{text:?}: {err}");
             assert!(!err.contains('\n'), "one line: {err}");

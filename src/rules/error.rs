@@ -1,13 +1,16 @@
 //! Every way loading rules can fail, one enum per stage: reading a file's YAML ([`ParseError`]),
 //! compiling a file's rules ([`RuleError`], named by file in [`BuildError`]), reading the folder
-//! ([`LoadError`]). The texts are the reference service's messages where it has one, since operators grep
-//! for them; ratelimitd's own checks name the rule and the field to fix. No message quotes a file beyond a
-//! short scalar, so a file read by mistake never reaches a log line.
+//! ([`LoadError`]). A malformed `cidr:` value's reason is the pattern's own [`CidrError`].
+//!
+//! The texts are the reference service's messages where it has one, since operators grep for them;
+//! ratelimitd's own checks name the rule and the field to fix. No message quotes a file beyond a short
+//! scalar, so a file read by mistake never reaches a log line.
 
-use std::{fmt, io, net::IpAddr};
+use std::{fmt, io};
 
 use super::{
     model::{MAX_WINDOW_SECS, SLIDING_LOG_MAX_LIMIT},
+    pattern::CidrError,
     unit::Unit,
 };
 use crate::algorithm::Algorithm;
@@ -30,7 +33,7 @@ pub enum ParseError {
     /// A float, or an integer above `i64::MAX`, outside `metadata`.
     #[error("error checking config")]
     UnsupportedNumber,
-    /// A value of the wrong type; `found` is shortened (see `yaml::brief`).
+    /// A value of the wrong type; `found` is shortened (see `Yaml::brief`).
     #[error("error loading config file: yaml: unmarshal errors: cannot unmarshal {found} into {field} (expected {expected})")]
     WrongType {
         found: String,
@@ -45,7 +48,8 @@ pub enum ParseError {
     MetadataNotFinite(f64),
 }
 
-/// Where in a file the YAML parser stopped, when it says.
+/// Where in a file the YAML parser stopped, when it says; written `line L column C: ` in front of the
+/// problem.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Location {
     pub line_column: Option<(u64, u64)>,
@@ -170,17 +174,6 @@ pub struct BuildError {
     pub file: String,
     #[source]
     pub error: RuleError,
-}
-
-/// Why a `cidr:` value is not a network.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum CidrError {
-    #[error("'{0}' is not an IP address")]
-    NotAnAddress(String),
-    #[error("prefix '/{prefix}' must be 0 to {max}")]
-    Prefix { prefix: String, max: u8 },
-    #[error("host bits are set; the network is {network}/{prefix}")]
-    HostBits { network: IpAddr, prefix: u8 },
 }
 
 /// Why a rules folder could not be loaded. Every message starts with the file (or the folder) at fault.

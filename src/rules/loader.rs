@@ -19,7 +19,11 @@ use std::{
 
 use sha2::{Digest, Sha256};
 
-use super::{error::LoadError, model::RuleSet, yaml::parse_file_within};
+use super::{
+    error::LoadError,
+    model::RuleSet,
+    yaml::{parse_file_within, DomainFile},
+};
 use crate::settings::RulesSource;
 
 /// The result of a successful load.
@@ -43,27 +47,11 @@ enum Found {
 
 /// Loads every rules file of the source. A missing root folder is an empty rule set.
 pub fn load(source: &RulesSource) -> Result<Loaded, LoadError> {
-    let mut found = Vec::new();
-    // The root's real path, resolved once: a swap of the root during the load does not mix versions.
-    if let Ok(root) = fs::canonicalize(&source.root) {
-        if root.is_dir() {
-            walk(&root, &root, source.ignore_dotfiles, &mut found).map_err(|err| {
-                LoadError::Walk {
-                    root: source.root.display().to_string(),
-                    source: err,
-                }
-            })?;
-        }
-    }
-    found.sort();
-    let mut parsed = Vec::with_capacity(found.len());
+    let mut parsed = Vec::new();
     let mut digest = Sha256::new();
-    for (name, what) in found {
+    for (name, what) in find(source)? {
         if let Some(prefix) = &source.key_prefix {
-            // A link to a folder is named like the folder: `config` would hold the files `config.*`.
-            let selected = name.starts_with(prefix.as_str())
-                || (what == Found::Outside && prefix.starts_with(&format!("{name}.")));
-            if !selected {
+            if !selected(&name, &what, prefix) {
                 continue;
             }
         }
@@ -71,17 +59,7 @@ pub fn load(source: &RulesSource) -> Result<Loaded, LoadError> {
             Found::File(path) => path,
             Found::Outside => return Err(LoadError::Outside { file: name }),
         };
-        let text = match fs::read(&path) {
-            Ok(text) => text,
-            Err(source) => return Err(LoadError::Read { file: name, source }),
-        };
-        let Ok(text) = String::from_utf8(text) else {
-            return Err(LoadError::NotUtf8 { file: name });
-        };
-        let file = match parse_file_within(&text, source.max_yaml_nodes) {
-            Ok(file) => file,
-            Err(source) => return Err(LoadError::Parse { file: name, source }),
-        };
+        let (text, file) = read(&name, &path, source.max_yaml_nodes)?;
         digest.update(name.as_bytes());
         digest.update([0]);
         digest.update(text.as_bytes());
@@ -97,6 +75,49 @@ pub fn load(source: &RulesSource) -> Result<Loaded, LoadError> {
         files: parsed.into_iter().map(|(name, _)| name).collect(),
         fingerprint: u64::from_be_bytes(first),
     })
+}
+
+/// Everything under the source's root by dotted name, sorted: the load order.
+fn find(source: &RulesSource) -> Result<Vec<(String, Found)>, LoadError> {
+    let mut found = Vec::new();
+    // The root's real path, resolved once: a swap of the root during the load does not mix versions.
+    if let Ok(root) = fs::canonicalize(&source.root) {
+        if root.is_dir() {
+            walk(&root, &root, source.ignore_dotfiles, &mut found).map_err(|err| {
+                LoadError::Walk {
+                    root: source.root.display().to_string(),
+                    source: err,
+                }
+            })?;
+        }
+    }
+    found.sort();
+    Ok(found)
+}
+
+/// Whether what was found under `name` is under the `key_prefix` the source reads.
+fn selected(name: &str, what: &Found, prefix: &str) -> bool {
+    // A link to a folder is named like the folder: `config` would hold the files `config.*`.
+    name.starts_with(prefix)
+        || (*what == Found::Outside
+            && prefix
+                .strip_prefix(name)
+                .is_some_and(|rest| rest.starts_with('.')))
+}
+
+/// Reads and parses the rules file `name` at `path`: its text and what it says.
+fn read(name: &str, path: &Path, max_yaml_nodes: usize) -> Result<(String, DomainFile), LoadError> {
+    let file = || name.to_owned();
+    let text = fs::read(path).map_err(|source| LoadError::Read {
+        file: file(),
+        source,
+    })?;
+    let text = String::from_utf8(text).map_err(|_| LoadError::NotUtf8 { file: file() })?;
+    let parsed = parse_file_within(&text, max_yaml_nodes).map_err(|source| LoadError::Parse {
+        file: file(),
+        source,
+    })?;
+    Ok((text, parsed))
 }
 
 /// Collects the files under `dir` by dotted name. `root` is a real path (no symlinks), so every path

@@ -1,5 +1,17 @@
 //! The rules: the reference YAML format, validated and compiled into an immutable [`RuleSet`] that
 //! requests are matched against. The current set lives in [`Rules`] and is swapped whole.
+//!
+//! # Layout
+//! A load runs down this list; each module uses only those below it.
+//! - `watcher`: reloads when the rules folder changes.
+//! - `loader`: reads a rules folder, all files or none.
+//! - `compile`: parsed files to a [`RuleSet`], with the semantic checks.
+//! - `yaml`: one file's text to a [`DomainFile`], with the key and type checks; `yaml_tree` is the
+//!   generic YAML tree it reads first.
+//! - `error`: the errors of the three above, with the messages operators see.
+//! - `matcher` and `rlconfig`: what requests and `/rlconfig` read from a built [`RuleSet`].
+//! - `model`: the compiled tree itself ([`RuleSet`], [`Node`], [`Limit`]).
+//! - `flags`, `pattern`, `unit`: a rule's yes/no settings, its `cidr:` and `*` values, its units.
 
 mod compile;
 mod error;
@@ -12,19 +24,20 @@ mod rlconfig;
 mod unit;
 mod watcher;
 mod yaml;
+mod yaml_tree;
 
 use std::sync::Arc;
 
 use arc_swap::ArcSwapOption;
 
 pub use error::{
-    BuildError, CidrError, LimitField, LoadError, Location, ParseError, RuleError, SyntaxProblem,
+    BuildError, LimitField, LoadError, Location, ParseError, RuleError, SyntaxProblem,
 };
 pub use flags::RuleFlags;
 pub use loader::{load, Loaded};
 pub use matcher::EntryRef;
 pub use model::{Domain, KeyNodes, Level, Limit, Node, PathStep, RuleSet};
-pub use pattern::{Cidr, Wildcard};
+pub use pattern::{Cidr, CidrError, Wildcard};
 pub use unit::Unit;
 pub use watcher::{reload, OnLoaded, ReloadStats, RulesWatch};
 pub use yaml::{parse_file, parse_file_within, DomainFile};

@@ -3,10 +3,19 @@
 
 use std::net::IpAddr;
 
-use super::error::CidrError;
-
 /// Rule values starting with this are networks matched against client addresses.
 pub const CIDR_PREFIX: &str = "cidr:";
+
+/// Why a `cidr:` value is not a network.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CidrError {
+    #[error("'{0}' is not an IP address")]
+    NotAnAddress(String),
+    #[error("prefix '/{prefix}' must be 0 to {max}")]
+    Prefix { prefix: String, max: u8 },
+    #[error("host bits are set; the network is {network}/{prefix}")]
+    HostBits { network: IpAddr, prefix: u8 },
+}
 
 /// An IPv4 or IPv6 network written `cidr:<address>/<prefix>` as a rule value.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -44,6 +44,7 @@ impl Unit {
         })
     }
 
+    /// The unit's wire number (see [`Unit::from_wire`]).
     pub fn to_wire(self) -> i32 {
         match self {
             Unit::Second => 1,
@@ -56,6 +57,7 @@ impl Unit {
         }
     }
 
+    /// The unit's name as `/rlconfig` and messages write it.
     pub fn name(self) -> &'static str {
         match self {
             Unit::Second => "SECOND",
@@ -68,6 +70,7 @@ impl Unit {
         }
     }
 
+    /// The unit's length.
     pub fn seconds(self) -> u64 {
         match self {
             Unit::Second => 1,

@@ -4,13 +4,10 @@
 //! decode into typed structs) and its error texts are part of what operators grep for, so both passes and
 //! their messages are kept here.
 
-use std::fmt;
-
-use serde::de::{Deserialize, Deserializer, MapAccess, SeqAccess, Visitor};
-
 use super::{
     error::{Location, ParseError, SyntaxProblem},
     flags::RuleFlags,
+    yaml_tree::Yaml,
 };
 use crate::settings::DEFAULT_MAX_YAML_NODES;
 
@@ -34,115 +31,6 @@ const VALID_KEYS: &[&str] = &[
     "burst",
     "unit_multiplier",
 ];
-
-/// A YAML node, keeping map order (wildcards match in file order) and non-string keys (to reject them).
-#[derive(Debug, Clone, PartialEq)]
-pub enum Yaml {
-    Null,
-    Bool(bool),
-    Int(i64),
-    /// Integers above `i64::MAX`.
-    BigUint(u64),
-    Float(f64),
-    String(String),
-    List(Vec<Yaml>),
-    Map(Vec<(Yaml, Yaml)>),
-}
-
-impl fmt::Display for Yaml {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Yaml::Null => f.write_str("null"),
-            Yaml::Bool(b) => write!(f, "{b}"),
-            Yaml::Int(i) => write!(f, "{i}"),
-            Yaml::BigUint(u) => write!(f, "{u}"),
-            Yaml::Float(x) => write!(f, "{x}"),
-            Yaml::String(s) => f.write_str(s),
-            Yaml::List(items) => {
-                f.write_str("[")?;
-                for (i, item) in items.iter().enumerate() {
-                    if i > 0 {
-                        f.write_str(" ")?;
-                    }
-                    write!(f, "{item}")?;
-                }
-                f.write_str("]")
-            }
-            Yaml::Map(entries) => {
-                f.write_str("map[")?;
-                for (i, (k, v)) in entries.iter().enumerate() {
-                    if i > 0 {
-                        f.write_str(" ")?;
-                    }
-                    write!(f, "{k}:{v}")?;
-                }
-                f.write_str("]")
-            }
-        }
-    }
-}
-
-impl<'de> Deserialize<'de> for Yaml {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct YamlVisitor;
-        impl<'de> Visitor<'de> for YamlVisitor {
-            type Value = Yaml;
-            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-                f.write_str("any YAML value")
-            }
-            fn visit_bool<E>(self, v: bool) -> Result<Yaml, E> {
-                Ok(Yaml::Bool(v))
-            }
-            fn visit_i64<E>(self, v: i64) -> Result<Yaml, E> {
-                Ok(Yaml::Int(v))
-            }
-            fn visit_u64<E>(self, v: u64) -> Result<Yaml, E> {
-                Ok(i64::try_from(v).map_or(Yaml::BigUint(v), Yaml::Int))
-            }
-            fn visit_i128<E>(self, v: i128) -> Result<Yaml, E> {
-                Ok(i64::try_from(v).map_or(Yaml::Float(v as f64), Yaml::Int))
-            }
-            fn visit_u128<E>(self, v: u128) -> Result<Yaml, E> {
-                Ok(u64::try_from(v).map_or(Yaml::Float(v as f64), |v| {
-                    i64::try_from(v).map_or(Yaml::BigUint(v), Yaml::Int)
-                }))
-            }
-            fn visit_f64<E>(self, v: f64) -> Result<Yaml, E> {
-                Ok(Yaml::Float(v))
-            }
-            fn visit_str<E>(self, v: &str) -> Result<Yaml, E> {
-                Ok(Yaml::String(v.to_owned()))
-            }
-            fn visit_string<E>(self, v: String) -> Result<Yaml, E> {
-                Ok(Yaml::String(v))
-            }
-            fn visit_unit<E>(self) -> Result<Yaml, E> {
-                Ok(Yaml::Null)
-            }
-            fn visit_none<E>(self) -> Result<Yaml, E> {
-                Ok(Yaml::Null)
-            }
-            fn visit_some<D: Deserializer<'de>>(self, d: D) -> Result<Yaml, D::Error> {
-                Yaml::deserialize(d)
-            }
-            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Yaml, A::Error> {
-                let mut items = Vec::new();
-                while let Some(item) = seq.next_element()? {
-                    items.push(item);
-                }
-                Ok(Yaml::List(items))
-            }
-            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Yaml, A::Error> {
-                let mut entries = Vec::new();
-                while let Some((k, v)) = map.next_entry()? {
-                    entries.push((k, v));
-                }
-                Ok(Yaml::Map(entries))
-            }
-        }
-        d.deserialize_any(YamlVisitor)
-    }
-}
 
 /// A rules file as written, after both passes of validation.
 #[derive(Debug, Clone, PartialEq)]
@@ -321,27 +209,9 @@ fn key_str(k: &Yaml) -> &str {
 
 fn unmarshal_error(found: &Yaml, field: &str, expected: &'static str) -> ParseError {
     ParseError::WrongType {
-        found: brief(found),
+        found: found.brief(),
         field: field.into(),
         expected,
-    }
-}
-
-/// A found value as the reference's YAML decoder names it in type errors: a short scalar in full, a
-/// longer one by its first seven characters, a list or a map by its kind alone. A file that is not a
-/// rules file at all (a whole text read as one scalar) is thus never repeated in a message.
-fn brief(v: &Yaml) -> String {
-    match v {
-        Yaml::List(_) => "!!seq".into(),
-        Yaml::Map(_) => "!!map".into(),
-        scalar => {
-            let text = scalar.to_string();
-            if text.chars().count() > 10 {
-                format!("`{}...`", text.chars().take(7).collect::<String>())
-            } else {
-                format!("`{text}`")
-            }
-        }
     }
 }
 
@@ -414,57 +284,60 @@ fn rate_limit(v: &Yaml) -> Result<RateLimitSpec, ParseError> {
         match key_str(k) {
             "unit" => spec.unit = scalar_string(v, "unit")?,
             "requests_per_unit" => {
-                spec.requests_per_unit = match v {
-                    Yaml::Null => 0,
-                    Yaml::Int(i) => u32::try_from(*i)
-                        .map_err(|_| unmarshal_error(v, "requests_per_unit", "a uint32"))?,
-                    other => return Err(unmarshal_error(other, "requests_per_unit", "a uint32")),
-                }
+                spec.requests_per_unit = uint32(v, "requests_per_unit")?.unwrap_or(0);
             }
             "unlimited" => spec.unlimited = boolean(v, "unlimited")?,
             "name" => spec.name = scalar_string(v, "name")?,
             "algorithm" => spec.algorithm = scalar_string(v, "algorithm")?,
-            "burst" => {
-                spec.burst = match v {
-                    Yaml::Null => None,
-                    Yaml::Int(i) => Some(
-                        u64::try_from(*i)
-                            .ok()
-                            .filter(|b| *b <= u64::from(u32::MAX))
-                            .ok_or_else(|| unmarshal_error(v, "burst", "a uint32"))?,
-                    ),
-                    other => return Err(unmarshal_error(other, "burst", "a uint32")),
-                }
-            }
-            "unit_multiplier" => {
-                spec.unit_multiplier = match v {
-                    Yaml::Null => None,
-                    Yaml::Int(i) => Some(*i),
-                    other => return Err(unmarshal_error(other, "unit_multiplier", "an integer")),
-                }
-            }
-            "replaces" => {
-                for item in list(v, "replaces")? {
-                    let mut name = String::new();
-                    for (k, v) in map(item, "replaces")? {
-                        if key_str(k) == "name" {
-                            name = scalar_string(v, "name")?;
-                        }
-                    }
-                    spec.replaces.push(name);
-                }
-            }
+            "burst" => spec.burst = uint32(v, "burst")?.map(u64::from),
+            "unit_multiplier" => spec.unit_multiplier = integer(v, "unit_multiplier")?,
+            "replaces" => spec.replaces = replaces(v)?,
             _ => {}
         }
     }
     Ok(spec)
 }
 
+/// An unsigned 32-bit field; `None` when null.
+fn uint32(v: &Yaml, field: &str) -> Result<Option<u32>, ParseError> {
+    match v {
+        Yaml::Null => Ok(None),
+        Yaml::Int(i) => u32::try_from(*i)
+            .map(Some)
+            .map_err(|_| unmarshal_error(v, field, "a uint32")),
+        other => Err(unmarshal_error(other, field, "a uint32")),
+    }
+}
+
+/// An integer field of any sign, checked later; `None` when null.
+fn integer(v: &Yaml, field: &str) -> Result<Option<i64>, ParseError> {
+    match v {
+        Yaml::Null => Ok(None),
+        Yaml::Int(i) => Ok(Some(*i)),
+        other => Err(unmarshal_error(other, field, "an integer")),
+    }
+}
+
+/// The `name`s of a `replaces` list (`""` for an entry without one, refused when compiling).
+fn replaces(v: &Yaml) -> Result<Vec<String>, ParseError> {
+    let mut names = Vec::new();
+    for item in list(v, "replaces")? {
+        let mut name = String::new();
+        for (k, v) in map(item, "replaces")? {
+            if key_str(k) == "name" {
+                name = scalar_string(v, "name")?;
+            }
+        }
+        names.push(name);
+    }
+    Ok(names)
+}
+
 fn metadata(v: &Yaml) -> Result<Option<serde_json::Map<String, serde_json::Value>>, ParseError> {
     match v {
         Yaml::Null => Ok(None),
         Yaml::Map(entries) => Ok(Some(to_json_map(entries)?)),
-        other => Err(ParseError::MetadataNotMap(brief(other))),
+        other => Err(ParseError::MetadataNotMap(other.brief())),
     }
 }
 
@@ -490,7 +363,7 @@ fn to_json_map(
     let mut out = serde_json::Map::new();
     for (k, v) in entries {
         let Yaml::String(k) = k else {
-            return Err(ParseError::MetadataKeyNotString(brief(k)));
+            return Err(ParseError::MetadataKeyNotString(k.brief()));
         };
         out.insert(k.clone(), to_json(v)?);
     }

@@ -16,7 +16,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use common::{descriptor, request, TestServer};
+use common::{ask, descriptor, request, TestServer};
 use hyper_util::rt::TokioIo;
 use ratelimitd::{
     proto::{
@@ -40,7 +40,7 @@ const RULES: &str =
     "domain: age\ndescriptors:\n  - key: user\n    rate_limit: {unit: minute, requests_per_unit: 100}\n";
 const SHOULD_RATE_LIMIT: &str = "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit";
 
-fn ask(user: &str) -> RateLimitRequest {
+fn question(user: &str) -> RateLimitRequest {
     request("age", vec![descriptor(&[("user", user)])])
 }
 
@@ -244,11 +244,7 @@ async fn call_again(
         Ok(answer) => answer.into_inner(),
         Err(status) => {
             assert_eq!(status.code(), tonic::Code::Cancelled, "{status}");
-            client
-                .should_rate_limit(message)
-                .await
-                .unwrap()
-                .into_inner()
+            ask(client, message).await
         }
     }
 }
@@ -261,8 +257,8 @@ async fn at_its_age_a_connection_is_closed_gracefully_and_the_call_in_flight_get
     let connections = Connections::default();
     let channel = connections.channel(server.grpc_addr).await;
     let mut client = RateLimitServiceClient::new(channel.clone());
-    client.should_rate_limit(ask("a")).await.unwrap();
-    let held = HeldCall::start(channel, ask("held")).await;
+    ask(&mut client, question("a")).await;
+    let held = HeldCall::start(channel, question("held")).await;
 
     // GOAWAY at the age (±10 %), while the held call is still in flight: the connection stays open.
     let first = connections
@@ -286,7 +282,7 @@ async fn at_its_age_a_connection_is_closed_gracefully_and_the_call_in_flight_get
         .await;
 
     // The client's next calls go over a new connection.
-    let answer = call_again(&mut client, ask("a")).await;
+    let answer = call_again(&mut client, question("a")).await;
     assert_eq!(answer.statuses[0].limit_remaining, 98);
     assert_eq!(
         connections.count(),
@@ -302,7 +298,7 @@ async fn a_call_still_running_after_the_grace_is_cut() {
     let server = TestServer::start(&[("age.yaml", RULES)], aged(age, grace)).await;
     let connections = Connections::default();
     let channel = connections.channel(server.grpc_addr).await;
-    let held = HeldCall::start(channel.clone(), ask("held")).await;
+    let held = HeldCall::start(channel.clone(), question("held")).await;
 
     let answer = tokio::time::timeout(Duration::from_secs(6), held.answer)
         .await
@@ -322,7 +318,7 @@ async fn a_call_still_running_after_the_grace_is_cut() {
 
     // The client carries on over a new connection.
     let mut client = RateLimitServiceClient::new(channel);
-    call_again(&mut client, ask("after")).await;
+    call_again(&mut client, question("after")).await;
     assert_eq!(connections.count(), 2);
     server.stop().await;
 }
@@ -356,8 +352,8 @@ async fn over_tls_too_a_call_still_running_after_the_grace_is_cut() {
         .unwrap();
     let opened = Instant::now();
     let mut client = RateLimitServiceClient::new(channel.clone());
-    client.should_rate_limit(ask("a")).await.unwrap();
-    let held = HeldCall::start(channel, ask("held")).await;
+    ask(&mut client, question("a")).await;
+    let held = HeldCall::start(channel, question("held")).await;
 
     let answer = tokio::time::timeout(Duration::from_secs(6), held.answer)
         .await

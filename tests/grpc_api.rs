@@ -2,7 +2,7 @@
 
 mod common;
 
-use common::{descriptor, request, with_override, TestServer};
+use common::{ask, descriptor, request, with_override, TestServer};
 use ratelimitd::proto::{
     envoy::r#type::v3::RateLimitUnit,
     rate_limit_response::{rate_limit::Unit, Code, DescriptorStatus, RateLimit},
@@ -67,7 +67,7 @@ async fn counts_to_the_limit_and_resets_with_the_next_window() {
     let mut c = s.client().await;
     let r = request("web", vec![descriptor(&[("remote_address", "10.0.0.1")])]);
     for left in [2, 1, 0] {
-        let resp = c.should_rate_limit(r.clone()).await.unwrap().into_inner();
+        let resp = ask(&mut c, r.clone()).await;
         assert_eq!(resp.overall_code, Code::Ok as i32);
         assert_eq!(
             resp.statuses,
@@ -79,7 +79,7 @@ async fn counts_to_the_limit_and_resets_with_the_next_window() {
             )]
         );
     }
-    let resp = c.should_rate_limit(r.clone()).await.unwrap().into_inner();
+    let resp = ask(&mut c, r.clone()).await;
     assert_eq!(resp.overall_code, Code::OverLimit as i32);
     assert_eq!(
         resp.statuses,
@@ -92,11 +92,11 @@ async fn counts_to_the_limit_and_resets_with_the_next_window() {
     );
     // Another address has its own counter.
     let other = request("web", vec![descriptor(&[("remote_address", "10.0.0.2")])]);
-    let resp = c.should_rate_limit(other).await.unwrap().into_inner();
+    let resp = ask(&mut c, other).await;
     assert_eq!(resp.overall_code, Code::Ok as i32);
 
     s.clock.advance_millis(58_000);
-    let resp = c.should_rate_limit(r).await.unwrap().into_inner();
+    let resp = ask(&mut c, r).await;
     assert_eq!(resp.overall_code, Code::Ok as i32);
     assert_eq!(resp.statuses[0].limit_remaining, 2);
     assert_eq!(
@@ -116,19 +116,19 @@ async fn hits_addend_at_request_and_descriptor_level() {
     let mut c = s.client().await;
     let mut r = request("web", vec![descriptor(&[("remote_address", "a")])]);
     r.hits_addend = 2;
-    let resp = c.should_rate_limit(r.clone()).await.unwrap().into_inner();
+    let resp = ask(&mut c, r.clone()).await;
     assert_eq!(resp.statuses[0].limit_remaining, 1);
 
     // Per-descriptor 0 is a check that counts nothing, even with a request-level addend.
     r.descriptors[0].hits_addend = Some(0);
-    let resp = c.should_rate_limit(r.clone()).await.unwrap().into_inner();
+    let resp = ask(&mut c, r.clone()).await;
     assert_eq!(resp.statuses[0].limit_remaining, 1);
     assert_eq!(resp.overall_code, Code::Ok as i32);
 
     // Per-descriptor 2 beats the request's 2 -> 1: over.
     r.hits_addend = 1;
     r.descriptors[0].hits_addend = Some(2);
-    let resp = c.should_rate_limit(r).await.unwrap().into_inner();
+    let resp = ask(&mut c, r).await;
     assert_eq!(resp.overall_code, Code::OverLimit as i32);
     s.stop().await;
 }
@@ -144,13 +144,9 @@ async fn denied_requests_cost_nothing_unless_consume_on_deny() {
             descriptor(&[("tight", "x")]),
         ],
     );
-    c.should_rate_limit(both.clone()).await.unwrap();
+    ask(&mut c, both.clone()).await;
     for _ in 0..3 {
-        let resp = c
-            .should_rate_limit(both.clone())
-            .await
-            .unwrap()
-            .into_inner();
+        let resp = ask(&mut c, both.clone()).await;
         assert_eq!(resp.overall_code, Code::OverLimit as i32);
         assert_eq!(
             resp.statuses[0].limit_remaining, 2,
@@ -162,7 +158,7 @@ async fn denied_requests_cost_nothing_unless_consume_on_deny() {
     // STOP_CACHE_KEY_INCREMENT_WHEN_OVERLIMIT=false: the reference behaviour, every descriptor counted.
     let s = TestServer::start(&[("web.yaml", RULES)], |s| s.consume_on_deny = true).await;
     let mut c = s.client().await;
-    c.should_rate_limit(both.clone()).await.unwrap();
+    ask(&mut c, both.clone()).await;
     let left: Vec<u32> = futures_remaining(&mut c, &both, 2).await;
     assert_eq!(left, vec![1, 0]);
     s.stop().await;
@@ -175,7 +171,7 @@ async fn futures_remaining(
 ) -> Vec<u32> {
     let mut out = Vec::new();
     for _ in 0..times {
-        let resp = c.should_rate_limit(r.clone()).await.unwrap().into_inner();
+        let resp = ask(c, r.clone()).await;
         out.push(resp.statuses[0].limit_remaining);
     }
     out
@@ -186,8 +182,8 @@ async fn shadow_rules_and_global_shadow_mode_never_deny() {
     let s = server().await;
     let mut c = s.client().await;
     let r = request("web", vec![descriptor(&[("preview", "p")])]);
-    c.should_rate_limit(r.clone()).await.unwrap();
-    let resp = c.should_rate_limit(r).await.unwrap().into_inner();
+    ask(&mut c, r.clone()).await;
+    let resp = ask(&mut c, r).await;
     assert_eq!(resp.overall_code, Code::Ok as i32);
     assert_eq!(resp.statuses[0].code, Code::Ok as i32);
     assert_eq!(resp.statuses[0].limit_remaining, 0);
@@ -196,8 +192,8 @@ async fn shadow_rules_and_global_shadow_mode_never_deny() {
     let s = TestServer::start(&[("web.yaml", RULES)], |s| s.shadow_mode = true).await;
     let mut c = s.client().await;
     let r = request("web", vec![descriptor(&[("tight", "t")])]);
-    c.should_rate_limit(r.clone()).await.unwrap();
-    let resp = c.should_rate_limit(r).await.unwrap().into_inner();
+    ask(&mut c, r.clone()).await;
+    let resp = ask(&mut c, r).await;
     assert_eq!(
         resp.overall_code,
         Code::Ok as i32,
@@ -215,18 +211,18 @@ async fn shadow_rules_and_global_shadow_mode_never_deny() {
 async fn unlimited_replaces_and_unmatched_descriptors() {
     let s = server().await;
     let mut c = s.client().await;
-    let resp = c
-        .should_rate_limit(request(
+    let resp = ask(
+        &mut c,
+        request(
             "web",
             vec![
                 descriptor(&[("internal", "x")]),
                 descriptor(&[("nothing", "matches")]),
                 descriptor(&[("path", "/api/v1/users")]),
             ],
-        ))
-        .await
-        .unwrap()
-        .into_inner();
+        ),
+    )
+    .await;
     assert_eq!(resp.statuses[0], status(Code::Ok, None, u32::MAX, None));
     assert_eq!(resp.statuses[1], status(Code::Ok, None, 0, None));
     assert_eq!(
@@ -235,21 +231,17 @@ async fn unlimited_replaces_and_unmatched_descriptors() {
     );
 
     let free = descriptor(&[("plan", "free")]);
-    let resp = c
-        .should_rate_limit(request("web", vec![free.clone()]))
-        .await
-        .unwrap()
-        .into_inner();
+    let resp = ask(&mut c, request("web", vec![free.clone()])).await;
     assert_eq!(
         resp.overall_code,
         Code::OverLimit as i32,
         "0 per minute blocks"
     );
-    let resp = c
-        .should_rate_limit(request("web", vec![free, descriptor(&[("plan", "paid")])]))
-        .await
-        .unwrap()
-        .into_inner();
+    let resp = ask(
+        &mut c,
+        request("web", vec![free, descriptor(&[("plan", "paid")])]),
+    )
+    .await;
     assert_eq!(
         resp.overall_code,
         Code::Ok as i32,
@@ -258,14 +250,11 @@ async fn unlimited_replaces_and_unmatched_descriptors() {
     assert_eq!(resp.statuses[0], status(Code::Ok, None, 0, None));
     assert_eq!(resp.statuses[1].limit_remaining, 1);
 
-    let resp = c
-        .should_rate_limit(request(
-            "unknown-domain",
-            vec![descriptor(&[("user", "u")])],
-        ))
-        .await
-        .unwrap()
-        .into_inner();
+    let resp = ask(
+        &mut c,
+        request("unknown-domain", vec![descriptor(&[("user", "u")])]),
+    )
+    .await;
     assert_eq!(resp.overall_code, Code::Ok as i32);
     assert_eq!(resp.statuses[0].current_limit, None);
     s.stop().await;
@@ -280,11 +269,7 @@ async fn request_overrides_apply_to_known_domains_and_reject_unknown_units() {
         1,
         RateLimitUnit::Day as i32,
     );
-    let resp = c
-        .should_rate_limit(request("web", vec![d.clone()]))
-        .await
-        .unwrap()
-        .into_inner();
+    let resp = ask(&mut c, request("web", vec![d.clone()])).await;
     assert_eq!(
         resp.statuses[0].current_limit,
         Some(RateLimit {
@@ -293,20 +278,12 @@ async fn request_overrides_apply_to_known_domains_and_reject_unknown_units() {
             name: String::new()
         })
     );
-    let resp = c
-        .should_rate_limit(request("web", vec![d.clone()]))
-        .await
-        .unwrap()
-        .into_inner();
+    let resp = ask(&mut c, request("web", vec![d.clone()])).await;
     assert_eq!(resp.overall_code, Code::OverLimit as i32);
 
     // WEEK (7) is accepted in overrides too.
     let week = with_override(descriptor(&[("w", "x")]), 5, 7);
-    let resp = c
-        .should_rate_limit(request("web", vec![week]))
-        .await
-        .unwrap()
-        .into_inner();
+    let resp = ask(&mut c, request("web", vec![week])).await;
     assert_eq!(
         resp.statuses[0].current_limit.as_ref().unwrap().unit,
         Unit::Week as i32
@@ -324,11 +301,7 @@ async fn request_overrides_apply_to_known_domains_and_reject_unknown_units() {
     assert_eq!(err.code(), Status::InvalidArgument);
     assert!(err.message().contains("UNKNOWN"), "{}", err.message());
     // Unknown domain: the override is ignored, no error.
-    let resp = c
-        .should_rate_limit(request("elsewhere", vec![unknown]))
-        .await
-        .unwrap()
-        .into_inner();
+    let resp = ask(&mut c, request("elsewhere", vec![unknown])).await;
     assert_eq!(resp.overall_code, Code::Ok as i32);
     s.stop().await;
 }
@@ -363,11 +336,11 @@ async fn overrides_are_refused_when_request_limits_allow_overrides_is_false() {
     assert_eq!((code, body.trim()), (400, refused));
 
     // Without an override the same descriptors are decided by the rules.
-    let resp = c
-        .should_rate_limit(request("web", vec![descriptor(&[("user", "mallory")])]))
-        .await
-        .unwrap()
-        .into_inner();
+    let resp = ask(
+        &mut c,
+        request("web", vec![descriptor(&[("user", "mallory")])]),
+    )
+    .await;
     assert_eq!(
         resp.statuses[0]
             .current_limit
@@ -387,7 +360,7 @@ async fn response_headers_when_enabled() {
     .await;
     let mut c = s.client().await;
     let r = request("web", vec![descriptor(&[("tight", "h")])]);
-    let resp = c.should_rate_limit(r.clone()).await.unwrap().into_inner();
+    let resp = ask(&mut c, r.clone()).await;
     let header = |k: &str, v: &str| HeaderValue {
         key: k.into(),
         value: v.into(),
@@ -402,7 +375,7 @@ async fn response_headers_when_enabled() {
             header("RateLimit-Reset", "1378"),
         ]
     );
-    let resp = c.should_rate_limit(r).await.unwrap().into_inner();
+    let resp = ask(&mut c, r).await;
     assert_eq!(
         resp.response_headers_to_add.last(),
         Some(&header("Retry-After", "1378"))
@@ -411,11 +384,7 @@ async fn response_headers_when_enabled() {
 
     let s = server().await;
     let mut c = s.client().await;
-    let resp = c
-        .should_rate_limit(request("web", vec![descriptor(&[("tight", "h")])]))
-        .await
-        .unwrap()
-        .into_inner();
+    let resp = ask(&mut c, request("web", vec![descriptor(&[("tight", "h")])])).await;
     assert!(resp.response_headers_to_add.is_empty(), "off by default");
     s.stop().await;
 }
@@ -462,11 +431,8 @@ async fn malformed_requests_get_invalid_argument_with_the_reason() {
         assert!(err.message().contains(want), "{} !~ {want}", err.message());
     }
     // The service keeps serving after bad requests.
-    let ok = c
-        .should_rate_limit(request("web", vec![descriptor(&[("user", "u")])]))
-        .await
-        .unwrap();
-    assert_eq!(ok.into_inner().overall_code, Code::Ok as i32);
+    let ok = ask(&mut c, request("web", vec![descriptor(&[("user", "u")])])).await;
+    assert_eq!(ok.overall_code, Code::Ok as i32);
     s.stop().await;
 }
 
@@ -498,9 +464,7 @@ async fn the_memory_key_bound_answers_unavailable_and_keeps_existing_counters() 
     let s = TestServer::start(&[("web.yaml", RULES)], |s| s.memory.max_keys = 2).await;
     let mut c = s.client().await;
     for user in ["a", "b"] {
-        c.should_rate_limit(request("web", vec![descriptor(&[("user", user)])]))
-            .await
-            .unwrap();
+        ask(&mut c, request("web", vec![descriptor(&[("user", user)])])).await;
     }
     let err = c
         .should_rate_limit(request("web", vec![descriptor(&[("user", "c")])]))
@@ -512,11 +476,7 @@ async fn the_memory_key_bound_answers_unavailable_and_keeps_existing_counters() 
         "{}",
         err.message()
     );
-    let resp = c
-        .should_rate_limit(request("web", vec![descriptor(&[("user", "a")])]))
-        .await
-        .unwrap()
-        .into_inner();
+    let resp = ask(&mut c, request("web", vec![descriptor(&[("user", "a")])])).await;
     assert_eq!(
         resp.statuses[0].limit_remaining, 0,
         "user a's counter is intact"
@@ -532,11 +492,7 @@ async fn the_noop_backend_allows_everything_and_counts_nothing() {
     .await;
     let mut c = s.client().await;
     for _ in 0..5 {
-        let resp = c
-            .should_rate_limit(request("web", vec![descriptor(&[("tight", "t")])]))
-            .await
-            .unwrap()
-            .into_inner();
+        let resp = ask(&mut c, request("web", vec![descriptor(&[("tight", "t")])])).await;
         assert_eq!(resp.overall_code, Code::Ok as i32);
         assert_eq!(resp.statuses[0].limit_remaining, 1);
     }

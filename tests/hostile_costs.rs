@@ -6,7 +6,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{descriptor, redis::RedisProcess, request, start_binary, TestServer};
+use common::{descriptor, redis::RedisProcess, request, start_binary, with_hits, TestServer};
 use ratelimitd::{
     clock::Clock,
     proto::{rate_limit_response::Code, RateLimitDescriptor, RateLimitServiceClient},
@@ -34,9 +34,7 @@ fn rules() -> String {
 }
 
 fn costing(key: &str, value: &str, cost: u64) -> RateLimitDescriptor {
-    let mut d = descriptor(&[(key, value)]);
-    d.hits_addend = Some(cost);
-    d
+    with_hits(descriptor(&[(key, value)]), cost)
 }
 
 /// The overall code and per-descriptor codes of one request, or the error's code.
@@ -184,11 +182,7 @@ async fn the_costliest_sliding_log_request_leaves_redis_answering_everyone() {
         .map(|i| costing("user", &format!("u{i}"), 100_000))
         .collect();
     let started = Instant::now();
-    let answer = client
-        .should_rate_limit(request("costs", worst))
-        .await
-        .unwrap()
-        .into_inner();
+    let answer = common::ask(&mut client, request("costs", worst)).await;
     let took = started.elapsed();
     std::thread::sleep(Duration::from_millis(100));
     stop.store(true, std::sync::atomic::Ordering::Relaxed);

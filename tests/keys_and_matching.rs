@@ -12,10 +12,7 @@ async fn ask(
     c: &mut RateLimitServiceClient<Channel>,
     entries: &[(&str, &str)],
 ) -> RateLimitResponse {
-    c.should_rate_limit(request("web", vec![descriptor(entries)]))
-        .await
-        .unwrap()
-        .into_inner()
+    common::ask(c, request("web", vec![descriptor(entries)])).await
 }
 
 const MATCHING: &str = r#"

@@ -7,7 +7,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{descriptor, redis::RedisProcess, request, TestServer};
+use common::{ask, descriptor, redis::RedisProcess, request, TestServer};
 use ratelimitd::settings::{BackendKind, RedisTopology, Secret};
 
 const RULES: &str =
@@ -150,16 +150,18 @@ async fn an_idle_grpc_connection_is_closed_and_its_client_reconnects_but_a_call_
         s.grpc.idle_timeout = idle;
     })
     .await;
-    let ask = |user: &str| request("l", vec![descriptor(&[("user", user)])]);
+    let question = |user: &str| request("l", vec![descriptor(&[("user", user)])]);
     let mut first = grpc_client(server.grpc_addr);
-    first.should_rate_limit(ask("a")).await.unwrap();
+    ask(&mut first, question("a")).await;
     let idle_from = Instant::now();
 
     let mut second = grpc_client(server.grpc_addr);
-    let answered =
-        tokio::time::timeout(Duration::from_secs(10), second.should_rate_limit(ask("b")))
-            .await
-            .expect("the idle connection is closed and frees its place");
+    let answered = tokio::time::timeout(
+        Duration::from_secs(10),
+        second.should_rate_limit(question("b")),
+    )
+    .await
+    .expect("the idle connection is closed and frees its place");
     assert!(answered.is_ok(), "{answered:?}");
     let after = idle_from.elapsed();
     assert!(
@@ -171,9 +173,9 @@ async fn an_idle_grpc_connection_is_closed_and_its_client_reconnects_but_a_call_
     // sends before it has read the close fails as on any lost connection (here, right after the
     // close, that can happen), and the one after it goes over a new connection.
     let again = tokio::time::timeout(Duration::from_secs(10), async {
-        match first.should_rate_limit(ask("a")).await {
+        match first.should_rate_limit(question("a")).await {
             Err(status) if status.code() == tonic::Code::Unknown => {
-                first.should_rate_limit(ask("a")).await
+                first.should_rate_limit(question("a")).await
             }
             answered => answered,
         }

@@ -4,7 +4,7 @@ mod common;
 
 use std::collections::BTreeSet;
 
-use common::{descriptor, request, TestServer};
+use common::{ask, descriptor, request, TestServer};
 
 const RULES: &str = "domain: web\ndescriptors:\n  - key: user\n    shadow_mode: false\n    rate_limit: {unit: minute, requests_per_unit: 1}\n  - key: preview\n    shadow_mode: true\n    rate_limit: {unit: minute, requests_per_unit: 1}\n";
 
@@ -52,9 +52,7 @@ async fn alerts_and_dashboard_use_only_exported_metrics() {
     let s = TestServer::start(&[("web.yaml", RULES)], |_| {}).await;
     let mut c = s.client().await;
     for d in ["user", "user", "preview", "preview"] {
-        c.should_rate_limit(request("web", vec![descriptor(&[(d, "x")])]))
-            .await
-            .unwrap();
+        ask(&mut c, request("web", vec![descriptor(&[(d, "x")])])).await;
     }
     c.should_rate_limit(request("", vec![descriptor(&[("user", "x")])]))
         .await

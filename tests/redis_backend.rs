@@ -13,7 +13,7 @@ use std::{
 };
 
 use common::{
-    descriptor,
+    ask, descriptor,
     redis::{command_calls, RedisCluster, RedisProcess, SentinelPasswords, SentinelSet},
     request, TestServer,
 };
@@ -162,11 +162,11 @@ async fn counters_keep_the_reference_layout_for_a_shared_migration() {
     let redis = RedisProcess::start(&[]);
     let s = start(redis.addr(), RedisTopology::Single).await;
     let mut c = s.client().await;
-    let resp = c
-        .should_rate_limit(request("fleet", vec![descriptor(&[("login", "alice")])]))
-        .await
-        .unwrap()
-        .into_inner();
+    let resp = ask(
+        &mut c,
+        request("fleet", vec![descriptor(&[("login", "alice")])]),
+    )
+    .await;
     assert_eq!(resp.statuses[0].limit_remaining, 4);
     let key = redis.cli(&["--scan", "--pattern", "fleet_login_alice_*"]);
     let window_start: u64 = key.trim().rsplit('_').next().unwrap().parse().unwrap();
@@ -182,11 +182,11 @@ async fn counters_keep_the_reference_layout_for_a_shared_migration() {
     // A counter written by another service under the same layout (e.g. the reference service during a
     // migration) is counted against.
     redis.cli(&["INCRBY", key.trim(), "3"]);
-    let resp = c
-        .should_rate_limit(request("fleet", vec![descriptor(&[("login", "alice")])]))
-        .await
-        .unwrap()
-        .into_inner();
+    let resp = ask(
+        &mut c,
+        request("fleet", vec![descriptor(&[("login", "alice")])]),
+    )
+    .await;
     assert_eq!(resp.statuses[0].limit_remaining, 0);
     s.stop().await;
 }
@@ -217,11 +217,7 @@ descriptors:
         &[("user", "u_path_/login")][..],
         &[("user", "u"), ("path", "/login")][..],
     ] {
-        let resp = c
-            .should_rate_limit(request("fleet", vec![descriptor(entries)]))
-            .await
-            .unwrap()
-            .into_inner();
+        let resp = ask(&mut c, request("fleet", vec![descriptor(entries)])).await;
         assert_eq!(resp.overall_code, Code::Ok as i32, "{entries:?}");
     }
     let keys = redis.cli(&["--scan", "--pattern", "*fleet*"]);
@@ -256,13 +252,7 @@ async fn cache_key_prefix_keeps_services_apart_on_one_redis() {
     for _ in 0..5 {
         a.client().await.should_rate_limit(r.clone()).await.unwrap();
     }
-    let resp = b
-        .client()
-        .await
-        .should_rate_limit(r)
-        .await
-        .unwrap()
-        .into_inner();
+    let resp = ask(&mut b.client().await, r).await;
     assert_eq!(resp.statuses[0].limit_remaining, 4, "b counts apart from a");
     let keys = redis.cli(&["--scan", "--pattern", "svc_*"]);
     assert_eq!(keys.lines().count(), 2, "{keys}");
@@ -291,10 +281,10 @@ async fn replicas_with_skewed_clocks_count_in_the_redis_window() {
     let mut b = skewed.client().await;
     for i in 0..5 {
         let c = if i % 2 == 0 { &mut a } else { &mut b };
-        let resp = c.should_rate_limit(r.clone()).await.unwrap().into_inner();
+        let resp = ask(c, r.clone()).await;
         assert_eq!(resp.overall_code, Code::Ok as i32);
     }
-    let resp = b.should_rate_limit(r.clone()).await.unwrap().into_inner();
+    let resp = ask(&mut b, r.clone()).await;
     assert_eq!(
         resp.overall_code,
         Code::OverLimit as i32,
@@ -317,9 +307,9 @@ async fn scripts_are_reloaded_after_a_flush() {
     let s = start(redis.addr(), RedisTopology::Single).await;
     let mut c = s.client().await;
     let r = request("fleet", vec![descriptor(&[("login", "flush")])]);
-    c.should_rate_limit(r.clone()).await.unwrap();
+    ask(&mut c, r.clone()).await;
     redis.cli(&["SCRIPT", "FLUSH"]);
-    let resp = c.should_rate_limit(r).await.unwrap().into_inner();
+    let resp = ask(&mut c, r).await;
     assert_eq!(resp.statuses[0].limit_remaining, 3);
     s.stop().await;
 }
@@ -879,11 +869,11 @@ async fn under_a_hot_key_attack_the_deny_cache_keeps_redis_out_of_it() {
     let mut c = s.client().await;
     let mut allowed = 0;
     for _ in 0..200 {
-        let resp = c
-            .should_rate_limit(request("fleet", vec![descriptor(&[("login", "victim")])]))
-            .await
-            .unwrap()
-            .into_inner();
+        let resp = ask(
+            &mut c,
+            request("fleet", vec![descriptor(&[("login", "victim")])]),
+        )
+        .await;
         if resp.overall_code == Code::Ok as i32 {
             allowed += 1;
         } else {
@@ -901,17 +891,17 @@ async fn under_a_hot_key_attack_the_deny_cache_keeps_redis_out_of_it() {
     let calls = command_calls(&redis.cli(&["INFO", "commandstats"]), "evalsha") - before;
     assert!(calls <= 7, "Redis saw {calls} calls for 200 requests");
     // A request with another, uncached descriptor still reaches Redis, read-only for that one.
-    let resp = c
-        .should_rate_limit(request(
+    let resp = ask(
+        &mut c,
+        request(
             "fleet",
             vec![
                 descriptor(&[("login", "victim")]),
                 descriptor(&[("user", "bystander")]),
             ],
-        ))
-        .await
-        .unwrap()
-        .into_inner();
+        ),
+    )
+    .await;
     assert_eq!(resp.overall_code, Code::OverLimit as i32);
     assert_eq!(
         resp.statuses[1].limit_remaining, 200,
@@ -961,8 +951,8 @@ async fn second_limits_count_on_the_per_second_redis_only() {
         burst.hits_addend = burst_cost;
         request("pace", vec![burst, descriptor(&[("steady", "s1")])])
     };
-    let answer = client.should_rate_limit(both(None)).await.unwrap();
-    assert_eq!(answer.into_inner().overall_code, Code::Ok as i32);
+    let answer = ask(&mut client, both(None)).await;
+    assert_eq!(answer.overall_code, Code::Ok as i32);
 
     // Each limit where its unit says: the minute on the main Redis, the second on the other one.
     let scan = |redis: &RedisProcess| redis.cli(&["--scan", "--pattern", "pace_*"]);
@@ -978,8 +968,8 @@ async fn second_limits_count_on_the_per_second_redis_only() {
     assert_eq!(main.cli(&["GET", on_main.trim()]), "1");
 
     // A request the per-second limit denies consumes nothing on the main Redis either.
-    let answer = client.should_rate_limit(both(Some(10))).await.unwrap();
-    assert_eq!(answer.into_inner().overall_code, Code::OverLimit as i32);
+    let answer = ask(&mut client, both(Some(10))).await;
+    assert_eq!(answer.overall_code, Code::OverLimit as i32);
     assert_eq!(
         main.cli(&["GET", on_main.trim()]),
         "1",

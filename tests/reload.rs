@@ -10,7 +10,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use common::{descriptor, request, TestServer};
+use common::{ask, descriptor, request, TestServer};
 
 const V1: &str = "domain: web\ndescriptors:\n  - key: user\n    rate_limit: {unit: minute, requests_per_unit: 1}\n";
 const V2: &str = "domain: web\ndescriptors:\n  - key: user\n    rate_limit: {unit: minute, requests_per_unit: 7}\n";
@@ -150,11 +150,7 @@ async fn a_configmap_update_swaps_the_rules_in() {
     wait_loads(&s, "after the ..data swap", |n| n == after).await;
     assert_settled(&s, "one ..data swap is one load", after).await;
     let mut c = s.client().await;
-    let resp = c
-        .should_rate_limit(request("web", vec![descriptor(&[("user", "u")])]))
-        .await
-        .unwrap()
-        .into_inner();
+    let resp = ask(&mut c, request("web", vec![descriptor(&[("user", "u")])])).await;
     assert_eq!(
         resp.statuses[0].limit_remaining, 6,
         "requests use the new limit"
@@ -183,11 +179,7 @@ async fn a_broken_file_keeps_the_old_rules_until_it_is_fixed() {
         "nothing of the broken set is used:\n{text}"
     );
     let mut c = s.client().await;
-    let resp = c
-        .should_rate_limit(request("web", vec![descriptor(&[("user", "b")])]))
-        .await
-        .unwrap()
-        .into_inner();
+    let resp = ask(&mut c, request("web", vec![descriptor(&[("user", "b")])])).await;
     assert_eq!(
         resp.statuses[0].limit_remaining, 0,
         "still the old limit of 1"
@@ -214,11 +206,11 @@ async fn new_and_deleted_files_add_and_remove_domains() {
     })
     .await;
     let mut c = s.client().await;
-    let resp = c
-        .should_rate_limit(request("other", vec![descriptor(&[("ip", "1.2.3.4")])]))
-        .await
-        .unwrap()
-        .into_inner();
+    let resp = ask(
+        &mut c,
+        request("other", vec![descriptor(&[("ip", "1.2.3.4")])]),
+    )
+    .await;
     assert_eq!(resp.statuses[0].limit_remaining, 2);
 
     fs::remove_file(dir.path().join("web.yaml")).unwrap();
@@ -226,11 +218,7 @@ async fn new_and_deleted_files_add_and_remove_domains() {
         !t.contains("web.user") && t.contains("other.ip")
     })
     .await;
-    let resp = c
-        .should_rate_limit(request("web", vec![descriptor(&[("user", "u")])]))
-        .await
-        .unwrap()
-        .into_inner();
+    let resp = ask(&mut c, request("web", vec![descriptor(&[("user", "u")])])).await;
     assert_eq!(
         resp.statuses[0].current_limit, None,
         "an unknown domain again"

@@ -16,7 +16,7 @@ use ratelimitd::{
     clock::Clock,
     proto::{
         rate_limit_descriptor::{Entry, RateLimitOverride},
-        RateLimitDescriptor, RateLimitRequest, RateLimitServiceClient,
+        RateLimitDescriptor, RateLimitRequest, RateLimitResponse, RateLimitServiceClient,
     },
     server::{self, Listeners},
     settings::Settings,
@@ -24,6 +24,7 @@ use ratelimitd::{
 use tokio::{net::TcpListener, task::JoinHandle};
 use tokio_util::sync::CancellationToken;
 use tonic::transport::Channel;
+use tonic_health::pb::health_check_response::ServingStatus;
 
 pub struct TestServer {
     pub grpc_addr: SocketAddr,
@@ -103,25 +104,21 @@ impl TestServer {
 
     /// Waits until the gRPC health service reports SERVING for `ratelimit`.
     pub async fn wait_serving(&self, within: Duration) {
-        use tonic_health::pb::{health_check_response::ServingStatus, health_client::HealthClient};
+        self.wait_health(ServingStatus::Serving, within).await;
+    }
+
+    /// Waits until the gRPC health service reports `status` for `ratelimit`.
+    pub async fn wait_health(&self, status: ServingStatus, within: Duration) {
+        use tonic_health::pb::{health_client::HealthClient, HealthCheckRequest};
         let mut health = HealthClient::new(self.channel().await);
-        let deadline = tokio::time::Instant::now() + within;
-        loop {
-            let status = health
-                .check(tonic_health::pb::HealthCheckRequest {
-                    service: "ratelimit".into(),
-                })
-                .await
-                .map(|r| r.into_inner().status);
-            if matches!(status, Ok(s) if s == ServingStatus::Serving as i32) {
-                return;
-            }
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "not SERVING within {within:?}"
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        let request = || HealthCheckRequest {
+            service: "ratelimit".into(),
+        };
+        wait_for(&format!("health {status:?}"), within, async || {
+            let now = health.check(request()).await.map(|r| r.into_inner().status);
+            matches!(now, Ok(s) if s == status as i32).then_some(())
+        })
+        .await;
     }
 
     /// Stops the server and waits for it to return.
@@ -185,6 +182,40 @@ pub fn http_request(addr: SocketAddr, method: &str, path: &str, body: &str) -> (
     parse_response(&response)
 }
 
+/// Polls `probe` every 50 ms until it returns a value, and returns it; fails the test naming `what` when
+/// `within` passes first. Tests wait on what they can observe (a metric, the health state, a log line)
+/// rather than sleeping for a guessed time.
+pub async fn wait_for<T>(
+    what: &str,
+    within: Duration,
+    mut probe: impl AsyncFnMut() -> Option<T>,
+) -> T {
+    let deadline = Instant::now() + within;
+    loop {
+        if let Some(seen) = probe().await {
+            return seen;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{what}: not seen within {within:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Asks the server behind `client` one question and returns the answer; fails the test on an error status
+/// (call `client.should_rate_limit` directly to look at one). Build the question with [`request`],
+/// [`descriptor`], [`with_override`] and [`with_hits`].
+pub async fn ask(
+    client: &mut RateLimitServiceClient<Channel>,
+    question: RateLimitRequest,
+) -> RateLimitResponse {
+    match client.should_rate_limit(question).await {
+        Ok(answer) => answer.into_inner(),
+        Err(status) => panic!("ShouldRateLimit failed: {status:?}"),
+    }
+}
+
 /// A descriptor from (key, value) pairs.
 pub fn descriptor(entries: &[(&str, &str)]) -> RateLimitDescriptor {
     RateLimitDescriptor {
@@ -212,11 +243,27 @@ pub fn with_override(
     d
 }
 
+/// A descriptor with its own `hits_addend` (0 checks without counting).
+pub fn with_hits(mut d: RateLimitDescriptor, hits: u64) -> RateLimitDescriptor {
+    d.hits_addend = Some(hits);
+    d
+}
+
+/// A request costing 1 a descriptor.
 pub fn request(domain: &str, descriptors: Vec<RateLimitDescriptor>) -> RateLimitRequest {
+    request_costing(domain, descriptors, 0)
+}
+
+/// A request whose `hits_addend` is what each descriptor costs (0 means 1).
+pub fn request_costing(
+    domain: &str,
+    descriptors: Vec<RateLimitDescriptor>,
+    hits_addend: u32,
+) -> RateLimitRequest {
     RateLimitRequest {
         domain: domain.into(),
         descriptors,
-        hits_addend: 0,
+        hits_addend,
     }
 }
 

@@ -1,0 +1,511 @@
+//! What a caller sees of the limiter's decisions, as one table: each row is a rules file and the
+//! questions asked of it in order, with the answer each must get. The table runs unchanged against a
+//! server on the memory store, on standalone Redis and on a 3-master Redis Cluster (where the counters
+//! of one request land on different nodes), so every row must get the same answers from each.
+//!
+//! Only rows whose answers go through the store are here; what the rules alone decide (unknown domains,
+//! allow-list entries, `unlimited`, `replaces`, global shadow mode, headers, exact reset times under a
+//! manual clock) is covered by the limiter's unit tests and `grpc_api.rs`. Windows are an hour or longer,
+//! so the real clock the Redis stores use never refills a limit while a row runs.
+
+mod common;
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use common::{
+    ask, descriptor,
+    redis::{RedisCluster, RedisProcess},
+    request_costing, with_hits, with_override, TestServer,
+};
+use ratelimitd::{
+    clock::Clock,
+    proto::{
+        rate_limit_response::{rate_limit::Unit, Code},
+        RateLimitDescriptor, RateLimitResponse,
+    },
+    settings::{BackendKind, RedisTopology},
+};
+
+/// One rules file (its domain is the row's name) and the questions asked of it, in order.
+struct Row {
+    name: &'static str,
+    /// Whether the server counts every descriptor of a denied request (`consume_on_deny`).
+    consume_on_deny: bool,
+    /// The `descriptors:` of the row's rules file.
+    rules: &'static str,
+    steps: Vec<Step>,
+}
+
+/// One question and the answer it must get, as [`read`] writes it.
+struct Step {
+    descriptors: Vec<RateLimitDescriptor>,
+    /// The request's `hits_addend` (0 means 1).
+    hits: u32,
+    want: &'static str,
+}
+
+fn step(descriptors: Vec<RateLimitDescriptor>, want: &'static str) -> Step {
+    step_costing(descriptors, 0, want)
+}
+
+fn step_costing(descriptors: Vec<RateLimitDescriptor>, hits: u32, want: &'static str) -> Step {
+    Step {
+        descriptors,
+        hits,
+        want,
+    }
+}
+
+fn one(entries: &[(&str, &str)]) -> Vec<RateLimitDescriptor> {
+    vec![descriptor(entries)]
+}
+
+fn row(name: &'static str, rules: &'static str, steps: Vec<Step>) -> Row {
+    Row {
+        name,
+        consume_on_deny: false,
+        rules,
+        steps,
+    }
+}
+
+/// Each algorithm with a capacity of 3: a cost above the capacity is denied and changes nothing, a cost
+/// that uses the quota up exactly is allowed, and a cost of 0 checks without counting.
+fn algorithm_row(name: &'static str, rules: &'static str) -> Row {
+    let d = || one(&[("user", "u")]);
+    let check_only = || vec![with_hits(descriptor(&[("user", "u")]), 0)];
+    row(
+        name,
+        rules,
+        vec![
+            step_costing(d(), 4, "OVER: OVER 0 left of three"),
+            step_costing(d(), 2, "OK: OK 1 left of three"),
+            step_costing(d(), 2, "OVER: OVER 0 left of three"),
+            step(d(), "OK: OK 0 left of three"),
+            step(d(), "OVER: OVER 0 left of three"),
+            step(check_only(), "OK: OK 0 left of three"),
+            step(one(&[("user", "other")]), "OK: OK 2 left of three"),
+        ],
+    )
+}
+
+fn table() -> Vec<Row> {
+    vec![
+        row(
+            "match_value_then_key",
+            r#"
+  - key: plan
+    value: gold
+    rate_limit: {unit: hour, requests_per_unit: 3, name: gold}
+  - key: plan
+    rate_limit: {unit: hour, requests_per_unit: 1, name: any_plan}
+  - key: route
+    value: /login
+    descriptors:
+      - key: method
+        value: POST
+        rate_limit: {unit: hour, requests_per_unit: 1, name: login_post}
+"#,
+            vec![
+                step(one(&[("plan", "gold")]), "OK: OK 2 left of gold"),
+                step(one(&[("plan", "free")]), "OK: OK 0 left of any_plan"),
+                step(one(&[("plan", "trial")]), "OK: OK 0 left of any_plan"),
+                step(one(&[("plan", "free")]), "OVER: OVER 0 left of any_plan"),
+                step(one(&[("plan", "gold")]), "OK: OK 1 left of gold"),
+                step(
+                    one(&[("route", "/login"), ("method", "POST")]),
+                    "OK: OK 0 left of login_post",
+                ),
+                step(
+                    one(&[("route", "/login"), ("method", "POST")]),
+                    "OVER: OVER 0 left of login_post",
+                ),
+                step(
+                    one(&[("route", "/login"), ("method", "GET")]),
+                    "OK: OK no limit",
+                ),
+            ],
+        ),
+        row(
+            "match_wildcards",
+            r#"
+  - key: path
+    value: /api/*
+    rate_limit: {unit: hour, requests_per_unit: 2, name: api}
+  - key: path
+    value: /static/*
+    share_threshold: true
+    rate_limit: {unit: hour, requests_per_unit: 2, name: static}
+  - key: addr
+    value: "cidr:10.0.0.0/8"
+    rate_limit: {unit: hour, requests_per_unit: 1, name: per_address}
+  - key: addr
+    value: "cidr:192.168.0.0/16"
+    share_threshold: true
+    rate_limit: {unit: hour, requests_per_unit: 1, name: per_network}
+"#,
+            vec![
+                step(one(&[("path", "/api/a")]), "OK: OK 1 left of api"),
+                step(one(&[("path", "/api/b")]), "OK: OK 1 left of api"),
+                step(one(&[("path", "/static/a")]), "OK: OK 1 left of static"),
+                step(one(&[("path", "/static/b")]), "OK: OK 0 left of static"),
+                step(one(&[("path", "/static/c")]), "OVER: OVER 0 left of static"),
+                step(one(&[("path", "/other")]), "OK: OK no limit"),
+                step(one(&[("addr", "10.0.0.1")]), "OK: OK 0 left of per_address"),
+                step(one(&[("addr", "10.0.0.2")]), "OK: OK 0 left of per_address"),
+                step(
+                    one(&[("addr", "10.0.0.1")]),
+                    "OVER: OVER 0 left of per_address",
+                ),
+                step(
+                    one(&[("addr", "192.168.1.1")]),
+                    "OK: OK 0 left of per_network",
+                ),
+                step(
+                    one(&[("addr", "192.168.2.2")]),
+                    "OVER: OVER 0 left of per_network",
+                ),
+            ],
+        ),
+        algorithm_row(
+            "fixed_window",
+            r#"
+  - key: user
+    rate_limit: {unit: hour, requests_per_unit: 3, name: three}
+"#,
+        ),
+        algorithm_row(
+            "sliding_window",
+            r#"
+  - key: user
+    rate_limit: {unit: hour, requests_per_unit: 3, name: three, algorithm: sliding_window}
+"#,
+        ),
+        algorithm_row(
+            "sliding_log",
+            r#"
+  - key: user
+    rate_limit: {unit: hour, requests_per_unit: 3, name: three, algorithm: sliding_log}
+"#,
+        ),
+        algorithm_row(
+            "token_bucket",
+            r#"
+  - key: user
+    rate_limit: {unit: hour, requests_per_unit: 3, name: three, algorithm: token_bucket}
+"#,
+        ),
+        algorithm_row(
+            "gcra_with_a_burst",
+            r#"
+  - key: user
+    rate_limit: {unit: day, requests_per_unit: 1, burst: 3, name: three, algorithm: gcra}
+"#,
+        ),
+        row(
+            "hits_addend",
+            r#"
+  - key: a
+    rate_limit: {unit: hour, requests_per_unit: 10, name: a}
+  - key: b
+    rate_limit: {unit: hour, requests_per_unit: 10, name: b}
+"#,
+            vec![
+                // The request's cost applies to each descriptor; a descriptor's own wins over it.
+                step_costing(
+                    vec![
+                        descriptor(&[("a", "x")]),
+                        with_hits(descriptor(&[("b", "x")]), 5),
+                    ],
+                    2,
+                    "OK: OK 8 left of a, OK 5 left of b",
+                ),
+                step_costing(
+                    vec![descriptor(&[("a", "x")]), descriptor(&[("b", "x")])],
+                    5,
+                    "OK: OK 3 left of a, OK 0 left of b",
+                ),
+            ],
+        ),
+        row(
+            "overrides",
+            r#"
+  - key: user
+    rate_limit: {unit: hour, requests_per_unit: 100, name: from_rules}
+"#,
+            vec![
+                step(
+                    vec![with_override(
+                        descriptor(&[("user", "o")]),
+                        2,
+                        Unit::Hour as i32,
+                    )],
+                    "OK: OK 1 left of 2/Hour",
+                ),
+                step(
+                    vec![with_override(
+                        descriptor(&[("user", "o")]),
+                        2,
+                        Unit::Hour as i32,
+                    )],
+                    "OK: OK 0 left of 2/Hour",
+                ),
+                step(
+                    vec![with_override(
+                        descriptor(&[("user", "o")]),
+                        2,
+                        Unit::Hour as i32,
+                    )],
+                    "OVER: OVER 0 left of 2/Hour",
+                ),
+                // A descriptor no rule matches is limited by its override alone.
+                step(
+                    vec![with_override(
+                        descriptor(&[("nobody", "n")]),
+                        1,
+                        Unit::Day as i32,
+                    )],
+                    "OK: OK 0 left of 1/Day",
+                ),
+                step(
+                    vec![with_override(
+                        descriptor(&[("nobody", "n")]),
+                        1,
+                        Unit::Day as i32,
+                    )],
+                    "OVER: OVER 0 left of 1/Day",
+                ),
+            ],
+        ),
+        row(
+            "shadow_rule",
+            r#"
+  - key: trial
+    shadow_mode: true
+    rate_limit: {unit: hour, requests_per_unit: 1, name: trial}
+  - key: user
+    rate_limit: {unit: hour, requests_per_unit: 5, name: user}
+"#,
+            vec![
+                step(
+                    vec![descriptor(&[("trial", "t")]), descriptor(&[("user", "u")])],
+                    "OK: OK 0 left of trial, OK 4 left of user",
+                ),
+                // Over its limit, the shadow rule still says OK, and the request is counted.
+                step(
+                    vec![descriptor(&[("trial", "t")]), descriptor(&[("user", "u")])],
+                    "OK: OK 0 left of trial, OK 3 left of user",
+                ),
+            ],
+        ),
+        row(
+            "several_descriptors",
+            r#"
+  - key: wide
+    rate_limit: {unit: hour, requests_per_unit: 10, name: wide}
+  - key: narrow
+    rate_limit: {unit: hour, requests_per_unit: 1, name: narrow}
+"#,
+            vec![
+                step(
+                    vec![descriptor(&[("wide", "w")]), descriptor(&[("narrow", "n")])],
+                    "OK: OK 9 left of wide, OK 0 left of narrow",
+                ),
+                step(
+                    vec![descriptor(&[("wide", "w")]), descriptor(&[("narrow", "n")])],
+                    "OVER: OK 9 left of wide, OVER 0 left of narrow",
+                ),
+                // The denied request took nothing from `wide`.
+                step(one(&[("wide", "w")]), "OK: OK 8 left of wide"),
+            ],
+        ),
+        Row {
+            consume_on_deny: true,
+            ..row(
+                "several_descriptors_consume_on_deny",
+                r#"
+  - key: wide
+    rate_limit: {unit: hour, requests_per_unit: 10, name: wide}
+  - key: narrow
+    rate_limit: {unit: hour, requests_per_unit: 1, name: narrow}
+"#,
+                vec![
+                    step(
+                        vec![descriptor(&[("wide", "w")]), descriptor(&[("narrow", "n")])],
+                        "OK: OK 9 left of wide, OK 0 left of narrow",
+                    ),
+                    step(
+                        vec![descriptor(&[("wide", "w")]), descriptor(&[("narrow", "n")])],
+                        "OVER: OK 8 left of wide, OVER 0 left of narrow",
+                    ),
+                    step(one(&[("wide", "w")]), "OK: OK 7 left of wide"),
+                ],
+            )
+        },
+        row(
+            "quota_mode",
+            r#"
+  - key: quota_a
+    quota_mode: true
+    rate_limit: {unit: hour, requests_per_unit: 1, name: quota_a}
+  - key: quota_b
+    quota_mode: true
+    rate_limit: {unit: hour, requests_per_unit: 2, name: quota_b}
+"#,
+            vec![
+                step(
+                    vec![
+                        descriptor(&[("quota_a", "")]),
+                        descriptor(&[("quota_b", "")]),
+                    ],
+                    "OK: OK 0 left of quota_a, OK 1 left of quota_b",
+                ),
+                // One quota left is enough.
+                step(
+                    vec![
+                        descriptor(&[("quota_a", "")]),
+                        descriptor(&[("quota_b", "")]),
+                    ],
+                    "OK: OVER 0 left of quota_a, OK 0 left of quota_b",
+                ),
+                step(
+                    vec![
+                        descriptor(&[("quota_a", "")]),
+                        descriptor(&[("quota_b", "")]),
+                    ],
+                    "OVER: OVER 0 left of quota_a, OVER 0 left of quota_b",
+                ),
+            ],
+        ),
+        row(
+            "several_limits_on_one_rule",
+            r#"
+  - key: user
+    rate_limit: {unit: hour, requests_per_unit: 2, name: per_hour}
+    rate_limits:
+      - {unit: day, requests_per_unit: 5, name: per_day}
+"#,
+            vec![
+                // The status reports the limit closest to denying.
+                step(one(&[("user", "u")]), "OK: OK 1 left of per_hour"),
+                step(one(&[("user", "u")]), "OK: OK 0 left of per_hour"),
+                step(one(&[("user", "u")]), "OVER: OVER 0 left of per_hour"),
+                step_costing(one(&[("user", "v")]), 2, "OK: OK 0 left of per_hour"),
+            ],
+        ),
+    ]
+}
+
+/// An answer as the table writes it: `OVERALL: CODE <remaining> left of <limit>, ...`, the limit by its
+/// name, or `<requests>/<Unit>` when it has none.
+fn read(answer: &RateLimitResponse) -> String {
+    let code = |c: i32| match Code::try_from(c) {
+        Ok(Code::Ok) => "OK",
+        Ok(Code::OverLimit) => "OVER",
+        other => panic!("unexpected code {other:?}"),
+    };
+    let statuses: Vec<String> = answer
+        .statuses
+        .iter()
+        .map(|s| match &s.current_limit {
+            None => format!("{} no limit", code(s.code)),
+            Some(limit) if limit.name.is_empty() => format!(
+                "{} {} left of {}/{:?}",
+                code(s.code),
+                s.limit_remaining,
+                limit.requests_per_unit,
+                Unit::try_from(limit.unit).unwrap()
+            ),
+            Some(limit) => format!(
+                "{} {} left of {}",
+                code(s.code),
+                s.limit_remaining,
+                limit.name
+            ),
+        })
+        .collect();
+    format!("{}: {}", code(answer.overall_code), statuses.join(", "))
+}
+
+/// Waits out the last seconds of an hour, so that no row's counters start in one hour window and end
+/// in the next (the day limits above turn over with an hour too).
+async fn clear_of_an_hour_end() {
+    let into_hour = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_millis()
+        % 3_600_000;
+    let left = 3_600_000 - into_hour;
+    if left < 5_000 {
+        tokio::time::sleep(Duration::from_millis(left as u64 + 100)).await;
+    }
+}
+
+/// Runs the whole table on servers on the memory store, or on Redis at `redis` (a URL and how it is
+/// deployed): one server that keeps a denied request's counters untouched, and one with `consume_on_deny`.
+async fn run_table(store: &str, redis: Option<(String, RedisTopology)>) {
+    let rows = table();
+    let files: Vec<(String, String)> = rows
+        .iter()
+        .map(|r| {
+            let text = format!("domain: {}\ndescriptors:{}", r.name, r.rules);
+            (format!("{}.yaml", r.name), text)
+        })
+        .collect();
+    let files: Vec<(&str, &str)> = files.iter().map(|(n, t)| (&n[..], &t[..])).collect();
+    let mut servers = Vec::new();
+    for consume_on_deny in [false, true] {
+        let redis = redis.clone();
+        let s = TestServer::start_with_clock(&files, Clock::System, move |s| {
+            s.consume_on_deny = consume_on_deny;
+            if let Some((url, topology)) = redis {
+                s.backend = Some(BackendKind::Redis);
+                s.redis.url = url;
+                s.redis.topology = topology;
+                s.redis.timeout = Duration::from_millis(500);
+                s.redis.pool_size = 2;
+            }
+        })
+        .await;
+        s.wait_serving(Duration::from_secs(20)).await;
+        servers.push(s);
+    }
+    for r in &rows {
+        clear_of_an_hour_end().await;
+        let mut client = servers[usize::from(r.consume_on_deny)].client().await;
+        let mut answers = Vec::new();
+        for st in &r.steps {
+            let question = request_costing(r.name, st.descriptors.clone(), st.hits);
+            answers.push(read(&ask(&mut client, question).await));
+        }
+        let wanted: Vec<&str> = r.steps.iter().map(|st| st.want).collect();
+        assert_eq!(answers, wanted, "{store}: row {}", r.name);
+    }
+    for s in servers {
+        s.stop().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_table_on_the_memory_store() {
+    run_table("memory", None).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_table_on_standalone_redis() {
+    let redis = RedisProcess::start(&[]);
+    run_table("redis", Some((redis.addr(), RedisTopology::Single))).await;
+    assert_ne!(redis.cli(&["DBSIZE"]), "0", "the counters are in Redis");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_table_on_a_redis_cluster() {
+    let cluster = RedisCluster::start(false);
+    run_table("cluster", Some((cluster.url(), RedisTopology::Cluster))).await;
+    let holding = cluster
+        .masters
+        .iter()
+        .filter(|m| m.cli(&["DBSIZE"]) != "0")
+        .count();
+    assert_eq!(holding, 3, "the counters are spread over every master");
+}

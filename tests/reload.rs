@@ -7,10 +7,10 @@ use std::{
     fs,
     os::unix::fs::symlink,
     path::{Path, PathBuf},
-    time::{Duration, Instant},
+    time::Duration,
 };
 
-use common::{ask, descriptor, request, TestServer};
+use common::{ask, descriptor, request, wait_for, TestServer};
 
 const V1: &str = "domain: web\ndescriptors:\n  - key: user\n    rate_limit: {unit: minute, requests_per_unit: 1}\n";
 const V2: &str = "domain: web\ndescriptors:\n  - key: user\n    rate_limit: {unit: minute, requests_per_unit: 7}\n";
@@ -52,6 +52,12 @@ async fn start_reference_layout(dir: &Path) -> TestServer {
     .await
 }
 
+/// Publishes `v2` in the reference layout: `current` is renamed over by a link to it.
+fn swap_reference_layout(dir: &Path) {
+    symlink("v2", dir.join("current.tmp")).unwrap();
+    fs::rename(dir.join("current.tmp"), dir.join("current")).unwrap();
+}
+
 /// Rules loads that ran, from `/metrics`: (`ratelimit_service_config_load_success`, `..._error`).
 async fn loads(s: &TestServer) -> (u64, u64) {
     let (_, text) = s.http("GET", "/metrics", "").await;
@@ -70,18 +76,11 @@ async fn loads(s: &TestServer) -> (u64, u64) {
 
 /// Waits until the load counts satisfy `ok`; returns them.
 async fn wait_loads(s: &TestServer, what: &str, ok: impl Fn((u64, u64)) -> bool) -> (u64, u64) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let counts = loads(s).await;
-        if ok(counts) {
-            return counts;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{what}: (successes, errors) are still {counts:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let what = format!("{what}: rules loads (successes, errors) as expected");
+    wait_for(&what, Duration::from_secs(10), async || {
+        Some(loads(s).await).filter(|&counts| ok(counts))
+    })
+    .await
 }
 
 /// After a change was seen loaded: the counts stay where they are for one more quiet period.
@@ -96,18 +95,23 @@ async fn assert_settled(s: &TestServer, what: &str, expected: (u64, u64)) {
 
 /// Waits until /rlconfig satisfies `ok`; returns its text.
 async fn wait_rules(s: &TestServer, what: &str, ok: impl Fn(&str) -> bool) -> String {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let (_, text) = s.http("GET", "/rlconfig", "").await;
-        if ok(&text) {
-            return text;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{what}: /rlconfig is still:\n{text}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let what = format!("{what}: /rlconfig as expected");
+    wait_for(&what, Duration::from_secs(10), async || {
+        Some(s.http("GET", "/rlconfig", "").await.1).filter(|text| ok(text))
+    })
+    .await
+}
+
+/// Starts from the first rules (a limit of 1) loaded, makes `change`, and checks that it was loaded
+/// (the limit is 7), once, and that nothing loads again afterwards.
+async fn assert_loaded_once(s: &TestServer, what: &str, change: impl FnOnce()) {
+    wait_rules(s, "initial", |t| t.contains(&user_limit(1))).await;
+    let before = wait_loads(s, "initial", |(ok, _)| ok >= 1).await;
+    change();
+    wait_rules(s, what, |t| t.contains(&user_limit(7))).await;
+    let after = (before.0 + 1, before.1);
+    wait_loads(s, what, |n| n == after).await;
+    assert_settled(s, &format!("{what}: one change is one load"), after).await;
 }
 
 fn user_limit(n: u32) -> String {
@@ -141,16 +145,15 @@ async fn a_configmap_update_swaps_the_rules_in() {
     let dir = tempfile::tempdir().unwrap();
     configmap_publish(dir.path(), 1, &[("web.yaml", V1)]);
     let s = start(dir.path(), true).await;
-    wait_rules(&s, "initial", |t| t.contains(&user_limit(1))).await;
-    let before = wait_loads(&s, "initial", |(ok, _)| ok >= 1).await;
-
-    configmap_publish(dir.path(), 2, &[("web.yaml", V2)]);
-    wait_rules(&s, "after the ..data swap", |t| t.contains(&user_limit(7))).await;
-    let after = (before.0 + 1, before.1);
-    wait_loads(&s, "after the ..data swap", |n| n == after).await;
-    assert_settled(&s, "one ..data swap is one load", after).await;
-    let mut c = s.client().await;
-    let resp = ask(&mut c, request("web", vec![descriptor(&[("user", "u")])])).await;
+    assert_loaded_once(&s, "after the ..data swap", || {
+        configmap_publish(dir.path(), 2, &[("web.yaml", V2)])
+    })
+    .await;
+    let resp = ask(
+        &mut s.client().await,
+        request("web", vec![descriptor(&[("user", "u")])]),
+    )
+    .await;
     assert_eq!(
         resp.statuses[0].limit_remaining, 6,
         "requests use the new limit"
@@ -231,16 +234,13 @@ async fn an_editor_saving_through_a_rename_is_picked_up() {
     let dir = tempfile::tempdir().unwrap();
     fs::write(dir.path().join("web.yaml"), V1).unwrap();
     let s = start(dir.path(), true).await;
-    wait_rules(&s, "initial", |t| t.contains(&user_limit(1))).await;
-    let before = wait_loads(&s, "initial", |(ok, _)| ok >= 1).await;
     // Write a hidden temporary file, then rename it over the original, as vim and most editors do.
-    let tmp = dir.path().join(".web.yaml.swp");
-    fs::write(&tmp, V2).unwrap();
-    fs::rename(&tmp, dir.path().join("web.yaml")).unwrap();
-    wait_rules(&s, "after the rename", |t| t.contains(&user_limit(7))).await;
-    let after = (before.0 + 1, before.1);
-    wait_loads(&s, "after the rename", |n| n == after).await;
-    assert_settled(&s, "one editor save is one load", after).await;
+    assert_loaded_once(&s, "after the rename", || {
+        let tmp = dir.path().join(".web.yaml.swp");
+        fs::write(&tmp, V2).unwrap();
+        fs::rename(&tmp, dir.path().join("web.yaml")).unwrap();
+    })
+    .await;
     s.stop().await;
 }
 
@@ -248,17 +248,10 @@ async fn an_editor_saving_through_a_rename_is_picked_up() {
 async fn the_reference_layout_reloads_when_runtime_root_is_swapped() {
     let dir = tempfile::tempdir().unwrap();
     let s = start_reference_layout(dir.path()).await;
-    wait_rules(&s, "initial", |t| t.contains(&user_limit(1))).await;
-    let before = wait_loads(&s, "initial", |(ok, _)| ok >= 1).await;
-    symlink("v2", dir.path().join("current.tmp")).unwrap();
-    fs::rename(dir.path().join("current.tmp"), dir.path().join("current")).unwrap();
-    wait_rules(&s, "after swapping RUNTIME_ROOT", |t| {
-        t.contains(&user_limit(7))
+    assert_loaded_once(&s, "after swapping RUNTIME_ROOT", || {
+        swap_reference_layout(dir.path())
     })
     .await;
-    let after = (before.0 + 1, before.1);
-    wait_loads(&s, "after swapping RUNTIME_ROOT", |n| n == after).await;
-    assert_settled(&s, "one RUNTIME_ROOT swap is one load", after).await;
     s.stop().await;
 }
 
@@ -267,13 +260,10 @@ async fn editing_a_file_loads_the_rules_once() {
     let dir = tempfile::tempdir().unwrap();
     fs::write(dir.path().join("web.yaml"), V1).unwrap();
     let s = start(dir.path(), false).await;
-    wait_rules(&s, "initial", |t| t.contains(&user_limit(1))).await;
-    let before = wait_loads(&s, "initial", |(ok, _)| ok >= 1).await;
-    fs::write(dir.path().join("web.yaml"), V2).unwrap();
-    wait_rules(&s, "after the edit", |t| t.contains(&user_limit(7))).await;
-    let after = (before.0 + 1, before.1);
-    wait_loads(&s, "after the edit", |n| n == after).await;
-    assert_settled(&s, "one edit is one load", after).await;
+    assert_loaded_once(&s, "after the edit", || {
+        fs::write(dir.path().join("web.yaml"), V2).unwrap()
+    })
+    .await;
     s.stop().await;
 }
 
@@ -314,6 +304,7 @@ async fn an_idle_service_loads_its_rules_once_even_when_they_are_read() {
     for dir in [&plain, &configmap, &reference] {
         read_all(dir.path());
     }
+    // Absence can only be waited for: give the watchers ample time to (wrongly) react.
     tokio::time::sleep(Duration::from_secs(5)).await;
     for (what, s) in &servers {
         assert_eq!(
@@ -321,6 +312,13 @@ async fn an_idle_service_loads_its_rules_once_even_when_they_are_read() {
             (1, 0),
             "{what}: an idle service loads its rules once, at start"
         );
+    }
+    // The watchers were listening all along: a real change is loaded.
+    fs::write(plain.path().join("web.yaml"), V2).unwrap();
+    configmap_publish(configmap.path(), 2, &[("web.yaml", V2)]);
+    swap_reference_layout(reference.path());
+    for (what, s) in &servers {
+        wait_loads(s, &format!("{what}, changed"), |n| n == (2, 0)).await;
     }
     for (_, s) in servers {
         s.stop().await;
@@ -343,15 +341,7 @@ fn a_link_to_a_file_outside_the_folder_is_refused_and_its_content_never_shown() 
 
     symlink(&secret, dir.path().join("leak.yaml")).unwrap();
     let refused = "Error loading new configuration: leak.yaml: points outside the rules folder";
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !running.log.lock().unwrap().contains(refused) {
-        assert!(
-            Instant::now() < deadline,
-            "no refusal in the log:\n{}",
-            running.log.lock().unwrap()
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    running.wait_log(refused, Duration::from_secs(10));
     let (_, rules) = common::http_request(running.http, "GET", "/rlconfig", "");
     assert!(
         rules.contains(&user_limit(1)) && !rules.contains("x."),

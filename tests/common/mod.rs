@@ -315,6 +315,19 @@ impl Running {
         }
         false
     }
+
+    /// Waits until the log holds `text`; fails the test with the log when `within` passes first.
+    pub fn wait_log(&self, text: &str, within: Duration) {
+        let deadline = Instant::now() + within;
+        while !self.log.lock().unwrap().contains(text) {
+            assert!(
+                Instant::now() < deadline,
+                "no {text:?} in the log within {within:?}:\n{}",
+                self.log.lock().unwrap()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
 }
 
 impl Drop for Running {

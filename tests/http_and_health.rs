@@ -2,6 +2,8 @@
 
 mod common;
 
+use std::time::{Duration, Instant};
+
 use common::TestServer;
 use ratelimitd::api::health::SERVICE_NAME;
 use tokio_stream::StreamExt;
@@ -10,7 +12,7 @@ use tonic_health::pb::{
 };
 use tonic_reflection::pb::v1::{
     server_reflection_client::ServerReflectionClient, server_reflection_request::MessageRequest,
-    server_reflection_response::MessageResponse, ServerReflectionRequest,
+    server_reflection_response::MessageResponse, ServerReflectionRequest, ServerReflectionResponse,
 };
 
 const RULES: &str = "domain: web\ndescriptors:\n  - key: user\n    rate_limit: {unit: minute, requests_per_unit: 1, name: per_user}\n";
@@ -93,16 +95,14 @@ async fn health_waits_for_a_domain_when_asked_to() {
 #[tokio::test]
 async fn drain_reports_not_serving_while_still_answering() {
     let s = TestServer::start(&[("web.yaml", RULES)], |s| {
-        s.shutdown.drain_delay = std::time::Duration::from_millis(800);
+        s.shutdown.drain_delay = Duration::from_secs(2);
     })
     .await;
     let mut client = s.client().await;
     s.shutdown.cancel();
-    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
-    assert_eq!(
-        grpc_health(&s, SERVICE_NAME).await,
-        ServingStatus::NotServing
-    );
+    // Seen well within the drain delay, so that what follows still happens during the drain.
+    s.wait_health(ServingStatus::NotServing, Duration::from_secs(1))
+        .await;
     assert_eq!(s.http("GET", "/healthcheck", "").await.0, 500);
     let resp = client
         .should_rate_limit(common::request(
@@ -114,29 +114,37 @@ async fn drain_reports_not_serving_while_still_answering() {
         resp.is_ok(),
         "calls during the drain delay are still answered"
     );
-    let started = std::time::Instant::now();
+    let started = Instant::now();
     s.handle.await.unwrap().unwrap();
-    assert!(started.elapsed() < std::time::Duration::from_secs(5));
+    assert!(started.elapsed() < Duration::from_secs(5));
     assert!(
         std::net::TcpStream::connect(s.http_addr).is_err(),
         "the HTTP listener is closed after the drain"
     );
 }
 
-#[tokio::test]
-async fn reflection_lists_the_services() {
-    let s = TestServer::start(&[("web.yaml", RULES)], |_| {}).await;
-    let mut reflection = ServerReflectionClient::new(s.channel().await);
+/// One reflection question and its first reply.
+async fn reflect(
+    reflection: &mut ServerReflectionClient<tonic::transport::Channel>,
+    question: MessageRequest,
+) -> ServerReflectionResponse {
     let outbound = tokio_stream::iter(vec![ServerReflectionRequest {
         host: String::new(),
-        message_request: Some(MessageRequest::ListServices(String::new())),
+        message_request: Some(question),
     }]);
     let mut inbound = reflection
         .server_reflection_info(outbound)
         .await
         .unwrap()
         .into_inner();
-    let reply = inbound.next().await.unwrap().unwrap();
+    inbound.next().await.unwrap().unwrap()
+}
+
+#[tokio::test]
+async fn reflection_lists_the_services() {
+    let s = TestServer::start(&[("web.yaml", RULES)], |_| {}).await;
+    let mut reflection = ServerReflectionClient::new(s.channel().await);
+    let reply = reflect(&mut reflection, MessageRequest::ListServices(String::new())).await;
     let Some(MessageResponse::ListServicesResponse(list)) = reply.message_response else {
         panic!("unexpected reflection reply: {reply:?}");
     };
@@ -153,18 +161,12 @@ async fn reflection_lists_the_services() {
     }
 
     // The service's file descriptor resolves with its imports (what grpcurl needs to call it).
-    let outbound = tokio_stream::iter(vec![ServerReflectionRequest {
-        host: String::new(),
-        message_request: Some(MessageRequest::FileContainingSymbol(
-            "envoy.service.ratelimit.v3.RateLimitService".into(),
-        )),
-    }]);
-    let mut inbound = reflection
-        .server_reflection_info(outbound)
-        .await
-        .unwrap()
-        .into_inner();
-    let reply = inbound.next().await.unwrap().unwrap();
+    let symbol = "envoy.service.ratelimit.v3.RateLimitService".into();
+    let reply = reflect(
+        &mut reflection,
+        MessageRequest::FileContainingSymbol(symbol),
+    )
+    .await;
     let Some(MessageResponse::FileDescriptorResponse(files)) = reply.message_response else {
         panic!("unexpected reflection reply: {reply:?}");
     };

@@ -13,7 +13,7 @@ use std::{
 use common::{
     descriptor,
     redis::{free_port, RedisProcess},
-    request, start_binary, Running,
+    request, start_binary, wait_for, Running,
 };
 use ratelimitd::proto::{rate_limit_response::Code, RateLimitServiceClient};
 use rcgen::{
@@ -300,7 +300,7 @@ async fn a_rotated_server_certificate_is_served_without_a_restart_and_a_broken_o
 
     // A half-written rotation (a key that is not PEM) keeps the old certificate serving.
     write(certs.path(), "server.key", "not a key");
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    running.wait_log("not reloaded", Duration::from_secs(10));
     assert_eq!(
         call_tls(&running, &old_ca.pem(), None, "r2").await,
         Ok(Code::Ok)
@@ -313,17 +313,15 @@ async fn a_rotated_server_certificate_is_served_without_a_restart_and_a_broken_o
 
     let new_ca = Ca::new("new ca");
     server_files(certs.path(), &new_ca);
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        if call_tls(&running, &new_ca.pem(), None, "r3").await == Ok(Code::Ok) {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the new certificate was not served"
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    wait_for(
+        "the new certificate served",
+        Duration::from_secs(10),
+        async || {
+            let answer = call_tls(&running, &new_ca.pem(), None, "r3").await;
+            (answer == Ok(Code::Ok)).then_some(())
+        },
+    )
+    .await;
     assert!(
         call_tls(&running, &old_ca.pem(), None, "r4").await.is_err(),
         "new connections get the new certificate"

@@ -40,21 +40,23 @@ fn help_and_version() {
     );
 }
 
+/// `ratelimitd check-config <folder>` run in `cwd`: its exit code and what it printed.
+fn check_config(folder: &Path, env: &[(&str, &str)], cwd: &Path) -> (Option<i32>, String) {
+    let out = ratelimitd(&["check-config", folder.to_str().unwrap()], env, cwd)
+        .output()
+        .unwrap();
+    let printed = String::from_utf8_lossy(&out.stdout).into_owned();
+    (out.status.code(), printed)
+}
+
 #[test]
 fn check_config_reports_ok_or_the_first_error() {
     let dir = tempfile::tempdir().unwrap();
+    let here = Path::new(".");
     let examples = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/config");
-    let out = ratelimitd(
-        &["check-config", examples.to_str().unwrap()],
-        &[],
-        dir.path(),
-    )
-    .output()
-    .unwrap();
-    assert_eq!(out.status.code(), Some(0));
     assert_eq!(
-        String::from_utf8_lossy(&out.stdout),
-        "all rate limit configs ok\n"
+        check_config(&examples, &[], dir.path()),
+        (Some(0), "all rate limit configs ok\n".into())
     );
 
     std::fs::write(dir.path().join("a.yaml"), RULES).unwrap();
@@ -63,13 +65,12 @@ fn check_config_reports_ok_or_the_first_error() {
         "domain: other\ndescriptors:\n  - key: k\n    rate_limit: {unit: eon, requests_per_unit: 1}\n",
     )
     .unwrap();
-    let out = ratelimitd(&["check-config", "."], &[], dir.path())
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(1));
     assert_eq!(
-        String::from_utf8_lossy(&out.stdout),
-        "error loading rate limit configs: b.yaml: invalid rate limit unit 'eon'\n"
+        check_config(here, &[], dir.path()),
+        (
+            Some(1),
+            "error loading rate limit configs: b.yaml: invalid rate limit unit 'eon'\n".into()
+        )
     );
 
     // Duplicate domains pass only with MERGE_DOMAIN_CONFIG.
@@ -78,19 +79,11 @@ fn check_config_reports_ok_or_the_first_error() {
         "domain: web\ndescriptors:\n  - key: other\n",
     )
     .unwrap();
-    let out = ratelimitd(&["check-config", "."], &[], dir.path())
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(1));
-    assert!(String::from_utf8_lossy(&out.stdout).contains("duplicate domain 'web'"));
-    let out = ratelimitd(
-        &["check-config", "."],
-        &[("MERGE_DOMAIN_CONFIG", "true")],
-        dir.path(),
-    )
-    .output()
-    .unwrap();
-    assert_eq!(out.status.code(), Some(0));
+    let (code, printed) = check_config(here, &[], dir.path());
+    assert_eq!(code, Some(1));
+    assert!(printed.contains("duplicate domain 'web'"), "{printed}");
+    let merged = check_config(here, &[("MERGE_DOMAIN_CONFIG", "true")], dir.path());
+    assert_eq!(merged.0, Some(0));
 }
 
 #[test]
@@ -101,13 +94,12 @@ fn check_config_refuses_a_window_longer_than_ten_years_naming_the_rule() {
         "domain: web\ndescriptors:\n  - key: user\n    value: forever\n    rate_limit: {unit: year, requests_per_unit: 1, unit_multiplier: 4294967295, algorithm: token_bucket}\n",
     )
     .unwrap();
-    let out = ratelimitd(&["check-config", "."], &[], dir.path())
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(1));
     assert_eq!(
-        String::from_utf8_lossy(&out.stdout),
-        "error loading rate limit configs: web.yaml: rule 'web.user_forever': rate_limit.unit_multiplier: a window of 4294967295 x YEAR (135446088615120000 seconds) is longer than the longest a limit may have, 10 years (315360000 seconds)\n"
+        check_config(Path::new("."), &[], dir.path()),
+        (
+            Some(1),
+            "error loading rate limit configs: web.yaml: rule 'web.user_forever': rate_limit.unit_multiplier: a window of 4294967295 x YEAR (135446088615120000 seconds) is longer than the longest a limit may have, 10 years (315360000 seconds)\n".into()
+        )
     );
 }
 
@@ -168,8 +160,10 @@ async fn sigterm_drains_and_exits_zero_within_the_grace_period() {
 
     // Load from 8 callers, each on its own connection, until the server goes away.
     let mut callers = Vec::new();
+    let answered_once = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
     for i in 0..8 {
         let addr = running.grpc;
+        let answered_once = answered_once.clone();
         callers.push(tokio::spawn(async move {
             let mut client =
                 ratelimitd::proto::RateLimitServiceClient::connect(format!("http://{addr}"))
@@ -181,7 +175,12 @@ async fn sigterm_drains_and_exits_zero_within_the_grace_period() {
                 let user = format!("caller{i}");
                 let r = common::request("web", vec![common::descriptor(&[("user", &user)])]);
                 match client.should_rate_limit(r).await {
-                    Ok(_) => answered += 1,
+                    Ok(_) => {
+                        answered += 1;
+                        if answered == 1 {
+                            answered_once.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        }
+                    }
                     Err(status) => {
                         eprintln!("caller {i} ended with {status:?}");
                         // A status the server sent has no source; one made by the client from a
@@ -194,7 +193,15 @@ async fn sigterm_drains_and_exits_zero_within_the_grace_period() {
             (answered, None)
         }));
     }
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    common::wait_for(
+        "every caller answered",
+        Duration::from_secs(10),
+        async || {
+            let all = answered_once.load(std::sync::atomic::Ordering::Relaxed) == 8;
+            all.then_some(())
+        },
+    )
+    .await;
     let pid = running.child.id().to_string();
     assert!(Command::new("kill")
         .args(["-TERM", &pid])

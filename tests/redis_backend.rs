@@ -827,7 +827,11 @@ fn sensitive_values_and_secrets_never_reach_redis_keys_logs_metrics_or_rlconfig(
             common::http_request(running.http, "POST", "/json", &body("api_key", RAW_KEY));
         assert_ne!(code, 200, "answered without Redis");
     }
-    std::thread::sleep(Duration::from_millis(1500));
+    // A refused reconnect is logged: the log checked below covers the outage.
+    running.wait_log(
+        "Redis connection error: IO Error: Os",
+        Duration::from_secs(10),
+    );
     let (_, rlconfig) = common::http_request(running.http, "GET", "/rlconfig", "");
     let (_, metrics) = common::http_request(running.http, "GET", "/metrics", "");
     let (_, top) = common::http_request(running.http, "GET", "/debug/top", "");
@@ -838,10 +842,6 @@ fn sensitive_values_and_secrets_never_reach_redis_keys_logs_metrics_or_rlconfig(
     assert!(rlconfig.contains("api.token_hmac-"), "{rlconfig}");
     assert!(top.contains("hmac-"), "{top}");
     let log = running.log.lock().unwrap().clone();
-    assert!(
-        log.to_lowercase().contains("redis"),
-        "the outage is logged: {log}"
-    );
     for (place, text) in [
         ("Redis keys", &keys),
         ("/rlconfig", &rlconfig),

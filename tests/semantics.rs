@@ -32,11 +32,12 @@ struct Row {
     /// Whether the server counts every descriptor of a denied request (`consume_on_deny`).
     consume_on_deny: bool,
     /// The `descriptors:` of the row's rules file.
-    rules: &'static str,
+    rules: String,
     steps: Vec<Step>,
 }
 
 /// One question and the answer it must get, as [`read`] writes it.
+#[derive(Clone)]
 struct Step {
     descriptors: Vec<RateLimitDescriptor>,
     /// The request's `hits_addend` (0 means 1).
@@ -60,23 +61,53 @@ fn one(entries: &[(&str, &str)]) -> Vec<RateLimitDescriptor> {
     vec![descriptor(entries)]
 }
 
-fn row(name: &'static str, rules: &'static str, steps: Vec<Step>) -> Row {
+/// The same question asked once for each answer in `wants`, in turn.
+fn again(descriptors: impl Fn() -> Vec<RateLimitDescriptor>, wants: &[&'static str]) -> Vec<Step> {
+    wants.iter().map(|want| step(descriptors(), want)).collect()
+}
+
+/// Questions on one entry each, `(key, value, the answer it must get)`, asked in turn.
+fn each(questions: &[(&str, &str, &'static str)]) -> Vec<Step> {
+    questions
+        .iter()
+        .map(|&(key, value, want)| step(one(&[(key, value)]), want))
+        .collect()
+}
+
+fn pair(a: &[(&str, &str)], b: &[(&str, &str)]) -> Vec<RateLimitDescriptor> {
+    vec![descriptor(a), descriptor(b)]
+}
+
+/// One descriptor limited by its request override.
+fn overridden(
+    entries: &[(&str, &str)],
+    requests_per_unit: u32,
+    unit: Unit,
+) -> Vec<RateLimitDescriptor> {
+    vec![with_override(
+        descriptor(entries),
+        requests_per_unit,
+        unit as i32,
+    )]
+}
+
+fn row(name: &'static str, rules: &str, steps: Vec<Step>) -> Row {
     Row {
         name,
         consume_on_deny: false,
-        rules,
+        rules: rules.to_owned(),
         steps,
     }
 }
 
 /// Each algorithm with a capacity of 3: a cost above the capacity is denied and changes nothing, a cost
 /// that uses the quota up exactly is allowed, and a cost of 0 checks without counting.
-fn algorithm_row(name: &'static str, rules: &'static str) -> Row {
+fn algorithm_row(name: &'static str, rate_limit: &str) -> Row {
     let d = || one(&[("user", "u")]);
     let check_only = || vec![with_hits(descriptor(&[("user", "u")]), 0)];
     row(
         name,
-        rules,
+        &format!("\n  - key: user\n    rate_limit: {rate_limit}\n"),
         vec![
             step_costing(d(), 4, "OVER: OVER 0 left of three"),
             step_costing(d(), 2, "OK: OK 1 left of three"),
@@ -87,6 +118,29 @@ fn algorithm_row(name: &'static str, rules: &'static str) -> Row {
             step(one(&[("user", "other")]), "OK: OK 2 left of three"),
         ],
     )
+}
+
+/// A request on a wide limit (10) and a narrow one (1), then one the narrow limit denies (`then[0]`),
+/// then one on the wide limit alone (`then[1]`).
+fn wide_and_narrow_row(name: &'static str, consume_on_deny: bool, then: [&'static str; 2]) -> Row {
+    let both = || pair(&[("wide", "w")], &[("narrow", "n")]);
+    Row {
+        consume_on_deny,
+        ..row(
+            name,
+            r#"
+  - key: wide
+    rate_limit: {unit: hour, requests_per_unit: 10, name: wide}
+  - key: narrow
+    rate_limit: {unit: hour, requests_per_unit: 1, name: narrow}
+"#,
+            vec![
+                step(both(), "OK: OK 9 left of wide, OK 0 left of narrow"),
+                step(both(), then[0]),
+                step(one(&[("wide", "w")]), then[1]),
+            ],
+        )
+    }
 }
 
 fn table() -> Vec<Row> {
@@ -106,25 +160,25 @@ fn table() -> Vec<Row> {
         value: POST
         rate_limit: {unit: hour, requests_per_unit: 1, name: login_post}
 "#,
-            vec![
-                step(one(&[("plan", "gold")]), "OK: OK 2 left of gold"),
-                step(one(&[("plan", "free")]), "OK: OK 0 left of any_plan"),
-                step(one(&[("plan", "trial")]), "OK: OK 0 left of any_plan"),
-                step(one(&[("plan", "free")]), "OVER: OVER 0 left of any_plan"),
-                step(one(&[("plan", "gold")]), "OK: OK 1 left of gold"),
-                step(
-                    one(&[("route", "/login"), ("method", "POST")]),
-                    "OK: OK 0 left of login_post",
+            [
+                each(&[
+                    ("plan", "gold", "OK: OK 2 left of gold"),
+                    ("plan", "free", "OK: OK 0 left of any_plan"),
+                    ("plan", "trial", "OK: OK 0 left of any_plan"),
+                    ("plan", "free", "OVER: OVER 0 left of any_plan"),
+                    ("plan", "gold", "OK: OK 1 left of gold"),
+                ]),
+                // Nested rules: both entries make the counter.
+                again(
+                    || one(&[("route", "/login"), ("method", "POST")]),
+                    &[
+                        "OK: OK 0 left of login_post",
+                        "OVER: OVER 0 left of login_post",
+                    ],
                 ),
-                step(
-                    one(&[("route", "/login"), ("method", "POST")]),
-                    "OVER: OVER 0 left of login_post",
-                ),
-                step(
-                    one(&[("route", "/login"), ("method", "GET")]),
-                    "OK: OK no limit",
-                ),
-            ],
+                each(&[("route", "/login", "OK: OK no limit")]),
+            ]
+            .concat(),
         ),
         row(
             "match_wildcards",
@@ -144,63 +198,39 @@ fn table() -> Vec<Row> {
     share_threshold: true
     rate_limit: {unit: hour, requests_per_unit: 1, name: per_network}
 "#,
-            vec![
-                step(one(&[("path", "/api/a")]), "OK: OK 1 left of api"),
-                step(one(&[("path", "/api/b")]), "OK: OK 1 left of api"),
-                step(one(&[("path", "/static/a")]), "OK: OK 1 left of static"),
-                step(one(&[("path", "/static/b")]), "OK: OK 0 left of static"),
-                step(one(&[("path", "/static/c")]), "OVER: OVER 0 left of static"),
-                step(one(&[("path", "/other")]), "OK: OK no limit"),
-                step(one(&[("addr", "10.0.0.1")]), "OK: OK 0 left of per_address"),
-                step(one(&[("addr", "10.0.0.2")]), "OK: OK 0 left of per_address"),
-                step(
-                    one(&[("addr", "10.0.0.1")]),
-                    "OVER: OVER 0 left of per_address",
-                ),
-                step(
-                    one(&[("addr", "192.168.1.1")]),
-                    "OK: OK 0 left of per_network",
-                ),
-                step(
-                    one(&[("addr", "192.168.2.2")]),
-                    "OVER: OVER 0 left of per_network",
-                ),
-            ],
+            each(&[
+                ("path", "/api/a", "OK: OK 1 left of api"),
+                ("path", "/api/b", "OK: OK 1 left of api"),
+                ("path", "/static/a", "OK: OK 1 left of static"),
+                ("path", "/static/b", "OK: OK 0 left of static"),
+                ("path", "/static/c", "OVER: OVER 0 left of static"),
+                ("path", "/other", "OK: OK no limit"),
+                ("addr", "10.0.0.1", "OK: OK 0 left of per_address"),
+                ("addr", "10.0.0.2", "OK: OK 0 left of per_address"),
+                ("addr", "10.0.0.1", "OVER: OVER 0 left of per_address"),
+                ("addr", "192.168.1.1", "OK: OK 0 left of per_network"),
+                ("addr", "192.168.2.2", "OVER: OVER 0 left of per_network"),
+            ]),
         ),
         algorithm_row(
             "fixed_window",
-            r#"
-  - key: user
-    rate_limit: {unit: hour, requests_per_unit: 3, name: three}
-"#,
+            "{unit: hour, requests_per_unit: 3, name: three}",
         ),
         algorithm_row(
             "sliding_window",
-            r#"
-  - key: user
-    rate_limit: {unit: hour, requests_per_unit: 3, name: three, algorithm: sliding_window}
-"#,
+            "{unit: hour, requests_per_unit: 3, name: three, algorithm: sliding_window}",
         ),
         algorithm_row(
             "sliding_log",
-            r#"
-  - key: user
-    rate_limit: {unit: hour, requests_per_unit: 3, name: three, algorithm: sliding_log}
-"#,
+            "{unit: hour, requests_per_unit: 3, name: three, algorithm: sliding_log}",
         ),
         algorithm_row(
             "token_bucket",
-            r#"
-  - key: user
-    rate_limit: {unit: hour, requests_per_unit: 3, name: three, algorithm: token_bucket}
-"#,
+            "{unit: hour, requests_per_unit: 3, name: three, algorithm: token_bucket}",
         ),
         algorithm_row(
             "gcra_with_a_burst",
-            r#"
-  - key: user
-    rate_limit: {unit: day, requests_per_unit: 1, burst: 3, name: three, algorithm: gcra}
-"#,
+            "{unit: day, requests_per_unit: 1, burst: 3, name: three, algorithm: gcra}",
         ),
         row(
             "hits_addend",
@@ -221,7 +251,7 @@ fn table() -> Vec<Row> {
                     "OK: OK 8 left of a, OK 5 left of b",
                 ),
                 step_costing(
-                    vec![descriptor(&[("a", "x")]), descriptor(&[("b", "x")])],
+                    pair(&[("a", "x")], &[("b", "x")]),
                     5,
                     "OK: OK 3 left of a, OK 0 left of b",
                 ),
@@ -233,49 +263,22 @@ fn table() -> Vec<Row> {
   - key: user
     rate_limit: {unit: hour, requests_per_unit: 100, name: from_rules}
 "#,
-            vec![
-                step(
-                    vec![with_override(
-                        descriptor(&[("user", "o")]),
-                        2,
-                        Unit::Hour as i32,
-                    )],
-                    "OK: OK 1 left of 2/Hour",
-                ),
-                step(
-                    vec![with_override(
-                        descriptor(&[("user", "o")]),
-                        2,
-                        Unit::Hour as i32,
-                    )],
-                    "OK: OK 0 left of 2/Hour",
-                ),
-                step(
-                    vec![with_override(
-                        descriptor(&[("user", "o")]),
-                        2,
-                        Unit::Hour as i32,
-                    )],
-                    "OVER: OVER 0 left of 2/Hour",
+            [
+                again(
+                    || overridden(&[("user", "o")], 2, Unit::Hour),
+                    &[
+                        "OK: OK 1 left of 2/Hour",
+                        "OK: OK 0 left of 2/Hour",
+                        "OVER: OVER 0 left of 2/Hour",
+                    ],
                 ),
                 // A descriptor no rule matches is limited by its override alone.
-                step(
-                    vec![with_override(
-                        descriptor(&[("nobody", "n")]),
-                        1,
-                        Unit::Day as i32,
-                    )],
-                    "OK: OK 0 left of 1/Day",
+                again(
+                    || overridden(&[("nobody", "n")], 1, Unit::Day),
+                    &["OK: OK 0 left of 1/Day", "OVER: OVER 0 left of 1/Day"],
                 ),
-                step(
-                    vec![with_override(
-                        descriptor(&[("nobody", "n")]),
-                        1,
-                        Unit::Day as i32,
-                    )],
-                    "OVER: OVER 0 left of 1/Day",
-                ),
-            ],
+            ]
+            .concat(),
         ),
         row(
             "shadow_rule",
@@ -286,62 +289,33 @@ fn table() -> Vec<Row> {
   - key: user
     rate_limit: {unit: hour, requests_per_unit: 5, name: user}
 "#,
-            vec![
-                step(
-                    vec![descriptor(&[("trial", "t")]), descriptor(&[("user", "u")])],
+            // Over its limit, the shadow rule still says OK, and the request is counted.
+            again(
+                || pair(&[("trial", "t")], &[("user", "u")]),
+                &[
                     "OK: OK 0 left of trial, OK 4 left of user",
-                ),
-                // Over its limit, the shadow rule still says OK, and the request is counted.
-                step(
-                    vec![descriptor(&[("trial", "t")]), descriptor(&[("user", "u")])],
                     "OK: OK 0 left of trial, OK 3 left of user",
-                ),
-            ],
-        ),
-        row(
-            "several_descriptors",
-            r#"
-  - key: wide
-    rate_limit: {unit: hour, requests_per_unit: 10, name: wide}
-  - key: narrow
-    rate_limit: {unit: hour, requests_per_unit: 1, name: narrow}
-"#,
-            vec![
-                step(
-                    vec![descriptor(&[("wide", "w")]), descriptor(&[("narrow", "n")])],
-                    "OK: OK 9 left of wide, OK 0 left of narrow",
-                ),
-                step(
-                    vec![descriptor(&[("wide", "w")]), descriptor(&[("narrow", "n")])],
-                    "OVER: OK 9 left of wide, OVER 0 left of narrow",
-                ),
-                // The denied request took nothing from `wide`.
-                step(one(&[("wide", "w")]), "OK: OK 8 left of wide"),
-            ],
-        ),
-        Row {
-            consume_on_deny: true,
-            ..row(
-                "several_descriptors_consume_on_deny",
-                r#"
-  - key: wide
-    rate_limit: {unit: hour, requests_per_unit: 10, name: wide}
-  - key: narrow
-    rate_limit: {unit: hour, requests_per_unit: 1, name: narrow}
-"#,
-                vec![
-                    step(
-                        vec![descriptor(&[("wide", "w")]), descriptor(&[("narrow", "n")])],
-                        "OK: OK 9 left of wide, OK 0 left of narrow",
-                    ),
-                    step(
-                        vec![descriptor(&[("wide", "w")]), descriptor(&[("narrow", "n")])],
-                        "OVER: OK 8 left of wide, OVER 0 left of narrow",
-                    ),
-                    step(one(&[("wide", "w")]), "OK: OK 7 left of wide"),
                 ],
-            )
-        },
+            ),
+        ),
+        // A denied request takes nothing from its other descriptors' quotas...
+        wide_and_narrow_row(
+            "several_descriptors",
+            false,
+            [
+                "OVER: OK 9 left of wide, OVER 0 left of narrow",
+                "OK: OK 8 left of wide",
+            ],
+        ),
+        // ...unless the server is told to count every descriptor of every request.
+        wide_and_narrow_row(
+            "several_descriptors_consume_on_deny",
+            true,
+            [
+                "OVER: OK 8 left of wide, OVER 0 left of narrow",
+                "OK: OK 7 left of wide",
+            ],
+        ),
         row(
             "quota_mode",
             r#"
@@ -352,30 +326,15 @@ fn table() -> Vec<Row> {
     quota_mode: true
     rate_limit: {unit: hour, requests_per_unit: 2, name: quota_b}
 "#,
-            vec![
-                step(
-                    vec![
-                        descriptor(&[("quota_a", "")]),
-                        descriptor(&[("quota_b", "")]),
-                    ],
+            // Denied only when no quota is left; one quota left is enough.
+            again(
+                || pair(&[("quota_a", "")], &[("quota_b", "")]),
+                &[
                     "OK: OK 0 left of quota_a, OK 1 left of quota_b",
-                ),
-                // One quota left is enough.
-                step(
-                    vec![
-                        descriptor(&[("quota_a", "")]),
-                        descriptor(&[("quota_b", "")]),
-                    ],
                     "OK: OVER 0 left of quota_a, OK 0 left of quota_b",
-                ),
-                step(
-                    vec![
-                        descriptor(&[("quota_a", "")]),
-                        descriptor(&[("quota_b", "")]),
-                    ],
                     "OVER: OVER 0 left of quota_a, OVER 0 left of quota_b",
-                ),
-            ],
+                ],
+            ),
         ),
         row(
             "several_limits_on_one_rule",
@@ -385,13 +344,23 @@ fn table() -> Vec<Row> {
     rate_limits:
       - {unit: day, requests_per_unit: 5, name: per_day}
 "#,
-            vec![
-                // The status reports the limit closest to denying.
-                step(one(&[("user", "u")]), "OK: OK 1 left of per_hour"),
-                step(one(&[("user", "u")]), "OK: OK 0 left of per_hour"),
-                step(one(&[("user", "u")]), "OVER: OVER 0 left of per_hour"),
-                step_costing(one(&[("user", "v")]), 2, "OK: OK 0 left of per_hour"),
-            ],
+            // The status reports the limit closest to denying.
+            [
+                again(
+                    || one(&[("user", "u")]),
+                    &[
+                        "OK: OK 1 left of per_hour",
+                        "OK: OK 0 left of per_hour",
+                        "OVER: OVER 0 left of per_hour",
+                    ],
+                ),
+                vec![step_costing(
+                    one(&[("user", "v")]),
+                    2,
+                    "OK: OK 0 left of per_hour",
+                )],
+            ]
+            .concat(),
         ),
     ]
 }

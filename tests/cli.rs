@@ -22,6 +22,11 @@ fn ratelimitd(args: &[&str], env: &[(&str, &str)], cwd: &Path) -> Command {
     cmd
 }
 
+/// The binary serving the rules in `cwd/config` on loopback, with `env` added.
+fn serve(env: &[(&str, &str)], cwd: &Path) -> common::Running {
+    start(ratelimitd(&[], env, cwd).envs(common::LOOPBACK))
+}
+
 #[test]
 fn help_and_version() {
     let dir = tempfile::tempdir().unwrap();
@@ -146,17 +151,7 @@ async fn sigterm_drains_and_exits_zero_within_the_grace_period() {
     let dir = tempfile::tempdir().unwrap();
     std::fs::create_dir(dir.path().join("config")).unwrap();
     std::fs::write(dir.path().join("config/web.yaml"), RULES).unwrap();
-    let mut running = start(&mut ratelimitd(
-        &[],
-        &[
-            ("GRPC_HOST", "127.0.0.1"),
-            ("GRPC_PORT", "0"),
-            ("HOST", "127.0.0.1"),
-            ("PORT", "0"),
-            ("RATELIMITD_SHUTDOWN__GRACE_PERIOD", "3s"),
-        ],
-        dir.path(),
-    ));
+    let mut running = serve(&[("RATELIMITD_SHUTDOWN__GRACE_PERIOD", "3s")], dir.path());
 
     // Load from 8 callers, each on its own connection, until the server goes away.
     let mut callers = Vec::new();
@@ -246,19 +241,14 @@ fn use_prometheus_serves_metrics_on_its_own_address_and_path() {
         .unwrap()
         .port();
     let addr = format!("127.0.0.1:{port}");
-    let running = start(&mut ratelimitd(
-        &[],
+    let running = serve(
         &[
-            ("GRPC_HOST", "127.0.0.1"),
-            ("GRPC_PORT", "0"),
-            ("HOST", "127.0.0.1"),
-            ("PORT", "0"),
             ("USE_PROMETHEUS", "true"),
             ("PROMETHEUS_ADDR", &addr),
             ("PROMETHEUS_PATH", "/prom"),
         ],
         dir.path(),
-    ));
+    );
     let (code, text) = common::http_request(addr.parse().unwrap(), "GET", "/prom", "");
     assert_eq!(code, 200);
     assert!(
@@ -277,18 +267,7 @@ fn json_logs_are_one_object_per_line_with_time_level_and_message() {
     let dir = tempfile::tempdir().unwrap();
     std::fs::create_dir(dir.path().join("config")).unwrap();
     std::fs::write(dir.path().join("config/web.yaml"), RULES).unwrap();
-    let running = start(&mut ratelimitd(
-        &[],
-        &[
-            ("GRPC_HOST", "127.0.0.1"),
-            ("GRPC_PORT", "0"),
-            ("HOST", "127.0.0.1"),
-            ("PORT", "0"),
-            ("LOG_FORMAT", "json"),
-            ("LOG_LEVEL", "info"),
-        ],
-        dir.path(),
-    ));
+    let running = serve(&[("LOG_FORMAT", "json"), ("LOG_LEVEL", "info")], dir.path());
     let log = running.log.lock().unwrap().clone();
     let lines: Vec<serde_json::Value> = log
         .lines()

@@ -21,20 +21,18 @@ const RAW_KEY: &str = "sk_live_FIRSTCONTACT_7f3a";
 /// stand in for the reference's 0.0.0.0:8081 and :8080, so tests can run side by side.
 fn reference_deployment(runtime_root: &Path, redis: &RedisProcess) -> Command {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_ratelimitd"));
-    cmd.env_clear().envs([
-        ("BACKEND_TYPE", "redis"),
-        ("REDIS_SOCKET_TYPE", "tcp"),
-        ("REDIS_URL", redis.addr().as_str()),
-        ("RUNTIME_ROOT", runtime_root.to_str().unwrap()),
-        ("RUNTIME_SUBDIRECTORY", "ratelimit"),
-        ("RUNTIME_APPDIRECTORY", "config"),
-        ("RUNTIME_WATCH_ROOT", "false"),
-        ("RUNTIME_IGNOREDOTFILES", "true"),
-        ("GRPC_HOST", "127.0.0.1"),
-        ("GRPC_PORT", "0"),
-        ("HOST", "127.0.0.1"),
-        ("PORT", "0"),
-    ]);
+    cmd.env_clear()
+        .envs([
+            ("BACKEND_TYPE", "redis"),
+            ("REDIS_SOCKET_TYPE", "tcp"),
+            ("REDIS_URL", redis.addr().as_str()),
+            ("RUNTIME_ROOT", runtime_root.to_str().unwrap()),
+            ("RUNTIME_SUBDIRECTORY", "ratelimit"),
+            ("RUNTIME_APPDIRECTORY", "config"),
+            ("RUNTIME_WATCH_ROOT", "false"),
+            ("RUNTIME_IGNOREDOTFILES", "true"),
+        ])
+        .envs(common::LOOPBACK);
     cmd
 }
 

@@ -4,7 +4,6 @@
 mod common;
 
 use std::{
-    process::Command,
     sync::{
         atomic::{AtomicU32, Ordering},
         Arc,
@@ -770,17 +769,12 @@ fn sensitive_values_and_secrets_never_reach_redis_keys_logs_metrics_or_rlconfig(
         ),
     )
     .unwrap();
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_ratelimitd"));
-    cmd.env_clear().envs([
-        ("GRPC_HOST", "127.0.0.1"),
-        ("GRPC_PORT", "0"),
-        ("HOST", "127.0.0.1"),
-        ("PORT", "0"),
+    let mut cmd = common::binary(dir.path());
+    cmd.envs([
         ("LOG_LEVEL", "debug"),
         ("REDIS_URL", &redis.addr()),
         ("REDIS_AUTH", PASSWORD),
         ("RATELIMITD_HASH_SECRET", HASH_SECRET),
-        ("RATELIMITD_RULES__PATH", dir.path().to_str().unwrap()),
     ]);
     let running = common::start_binary(&mut cmd);
     assert!(

@@ -81,15 +81,14 @@ async fn spans_reach_the_collector_under_the_callers_w3c_or_b3_trace() {
     )
     .unwrap();
     let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_ratelimitd"));
-    cmd.env_clear().current_dir(dir.path()).envs([
-        ("GRPC_HOST", "127.0.0.1"),
-        ("GRPC_PORT", "0"),
-        ("HOST", "127.0.0.1"),
-        ("PORT", "0"),
-        ("TRACING_ENABLED", "true"),
-        ("TRACING_SERVICE_NAME", "ratelimitd-test"),
-        ("OTEL_EXPORTER_OTLP_ENDPOINT", &endpoint),
-    ]);
+    cmd.env_clear()
+        .current_dir(dir.path())
+        .envs(common::LOOPBACK)
+        .envs([
+            ("TRACING_ENABLED", "true"),
+            ("TRACING_SERVICE_NAME", "ratelimitd-test"),
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", &endpoint),
+        ]);
     let mut running = common::start_binary(&mut cmd);
     let mut client =
         ratelimitd::proto::RateLimitServiceClient::connect(format!("http://{}", running.grpc))

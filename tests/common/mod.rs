@@ -267,6 +267,14 @@ pub fn request_costing(
     }
 }
 
+/// Listeners on loopback at free ports, in the reference's variables.
+pub const LOOPBACK: [(&str, &str); 4] = [
+    ("GRPC_HOST", "127.0.0.1"),
+    ("GRPC_PORT", "0"),
+    ("HOST", "127.0.0.1"),
+    ("PORT", "0"),
+];
+
 /// The ratelimitd binary with a clean environment, loopback listeners on free ports and the rules in
 /// `rules`; add what a test needs, then [`start_binary`].
 pub fn binary(rules: &std::path::Path) -> Command {
@@ -286,10 +294,7 @@ pub fn binary_under(wrapper: &[&str], rules: &std::path::Path) -> Command {
         None => Command::new(bin),
     };
     cmd.env_clear()
-        .env("GRPC_HOST", "127.0.0.1")
-        .env("GRPC_PORT", "0")
-        .env("HOST", "127.0.0.1")
-        .env("PORT", "0")
+        .envs(LOOPBACK)
         .env("RATELIMITD_RULES__PATH", rules);
     cmd
 }

@@ -88,51 +88,28 @@ async fn metrics_count_known_traffic_by_rule() {
     );
     assert!(text.contains("rule=\"api_key_sha256-"), "{text}");
 
-    assert_eq!(
-        sample(&text, "ratelimitd_requests_total{result=\"ok\"}"),
-        7.0
-    );
-    assert_eq!(
-        sample(&text, "ratelimitd_requests_total{result=\"over_limit\"}"),
-        1.0
-    );
-    assert_eq!(
-        sample(&text, "ratelimitd_requests_total{result=\"error\"}"),
-        1.0
-    );
-    assert_eq!(
-        sample(
-            &text,
-            "ratelimitd_request_errors_total{kind=\"invalid_request\"}"
+    for (metric, want) in [
+        ("ratelimitd_requests_total{result=\"ok\"}", 7.0),
+        ("ratelimitd_requests_total{result=\"over_limit\"}", 1.0),
+        ("ratelimitd_requests_total{result=\"error\"}", 1.0),
+        (
+            "ratelimitd_request_errors_total{kind=\"invalid_request\"}",
+            1.0,
         ),
-        1.0
-    );
-    assert_eq!(
-        sample(&text, "rate_limit_check_duration_seconds_count"),
-        9.0
-    );
+        ("rate_limit_check_duration_seconds_count", 9.0),
+        (
+            "ratelimitd_backend_call_duration_seconds_count{backend=\"memory\"}",
+            7.0,
+        ),
+        ("ratelimit_service_rate_limit_domain_not_found", 1.0),
+        ("ratelimit_service_config_load_success", 1.0),
+        ("ratelimit_service_config_load_error", 0.0),
+        ("ratelimitd_backend_up{backend=\"memory\"}", 1.0),
+        ("ratelimitd_backend_breaker_open{backend=\"memory\"}", 0.0),
+    ] {
+        assert_eq!(sample(&text, metric), want, "{metric}");
+    }
     assert!(text.contains("rate_limit_check_duration_seconds_bucket{le=\"0.0001\"}"));
-    assert_eq!(
-        sample(
-            &text,
-            "ratelimitd_backend_call_duration_seconds_count{backend=\"memory\"}"
-        ),
-        7.0
-    );
-    assert_eq!(
-        sample(&text, "ratelimit_service_rate_limit_domain_not_found"),
-        1.0
-    );
-    assert_eq!(sample(&text, "ratelimit_service_config_load_success"), 1.0);
-    assert_eq!(sample(&text, "ratelimit_service_config_load_error"), 0.0);
-    assert_eq!(
-        sample(&text, "ratelimitd_backend_up{backend=\"memory\"}"),
-        1.0
-    );
-    assert_eq!(
-        sample(&text, "ratelimitd_backend_breaker_open{backend=\"memory\"}"),
-        0.0
-    );
     assert!(
         text.contains("ratelimitd_rules_info{fingerprint=\""),
         "{text}"

@@ -27,6 +27,7 @@ use ratelimitd::{
 };
 
 /// One rules file (its domain is the row's name) and the questions asked of it, in order.
+#[derive(Clone)]
 struct Row {
     name: &'static str,
     /// Whether the server counts every descriptor of a denied request (`consume_on_deny`).
@@ -144,6 +145,17 @@ fn wide_and_narrow_row(name: &'static str, consume_on_deny: bool, then: [&'stati
 }
 
 fn table() -> Vec<Row> {
+    [
+        matching_rows(),
+        algorithm_rows(),
+        request_rows(),
+        several_descriptor_rows(),
+    ]
+    .concat()
+}
+
+/// Which rule a request matches, shown by the limit it reports and the counter it shares.
+fn matching_rows() -> Vec<Row> {
     vec![
         row(
             "match_value_then_key",
@@ -212,6 +224,12 @@ fn table() -> Vec<Row> {
                 ("addr", "192.168.2.2", "OVER: OVER 0 left of per_network"),
             ]),
         ),
+    ]
+}
+
+/// Each algorithm, through the same questions.
+fn algorithm_rows() -> Vec<Row> {
+    vec![
         algorithm_row(
             "fixed_window",
             "{unit: hour, requests_per_unit: 3, name: three}",
@@ -232,6 +250,12 @@ fn table() -> Vec<Row> {
             "gcra_with_a_burst",
             "{unit: day, requests_per_unit: 1, burst: 3, name: three, algorithm: gcra}",
         ),
+    ]
+}
+
+/// What a request carries: costs and limit overrides.
+fn request_rows() -> Vec<Row> {
+    vec![
         row(
             "hits_addend",
             r#"
@@ -280,6 +304,12 @@ fn table() -> Vec<Row> {
             ]
             .concat(),
         ),
+    ]
+}
+
+/// Several descriptors in one request, and the rule flags that change how they are counted.
+fn several_descriptor_rows() -> Vec<Row> {
+    vec![
         row(
             "shadow_rule",
             r#"

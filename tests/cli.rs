@@ -197,23 +197,7 @@ async fn sigterm_drains_and_exits_zero_within_the_grace_period() {
         },
     )
     .await;
-    let pid = running.child.id().to_string();
-    assert!(Command::new("kill")
-        .args(["-TERM", &pid])
-        .status()
-        .unwrap()
-        .success());
-    let sent = Instant::now();
-    let status = loop {
-        if let Some(status) = running.child.try_wait().unwrap() {
-            break status;
-        }
-        assert!(
-            sent.elapsed() < Duration::from_secs(6),
-            "no exit within the grace period"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
+    let status = running.terminate(Duration::from_secs(6)).await;
     assert_eq!(status.code(), Some(0));
     for caller in callers {
         let (answered, ended) = caller.await.unwrap();

@@ -6,7 +6,7 @@ mod common;
 
 use std::{
     sync::{Arc, Mutex},
-    time::{Duration, Instant},
+    time::Duration,
 };
 
 use opentelemetry_proto::tonic::{
@@ -22,6 +22,21 @@ use tokio_stream::wrappers::TcpListenerStream;
 #[derive(Clone, Default)]
 struct Collector {
     spans: Arc<Mutex<Vec<Span>>>,
+}
+
+impl Collector {
+    /// A collector serving OTLP/gRPC on a free loopback port; returns it and its endpoint.
+    async fn start() -> (Self, String) {
+        let collector = Self::default();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let endpoint = format!("http://{}", listener.local_addr().unwrap());
+        tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(TraceServiceServer::new(collector.clone()))
+                .serve_with_incoming(TcpListenerStream::new(listener)),
+        );
+        (collector, endpoint)
+    }
 }
 
 #[tonic::async_trait]
@@ -64,14 +79,7 @@ fn call_span(spans: &[Span], trace_id: &str) -> Option<Span> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn spans_reach_the_collector_under_the_callers_w3c_or_b3_trace() {
-    let collector = Collector::default();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let endpoint = format!("http://{}", listener.local_addr().unwrap());
-    tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_service(TraceServiceServer::new(collector.clone()))
-            .serve_with_incoming(TcpListenerStream::new(listener)),
-    );
+    let (collector, endpoint) = Collector::start().await;
 
     let dir = tempfile::tempdir().unwrap();
     std::fs::create_dir(dir.path().join("config")).unwrap();
@@ -132,20 +140,7 @@ async fn spans_reach_the_collector_under_the_callers_w3c_or_b3_trace() {
     }
 
     // Stopping flushes the batch of spans; once the process is gone, everything has been exported.
-    let pid = running.child.id().to_string();
-    assert!(std::process::Command::new("kill")
-        .args(["-TERM", &pid])
-        .status()
-        .unwrap()
-        .success());
-    let deadline = Instant::now() + Duration::from_secs(15);
-    let exit = loop {
-        if let Some(exit) = running.child.try_wait().unwrap() {
-            break exit;
-        }
-        assert!(Instant::now() < deadline, "ratelimitd did not stop");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
+    let exit = running.terminate(Duration::from_secs(15)).await;
     assert_eq!(exit.code(), Some(0));
     let spans = collector.spans.lock().unwrap().clone();
     let names: Vec<(String, String)> = spans

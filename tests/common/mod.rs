@@ -321,6 +321,17 @@ impl Running {
         false
     }
 
+    /// Sends SIGTERM and waits for the process to exit; fails the test when it has not within `within`.
+    pub async fn terminate(&mut self, within: Duration) -> std::process::ExitStatus {
+        let pid = self.child.id().to_string();
+        let sent = Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+        assert!(sent.success(), "kill -TERM {pid}");
+        wait_for("the exit after SIGTERM", within, async || {
+            self.child.try_wait().unwrap()
+        })
+        .await
+    }
+
     /// Waits until the log holds `text`; fails the test with the log when `within` passes first.
     pub fn wait_log(&self, text: &str, within: Duration) {
         let deadline = Instant::now() + within;

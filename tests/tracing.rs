@@ -77,6 +77,42 @@ fn call_span(spans: &[Span], trace_id: &str) -> Option<Span> {
         .cloned()
 }
 
+/// A trace a caller sent: how it was carried, and (trace id, the caller's span id).
+type Traced<'a> = (&'a str, (&'a str, &'a str));
+
+/// Each sampled call's span continues the caller's trace under the caller's span, with the store's
+/// call beneath it; nothing at all is exported under an unsampled trace.
+fn assert_traces_followed(spans: &[Span], sampled: &[Traced], unsampled: &[Traced]) {
+    let names: Vec<(String, String)> = spans
+        .iter()
+        .filter(|s| s.name == "ShouldRateLimit" || s.name == "backend call")
+        .map(|s| (s.name.clone(), hex(&s.trace_id)))
+        .collect();
+
+    for &(how, (trace_id, parent_id)) in sampled {
+        let call = call_span(spans, trace_id)
+            .unwrap_or_else(|| panic!("no span continues the {how} trace: {names:?}"));
+        assert_eq!(
+            hex(&call.parent_span_id),
+            parent_id,
+            "{how}: the caller's span is the parent"
+        );
+        assert_eq!(attribute(&call, "domain").as_deref(), Some("web"));
+        assert_eq!(attribute(&call, "decision").as_deref(), Some("OK"));
+        let backend = spans
+            .iter()
+            .find(|s| s.name == "backend call" && s.parent_span_id == call.span_id)
+            .unwrap_or_else(|| panic!("{how}: no backend call under the check: {names:?}"));
+        assert_eq!(attribute(backend, "backend").as_deref(), Some("memory"));
+    }
+    for &(how, (trace_id, _)) in unsampled {
+        assert!(
+            spans.iter().all(|s| hex(&s.trace_id) != trace_id),
+            "{how}: the caller's decision not to sample is honoured: {names:?}"
+        );
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn spans_reach_the_collector_under_the_callers_w3c_or_b3_trace() {
     let (collector, endpoint) = Collector::start().await;
@@ -143,45 +179,20 @@ async fn spans_reach_the_collector_under_the_callers_w3c_or_b3_trace() {
     let exit = running.terminate(Duration::from_secs(15)).await;
     assert_eq!(exit.code(), Some(0));
     let spans = collector.spans.lock().unwrap().clone();
-    let names: Vec<(String, String)> = spans
-        .iter()
-        .filter(|s| s.name == "ShouldRateLimit" || s.name == "backend call")
-        .map(|s| (s.name.clone(), hex(&s.trace_id)))
-        .collect();
-
-    for (how, (trace_id, parent_id)) in [
+    let sampled = [
         ("W3C traceparent", w3c),
         ("B3 single header", b3_single),
         ("B3 multiple headers", b3_multi),
-    ] {
-        let call = call_span(&spans, trace_id)
-            .unwrap_or_else(|| panic!("no span continues the {how} trace: {names:?}"));
-        assert_eq!(
-            hex(&call.parent_span_id),
-            parent_id,
-            "{how}: the caller's span is the parent"
-        );
-        assert_eq!(attribute(&call, "domain").as_deref(), Some("web"));
-        assert_eq!(attribute(&call, "decision").as_deref(), Some("OK"));
-        let backend = spans
-            .iter()
-            .find(|s| s.name == "backend call" && s.parent_span_id == call.span_id)
-            .unwrap_or_else(|| panic!("{how}: no backend call under the check: {names:?}"));
-        assert_eq!(attribute(backend, "backend").as_deref(), Some("memory"));
-    }
-    for (how, (trace_id, _)) in [
+    ];
+    let unsampled = [
         ("B3 single header", b3_unsampled),
         ("B3 multiple headers", b3_multi_unsampled),
-    ] {
-        assert!(
-            spans.iter().all(|s| hex(&s.trace_id) != trace_id),
-            "{how}: the caller's decision not to sample is honoured: {names:?}"
-        );
-    }
+    ];
+    assert_traces_followed(&spans, &sampled, &unsampled);
     assert_eq!(
         spans.iter().filter(|s| s.name == "ShouldRateLimit").count(),
         3,
-        "unsampled calls export nothing, not even a trace of their own: {names:?}"
+        "unsampled calls export nothing, not even a trace of their own"
     );
     // Only ratelimitd's own spans: not the HTTP/2, gRPC and Redis client internals beneath them.
     let foreign: Vec<&str> = spans

@@ -22,18 +22,21 @@ const RELOAD_DELAY: Duration = Duration::from_millis(250);
 /// How long a finished change is given to (wrongly) load the rules again.
 const SETTLE: Duration = Duration::from_millis(1500);
 
+/// A server on the rules under `root`, once it serves the first rules (a limit of 1).
 async fn start(root: &Path, ignore_dotfiles: bool) -> TestServer {
     let root = root.to_path_buf();
-    TestServer::start(&[], move |s| {
+    let s = TestServer::start(&[], move |s| {
         s.rules.path = Some(root);
         s.rules.ignore_dotfiles = ignore_dotfiles;
         s.rules.reload_delay = RELOAD_DELAY;
     })
-    .await
+    .await;
+    wait_rules(&s, "initial", |t| t.contains(&user_limit(1))).await;
+    s
 }
 
 /// The reference layout: `RUNTIME_ROOT=<dir>/current`, a symlink to `v1` (swapped whole to `v2` to publish),
-/// `RUNTIME_SUBDIRECTORY=ratelimit`, the rules under `config/`.
+/// `RUNTIME_SUBDIRECTORY=ratelimit`, the rules under `config/`; returns once `v1` is served.
 async fn start_reference_layout(dir: &Path) -> TestServer {
     for (version, text) in [("v1", V1), ("v2", V2)] {
         let config = dir.join(version).join("ratelimit/config");
@@ -42,14 +45,16 @@ async fn start_reference_layout(dir: &Path) -> TestServer {
     }
     symlink("v1", dir.join("current")).unwrap();
     let root = dir.join("current");
-    TestServer::start(&[], move |s| {
+    let s = TestServer::start(&[], move |s| {
         s.rules.path = None;
         s.rules.runtime_root = Some(root);
         s.rules.runtime_subdirectory = "ratelimit".into();
         s.rules.runtime_watch_root = true;
         s.rules.reload_delay = RELOAD_DELAY;
     })
-    .await
+    .await;
+    wait_rules(&s, "initial", |t| t.contains(&user_limit(1))).await;
+    s
 }
 
 /// Publishes `v2` in the reference layout: `current` is renamed over by a link to it.
@@ -102,10 +107,9 @@ async fn wait_rules(s: &TestServer, what: &str, ok: impl Fn(&str) -> bool) -> St
     .await
 }
 
-/// Starts from the first rules (a limit of 1) loaded, makes `change`, and checks that it was loaded
+/// From the first rules (a limit of 1), makes `change`, and checks that it was loaded
 /// (the limit is 7), once, and that nothing loads again afterwards.
 async fn assert_loaded_once(s: &TestServer, what: &str, change: impl FnOnce()) {
-    wait_rules(s, "initial", |t| t.contains(&user_limit(1))).await;
     let before = wait_loads(s, "initial", |(ok, _)| ok >= 1).await;
     change();
     wait_rules(s, what, |t| t.contains(&user_limit(7))).await;
@@ -166,7 +170,6 @@ async fn a_broken_file_keeps_the_old_rules_until_it_is_fixed() {
     let dir = tempfile::tempdir().unwrap();
     fs::write(dir.path().join("web.yaml"), V1).unwrap();
     let s = start(dir.path(), false).await;
-    wait_rules(&s, "initial", |t| t.contains(&user_limit(1))).await;
 
     fs::write(
         dir.path().join("web.yaml"),
@@ -201,7 +204,6 @@ async fn new_and_deleted_files_add_and_remove_domains() {
     let dir = tempfile::tempdir().unwrap();
     fs::write(dir.path().join("web.yaml"), V1).unwrap();
     let s = start(dir.path(), false).await;
-    wait_rules(&s, "initial", |t| t.contains(&user_limit(1))).await;
 
     fs::write(dir.path().join("other.yaml"), OTHER).unwrap();
     wait_rules(&s, "new domain", |t| {
@@ -297,9 +299,6 @@ async fn an_idle_service_loads_its_rules_once_even_when_they_are_read() {
             start_reference_layout(reference.path()).await,
         ),
     ];
-    for (what, s) in &servers {
-        wait_rules(s, what, |t| t.contains(&user_limit(1))).await;
-    }
     // Others reading the rules (a backup, `kubectl exec cat`, check-config) change nothing.
     for dir in [&plain, &configmap, &reference] {
         read_all(dir.path());

@@ -249,7 +249,7 @@ pub fn with_hits(mut d: RateLimitDescriptor, hits: u64) -> RateLimitDescriptor {
     d
 }
 
-/// A request costing 1 a descriptor.
+/// A request in which each descriptor costs 1.
 pub fn request(domain: &str, descriptors: Vec<RateLimitDescriptor>) -> RateLimitRequest {
     request_costing(domain, descriptors, 0)
 }
@@ -332,7 +332,8 @@ impl Running {
         .await
     }
 
-    /// Waits until the log holds `text`; fails the test with the log when `within` passes first.
+    /// Waits until the log holds `text`; fails the test with the log when `within` passes first. Blocks
+    /// the calling thread: the process it waits on runs apart from the test.
     pub fn wait_log(&self, text: &str, within: Duration) {
         let deadline = Instant::now() + within;
         while !self.log.lock().unwrap().contains(text) {

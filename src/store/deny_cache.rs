@@ -11,13 +11,7 @@
 //! The key is the counter key without the window start fixed windows add in the store: a fixed-window
 //! denial waits for the end of its window, so an entry never outlives the window it was denied in.
 
-use std::{
-    collections::HashMap,
-    hash::{BuildHasher, RandomState},
-    sync::{Mutex, MutexGuard},
-};
-
-use super::Outcome;
+use super::{sharded::Sharded, Outcome};
 use crate::algorithm::Params;
 
 const SHARDS: usize = 16;
@@ -33,33 +27,24 @@ struct Entry {
     since_ms: u64,
 }
 
-type Shard = HashMap<Box<str>, Entry>;
-
 /// Denials remembered locally.
 #[derive(Debug)]
 pub struct DenyCache {
-    shards: Box<[Mutex<Shard>]>,
-    hasher: RandomState,
+    entries: Sharded<Entry>,
     per_shard: usize,
 }
 
 impl DenyCache {
     pub fn new(max_entries: usize) -> Self {
         Self {
-            shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
-            hasher: RandomState::new(),
+            entries: Sharded::new(SHARDS),
             per_shard: max_entries.div_ceil(SHARDS).max(1),
         }
     }
 
-    fn shard(&self, key: &str) -> MutexGuard<'_, Shard> {
-        let i = (self.hasher.hash_one(key) as usize) % self.shards.len();
-        self.shards[i].lock().unwrap_or_else(|p| p.into_inner())
-    }
-
     /// The remembered denial of this check, if it still holds at `now_ms`.
     pub fn lookup(&self, key: &str, params: &Params, cost: u64, now_ms: u64) -> Option<Outcome> {
-        let mut shard = self.shard(key);
+        let mut shard = self.entries.lock_key(key);
         let entry = shard.get(key)?;
         if now_ms >= entry.until_ms {
             shard.remove(key);
@@ -90,7 +75,7 @@ impl DenyCache {
             outcome,
             since_ms: sent_ms,
         };
-        let mut shard = self.shard(key);
+        let mut shard = self.entries.lock_key(key);
         if shard.len() >= self.per_shard && !shard.contains_key(key) {
             shard.retain(|_, e| e.until_ms > sent_ms);
             if shard.len() >= self.per_shard {
@@ -103,16 +88,13 @@ impl DenyCache {
 
     /// Forgets everything (the rules changed).
     pub fn clear(&self) {
-        for shard in self.shards.iter() {
-            shard.lock().unwrap_or_else(|p| p.into_inner()).clear();
+        for mut shard in self.entries.each() {
+            shard.clear();
         }
     }
 
     pub fn len(&self) -> usize {
-        self.shards
-            .iter()
-            .map(|s| s.lock().unwrap_or_else(|p| p.into_inner()).len())
-            .sum()
+        self.entries.each().map(|shard| shard.len()).sum()
     }
 
     pub fn is_empty(&self) -> bool {

@@ -7,18 +7,17 @@
 //! full, expired counters are reclaimed first, and if none can be, the batch fails with
 //! [`StoreError::Full`] without touching anything.
 
-use std::{
-    collections::HashMap,
-    hash::{BuildHasher, RandomState},
-    sync::{
-        atomic::{AtomicUsize, Ordering},
-        Mutex, MutexGuard,
-    },
+use std::sync::{
+    atomic::{AtomicUsize, Ordering},
+    MutexGuard,
 };
 
 use smallvec::SmallVec;
 
-use super::{Applied, Batch, CounterStore, Deadline, Outcome, StoreError};
+use super::{
+    sharded::{Shard, Sharded},
+    Applied, Batch, CounterStore, Deadline, Outcome, StoreError,
+};
 use crate::algorithm::{self, Decision, State};
 
 /// Per-batch bookkeeping, on the stack for requests of up to eight checks.
@@ -33,13 +32,10 @@ struct Entry {
     expires_at_ms: u64,
 }
 
-type Shard = HashMap<Box<str>, Entry>;
-
 /// Counters in memory. Exact for one replica; replicas do not share it.
 #[derive(Debug)]
 pub struct MemoryStore {
-    shards: Box<[Mutex<Shard>]>,
-    hasher: RandomState,
+    counters: Sharded<Entry>,
     max_keys: usize,
     len: AtomicUsize,
 }
@@ -47,8 +43,7 @@ pub struct MemoryStore {
 impl MemoryStore {
     pub fn new(max_keys: usize) -> Self {
         Self {
-            shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
-            hasher: RandomState::new(),
+            counters: Sharded::new(SHARDS),
             max_keys,
             len: AtomicUsize::new(0),
         }
@@ -65,12 +60,13 @@ impl MemoryStore {
 
     /// Drops every counter whose state has expired; returns how many.
     pub fn sweep(&self, now_ms: u64) -> usize {
-        (0..self.shards.len())
-            .map(|i| self.purge(&mut lock(&self.shards[i]), now_ms))
+        self.counters
+            .each()
+            .map(|mut shard| self.purge(&mut shard, now_ms))
             .sum()
     }
 
-    fn purge(&self, shard: &mut Shard, now_ms: u64) -> usize {
+    fn purge(&self, shard: &mut Shard<Entry>, now_ms: u64) -> usize {
         let before = shard.len();
         shard.retain(|_, e| e.expires_at_ms > now_ms);
         let removed = before - shard.len();
@@ -78,15 +74,11 @@ impl MemoryStore {
         removed
     }
 
-    fn shard_of(&self, key: &str) -> usize {
-        (self.hasher.hash_one(key) as usize) % self.shards.len()
-    }
-
     /// Reserves room for `new_keys` counters, reclaiming expired ones if needed.
     fn reserve(
         &self,
         new_keys: usize,
-        guards: &mut [(usize, MutexGuard<'_, Shard>)],
+        guards: &mut [(usize, MutexGuard<'_, Shard<Entry>>)],
         now_ms: u64,
     ) -> Result<(), StoreError> {
         if new_keys == 0 {
@@ -104,9 +96,9 @@ impl MemoryStore {
                 }
                 // Other shards too, without waiting for them: blocking here could deadlock with a batch
                 // that holds them and waits for ours.
-                for (i, shard) in self.shards.iter().enumerate() {
+                for i in 0..self.counters.shards() {
                     if guards.iter().all(|(held, _)| *held != i) {
-                        if let Ok(mut shard) = shard.try_lock() {
+                        if let Some(mut shard) = self.counters.try_lock(i) {
                             self.purge(&mut shard, now_ms);
                         }
                     }
@@ -122,12 +114,15 @@ impl MemoryStore {
         let checks = &batch.checks;
         // One entry per counter key: a fixed-window state carries its window start, and a state from
         // an earlier window has expired.
-        let shards: Small<usize> = checks.iter().map(|c| self.shard_of(&c.key)).collect();
+        let shards: Small<usize> = checks
+            .iter()
+            .map(|c| self.counters.shard_of(&c.key))
+            .collect();
         let mut held: Small<usize> = shards.clone();
         held.sort_unstable();
         held.dedup();
-        let mut guards: Small<(usize, MutexGuard<'_, Shard>)> =
-            held.iter().map(|&i| (i, lock(&self.shards[i]))).collect();
+        let mut guards: Small<(usize, MutexGuard<'_, Shard<Entry>>)> =
+            held.iter().map(|&i| (i, self.counters.lock(i))).collect();
         // Index into `guards` of each check's shard.
         let slots: Small<usize> = shards
             .iter()
@@ -212,14 +207,6 @@ impl MemoryStore {
             .collect();
         Ok(Applied { denied, outcomes })
     }
-}
-
-/// A poisoned shard only means another thread panicked mid-update of plain counters; the map itself is
-/// still consistent, so keep serving.
-fn lock(shard: &Mutex<Shard>) -> MutexGuard<'_, Shard> {
-    shard
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 impl CounterStore for MemoryStore {

@@ -6,6 +6,7 @@ pub mod deny_cache;
 pub mod keys;
 pub mod memory;
 pub mod redis;
+mod sharded;
 
 use std::{future::Future, sync::Arc, time::Duration};
 

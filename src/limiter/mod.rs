@@ -7,10 +7,16 @@
 
 mod headers;
 mod sensitive;
+mod types;
 
 pub use sensitive::Sensitive;
+pub use types::{
+    Code, CurrentLimit, Descriptor, DescriptorStatus, Entry, LimitError, LimitOverride, Request,
+    Response,
+};
 
 use std::{
+    borrow::Cow,
     sync::{
         atomic::{AtomicBool, AtomicU64, Ordering},
         Arc,
@@ -23,7 +29,7 @@ use smallvec::{smallvec, SmallVec};
 use crate::{
     algorithm::{Algorithm, Params},
     clock::Clock,
-    rules::{EntryRef, Node, PathStep, Rules, Unit},
+    rules::{Node, PathStep, Rules, Unit},
     settings::{HeaderNames, OnBackendError, OverloadSettings, RequestLimits, ResponseHeaders},
     store::{
         keys, Applied, Batch, Check, CounterStore, Deadline, DenyCache, Outcome, Role, Store,
@@ -34,149 +40,6 @@ use crate::{
         Metrics, TopOffenders,
     },
 };
-
-/// A rate limit request.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct Request {
-    pub domain: String,
-    pub descriptors: Vec<Descriptor>,
-    /// Hits every descriptor costs unless it says otherwise; 0 is read as 1.
-    pub hits_addend: u32,
-}
-
-/// One descriptor of a request.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct Descriptor {
-    pub entries: Vec<Entry>,
-    /// A limit chosen by the caller instead of the rules' (honoured only for known domains).
-    pub limit: Option<LimitOverride>,
-    /// Hits this descriptor costs; `Some(0)` checks without counting.
-    pub hits_addend: Option<u64>,
-}
-
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Entry {
-    pub key: String,
-    pub value: String,
-}
-
-impl EntryRef for Entry {
-    fn key(&self) -> &str {
-        &self.key
-    }
-    fn value(&self) -> &str {
-        &self.value
-    }
-}
-
-/// A caller-chosen limit. `unit` is `None` when the wire value names no unit (UNKNOWN).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct LimitOverride {
-    pub requests_per_unit: u32,
-    pub unit: Option<Unit>,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Code {
-    Ok,
-    OverLimit,
-}
-
-/// The limit a descriptor was checked against.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct CurrentLimit {
-    pub requests_per_unit: u32,
-    pub unit: Unit,
-    pub name: Option<Arc<str>>,
-}
-
-/// The answer for one descriptor.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct DescriptorStatus {
-    pub code: Code,
-    /// Absent when no limit applied (no matching rule, allow-listed, unlimited or replaced).
-    pub current_limit: Option<CurrentLimit>,
-    pub limit_remaining: u32,
-    /// Seconds until the counter resets; set whenever `current_limit` is.
-    pub duration_until_reset: Option<u64>,
-    /// When over its limit: seconds before the same request would be allowed (not on the wire; feeds
-    /// `Retry-After`).
-    pub retry_after: Option<u64>,
-}
-
-impl DescriptorStatus {
-    fn unlimited() -> Self {
-        Self {
-            code: Code::Ok,
-            current_limit: None,
-            limit_remaining: u32::MAX,
-            duration_until_reset: None,
-            retry_after: None,
-        }
-    }
-
-    fn no_limit() -> Self {
-        Self {
-            code: Code::Ok,
-            current_limit: None,
-            limit_remaining: 0,
-            duration_until_reset: None,
-            retry_after: None,
-        }
-    }
-}
-
-/// The answer for a request.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Response {
-    pub overall_code: Code,
-    /// One per request descriptor, in order.
-    pub statuses: Vec<DescriptorStatus>,
-    /// Headers for the caller to add to its response.
-    pub response_headers: Vec<(String, String)>,
-}
-
-/// Why a request could not be decided.
-#[derive(Debug, Clone, thiserror::Error)]
-pub enum LimitError {
-    #[error("rate limit domain must not be empty")]
-    EmptyDomain,
-    #[error("rate limit descriptor list must not be empty")]
-    NoDescriptors,
-    #[error("no rate limit configuration loaded")]
-    NoRules,
-    #[error("request too large: {what} is {actual}, the limit is {max} ({setting})")]
-    TooLarge {
-        what: String,
-        actual: usize,
-        max: usize,
-        setting: &'static str,
-    },
-    #[error("descriptor {index}: rate limit override has unit UNKNOWN; use SECOND, MINUTE, HOUR, DAY, WEEK, MONTH or YEAR")]
-    UnknownOverrideUnit { index: usize },
-    #[error("descriptor {index}: rate limit overrides are refused here (request_limits.allow_overrides is false)")]
-    OverrideRefused { index: usize },
-    #[error("{0}")]
-    Store(#[from] StoreError),
-    #[error("overloaded: {max} requests already being decided (overload.max_in_flight)")]
-    Overloaded { max: usize },
-    #[error("not decided within {0:?} (overload.deadline)")]
-    Deadline(std::time::Duration),
-}
-
-impl LimitError {
-    /// The request itself is at fault (as opposed to the service being unable to decide).
-    pub fn is_invalid_request(&self) -> bool {
-        matches!(
-            self,
-            Self::EmptyDomain
-                | Self::NoDescriptors
-                | Self::TooLarge { .. }
-                | Self::UnknownOverrideUnit { .. }
-                | Self::OverrideRefused { .. }
-        )
-    }
-}
 
 /// Everything that shapes decisions besides rules and counters.
 #[derive(Debug, Clone, Default)]
@@ -208,6 +71,24 @@ pub struct Options {
     /// Most `rule` label values a rule may take from request values (`detailed_metric`,
     /// `value_to_metric`); further values share one label, `<rule> (other values)`.
     pub metric_values_per_rule: usize,
+}
+
+impl Options {
+    /// How a request or rule value appears in counter keys, metric labels, `/debug/top` and `/rlconfig`:
+    /// hashed when sensitive, as it is otherwise.
+    fn show<'a>(&self, key: &str, value: &'a str, hash_value: bool) -> Cow<'a, str> {
+        match &self.sensitive {
+            Some(s) => s.show(key, value, hash_value),
+            None => value.into(),
+        }
+    }
+
+    /// Whether values of this key are hashed before they are shown.
+    fn is_sensitive(&self, key: &str, hash_value: bool) -> bool {
+        self.sensitive
+            .as_ref()
+            .is_some_and(|s| s.is_sensitive(key, hash_value))
+    }
 }
 
 /// The local fallback of `on_backend_error: local`: this replica's own memory, each limit divided by
@@ -410,12 +291,8 @@ impl Limiter {
         let Some(rules) = self.rules.snapshot() else {
             return Vec::new();
         };
-        match &self.options.sensitive {
-            Some(s) => {
-                rules.describe_with(&|key, value, hashed| s.show(key, value, hashed).into_owned())
-            }
-            None => rules.describe(),
-        }
+        rules
+            .describe_with(&|key, value, hashed| self.options.show(key, value, hashed).into_owned())
     }
 
     /// Decides one request that carries no deadline of its own, and records it in the metrics.
@@ -569,10 +446,7 @@ impl Limiter {
                     .enumerate()
                     .map(|(i, e)| match shared(i) {
                         Some(pattern) => pattern.into(),
-                        None => match &self.options.sensitive {
-                            Some(s) => s.show(&e.key, &e.value, hashed_at(path, i)),
-                            None => e.value.as_str().into(),
-                        },
+                        None => self.options.show(&e.key, &e.value, hashed_at(path, i)),
                     })
                     .collect();
                 let cost = descriptor
@@ -751,7 +625,7 @@ impl Limiter {
                                 node,
                                 &request.domain,
                                 &request.descriptors[index],
-                                self.options.sensitive.as_ref(),
+                                &self.options,
                             );
                             stats.push((
                                 index,
@@ -954,10 +828,7 @@ impl Limiter {
         out.clear();
         out.push_str(domain);
         for (i, e) in descriptor.entries.iter().enumerate() {
-            let value = match &self.options.sensitive {
-                Some(s) => s.show(&e.key, &e.value, hashed_at(path, i)),
-                None => e.value.as_str().into(),
-            };
+            let value = self.options.show(&e.key, &e.value, hashed_at(path, i));
             out.push(' ');
             out.push_str(&e.key);
             out.push('=');
@@ -1100,14 +971,8 @@ fn rule_label<'a>(
     node: Option<&'a Node>,
     domain: &str,
     descriptor: &Descriptor,
-    sensitive: Option<&Sensitive>,
+    options: &Options,
 ) -> RuleLabel<'a> {
-    let show = |key: &str, value: &str, hashed: bool| -> String {
-        match sensitive {
-            Some(s) => s.show(key, value, hashed).into_owned(),
-            None => value.to_owned(),
-        }
-    };
     let Some(node) = node else {
         return "override".into();
     };
@@ -1118,10 +983,8 @@ fn rule_label<'a>(
         .unwrap_or(&node.full_key);
     // Most rules: the path as written, borrowed from the rule without building anything.
     {
-        let written_sensitive = sensitive.is_some_and(|s| {
-            node.path.iter().any(|step| {
-                !step.value.is_empty() && s.is_sensitive(&step.key, step.flags.hash_value)
-            })
+        let written_sensitive = node.path.iter().any(|step| {
+            !step.value.is_empty() && options.is_sensitive(&step.key, step.flags.hash_value)
         });
         let any_to_metric = node.path.iter().any(|step| step.flags.value_to_metric);
         if !node.flags.detailed_metric && !any_to_metric && !written_sensitive {
@@ -1142,13 +1005,13 @@ fn rule_label<'a>(
                 || (to_metric && (value.is_empty() || value.contains('*'))));
         from_any_request_value |= from_request;
         parts.push(if from_request {
-            format!("{key}_{}", show(key, request_value, hashed))
+            format!("{key}_{}", options.show(key, request_value, hashed))
         } else if value.is_empty() {
             key.to_string()
         } else if shared {
             format!("{key}_{value}")
         } else {
-            format!("{key}_{}", show(key, value, hashed))
+            format!("{key}_{}", options.show(key, value, hashed))
         });
     }
     RuleLabel {

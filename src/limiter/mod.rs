@@ -5,10 +5,13 @@
 //! the edge. Shadow mode, quota mode, unlimited rules, `replaces` and request overrides are applied here,
 //! with the reference service's semantics.
 
+mod backend;
 mod headers;
 mod sensitive;
 mod types;
 
+use backend::Backend;
+pub use backend::Fallback;
 pub use sensitive::Sensitive;
 pub use types::{
     Code, CurrentLimit, Descriptor, DescriptorStatus, Entry, LimitError, LimitOverride, Request,
@@ -18,7 +21,7 @@ pub use types::{
 use std::{
     borrow::Cow,
     sync::{
-        atomic::{AtomicBool, AtomicU64, Ordering},
+        atomic::{AtomicU64, Ordering},
         Arc,
     },
     time::Duration,
@@ -32,7 +35,7 @@ use crate::{
     rules::{Node, PathStep, Rules, Unit},
     settings::{HeaderNames, OnBackendError, OverloadSettings, RequestLimits, ResponseHeaders},
     store::{
-        keys, Applied, Batch, Check, CounterStore, Deadline, DenyCache, Outcome, Role, Store,
+        deny_cache::DenyCached, keys, Batch, Check, Deadline, DenyCache, Outcome, Role, Store,
         StoreError,
     },
     telemetry::{
@@ -91,30 +94,6 @@ impl Options {
     }
 }
 
-/// The local fallback of `on_backend_error: local`: this replica's own memory, each limit divided by
-/// the number of replicas sharing it.
-#[derive(Debug, Clone)]
-pub struct Fallback {
-    /// A memory store (swept like the main one).
-    pub store: Arc<Store>,
-    /// Replicas sharing the limits (`fallback.replicas`, at least 1).
-    pub replicas: u32,
-}
-
-impl Fallback {
-    /// The batch as this replica decides it alone: every limit (and burst) divided by the replicas,
-    /// rounded up, so that a limit of 1 still admits one request rather than none.
-    fn share(&self, batch: &Batch) -> Batch {
-        let replicas = u64::from(self.replicas.max(1));
-        let mut local = batch.clone();
-        for check in &mut local.checks {
-            check.params.limit = check.params.limit.div_ceil(replicas);
-            check.params.burst = check.params.burst.div_ceil(replicas);
-        }
-        local
-    }
-}
-
 /// The part of an answer's time reserved for sending it: the store stops waiting this long before the
 /// answer is due, 10 ms plus a tenth of the time left for the trip back and a late timer, at most 100 ms
 /// and never more than half of the time left (Envoy's default 20 ms: the store waits 10 ms).
@@ -135,7 +114,8 @@ type Small<T> = SmallVec<[T; 8]>;
 #[derive(Debug)]
 pub struct Limiter {
     rules: Arc<Rules>,
-    store: Arc<Store>,
+    /// The store, with the deny cache in front when it is on.
+    store: DenyCached<Backend>,
     clock: Clock,
     options: Options,
     series: Series,
@@ -147,58 +127,13 @@ pub struct Limiter {
 #[derive(Debug)]
 struct Series {
     check_duration: Arc<Histogram>,
-    backend_duration: Arc<Histogram>,
     requests_ok: Arc<AtomicU64>,
     requests_over_limit: Arc<AtomicU64>,
     requests_error: Arc<AtomicU64>,
-    /// Requests decided by the local fallback.
-    fallback_decisions: Arc<AtomicU64>,
-    /// When the local fallback decides, for its gauge and its log lines.
-    fallback_episode: Arc<FallbackEpisode>,
-}
-
-/// Whether the local fallback is deciding, told once per episode in the log: an episode starts with the
-/// first fallback decision after a quiet second and ends with a store answer a second after the last
-/// fallback decision (a store failing for some requests only does not flood the log).
-#[derive(Debug)]
-struct FallbackEpisode {
-    active: AtomicBool,
-    /// Milliseconds since `epoch` of the last fallback decision, plus one (0: none yet).
-    last_ms: AtomicU64,
-    epoch: std::time::Instant,
-}
-
-impl FallbackEpisode {
-    const QUIET_MS: u64 = 1_000;
-
-    fn now_ms(&self) -> u64 {
-        u64::try_from(self.epoch.elapsed().as_millis()).unwrap_or(u64::MAX) + 1
-    }
-
-    /// Records a fallback decision; true when it starts an episode.
-    fn fell_back(&self) -> bool {
-        let now = self.now_ms();
-        let last = self.last_ms.swap(now, Ordering::Relaxed);
-        self.active.store(true, Ordering::Relaxed);
-        last == 0 || now.saturating_sub(last) > Self::QUIET_MS
-    }
-
-    /// Records a store answer; true when it ends an episode.
-    fn store_answered(&self) -> bool {
-        self.active.load(Ordering::Relaxed)
-            && self
-                .now_ms()
-                .saturating_sub(self.last_ms.load(Ordering::Relaxed))
-                > Self::QUIET_MS
-            && self
-                .active
-                .compare_exchange(true, false, Ordering::Relaxed, Ordering::Relaxed)
-                .is_ok()
-    }
 }
 
 impl Series {
-    fn new(metrics: &Metrics, backend: &'static str) -> Self {
+    fn new(metrics: &Metrics) -> Self {
         let requests = |result: &str| {
             metrics.counter(
                 "ratelimitd_requests_total",
@@ -212,36 +147,9 @@ impl Series {
                 "Time to decide one ShouldRateLimit request.",
                 Vec::new(),
             ),
-            backend_duration: metrics.histogram(
-                "ratelimitd_backend_call_duration_seconds",
-                "Time of one call to the counter store (one Redis script call per slot).",
-                vec![("backend", backend.to_string())],
-            ),
             requests_ok: requests("ok"),
             requests_over_limit: requests("over_limit"),
             requests_error: requests("error"),
-            fallback_decisions: metrics.counter(
-                "ratelimitd_fallback_decisions_total",
-                "Requests decided from this replica's memory because the store could not decide (on_backend_error: local).",
-                Vec::new(),
-            ),
-            fallback_episode: {
-                let episode = Arc::new(FallbackEpisode {
-                    active: AtomicBool::new(false),
-                    last_ms: AtomicU64::new(0),
-                    epoch: std::time::Instant::now(),
-                });
-                let read = episode.clone();
-                metrics.gauge_fn(
-                    "ratelimitd_fallback_active",
-                    "1 while the local fallback decides because the store cannot (on_backend_error: local).",
-                    Box::new(move || {
-                        let active = read.active.load(Ordering::Relaxed);
-                        vec![(Vec::new(), f64::from(u8::from(active)))]
-                    }),
-                );
-                episode
-            },
         }
     }
 }
@@ -269,7 +177,14 @@ enum Resolved<'a> {
 
 impl Limiter {
     pub fn new(rules: Arc<Rules>, store: Arc<Store>, clock: Clock, options: Options) -> Self {
-        let series = Series::new(&options.metrics, store.name());
+        let series = Series::new(&options.metrics);
+        let backend = Backend::new(
+            store,
+            options.on_backend_error,
+            options.fallback.clone(),
+            &options.metrics,
+        );
+        let store = DenyCached::new(backend, options.deny_cache.clone());
         let in_flight = tokio::sync::Semaphore::new(
             options
                 .overload
@@ -489,66 +404,17 @@ impl Limiter {
         }
 
         let now_ms = self.clock.now_millis();
-        // Checks the local deny cache answers: the request is then denied for sure.
-        let mut from_cache: Small<Option<Outcome>> = smallvec![None; batch.checks.len()];
-        // A request that checks one counter twice is left to the store: its later checks are decided with
-        // the earlier ones' hits added, which neither the cache nor the stored counter alone can tell.
-        let repeats = batch
-            .checks
-            .iter()
-            .enumerate()
-            .any(|(i, c)| batch.checks[..i].iter().any(|e| e.key == c.key));
-        let cache = self.options.deny_cache.as_ref().filter(|_| !repeats);
-        if let Some(cache) = cache {
-            for (i, c) in batch.checks.iter().enumerate() {
-                if c.role == Role::Enforce {
-                    from_cache[i] = cache.lookup(&c.key, &c.params, c.cost, now_ms);
-                }
-            }
-        }
+        // Checks the local deny cache answered: the request is then denied for sure.
+        let mut from_cache: Small<bool> = smallvec![false; batch.checks.len()];
         let applied = if batch.checks.is_empty() {
             None
-        } else if from_cache.iter().any(Option::is_some) {
-            // Denied without asking the store about the cached checks. The others are decided as part of
-            // a denied request (their own verdicts for their statuses, consuming only what a denied
-            // request consumes), so the answer and the counters are what they would be without the cache.
-            let rest: Small<usize> = (0..batch.checks.len())
-                .filter(|&i| from_cache[i].is_none())
-                .collect();
-            let mut outcomes: Vec<Outcome> =
-                from_cache.iter().map(|o| o.unwrap_or_default()).collect();
-            if !rest.is_empty() {
-                let others = Batch {
-                    checks: rest.iter().map(|&i| batch.checks[i].clone()).collect(),
-                    consume_on_deny: self.options.consume_on_deny,
-                    known_denied: true,
-                };
-                match self.call_store(&others, now_ms, deadline).await {
-                    Ok((decided, _)) => {
-                        for (&i, outcome) in rest.iter().zip(decided.outcomes) {
-                            outcomes[i] = outcome;
-                        }
-                    }
-                    Err(err) => return self.backend_failed(err, resolved, &batch),
-                }
-            }
-            Some(Applied {
-                denied: true,
-                outcomes,
-            })
         } else {
-            match self.call_store(&batch, now_ms, deadline).await {
-                Ok((applied, decided_locally)) => {
-                    // Only the store's own denials hold for other replicas' traffic too.
-                    if let Some(cache) = cache.filter(|_| !decided_locally) {
-                        for (c, outcome) in batch.checks.iter().zip(&applied.outcomes) {
-                            if c.role == Role::Enforce && !outcome.allowed {
-                                cache.insert(&c.key, c.params, c.cost, *outcome, now_ms);
-                            }
-                        }
-                    }
-                    Some(applied)
-                }
+            match self
+                .store
+                .apply_marking(&batch, now_ms, deadline, &mut from_cache)
+                .await
+            {
+                Ok(applied) => Some(applied),
                 Err(err) => return self.backend_failed(err, resolved, &batch),
             }
         };
@@ -559,7 +425,7 @@ impl Limiter {
             for (d, r) in resolved.iter().enumerate() {
                 if let Resolved::Limited { limits, .. } = r {
                     for _ in limits {
-                        if from_cache.get(check).is_some_and(Option::is_some) {
+                        if from_cache.get(check).copied().unwrap_or(false) {
                             cached_descriptors[d] = true;
                         }
                         check += 1;
@@ -759,59 +625,6 @@ impl Limiter {
             statuses,
             response_headers: Vec::new(),
         })
-    }
-
-    /// One call to the store, timed and traced; when the store cannot decide and the policy is `local`,
-    /// the local fallback decides instead. Returns whether the fallback decided.
-    async fn call_store(
-        &self,
-        batch: &Batch,
-        now_ms: u64,
-        deadline: Deadline,
-    ) -> Result<(Applied, bool), StoreError> {
-        let started = std::time::Instant::now();
-        let span = tracing::info_span!(
-            "backend call",
-            otel.kind = "client",
-            backend = self.store.name(),
-            checks = batch.checks.len(),
-        );
-        let applied =
-            tracing::Instrument::instrument(self.store.apply(batch, now_ms, deadline), span).await;
-        self.series.backend_duration.observe(started.elapsed());
-        let episode = &self.series.fallback_episode;
-        match (applied, &self.options.fallback) {
-            (Ok(applied), _) => {
-                if episode.store_answered() {
-                    tracing::warn!(
-                        backend = self.store.name(),
-                        "the store decides again: local fallback over"
-                    );
-                }
-                Ok((applied, false))
-            }
-            (Err(err), Some(fallback))
-                if self.options.on_backend_error == OnBackendError::Local =>
-            {
-                if episode.fell_back() {
-                    tracing::warn!(
-                        backend = self.store.name(),
-                        replicas = fallback.replicas,
-                        "the store cannot decide ({err}): deciding from this replica's memory, each limit divided by {} (on_backend_error: local)",
-                        fallback.replicas
-                    );
-                }
-                self.series
-                    .fallback_decisions
-                    .fetch_add(1, Ordering::Relaxed);
-                let local = fallback
-                    .store
-                    .apply(&fallback.share(batch), now_ms, deadline)
-                    .await?;
-                Ok((local, true))
-            }
-            (Err(err), _) => Err(err),
-        }
     }
 
     /// How a denied descriptor is named in `/debug/top`: the domain, then `key=value` entries, sensitive

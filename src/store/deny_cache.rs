@@ -10,9 +10,21 @@
 //!
 //! The key is the counter key without the window start fixed windows add in the store: a fixed-window
 //! denial waits for the end of its window, so an entry never outlives the window it was denied in.
+//!
+//! [`DenyCached`] puts the cache in front of a store: it is itself a [`CounterStore`], answers the checks
+//! it remembers and asks the store about the rest.
 
-use super::{sharded::Sharded, Outcome};
+use std::{future::Future, sync::Arc};
+
+use smallvec::{smallvec, SmallVec};
+
+use super::{
+    sharded::Sharded, Applied, Batch, CounterStore, Deadline, Outcome, Role, Store, StoreError,
+};
 use crate::algorithm::Params;
+
+/// Per-batch bookkeeping, on the stack for requests of up to eight checks.
+type Small<T> = SmallVec<[T; 8]>;
 
 const SHARDS: usize = 16;
 
@@ -102,10 +114,135 @@ impl DenyCache {
     }
 }
 
+/// A store whose denials the deny cache may remember. Unless an answer says otherwise, a store's denials
+/// hold for every replica's traffic. A denial this replica decided alone (the local fallback of
+/// `on_backend_error: local`, while the shared store cannot decide) says otherwise: the shared counters
+/// may well allow the next request.
+pub trait CacheableStore: CounterStore {
+    /// [`CounterStore::apply`], and whether the answer's denials may be remembered.
+    fn apply_cacheable(
+        &self,
+        batch: &Batch,
+        now_millis: u64,
+        deadline: Deadline,
+    ) -> impl Future<Output = Result<(Applied, bool), StoreError>> + Send {
+        async move { Ok((self.apply(batch, now_millis, deadline).await?, true)) }
+    }
+}
+
+impl CacheableStore for Store {}
+
+/// A store with the deny cache in front of it (or none, when the cache is off): enforced checks with a
+/// remembered denial are answered here, the others by the store, whose enforced denials are remembered.
+#[derive(Debug)]
+pub struct DenyCached<S> {
+    store: S,
+    cache: Option<Arc<DenyCache>>,
+}
+
+impl<S: CacheableStore> DenyCached<S> {
+    pub fn new(store: S, cache: Option<Arc<DenyCache>>) -> Self {
+        Self { store, cache }
+    }
+
+    /// [`CounterStore::apply`], marking in `from_cache` (one flag per check) the checks the cache
+    /// answered.
+    pub async fn apply_marking(
+        &self,
+        batch: &Batch,
+        now_millis: u64,
+        deadline: Deadline,
+        from_cache: &mut [bool],
+    ) -> Result<Applied, StoreError> {
+        // A request that checks one counter twice is left to the store: its later checks are decided with
+        // the earlier ones' hits added, which neither the cache nor the stored counter alone can tell.
+        let Some(cache) = self.cache.as_deref().filter(|_| !counts_a_key_twice(batch)) else {
+            return self.store.apply(batch, now_millis, deadline).await;
+        };
+        let cached: Small<Option<Outcome>> = batch
+            .checks
+            .iter()
+            .map(|c| match c.role {
+                Role::Enforce => cache.lookup(&c.key, &c.params, c.cost, now_millis),
+                Role::Shadow | Role::Quota => None,
+            })
+            .collect();
+        if cached.iter().all(Option::is_none) {
+            let (applied, cacheable) = self
+                .store
+                .apply_cacheable(batch, now_millis, deadline)
+                .await?;
+            if cacheable {
+                for (c, outcome) in batch.checks.iter().zip(&applied.outcomes) {
+                    if c.role == Role::Enforce && !outcome.allowed {
+                        cache.insert(&c.key, c.params, c.cost, *outcome, now_millis);
+                    }
+                }
+            }
+            return Ok(applied);
+        }
+        for (marked, outcome) in from_cache.iter_mut().zip(&cached) {
+            *marked = outcome.is_some();
+        }
+        // Denied without asking the store about the cached checks. The others are decided as part of a
+        // denied request (their own verdicts for their statuses, consuming only what a denied request
+        // consumes), so the answer and the counters are what they would be without the cache.
+        let rest: Small<usize> = (0..batch.checks.len())
+            .filter(|&i| cached[i].is_none())
+            .collect();
+        let mut outcomes: Vec<Outcome> = cached.iter().map(|o| o.unwrap_or_default()).collect();
+        if !rest.is_empty() {
+            let others = Batch {
+                checks: rest.iter().map(|&i| batch.checks[i].clone()).collect(),
+                consume_on_deny: batch.consume_on_deny,
+                known_denied: true,
+            };
+            let decided = self.store.apply(&others, now_millis, deadline).await?;
+            for (&i, outcome) in rest.iter().zip(decided.outcomes) {
+                outcomes[i] = outcome;
+            }
+        }
+        Ok(Applied {
+            denied: true,
+            outcomes,
+        })
+    }
+}
+
+impl<S: CacheableStore> CounterStore for DenyCached<S> {
+    async fn apply(
+        &self,
+        batch: &Batch,
+        now_millis: u64,
+        deadline: Deadline,
+    ) -> Result<Applied, StoreError> {
+        let mut from_cache: Small<bool> = smallvec![false; batch.checks.len()];
+        self.apply_marking(batch, now_millis, deadline, &mut from_cache)
+            .await
+    }
+}
+
+/// Whether two checks of the batch count the same key.
+fn counts_a_key_twice(batch: &Batch) -> bool {
+    let checks = &batch.checks;
+    checks
+        .iter()
+        .enumerate()
+        .any(|(i, c)| checks[..i].iter().any(|earlier| earlier.key == c.key))
+}
+
 #[cfg(test)]
 mod tests {
+    use std::{
+        sync::atomic::{AtomicUsize, Ordering},
+        time::Duration,
+    };
+
     use super::*;
-    use crate::algorithm::Algorithm;
+    use crate::{
+        algorithm::Algorithm,
+        store::{Check, MemoryStore},
+    };
 
     fn params(limit: u64) -> Params {
         Params {
@@ -157,6 +294,108 @@ mod tests {
         assert!(cache.lookup("k", &params(5), 3, 1).is_some());
         cache.clear();
         assert!(cache.lookup("k", &params(5), 2, 1).is_none());
+    }
+
+    /// A memory store that counts the batches it is asked, and says whether its denials may be remembered.
+    struct Counted {
+        store: MemoryStore,
+        asked: AtomicUsize,
+        cacheable: bool,
+    }
+
+    impl CounterStore for Counted {
+        async fn apply(
+            &self,
+            batch: &Batch,
+            now: u64,
+            deadline: Deadline,
+        ) -> Result<Applied, StoreError> {
+            self.asked.fetch_add(1, Ordering::Relaxed);
+            self.store.apply(batch, now, deadline).await
+        }
+    }
+
+    impl CacheableStore for Counted {
+        async fn apply_cacheable(
+            &self,
+            batch: &Batch,
+            now: u64,
+            deadline: Deadline,
+        ) -> Result<(Applied, bool), StoreError> {
+            Ok((self.apply(batch, now, deadline).await?, self.cacheable))
+        }
+    }
+
+    fn cached(cacheable: bool) -> DenyCached<Counted> {
+        let store = Counted {
+            store: MemoryStore::new(100),
+            asked: AtomicUsize::new(0),
+            cacheable,
+        };
+        DenyCached::new(store, Some(Arc::new(DenyCache::new(100))))
+    }
+
+    /// Asks `cached` to decide `checks` at `now_ms`: whether the request was denied, and which checks the
+    /// cache answered.
+    async fn decide(
+        cached: &DenyCached<Counted>,
+        checks: &[Check],
+        now_ms: u64,
+    ) -> (bool, Vec<bool>) {
+        let batch = Batch {
+            checks: checks.to_vec(),
+            consume_on_deny: false,
+            known_denied: false,
+        };
+        let mut from_cache = vec![false; checks.len()];
+        let applied = cached
+            .apply_marking(
+                &batch,
+                now_ms,
+                Deadline::within(Duration::from_secs(1)),
+                &mut from_cache,
+            )
+            .await
+            .unwrap();
+        (applied.denied, from_cache)
+    }
+
+    #[tokio::test]
+    async fn a_remembered_denial_is_answered_without_asking_the_store() {
+        let cached = cached(true);
+        let one = [Check::fixed_window("one_".into(), 1, 60, 1, Role::Enforce)];
+        assert_eq!(decide(&cached, &one, 60_000).await, (false, vec![false]));
+        assert_eq!(decide(&cached, &one, 60_001).await, (true, vec![false]));
+        assert_eq!(decide(&cached, &one, 60_002).await, (true, vec![true]));
+        assert_eq!(cached.store.asked.load(Ordering::Relaxed), 2);
+        // With another check beside it, the other is still decided by the store, as part of a denied
+        // request: it consumes nothing.
+        let two = [
+            one[0].clone(),
+            Check::fixed_window("two_".into(), 1, 60, 1, Role::Enforce),
+        ];
+        assert_eq!(
+            decide(&cached, &two, 60_003).await,
+            (true, vec![true, false])
+        );
+        assert_eq!(cached.store.asked.load(Ordering::Relaxed), 3);
+        assert_eq!(
+            decide(&cached, &two[1..], 60_004).await,
+            (false, vec![false])
+        );
+        // A new window: the denial is over.
+        assert_eq!(decide(&cached, &one, 120_000).await, (false, vec![false]));
+    }
+
+    #[tokio::test]
+    async fn denials_a_store_says_are_its_own_are_not_remembered() {
+        let cached = cached(false);
+        let one = [Check::fixed_window("one_".into(), 1, 60, 1, Role::Enforce)];
+        decide(&cached, &one, 60_000).await;
+        for now_ms in 60_001..60_004 {
+            assert_eq!(decide(&cached, &one, now_ms).await, (true, vec![false]));
+        }
+        assert_eq!(cached.store.asked.load(Ordering::Relaxed), 4);
     }
 
     #[test]

@@ -2,7 +2,7 @@
 
 use super::*;
 use crate::{
-    rules::{parse_file, RuleSet},
+    rules::{parse_file, RuleSet, Unit},
     store::MemoryStore,
 };
 

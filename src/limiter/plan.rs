@@ -1,0 +1,294 @@
+//! Planning a request: its descriptors -> the limits that apply to each -> one batch of checks.
+//!
+//! A descriptor resolves to no limit (unknown domain, no matching rule, an allow-listed rule), to an
+//! unlimited rule, or to the limits of its rule or of the caller's override. `replaces` then drops the
+//! limits that others name, and each remaining limit becomes one check of one counter.
+
+use std::{borrow::Cow, sync::Arc};
+
+use smallvec::{smallvec, SmallVec};
+
+use super::{CurrentLimit, Descriptor, LimitError, Options, Request, Small};
+use crate::{
+    algorithm::{Algorithm, Params},
+    rules::{Domain, Node, PathStep, Unit},
+    settings::RequestLimits,
+    store::{keys, Batch, Check, Role},
+};
+
+/// One limit a descriptor is checked against.
+pub(super) struct Applicable {
+    pub limit: CurrentLimit,
+    pub params: Params,
+    /// Position of the limit in its rule (0 for `rate_limit` and for overrides).
+    pub index: usize,
+}
+
+/// The limits of one descriptor; most have one or two.
+pub(super) type Limits = SmallVec<[Applicable; 2]>;
+
+/// What a descriptor resolved to before counting.
+pub(super) enum Resolved<'a> {
+    NoLimit,
+    /// An unlimited rule: never counted, but its `replaces` still apply.
+    Unlimited(&'a Node),
+    Limited {
+        limits: Limits,
+        /// The rule, when the limits came from one (not from a request override).
+        node: Option<&'a Node>,
+        role: Role,
+    },
+}
+
+impl Resolved<'_> {
+    /// How the descriptor's checks weigh in the decision, when it has any.
+    pub fn role(&self) -> Option<Role> {
+        match self {
+            Resolved::Limited { role, .. } => Some(*role),
+            Resolved::NoLimit | Resolved::Unlimited(_) => None,
+        }
+    }
+}
+
+/// Refuses a request that is malformed or larger than `request_limits` allows.
+pub(super) fn validate(request: &Request, limits: &RequestLimits) -> Result<(), LimitError> {
+    if request.domain.is_empty() {
+        return Err(LimitError::EmptyDomain);
+    }
+    if request.descriptors.is_empty() {
+        return Err(LimitError::NoDescriptors);
+    }
+    // The message is built only for a request that breaks a limit.
+    let check = |actual: usize, max: usize, setting: &'static str, what: &dyn Fn() -> String| {
+        if actual > max {
+            Err(LimitError::TooLarge {
+                what: what(),
+                actual,
+                max,
+                setting,
+            })
+        } else {
+            Ok(())
+        }
+    };
+    check(
+        request.descriptors.len(),
+        limits.max_descriptors,
+        "request_limits.max_descriptors",
+        &|| "the number of descriptors".into(),
+    )?;
+    for (i, d) in request.descriptors.iter().enumerate() {
+        if d.limit.is_some() && !limits.allow_overrides {
+            return Err(LimitError::OverrideRefused { index: i });
+        }
+        check(
+            d.entries.len(),
+            limits.max_entries,
+            "request_limits.max_entries",
+            &|| format!("the number of entries of descriptor {i}"),
+        )?;
+        for (j, e) in d.entries.iter().enumerate() {
+            check(
+                e.key.len(),
+                limits.max_key_bytes,
+                "request_limits.max_key_bytes",
+                &|| format!("the key length of descriptor {i} entry {j}"),
+            )?;
+            check(
+                e.value.len(),
+                limits.max_value_bytes,
+                "request_limits.max_value_bytes",
+                &|| format!("the value length of descriptor {i} entry {j}"),
+            )?;
+        }
+    }
+    Ok(())
+}
+
+/// The limits of every descriptor of the request, in order, after `replaces`. Without a domain (one no
+/// rules file declares), nothing is limited.
+pub(super) fn resolve<'a>(
+    domain: Option<&'a Domain>,
+    request: &Request,
+) -> Result<Small<Resolved<'a>>, LimitError> {
+    let mut resolved: Small<Resolved<'a>> = Small::new();
+    for (index, descriptor) in request.descriptors.iter().enumerate() {
+        resolved.push(match domain {
+            None => Resolved::NoLimit,
+            Some(domain) => resolve_one(domain, index, descriptor)?,
+        });
+    }
+    apply_replaces(&mut resolved);
+    Ok(resolved)
+}
+
+/// The limits of one descriptor of a known domain: the caller's override, else its rule's.
+fn resolve_one<'a>(
+    domain: &'a Domain,
+    index: usize,
+    descriptor: &Descriptor,
+) -> Result<Resolved<'a>, LimitError> {
+    if let Some(over) = &descriptor.limit {
+        let unit = over.unit.ok_or(LimitError::UnknownOverrideUnit { index })?;
+        let limit = u64::from(over.requests_per_unit);
+        return Ok(Resolved::Limited {
+            limits: smallvec![Applicable {
+                limit: CurrentLimit {
+                    requests_per_unit: over.requests_per_unit,
+                    unit,
+                    name: None,
+                },
+                params: Params {
+                    algorithm: Algorithm::FixedWindow,
+                    limit,
+                    window_ms: unit.seconds() * 1000,
+                    burst: limit,
+                },
+                index: 0,
+            }],
+            node: None,
+            role: Role::Enforce,
+        });
+    }
+    Ok(match domain.find(&descriptor.entries) {
+        None => Resolved::NoLimit,
+        Some(node) if node.limits.is_empty() => Resolved::NoLimit,
+        Some(node) if node.limits[0].unlimited => Resolved::Unlimited(node),
+        Some(node) => Resolved::Limited {
+            limits: node
+                .limits
+                .iter()
+                .enumerate()
+                .map(|(index, limit)| Applicable {
+                    limit: CurrentLimit {
+                        requests_per_unit: limit.requests_per_unit,
+                        unit: limit.unit,
+                        name: limit.name.clone(),
+                    },
+                    params: limit.params(),
+                    index,
+                })
+                .collect(),
+            node: Some(node),
+            role: if node.flags.shadow_mode {
+                Role::Shadow
+            } else if node.flags.quota_mode {
+                Role::Quota
+            } else {
+                Role::Enforce
+            },
+        },
+    })
+}
+
+/// Drops every matched limit whose name another matched limit of the same request replaces
+/// (unlimited limits replace too). Overrides have no name and are never replaced.
+fn apply_replaces(resolved: &mut [Resolved<'_>]) {
+    let replaced: Vec<Arc<str>> = resolved
+        .iter()
+        .filter_map(|r| match r {
+            Resolved::Unlimited(node)
+            | Resolved::Limited {
+                node: Some(node), ..
+            } => Some(node),
+            _ => None,
+        })
+        .flat_map(|node| node.limits.iter())
+        .flat_map(|limit| limit.replaces.iter().cloned())
+        .collect();
+    if replaced.is_empty() {
+        return;
+    }
+    for r in resolved.iter_mut() {
+        if let Resolved::Limited { limits, .. } = r {
+            limits.retain(|a| a.limit.name.as_ref().is_none_or(|n| !replaced.contains(n)));
+            if limits.is_empty() {
+                *r = Resolved::NoLimit;
+            }
+        }
+    }
+}
+
+/// Hits a descriptor of the request costs: its own `hits_addend`, else the request's (0 read as 1).
+pub(super) fn hits(request: &Request, descriptor: &Descriptor) -> u64 {
+    descriptor
+        .hits_addend
+        .unwrap_or(u64::from(request.hits_addend.max(1)))
+}
+
+/// One check per limit of every limited descriptor, in order, each on the counter its limit keeps for the
+/// descriptor's values.
+pub(super) fn batch(request: &Request, resolved: &[Resolved<'_>], options: &Options) -> Batch {
+    let mut batch = Batch {
+        checks: Vec::with_capacity(resolved.len()),
+        consume_on_deny: options.consume_on_deny,
+        known_denied: false,
+    };
+    for (descriptor, r) in request.descriptors.iter().zip(resolved) {
+        let Resolved::Limited { limits, node, role } = r else {
+            continue;
+        };
+        let values = key_values(descriptor, *node, options);
+        let cost = hits(request, descriptor);
+        let key_len = options.key_prefix.len()
+            + request.domain.len()
+            + descriptor
+                .entries
+                .iter()
+                .map(|e| e.key.len())
+                .sum::<usize>()
+            + values.iter().map(|v| v.len()).sum::<usize>()
+            + 2 * descriptor.entries.len()
+            + 48;
+        for applicable in limits {
+            let mut key = String::with_capacity(key_len);
+            keys::limit_key(
+                &mut key,
+                &options.key_prefix,
+                &request.domain,
+                descriptor
+                    .entries
+                    .iter()
+                    .zip(&values)
+                    .map(|(e, v)| (e.key.as_str(), v.as_ref())),
+                applicable.params.algorithm,
+                applicable.params.window_ms / 1000,
+                applicable.index,
+            );
+            batch.checks.push(Check {
+                key,
+                params: applicable.params,
+                cost,
+                role: *role,
+                per_second: applicable.limit.unit == Unit::Second,
+            });
+        }
+    }
+    batch
+}
+
+/// A descriptor's values as they go into counter keys: the rule's shared pattern where it shares one
+/// counter among values, the hash of sensitive values, the others as they are.
+fn key_values<'a>(
+    descriptor: &'a Descriptor,
+    node: Option<&'a Node>,
+    options: &Options,
+) -> Small<Cow<'a, str>> {
+    let path = node.map_or(&[][..], |n| &n.path[..]);
+    descriptor
+        .entries
+        .iter()
+        .enumerate()
+        .map(
+            |(i, e)| match path.get(i).and_then(PathStep::shared_value) {
+                Some(pattern) => pattern.into(),
+                None => options.show(&e.key, &e.value, hashed_at(path, i)),
+            },
+        )
+        .collect()
+}
+
+/// Whether the rule says `hash_value` at level `i` of its path (no path: a request override).
+pub(super) fn hashed_at(path: &[PathStep], i: usize) -> bool {
+    path.get(i).is_some_and(|step| step.flags.hash_value)
+}

@@ -1,0 +1,278 @@
+//! Recording decisions: the per-request counters, the reference service's per-rule counters (in hits),
+//! and the most denied descriptors behind `/debug/top`.
+//!
+//! Nothing here allocates for a rule labelled by its path alone; offender names are built in one reused
+//! buffer per thread.
+
+use std::{
+    borrow::Cow,
+    sync::{
+        atomic::{AtomicU64, Ordering},
+        Arc,
+    },
+    time::Duration,
+};
+
+use super::{
+    plan, status::Verdict, Code, Descriptor, LimitError, Limiter, Options, Request, Response,
+};
+use crate::{
+    rules::Node,
+    store::Role,
+    telemetry::{
+        metrics::{Histogram, RuleCounters},
+        Metrics,
+    },
+};
+
+thread_local! {
+    /// Where offender names are built, so that naming one allocates nothing once the buffer has grown.
+    static SCRATCH: std::cell::Cell<String> = const { std::cell::Cell::new(String::new()) };
+}
+
+/// The metric series every request updates, held so that recording them looks nothing up.
+#[derive(Debug)]
+pub(super) struct Series {
+    check_duration: Arc<Histogram>,
+    requests_ok: Arc<AtomicU64>,
+    requests_over_limit: Arc<AtomicU64>,
+    requests_error: Arc<AtomicU64>,
+}
+
+impl Series {
+    pub(super) fn new(metrics: &Metrics) -> Self {
+        let requests = |result: &str| {
+            metrics.counter(
+                "ratelimitd_requests_total",
+                "ShouldRateLimit requests, by answer.",
+                vec![("result", result.to_string())],
+            )
+        };
+        Self {
+            check_duration: metrics.histogram(
+                "rate_limit_check_duration_seconds",
+                "Time to decide one ShouldRateLimit request.",
+                Vec::new(),
+            ),
+            requests_ok: requests("ok"),
+            requests_over_limit: requests("over_limit"),
+            requests_error: requests("error"),
+        }
+    }
+}
+
+impl Limiter {
+    /// Records one answered (or refused) request and how long it took.
+    pub(super) fn record_answer(&self, result: &Result<Response, LimitError>, took: Duration) {
+        self.series.check_duration.observe(took);
+        let requests = match result {
+            Ok(r) if r.overall_code == Code::Ok => &self.series.requests_ok,
+            Ok(_) => &self.series.requests_over_limit,
+            Err(err) => {
+                let kind = match err {
+                    LimitError::NoRules => "no_rules",
+                    LimitError::Store(_) => "backend",
+                    LimitError::Overloaded { .. } => "overloaded",
+                    LimitError::Deadline(_) => "deadline",
+                    _ => "invalid_request",
+                };
+                self.options.metrics.count(
+                    "ratelimitd_request_errors_total",
+                    "Requests answered with an error, by kind.",
+                    vec![("kind", kind.to_string())],
+                    1,
+                );
+                &self.series.requests_error
+            }
+        };
+        requests.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Records a request for a domain no rules file declares (no domain label: request domains are not
+    /// bounded by the rules).
+    pub(super) fn record_unknown_domain(&self) {
+        self.options.metrics.count(
+            "ratelimit_service_rate_limit_domain_not_found",
+            "Requests for a domain no rules file declares.",
+            Vec::new(),
+            1,
+        );
+    }
+
+    /// Records a decided request: its denied descriptors in `/debug/top`, each limited descriptor in its
+    /// rule's counters, and the answer global shadow mode turned OK.
+    pub(super) fn record_decision(
+        &self,
+        request: &Request,
+        verdicts: &[Verdict<'_>],
+        denied: bool,
+    ) {
+        let consumed = !denied || self.options.consume_on_deny;
+        for verdict in verdicts {
+            let descriptor = &request.descriptors[verdict.index];
+            if !verdict.outcome.allowed && verdict.role != Role::Shadow {
+                self.record_offender(&request.domain, descriptor, verdict.node);
+            }
+            let rule = rule_label(verdict.node, &request.domain, descriptor, &self.options);
+            let counters = match rule.request_values_of {
+                // Request values in the label: at most so many series per rule, then one for the rest.
+                Some(written) => self.options.metrics.rule_within(
+                    &request.domain,
+                    &rule.text,
+                    written,
+                    self.options.metric_values_per_rule,
+                ),
+                None => self.options.metrics.rule(&request.domain, &rule.text),
+            };
+            self.record_rule(
+                &counters,
+                verdict,
+                plan::hits(request, descriptor),
+                consumed,
+            );
+        }
+        if denied && self.options.shadow_mode {
+            self.options.metrics.count(
+                "ratelimit_service_global_shadow_mode",
+                "Requests answered OK only because of global shadow mode.",
+                Vec::new(),
+                1,
+            );
+        }
+    }
+
+    /// Counts a denied descriptor in `/debug/top`, named by the domain, then its `key=value` entries,
+    /// sensitive values hashed.
+    fn record_offender(&self, domain: &str, descriptor: &Descriptor, node: Option<&Node>) {
+        let path = node.map_or(&[][..], |n| &n.path[..]);
+        let mut name = SCRATCH.take();
+        name.clear();
+        name.push_str(domain);
+        for (i, e) in descriptor.entries.iter().enumerate() {
+            let value = self
+                .options
+                .show(&e.key, &e.value, plan::hashed_at(path, i));
+            name.push(' ');
+            name.push_str(&e.key);
+            name.push('=');
+            name.push_str(&value);
+        }
+        self.options.top.denied(&name);
+        SCRATCH.set(name);
+    }
+
+    /// The reference service's per-rule counters for one descriptor costing `hits`.
+    fn record_rule(
+        &self,
+        counters: &RuleCounters,
+        verdict: &Verdict<'_>,
+        hits: u64,
+        consumed: bool,
+    ) {
+        let add = |c: &AtomicU64, n: u64| {
+            c.fetch_add(n, Ordering::Relaxed);
+        };
+        let outcome = &verdict.outcome;
+        add(&counters.total_hits, hits);
+        if !outcome.allowed {
+            add(&counters.over_limit, hits);
+            add(&counters.exceeded, 1);
+            if verdict.role == Role::Shadow {
+                add(&counters.shadow_mode, hits);
+            }
+            if verdict.from_cache {
+                add(&counters.over_limit_with_local_cache, hits);
+            }
+        } else if consumed {
+            add(&counters.within_limit, hits);
+            let limit = verdict.limit;
+            let after = limit.saturating_sub(outcome.remaining);
+            let before = after.saturating_sub(hits);
+            let threshold = (limit as f64 * self.options.near_limit_ratio).floor() as u64;
+            if after > threshold {
+                add(
+                    &counters.near_limit,
+                    if before >= threshold {
+                        hits
+                    } else {
+                        after - threshold
+                    },
+                );
+            }
+        }
+    }
+}
+
+/// The `rule` metric label of a descriptor.
+struct RuleLabel<'a> {
+    text: Cow<'a, str>,
+    /// When the label carries request values: the rule's path as written, under which the number of
+    /// such labels is bounded.
+    request_values_of: Option<&'a str>,
+}
+
+impl<'a> From<&'a str> for RuleLabel<'a> {
+    fn from(text: &'a str) -> Self {
+        Self {
+            text: text.into(),
+            request_values_of: None,
+        }
+    }
+}
+
+/// The `rule` metric label of a descriptor: its rule's path (`key_value.key`...), with request values only
+/// where the rule asks for them (`detailed_metric` on the matched rule, `value_to_metric` on a level
+/// matched by its key or a wildcard), sensitive values hashed. Every override is labelled `override`: its
+/// entry keys are the caller's to choose, so they never become label values.
+fn rule_label<'a>(
+    node: Option<&'a Node>,
+    domain: &str,
+    descriptor: &Descriptor,
+    options: &Options,
+) -> RuleLabel<'a> {
+    let Some(node) = node else {
+        return "override".into();
+    };
+    let written = node
+        .full_key
+        .strip_prefix(domain)
+        .and_then(|p| p.strip_prefix('.'))
+        .unwrap_or(&node.full_key);
+    // Most rules: the path as written, borrowed from the rule without building anything.
+    {
+        let written_sensitive = node.path.iter().any(|step| {
+            !step.value.is_empty() && options.is_sensitive(&step.key, step.flags.hash_value)
+        });
+        let any_to_metric = node.path.iter().any(|step| step.flags.value_to_metric);
+        if !node.flags.detailed_metric && !any_to_metric && !written_sensitive {
+            return written.into();
+        }
+    }
+    let mut from_any_request_value = false;
+    let mut parts = Vec::with_capacity(node.path.len());
+    for (i, step) in node.path.iter().enumerate() {
+        let (key, value) = (&*step.key, &*step.value);
+        let hashed = step.flags.hash_value;
+        let request_value = descriptor.entries.get(i).map_or("", |e| e.value.as_str());
+        let shared = step.flags.share_threshold;
+        let to_metric = step.flags.value_to_metric;
+        let from_request = !shared
+            && !request_value.is_empty()
+            && (node.flags.detailed_metric
+                || (to_metric && (value.is_empty() || value.contains('*'))));
+        from_any_request_value |= from_request;
+        parts.push(if from_request {
+            format!("{key}_{}", options.show(key, request_value, hashed))
+        } else if value.is_empty() {
+            key.to_string()
+        } else if shared {
+            format!("{key}_{value}")
+        } else {
+            format!("{key}_{}", options.show(key, value, hashed))
+        });
+    }
+    RuleLabel {
+        text: parts.join(".").into(),
+        request_values_of: from_any_request_value.then_some(written),
+    }
+}

@@ -1,0 +1,174 @@
+//! Statuses: the store's outcomes -> one status per descriptor, the overall code and the headers.
+//!
+//! A descriptor checked against several limits is reported under the one closest to denying it. Shadow
+//! rules are reported OK whatever their counter says; global shadow mode only turns the overall code OK.
+
+use super::{
+    headers,
+    plan::{Applicable, Limits, Resolved},
+    Code, CurrentLimit, DescriptorStatus, Options, Response, Small,
+};
+use crate::{
+    rules::Node,
+    store::{Outcome, Role},
+};
+
+/// The limit a limited descriptor is reported under, with what its counter said: what the metrics and
+/// `/debug/top` record.
+pub(super) struct Verdict<'a> {
+    /// The descriptor's position in the request.
+    pub index: usize,
+    /// Its rule (none for an override).
+    pub node: Option<&'a Node>,
+    pub role: Role,
+    /// The limit's requests per unit.
+    pub limit: u64,
+    pub outcome: Outcome,
+    /// The local deny cache answered at least one of the descriptor's checks.
+    pub from_cache: bool,
+}
+
+/// Every descriptor's status, and what the headers and the metrics need besides.
+pub(super) struct Decided<'a> {
+    pub statuses: Vec<DescriptorStatus>,
+    /// The role of each descriptor's checks (none when it has none).
+    roles: Small<Option<Role>>,
+    /// The window (seconds) of each limited descriptor's reported limit, in order, for the IETF policy
+    /// header.
+    windows: Small<u64>,
+    /// One per limited descriptor that has an outcome.
+    pub verdicts: Small<Verdict<'a>>,
+}
+
+/// Reads the outcomes (one per check, in the order of the batch; `from_cache` likewise) into statuses.
+pub(super) fn choose<'a>(
+    resolved: Small<Resolved<'a>>,
+    outcomes: &[Outcome],
+    from_cache: &[bool],
+) -> Decided<'a> {
+    let roles = resolved.iter().map(Resolved::role).collect();
+    let mut windows = Small::new();
+    let mut verdicts = Small::new();
+    let mut check = 0;
+    let statuses = resolved
+        .into_iter()
+        .enumerate()
+        .map(|(index, r)| match r {
+            Resolved::NoLimit => DescriptorStatus::no_limit(),
+            Resolved::Unlimited(_) => DescriptorStatus::unlimited(),
+            Resolved::Limited { limits, node, role } => {
+                let checks = check..check + limits.len();
+                check = checks.end;
+                let from_cache = from_cache
+                    .get(checks.clone())
+                    .is_some_and(|c| c.contains(&true));
+                let outcomes = outcomes.get(checks).unwrap_or_default();
+                let Some((applicable, outcome)) = closest(limits, outcomes) else {
+                    windows.push(0);
+                    return DescriptorStatus::no_limit();
+                };
+                windows.push(applicable.params.window_ms / 1000);
+                verdicts.push(Verdict {
+                    index,
+                    node,
+                    role,
+                    limit: u64::from(applicable.limit.requests_per_unit),
+                    outcome,
+                    from_cache,
+                });
+                status(applicable.limit, outcome, role)
+            }
+        })
+        .collect();
+    Decided {
+        statuses,
+        roles,
+        windows,
+        verdicts,
+    }
+}
+
+impl Decided<'_> {
+    /// The answer: the statuses, the overall code and the headers for the caller's response.
+    pub fn into_response(self, options: &Options, denied: bool) -> Response {
+        let overall_code = overall(denied, options.shadow_mode);
+        let response_headers = headers::build(
+            options.response_headers,
+            &options.header_names,
+            &self.statuses,
+            &self.roles,
+            &self.windows,
+            overall_code,
+        );
+        Response {
+            overall_code,
+            statuses: self.statuses,
+            response_headers,
+        }
+    }
+}
+
+/// The descriptor's limit closest to denying, with its outcome: a denying one (the longest wait first),
+/// else the one with the least quota left. `outcomes` are the limits' own, in order.
+fn closest(limits: Limits, outcomes: &[Outcome]) -> Option<(Applicable, Outcome)> {
+    let mut chosen: Option<(Applicable, Outcome)> = None;
+    for (applicable, &outcome) in limits.into_iter().zip(outcomes) {
+        let closer =
+            chosen
+                .as_ref()
+                .is_none_or(|(_, best)| match (outcome.allowed, best.allowed) {
+                    (false, true) => true,
+                    (false, false) => outcome.retry_after > best.retry_after,
+                    (true, true) => outcome.remaining < best.remaining,
+                    (true, false) => false,
+                });
+        if closer {
+            chosen = Some((applicable, outcome));
+        }
+    }
+    chosen
+}
+
+/// A limited descriptor's status under its reported limit.
+fn status(limit: CurrentLimit, outcome: Outcome, role: Role) -> DescriptorStatus {
+    let over = !outcome.allowed && role != Role::Shadow;
+    DescriptorStatus {
+        code: if over { Code::OverLimit } else { Code::Ok },
+        current_limit: Some(limit),
+        limit_remaining: u32::try_from(outcome.remaining).unwrap_or(u32::MAX),
+        duration_until_reset: Some(outcome.reset_after),
+        retry_after: (!outcome.allowed).then_some(outcome.retry_after),
+    }
+}
+
+/// The request's code: OVER_LIMIT when denied, unless global shadow mode answers OK regardless.
+pub(super) fn overall(denied: bool, shadow_mode: bool) -> Code {
+    if denied && !shadow_mode {
+        Code::OverLimit
+    } else {
+        Code::Ok
+    }
+}
+
+/// The statuses when the store could not decide and the policy answers anyway: every enforced (or
+/// quota) descriptor over its first limit when `deny`, else every descriptor without a limit, since
+/// nothing was counted.
+pub(super) fn undecided(resolved: Small<Resolved<'_>>, deny: bool) -> Vec<DescriptorStatus> {
+    resolved
+        .into_iter()
+        .map(|r| match r {
+            Resolved::NoLimit => DescriptorStatus::no_limit(),
+            Resolved::Unlimited(_) => DescriptorStatus::unlimited(),
+            Resolved::Limited {
+                mut limits, role, ..
+            } if deny && role != Role::Shadow => DescriptorStatus {
+                code: Code::OverLimit,
+                current_limit: Some(limits.swap_remove(0).limit),
+                limit_remaining: 0,
+                duration_until_reset: None,
+                retry_after: None,
+            },
+            Resolved::Limited { .. } => DescriptorStatus::no_limit(),
+        })
+        .collect()
+}

@@ -7,16 +7,13 @@
 //! full, expired counters are reclaimed first, and if none can be, the batch fails with
 //! [`StoreError::Full`] without touching anything.
 
-use std::sync::{
-    atomic::{AtomicUsize, Ordering},
-    MutexGuard,
-};
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use smallvec::SmallVec;
 
 use super::{
-    sharded::{Shard, Sharded},
-    Applied, Batch, CounterStore, Deadline, Outcome, StoreError,
+    sharded::{Held, Shard, Sharded},
+    Applied, Batch, Check, CounterStore, Deadline, Outcome, StoreError,
 };
 use crate::algorithm::{self, Decision, State};
 
@@ -78,7 +75,7 @@ impl MemoryStore {
     fn reserve(
         &self,
         new_keys: usize,
-        guards: &mut [(usize, MutexGuard<'_, Shard<Entry>>)],
+        held: &mut Held<'_, Entry>,
         now_ms: u64,
     ) -> Result<(), StoreError> {
         if new_keys == 0 {
@@ -91,13 +88,13 @@ impl MemoryStore {
             }
             self.len.fetch_sub(new_keys, Ordering::Relaxed);
             if attempt == 0 {
-                for (_, shard) in guards.iter_mut() {
+                for shard in held.shards_mut() {
                     self.purge(shard, now_ms);
                 }
                 // Other shards too, without waiting for them: blocking here could deadlock with a batch
                 // that holds them and waits for ours.
                 for i in 0..self.counters.shards() {
-                    if guards.iter().all(|(held, _)| *held != i) {
+                    if !held.holds(i) {
                         if let Some(mut shard) = self.counters.try_lock(i) {
                             self.purge(&mut shard, now_ms);
                         }
@@ -114,89 +111,25 @@ impl MemoryStore {
         let checks = &batch.checks;
         // One entry per counter key: a fixed-window state carries its window start, and a state from
         // an earlier window has expired.
-        let shards: Small<usize> = checks
-            .iter()
-            .map(|c| self.counters.shard_of(&c.key))
-            .collect();
-        let mut held: Small<usize> = shards.clone();
-        held.sort_unstable();
-        held.dedup();
-        let mut guards: Small<(usize, MutexGuard<'_, Shard<Entry>>)> =
-            held.iter().map(|&i| (i, self.counters.lock(i))).collect();
-        // Index into `guards` of each check's shard.
-        let slots: Small<usize> = shards
-            .iter()
-            .map(|shard| held.partition_point(|i| i < shard))
-            .collect();
-        let live = |e: &&Entry| e.expires_at_ms > now_ms;
-
-        // Decide every check in order; a key checked twice sees the state the earlier check left.
-        let mut next: Small<Option<State>> = Small::new();
-        let mut decisions: Small<Decision> = Small::new();
-        // Checks that write their key first in this batch (no earlier check of the key changed it).
-        let mut first_write: Small<bool> = Small::new();
-        for (i, check) in checks.iter().enumerate() {
-            let earlier = (0..i)
-                .rev()
-                .find(|&j| next[j].is_some() && checks[j].key == check.key);
-            let state = match earlier {
-                Some(j) => next[j].as_ref(),
-                None => guards[slots[i]]
-                    .1
-                    .get(check.key.as_str())
-                    .filter(live)
-                    .map(|e| &e.state),
-            };
-            let (decision, after) =
-                algorithm::decide(&check.params, state, now_ms, check.bounded_cost());
-            first_write.push(earlier.is_none() && after.is_some());
-            next.push(after);
-            decisions.push(decision);
-        }
-        let denied = batch.is_denied(|i| decisions[i].allowed);
+        let mut held = self
+            .counters
+            .lock_keys(checks.iter().map(|c| c.key.as_str()));
+        let mut decided = decide_in_order(checks, &held, now_ms);
+        let denied = batch.is_denied(|i| decided[i].decision.allowed);
         let consume = !denied || batch.consume_on_deny;
-
-        if consume && next.iter().any(Option::is_some) {
-            let new_keys = (0..checks.len())
-                // An expired entry is overwritten in place: only absent keys need room.
-                .filter(|&i| {
-                    first_write[i] && !guards[slots[i]].1.contains_key(checks[i].key.as_str())
-                })
-                .count();
-            self.reserve(new_keys, &mut guards, now_ms)?;
-            for (i, check) in checks.iter().enumerate() {
-                let Some(state) = next[i].take() else {
-                    continue;
-                };
-                let entry = Entry {
-                    expires_at_ms: algorithm::expires_at_ms(&check.params, &state, now_ms),
-                    state,
-                };
-                let map = &mut guards[slots[i]].1;
-                // Later checks of the same key overwrite earlier ones, in request order.
-                match map.get_mut(check.key.as_str()) {
-                    Some(e) => *e = entry,
-                    None => {
-                        map.insert(check.key.as_str().into(), entry);
-                    }
-                }
-            }
+        if consume && decided.iter().any(|d| d.next.is_some()) {
+            self.write(checks, &mut decided, &mut held, now_ms)?;
         }
-
         let outcomes = checks
             .iter()
-            .zip(&decisions)
+            .zip(&decided)
             .enumerate()
-            .map(|(i, (check, decision))| {
-                if consume || !decision.allowed {
-                    Outcome::from(*decision)
+            .map(|(i, (check, decided))| {
+                if consume || !decided.decision.allowed {
+                    Outcome::from(decided.decision)
                 } else {
                     // Allowed but not consumed: report the quota as it stands (nothing was written).
-                    let stored = guards[slots[i]]
-                        .1
-                        .get(check.key.as_str())
-                        .filter(live)
-                        .map(|e| &e.state);
+                    let stored = live_state(held.shard(i), &check.key, now_ms);
                     let (as_is, _) = algorithm::decide(&check.params, stored, now_ms, 0);
                     Outcome {
                         allowed: true,
@@ -207,6 +140,81 @@ impl MemoryStore {
             .collect();
         Ok(Applied { denied, outcomes })
     }
+
+    /// Stores the new state of every check that has one, once room is reserved for the keys not stored
+    /// yet; fails without writing anything when there is none.
+    fn write(
+        &self,
+        checks: &[Check],
+        decided: &mut [Decided],
+        held: &mut Held<'_, Entry>,
+        now_ms: u64,
+    ) -> Result<(), StoreError> {
+        let new_keys = (0..checks.len())
+            // An expired entry is overwritten in place: only absent keys need room.
+            .filter(|&i| {
+                decided[i].first_write && !held.shard(i).contains_key(checks[i].key.as_str())
+            })
+            .count();
+        self.reserve(new_keys, held, now_ms)?;
+        for (i, check) in checks.iter().enumerate() {
+            let Some(state) = decided[i].next.take() else {
+                continue;
+            };
+            let entry = Entry {
+                expires_at_ms: algorithm::expires_at_ms(&check.params, &state, now_ms),
+                state,
+            };
+            let map = held.shard_mut(i);
+            // Later checks of the same key overwrite earlier ones, in request order.
+            match map.get_mut(check.key.as_str()) {
+                Some(e) => *e = entry,
+                None => {
+                    map.insert(check.key.as_str().into(), entry);
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// One check decided, before anything is written.
+struct Decided {
+    decision: Decision,
+    /// The state to store when the request consumes; none when the check changes nothing.
+    next: Option<State>,
+    /// The check writes its key first in the batch (no earlier check of the key changed it).
+    first_write: bool,
+}
+
+/// Decides every check in order; a key checked twice sees the state the earlier check left.
+fn decide_in_order(checks: &[Check], held: &Held<'_, Entry>, now_ms: u64) -> Small<Decided> {
+    let mut decided: Small<Decided> = Small::new();
+    for (i, check) in checks.iter().enumerate() {
+        let earlier = (0..i)
+            .rev()
+            .find(|&j| decided[j].next.is_some() && checks[j].key == check.key);
+        let state = match earlier {
+            Some(j) => decided[j].next.as_ref(),
+            None => live_state(held.shard(i), &check.key, now_ms),
+        };
+        let (decision, next) =
+            algorithm::decide(&check.params, state, now_ms, check.bounded_cost());
+        decided.push(Decided {
+            decision,
+            first_write: earlier.is_none() && next.is_some(),
+            next,
+        });
+    }
+    decided
+}
+
+/// The stored state of `key`, unless it has expired.
+fn live_state<'a>(shard: &'a Shard<Entry>, key: &str, now_ms: u64) -> Option<&'a State> {
+    shard
+        .get(key)
+        .filter(|e| e.expires_at_ms > now_ms)
+        .map(|e| &e.state)
 }
 
 impl CounterStore for MemoryStore {
@@ -224,7 +232,7 @@ impl CounterStore for MemoryStore {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::{Check, Role};
+    use crate::store::Role;
 
     fn check(key: &str, limit: u64, window: u64, cost: u64, role: Role) -> Check {
         Check::fixed_window(key.into(), limit, window, cost, role)

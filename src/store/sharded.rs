@@ -12,6 +12,11 @@ use std::{
     sync::{Mutex, MutexGuard},
 };
 
+use smallvec::SmallVec;
+
+/// Per-batch bookkeeping, on the stack for batches of up to eight keys.
+type Small<T> = SmallVec<[T; 8]>;
+
 /// One shard: the part of the map behind one lock.
 pub type Shard<V> = HashMap<Box<str>, V>;
 
@@ -63,6 +68,51 @@ impl<V> Sharded<V> {
     /// Every shard in turn, each locked only while the caller holds its guard.
     pub fn each(&self) -> impl Iterator<Item = MutexGuard<'_, Shard<V>>> {
         (0..self.shards.len()).map(|i| self.lock(i))
+    }
+
+    /// Locks the shards of all these keys at once, each once, in ascending order: two callers locking
+    /// overlapping shards this way cannot deadlock.
+    pub fn lock_keys<'k>(&self, keys: impl Iterator<Item = &'k str>) -> Held<'_, V> {
+        let shards: Small<usize> = keys.map(|key| self.shard_of(key)).collect();
+        let mut held: Small<usize> = shards.clone();
+        held.sort_unstable();
+        held.dedup();
+        Held {
+            slots: shards
+                .iter()
+                .map(|shard| held.partition_point(|i| i < shard))
+                .collect(),
+            guards: held.iter().map(|&i| (i, self.lock(i))).collect(),
+        }
+    }
+}
+
+/// The shards of several keys, locked until this is dropped.
+pub struct Held<'a, V> {
+    /// Each shard held, with its index, in ascending order.
+    guards: Small<(usize, MutexGuard<'a, Shard<V>>)>,
+    /// For each key, in the order given, the position in `guards` of its shard.
+    slots: Small<usize>,
+}
+
+impl<'a, V> Held<'a, V> {
+    /// The shard of the `key`-th key given.
+    pub fn shard(&self, key: usize) -> &Shard<V> {
+        &self.guards[self.slots[key]].1
+    }
+
+    pub fn shard_mut(&mut self, key: usize) -> &mut Shard<V> {
+        &mut self.guards[self.slots[key]].1
+    }
+
+    /// Whether the shard of this index is among those held.
+    pub fn holds(&self, index: usize) -> bool {
+        self.guards.iter().any(|(held, _)| *held == index)
+    }
+
+    /// Every shard held.
+    pub fn shards_mut(&mut self) -> impl Iterator<Item = &mut Shard<V>> + use<'_, 'a, V> {
+        self.guards.iter_mut().map(|(_, guard)| &mut **guard)
     }
 }
 

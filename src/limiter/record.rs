@@ -1,8 +1,7 @@
 //! Recording decisions: the per-request counters, the reference service's per-rule counters (in hits),
 //! and the most denied descriptors behind `/debug/top`.
 //!
-//! Nothing here allocates for a rule labelled by its path alone; offender names are built in one reused
-//! buffer per thread.
+//! Offender names are built in one buffer per thread, reused from request to request.
 
 use std::{
     borrow::Cow,

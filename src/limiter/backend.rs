@@ -31,7 +31,7 @@ pub struct Fallback {
 impl Fallback {
     /// The batch as this replica decides it alone: every limit (and burst) divided by the replicas,
     /// rounded up, so that a limit of 1 still admits one request rather than none.
-    pub(super) fn share(&self, batch: &Batch) -> Batch {
+    fn share(&self, batch: &Batch) -> Batch {
         let replicas = u64::from(self.replicas.max(1));
         let mut local = batch.clone();
         for check in &mut local.checks {
@@ -202,5 +202,45 @@ impl FallbackEpisode {
                 .active
                 .compare_exchange(true, false, Ordering::Relaxed, Ordering::Relaxed)
                 .is_ok()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{
+        algorithm::{Algorithm, Params},
+        store::{Check, MemoryStore, Role},
+    };
+
+    #[test]
+    fn the_local_fallback_shares_each_limit_among_the_replicas_rounding_up() {
+        let fallback = Fallback {
+            store: Arc::new(Store::Memory(MemoryStore::new(10))),
+            replicas: 3,
+        };
+        let check = |limit, burst| Check {
+            key: "k".into(),
+            params: Params {
+                algorithm: Algorithm::TokenBucket,
+                limit,
+                window_ms: 1000,
+                burst,
+            },
+            cost: 1,
+            role: Role::Enforce,
+            per_second: false,
+        };
+        let batch = Batch {
+            checks: vec![check(10, 20), check(1, 1), check(0, 0)],
+            ..Default::default()
+        };
+        let shared: Vec<(u64, u64)> = fallback
+            .share(&batch)
+            .checks
+            .iter()
+            .map(|c| (c.params.limit, c.params.burst))
+            .collect();
+        assert_eq!(shared, vec![(4, 7), (1, 1), (0, 0)]);
     }
 }

@@ -537,34 +537,3 @@ fn the_store_waits_until_shortly_before_the_answer_is_due() {
     assert_eq!(waits(2), Duration::from_millis(1));
     assert_eq!(waits(0), Duration::ZERO);
 }
-
-#[test]
-fn the_local_fallback_shares_each_limit_among_the_replicas_rounding_up() {
-    let fallback = super::Fallback {
-        store: Arc::new(Store::Memory(MemoryStore::new(10))),
-        replicas: 3,
-    };
-    let check = |limit, burst| crate::store::Check {
-        key: "k".into(),
-        params: crate::algorithm::Params {
-            algorithm: crate::algorithm::Algorithm::TokenBucket,
-            limit,
-            window_ms: 1000,
-            burst,
-        },
-        cost: 1,
-        role: crate::store::Role::Enforce,
-        per_second: false,
-    };
-    let batch = crate::store::Batch {
-        checks: vec![check(10, 20), check(1, 1), check(0, 0)],
-        ..Default::default()
-    };
-    let shared: Vec<(u64, u64)> = fallback
-        .share(&batch)
-        .checks
-        .iter()
-        .map(|c| (c.params.limit, c.params.burst))
-        .collect();
-    assert_eq!(shared, vec![(4, 7), (1, 1), (0, 0)]);
-}

@@ -168,25 +168,50 @@ impl<S: CacheableStore> DenyCached<S> {
             })
             .collect();
         if cached.iter().all(Option::is_none) {
-            let (applied, cacheable) = self
-                .store
-                .apply_cacheable(batch, now_millis, deadline)
-                .await?;
-            if cacheable {
-                for (c, outcome) in batch.checks.iter().zip(&applied.outcomes) {
-                    if c.role == Role::Enforce && !outcome.allowed {
-                        cache.insert(&c.key, c.params, c.cost, *outcome, now_millis);
-                    }
-                }
-            }
-            return Ok(applied);
+            return self
+                .apply_remembering(cache, batch, now_millis, deadline)
+                .await;
         }
         for (marked, outcome) in from_cache.iter_mut().zip(&cached) {
             *marked = outcome.is_some();
         }
-        // Denied without asking the store about the cached checks. The others are decided as part of a
-        // denied request (their own verdicts for their statuses, consuming only what a denied request
-        // consumes), so the answer and the counters are what they would be without the cache.
+        self.apply_denied(batch, &cached, now_millis, deadline)
+            .await
+    }
+
+    /// The store's answer, its enforced denials remembered when they hold for every replica.
+    async fn apply_remembering(
+        &self,
+        cache: &DenyCache,
+        batch: &Batch,
+        now_millis: u64,
+        deadline: Deadline,
+    ) -> Result<Applied, StoreError> {
+        let (applied, cacheable) = self
+            .store
+            .apply_cacheable(batch, now_millis, deadline)
+            .await?;
+        if cacheable {
+            for (c, outcome) in batch.checks.iter().zip(&applied.outcomes) {
+                if c.role == Role::Enforce && !outcome.allowed {
+                    cache.insert(&c.key, c.params, c.cost, *outcome, now_millis);
+                }
+            }
+        }
+        Ok(applied)
+    }
+
+    /// The answer to a request the cache denies: the cached outcomes, and the store's for the other
+    /// checks. The store decides those as part of a denied request (their own verdicts for their
+    /// statuses, consuming only what a denied request consumes), so the answer and the counters are what
+    /// they would be without the cache.
+    async fn apply_denied(
+        &self,
+        batch: &Batch,
+        cached: &[Option<Outcome>],
+        now_millis: u64,
+        deadline: Deadline,
+    ) -> Result<Applied, StoreError> {
         let rest: Small<usize> = (0..batch.checks.len())
             .filter(|&i| cached[i].is_none())
             .collect();

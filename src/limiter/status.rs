@@ -30,7 +30,7 @@ pub(super) struct Verdict<'a> {
 
 /// Every descriptor's status, and what the headers and the metrics need besides.
 pub(super) struct Decided<'a> {
-    pub statuses: Vec<DescriptorStatus>,
+    statuses: Vec<DescriptorStatus>,
     /// The role of each descriptor's checks (none when it has none).
     roles: Small<Option<Role>>,
     /// The window (seconds) of each limited descriptor's reported limit, in order, for the IETF policy

@@ -80,11 +80,6 @@ pub fn init(log: &LogSettings, traces: &TracingSettings) -> Result<Telemetry, St
     Ok(telemetry)
 }
 
-/// Only log lines, for tools that do not serve (check-config).
-pub fn init_logging(settings: &LogSettings) {
-    let _ = init(settings, &TracingSettings::default());
-}
-
 fn tracer_provider(traces: &TracingSettings) -> Result<SdkTracerProvider, String> {
     use opentelemetry_otlp::WithExportConfig;
     let mut exporter = opentelemetry_otlp::SpanExporter::builder().with_tonic();

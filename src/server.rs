@@ -22,7 +22,7 @@ use crate::{
     proto,
     rules::{self, Rules},
     settings::{BackendKind, OnBackendError, Settings},
-    store::{DenyCache, MemoryStore, RedisStore, Store},
+    store::{CounterStore, DenyCache, MemoryStore, RedisStore, Store},
     telemetry::{Metrics, TopOffenders},
 };
 
@@ -100,12 +100,28 @@ pub async fn run_with_clock(
     shutdown: CancellationToken,
     clock: Clock,
 ) -> Result<(), ServerError> {
-    let (reporter, health_service) = tonic_health::server::health_reporter();
     let backend = settings.backend();
+    let store = Arc::new(match backend {
+        BackendKind::Memory => Store::Memory(MemoryStore::new(settings.memory.max_keys)),
+        BackendKind::Redis => Store::Redis(
+            RedisStore::connect(
+                &settings.redis,
+                settings.redis_per_second.as_ref(),
+                settings.expiration_jitter_max_seconds,
+                settings.overload.deadline,
+            )
+            .map_err(|e| ServerError::Setup(e.to_string()))?,
+        ),
+        BackendKind::Noop => {
+            tracing::warn!("backend noop: every request is allowed and nothing is counted");
+            Store::Noop
+        }
+    });
+    let (reporter, health_service) = tonic_health::server::health_reporter();
     let health = Arc::new(Health::new(
         reporter,
         settings.healthy_with_at_least_one_config_loaded,
-        backend != BackendKind::Redis,
+        store.is_ready(),
     ));
     health.publish().await;
 
@@ -148,22 +164,6 @@ pub async fn run_with_clock(
     rules::reload(&source, &rules, &reload_stats, &on_loaded);
     register_rules_metrics(&metrics, &rules, &reload_stats);
 
-    let store = Arc::new(match backend {
-        BackendKind::Memory => Store::Memory(MemoryStore::new(settings.memory.max_keys)),
-        BackendKind::Redis => Store::Redis(
-            RedisStore::connect(
-                &settings.redis,
-                settings.redis_per_second.as_ref(),
-                settings.expiration_jitter_max_seconds,
-                settings.overload.deadline,
-            )
-            .map_err(|e| ServerError::Setup(e.to_string()))?,
-        ),
-        BackendKind::Noop => {
-            tracing::warn!("backend noop: every request is allowed and nothing is counted");
-            Store::Noop
-        }
-    });
     // `on_backend_error: local` decides from this replica's memory while Redis cannot.
     let fallback = (backend == BackendKind::Redis
         && settings.on_backend_error == OnBackendError::Local)
@@ -216,25 +216,12 @@ pub async fn run_with_clock(
             stop_tasks.clone(),
         ));
     }
-    if let Store::Redis(redis) = &*store {
-        let (redis, health, stop) = (redis.clone(), health.clone(), stop_tasks.clone());
+    if !store.is_ready() {
+        let (store, health, stop) = (store.clone(), health.clone(), stop_tasks.clone());
         tasks.spawn(async move {
-            loop {
-                tokio::select! {
-                    _ = stop.cancelled() => return,
-                    result = redis.ready() => match result {
-                        Ok(()) => {
-                            tracing::warn!("Redis connected and scripts loaded: serving");
-                            health.backend_ready().await;
-                            return;
-                        }
-                        Err(err) => tracing::error!("Redis not ready, retrying: {err}"),
-                    },
-                }
-                tokio::select! {
-                    _ = stop.cancelled() => return,
-                    _ = tokio::time::sleep(std::time::Duration::from_secs(1)) => {}
-                }
+            tokio::select! {
+                _ = stop.cancelled() => {}
+                () = store.until_ready() => health.backend_ready().await,
             }
         });
     }
@@ -384,9 +371,7 @@ pub async fn run_with_clock(
     stop_tasks.cancel();
     tasks.close();
     tasks.wait().await;
-    if let Store::Redis(redis) = &*store {
-        redis.close().await;
-    }
+    store.close().await;
     tracing::warn!("shutdown complete");
     Ok(())
 }
@@ -425,10 +410,7 @@ fn register_store_metrics(metrics: &Metrics, store: &Arc<Store>) {
         "ratelimitd_backend_up",
         "1 when the counter store is reachable (Redis: at least one connection up).",
         Box::new(move || {
-            let up = match &*s {
-                Store::Memory(_) | Store::Noop => true,
-                Store::Redis(r) => r.connected(),
-            };
+            let up = s.health().up;
             vec![(
                 vec![("backend", s.name().to_string())],
                 f64::from(u8::from(up)),
@@ -440,7 +422,7 @@ fn register_store_metrics(metrics: &Metrics, store: &Arc<Store>) {
         "ratelimitd_backend_breaker_open",
         "1 while the circuit breaker in front of Redis answers without asking it.",
         Box::new(move || {
-            let open = matches!(&*s, Store::Redis(r) if r.breaker_open());
+            let open = s.health().breaker_open;
             vec![(
                 vec![("backend", s.name().to_string())],
                 f64::from(u8::from(open)),
@@ -451,9 +433,12 @@ fn register_store_metrics(metrics: &Metrics, store: &Arc<Store>) {
     metrics.gauge_fn(
         "ratelimitd_memory_store_counters",
         "Counters held by the memory store.",
-        Box::new(move || match &*s {
-            Store::Memory(m) => vec![(Vec::new(), m.len() as f64)],
-            _ => Vec::new(),
+        Box::new(move || {
+            s.health()
+                .counters
+                .map(|n| (Vec::new(), n as f64))
+                .into_iter()
+                .collect()
         }),
     );
 }

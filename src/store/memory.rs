@@ -7,15 +7,22 @@
 //! full, expired counters are reclaimed first, and if none can be, the batch fails with
 //! [`StoreError::Full`] without touching anything.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::{
+    sync::atomic::{AtomicUsize, Ordering},
+    time::Duration,
+};
 
 use smallvec::SmallVec;
+use tokio_util::sync::CancellationToken;
 
 use super::{
     sharded::{Held, Shard, Sharded},
-    Applied, Batch, Check, CounterStore, Deadline, Outcome, StoreError,
+    Applied, Batch, Check, CounterStore, Deadline, Outcome, StoreError, StoreHealth,
 };
-use crate::algorithm::{self, Decision, State};
+use crate::{
+    algorithm::{self, Decision, State},
+    clock::Clock,
+};
 
 /// Per-batch bookkeeping, on the stack for requests of up to eight checks.
 type Small<T> = SmallVec<[T; 8]>;
@@ -226,6 +233,30 @@ impl CounterStore for MemoryStore {
         _deadline: Deadline,
     ) -> Result<Applied, StoreError> {
         self.apply_now(batch, now_millis)
+    }
+
+    fn health(&self) -> StoreHealth {
+        StoreHealth {
+            counters: Some(self.len()),
+            ..StoreHealth::default()
+        }
+    }
+
+    /// Reclaims expired counters every `every`, so that memory follows the keys in use.
+    async fn maintain(&self, clock: &Clock, every: Duration, stop: CancellationToken) {
+        let mut tick = tokio::time::interval(every);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = stop.cancelled() => break,
+                _ = tick.tick() => {
+                    let removed = self.sweep(clock.now_millis());
+                    if removed > 0 {
+                        tracing::debug!(removed, remaining = self.len(), "expired counters reclaimed");
+                    }
+                }
+            }
+        }
     }
 }
 

@@ -199,7 +199,31 @@ pub enum StoreError {
     Config(String),
 }
 
-/// A place that keeps counters and decides batches atomically.
+/// What the metrics show of a store's backend.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StoreHealth {
+    /// The backend is reachable (Redis: every configured Redis has a connection up).
+    pub up: bool,
+    /// A circuit breaker answers without asking the backend.
+    pub breaker_open: bool,
+    /// Counters held in this process, for a store that keeps them here.
+    pub counters: Option<usize>,
+}
+
+impl Default for StoreHealth {
+    /// A store inside this process: always reachable, no breaker, no counters to report.
+    fn default() -> Self {
+        Self {
+            up: true,
+            breaker_open: false,
+            counters: None,
+        }
+    }
+}
+
+/// A place that keeps counters and decides batches atomically, with the lifecycle of its backend. The
+/// defaults describe a store inside this process: ready at once, always reachable, nothing to maintain or
+/// close. A store that wraps another forwards all of them.
 pub trait CounterStore: Send + Sync {
     /// Checks every counter of the batch at `now_millis`; consumes them all when the request is allowed
     /// (or when `consume_on_deny`), none otherwise. A remote store stops waiting at `deadline`.
@@ -209,6 +233,38 @@ pub trait CounterStore: Send + Sync {
         now_millis: u64,
         deadline: Deadline,
     ) -> impl Future<Output = Result<Applied, StoreError>> + Send;
+
+    /// Whether the store has been able to decide since start (Redis: connected, scripts loaded).
+    fn is_ready(&self) -> bool {
+        true
+    }
+
+    /// Resolves once the store can decide, trying again (and logging why) until then. Dropping it stops
+    /// the trying.
+    fn until_ready(&self) -> impl Future<Output = ()> + Send {
+        async {}
+    }
+
+    /// The backend's state, read at scrape time.
+    fn health(&self) -> StoreHealth {
+        StoreHealth::default()
+    }
+
+    /// Housekeeping every `every` until `stop`; returns at once for a store that needs none.
+    fn maintain(
+        &self,
+        _clock: &Clock,
+        _every: Duration,
+        _stop: CancellationToken,
+    ) -> impl Future<Output = ()> + Send {
+        async {}
+    }
+
+    /// Closes the backend's connections once nothing decides any more, waiting briefly for commands
+    /// still in flight.
+    fn close(&self) -> impl Future<Output = ()> + Send {
+        async {}
+    }
 }
 
 /// The configured store.
@@ -229,30 +285,9 @@ impl Store {
             Store::Noop => "noop",
         }
     }
-
-    /// Housekeeping every `every` until `stop`: reclaims expired counters of the memory store, so that its
-    /// memory follows the keys in use.
-    pub async fn maintain(&self, clock: &Clock, every: Duration, stop: CancellationToken) {
-        let mut tick = tokio::time::interval(every);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            tokio::select! {
-                _ = stop.cancelled() => break,
-                _ = tick.tick() => match self {
-                    Store::Memory(store) => {
-                        let removed = store.sweep(clock.now_millis());
-                        if removed > 0 {
-                            tracing::debug!(removed, remaining = store.len(), "expired counters reclaimed");
-                        }
-                    }
-                    // Redis expires its own keys; noop keeps none.
-                    Store::Redis(_) | Store::Noop => break,
-                },
-            }
-        }
-    }
 }
 
+/// Every call goes to the configured store; the noop store keeps the in-process defaults.
 impl CounterStore for Store {
     async fn apply(
         &self,
@@ -277,6 +312,46 @@ impl CounterStore for Store {
                     })
                     .collect(),
             }),
+        }
+    }
+
+    fn is_ready(&self) -> bool {
+        match self {
+            Store::Memory(store) => store.is_ready(),
+            Store::Redis(store) => store.is_ready(),
+            Store::Noop => true,
+        }
+    }
+
+    async fn until_ready(&self) {
+        match self {
+            Store::Memory(store) => store.until_ready().await,
+            Store::Redis(store) => store.until_ready().await,
+            Store::Noop => {}
+        }
+    }
+
+    fn health(&self) -> StoreHealth {
+        match self {
+            Store::Memory(store) => store.health(),
+            Store::Redis(store) => store.health(),
+            Store::Noop => StoreHealth::default(),
+        }
+    }
+
+    async fn maintain(&self, clock: &Clock, every: Duration, stop: CancellationToken) {
+        match self {
+            Store::Memory(store) => store.maintain(clock, every, stop).await,
+            Store::Redis(store) => store.maintain(clock, every, stop).await,
+            Store::Noop => {}
+        }
+    }
+
+    async fn close(&self) {
+        match self {
+            Store::Memory(store) => store.close().await,
+            Store::Redis(store) => store.close().await,
+            Store::Noop => {}
         }
     }
 }

@@ -23,7 +23,10 @@ mod tls;
 use std::{
     collections::BTreeMap,
     path::PathBuf,
-    sync::{atomic::Ordering, Arc},
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc,
+    },
     time::Duration,
 };
 
@@ -39,7 +42,7 @@ use tokio::time::Instant;
 use tokio_util::task::TaskTracker;
 
 use self::{backend::Backend, node::Node};
-use super::{Applied, Batch, CounterStore, Deadline, Outcome, Role, StoreError};
+use super::{Applied, Batch, CounterStore, Deadline, Outcome, Role, StoreError, StoreHealth};
 use crate::{
     algorithm::{Algorithm, Decision},
     settings::{RedisSettings, RedisTopology, SocketType},
@@ -60,6 +63,8 @@ pub struct RedisStore {
     jitter_max: u64,
     /// Commands whose callers stopped waiting, watched until they end.
     tasks: TaskTracker,
+    /// Every Redis was connected and had the scripts loaded at least once.
+    reached: AtomicBool,
 }
 
 /// The reply of one `decide.lua` call.
@@ -105,6 +110,7 @@ impl RedisStore {
             refund,
             jitter_max,
             tasks: TaskTracker::new(),
+            reached: AtomicBool::new(false),
         }))
     }
 
@@ -125,26 +131,8 @@ impl RedisStore {
         for backend in self.backends() {
             backend.ready(&scripts).await?;
         }
+        self.reached.store(true, Ordering::Relaxed);
         Ok(())
-    }
-
-    /// Closes the connections and waits briefly for the commands still watched.
-    pub async fn close(&self) {
-        self.tasks.close();
-        for backend in self.backends() {
-            backend.close().await;
-        }
-        let _ = tokio::time::timeout(Duration::from_secs(1), self.tasks.wait()).await;
-    }
-
-    /// Whether a circuit breaker in front of a Redis server is open.
-    pub fn breaker_open(&self) -> bool {
-        self.backends().any(|b| b.breaker_open())
-    }
-
-    /// Whether every Redis (the main one, and the per-second one when configured) has a connection up.
-    pub fn connected(&self) -> bool {
-        self.backends().all(|b| b.connected())
     }
 
     /// When a call to `backend` stops waiting, and the error if that moment comes first.
@@ -423,6 +411,43 @@ impl CounterStore for RedisStore {
         deadline: Deadline,
     ) -> Result<Applied, StoreError> {
         self.decide_now(batch, now_millis, deadline).await
+    }
+
+    fn is_ready(&self) -> bool {
+        self.reached.load(Ordering::Relaxed)
+    }
+
+    /// Tries [`RedisStore::ready`] every second until it succeeds.
+    async fn until_ready(&self) {
+        loop {
+            match self.ready().await {
+                Ok(()) => {
+                    tracing::warn!("Redis connected and scripts loaded: serving");
+                    return;
+                }
+                Err(err) => tracing::error!("Redis not ready, retrying: {err}"),
+            }
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+    }
+
+    /// Up when every Redis (the main one, and the per-second one when configured) has a connection up;
+    /// the breaker is open when one in front of any of their servers is.
+    fn health(&self) -> StoreHealth {
+        StoreHealth {
+            up: self.backends().all(|b| b.connected()),
+            breaker_open: self.backends().any(|b| b.breaker_open()),
+            counters: None,
+        }
+    }
+
+    /// Closes the connections and waits briefly for the commands still watched.
+    async fn close(&self) {
+        self.tasks.close();
+        for backend in self.backends() {
+            backend.close().await;
+        }
+        let _ = tokio::time::timeout(Duration::from_secs(1), self.tasks.wait()).await;
     }
 }
 

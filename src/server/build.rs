@@ -1,0 +1,232 @@
+//! Building the parts of the service from its settings: the store, the limiter in front of it (with the
+//! deny cache, the local fallback and the hasher of sensitive values), the rules and their watcher, and
+//! the metrics read at scrape time. Nothing here binds a port or waits for a backend.
+
+use std::sync::{atomic::Ordering, Arc};
+
+use super::{ServerError, Tasks};
+use crate::{
+    api::health::Health,
+    clock::Clock,
+    limiter::{self, Limiter},
+    rules::{self, Rules},
+    settings::{BackendKind, OnBackendError, Settings},
+    store::{CounterStore, DenyCache, MemoryStore, RedisStore, Store},
+    telemetry::{Metrics, TopOffenders},
+};
+
+/// The configured store. Redis starts connecting in the background; nothing waits for it here.
+pub(super) fn store(settings: &Settings) -> Result<Arc<Store>, ServerError> {
+    let store = match settings.backend() {
+        BackendKind::Memory => Store::Memory(MemoryStore::new(settings.memory.max_keys)),
+        BackendKind::Redis => Store::Redis(
+            RedisStore::connect(
+                &settings.redis,
+                settings.redis_per_second.as_ref(),
+                settings.expiration_jitter_max_seconds,
+                settings.overload.deadline,
+            )
+            .map_err(|e| ServerError::Setup(e.to_string()))?,
+        ),
+        BackendKind::Noop => {
+            tracing::warn!("backend noop: every request is allowed and nothing is counted");
+            Store::Noop
+        }
+    };
+    Ok(Arc::new(store))
+}
+
+/// The limiter and the stores and cache it decides with.
+pub(super) struct Deciding {
+    pub limiter: Arc<Limiter>,
+    /// The local deny cache, when enabled: cleared whenever the rules change.
+    pub deny_cache: Option<Arc<DenyCache>>,
+    /// Every store the limiter decides with: the configured one, then the local fallback's.
+    pub stores: Vec<Arc<Store>>,
+}
+
+/// Builds the limiter in front of `store`, with the deny cache and, for `on_backend_error: local`, a
+/// memory store of this replica's own to decide from while Redis cannot.
+pub(super) fn limiter(
+    settings: &Settings,
+    rules: &Arc<Rules>,
+    store: &Arc<Store>,
+    clock: &Clock,
+    metrics: &Arc<Metrics>,
+) -> Deciding {
+    let deny_cache = (settings.local_cache_max_entries > 0)
+        .then(|| Arc::new(DenyCache::new(settings.local_cache_max_entries)));
+    let fallback = (settings.backend() == BackendKind::Redis
+        && settings.on_backend_error == OnBackendError::Local)
+        .then(|| limiter::Fallback {
+            store: Arc::new(Store::Memory(MemoryStore::new(settings.memory.max_keys))),
+            replicas: settings.fallback.replicas,
+        });
+    let stores = std::iter::once(store.clone())
+        .chain(fallback.as_ref().map(|f| f.store.clone()))
+        .collect();
+    let limiter = Arc::new(Limiter::new(
+        rules.clone(),
+        store.clone(),
+        clock.clone(),
+        limiter::Options {
+            key_prefix: settings.cache_key_prefix.clone(),
+            shadow_mode: settings.shadow_mode,
+            consume_on_deny: settings.consume_on_deny,
+            response_headers: settings.response_headers,
+            header_names: settings.header_names.clone(),
+            request_limits: settings.request_limits.clone(),
+            on_backend_error: settings.on_backend_error,
+            sensitive: sensitive(settings),
+            near_limit_ratio: settings.near_limit_ratio,
+            metrics: metrics.clone(),
+            deny_cache: deny_cache.clone(),
+            overload: settings.overload.clone(),
+            top: Arc::new(TopOffenders::new(
+                settings.top_offenders.capacity,
+                settings.top_offenders.interval,
+            )),
+            fallback,
+            metric_values_per_rule: settings.metrics.max_values_per_rule,
+        },
+    ));
+    Deciding {
+        limiter,
+        deny_cache,
+        stores,
+    }
+}
+
+/// The hasher of sensitive values: HMAC-SHA256 under `hash_secret`, or unkeyed SHA-256 without one. Either
+/// depends on the value alone, so every replica and every restart counts a value under the same key.
+fn sensitive(settings: &Settings) -> Option<limiter::Sensitive> {
+    let secret = Some(settings.hash_secret.0.as_bytes()).filter(|s| !s.is_empty());
+    if secret.is_none() && !settings.hashed_keys.is_empty() {
+        tracing::warn!(
+            hashed_keys = ?settings.hashed_keys,
+            "RATELIMITD_HASH_SECRET is not set: sensitive values are hashed with unkeyed SHA-256 (sha256-...), so anyone who can read the counter keys can confirm a guessed value; set RATELIMITD_HASH_SECRET (the same on every replica) to make the hash keyed (HMAC-SHA256)"
+        );
+    }
+    // Built even with no `hashed_keys`: rule nodes marked `hash_value: true` are hashed regardless.
+    Some(limiter::Sensitive::new(&settings.hashed_keys, secret))
+}
+
+/// Loads the rules into `rules` and, with `rules.watch`, starts the watcher that reloads them on change.
+/// Every successful load is logged, clears the deny cache and tells `health` how many domains it has.
+pub(super) fn load_rules(
+    settings: &Settings,
+    rules: &Arc<Rules>,
+    health: &Arc<Health>,
+    deny_cache: Option<Arc<DenyCache>>,
+    metrics: &Metrics,
+    tasks: &Tasks,
+) {
+    let source = settings.rules.source();
+    let stats = Arc::new(rules::ReloadStats::default());
+    let on_loaded: rules::OnLoaded = {
+        let (health, tasks) = (health.clone(), tasks.clone());
+        Box::new(move |loaded: &rules::Loaded| {
+            // Limits may have changed: remembered denials no longer hold.
+            if let Some(cache) = &deny_cache {
+                cache.clear();
+            }
+            let domains = loaded.rules.domains.len();
+            let mut names: Vec<&String> = loaded.rules.domains.keys().collect();
+            names.sort();
+            for domain in names {
+                tracing::info!(domain = %domain, "loading domain: {domain}");
+            }
+            tracing::warn!(
+                files = loaded.files.len(),
+                domains,
+                fingerprint = format!("{:016x}", loaded.fingerprint),
+                "rules loaded"
+            );
+            let health = health.clone();
+            tasks.spawn(async move { health.rules_loaded(domains).await });
+        })
+    };
+    // Watching starts before the first load, so that a change made while it reads is loaded too.
+    let watch = if settings.rules.watch {
+        rules::RulesWatch::start(&source)
+    } else {
+        None
+    };
+    rules::reload(&source, rules, &stats, &on_loaded);
+    register_rules_metrics(metrics, rules, &stats);
+    if let Some(watch) = watch {
+        tasks.spawn(watch.run(
+            rules.clone(),
+            stats,
+            on_loaded,
+            settings.rules.reload_delay,
+            tasks.stopping(),
+        ));
+    }
+}
+
+/// Metrics read at scrape time from the rules and their loads.
+fn register_rules_metrics(metrics: &Metrics, rules: &Arc<Rules>, stats: &Arc<rules::ReloadStats>) {
+    let s = stats.clone();
+    metrics.counter_fn(
+        "ratelimit_service_config_load_success",
+        "Rules loads that succeeded (at start and on every change).",
+        Box::new(move || vec![(Vec::new(), s.successes.load(Ordering::Relaxed) as f64)]),
+    );
+    let s = stats.clone();
+    metrics.counter_fn(
+        "ratelimit_service_config_load_error",
+        "Rules loads refused because a file was invalid (the previous rules kept serving).",
+        Box::new(move || vec![(Vec::new(), s.errors.load(Ordering::Relaxed) as f64)]),
+    );
+    let (s, r) = (stats.clone(), rules.clone());
+    metrics.gauge_fn(
+        "ratelimitd_rules_info",
+        "The rules being served: fingerprint of their files and number of domains; the value is the domain count.",
+        Box::new(move || {
+            let domains = r.snapshot().map_or(0, |set| set.domains.len());
+            let fingerprint = format!("{:016x}", s.fingerprint.load(Ordering::Relaxed));
+            vec![(vec![("fingerprint", fingerprint)], domains as f64)]
+        }),
+    );
+}
+
+/// Metrics read at scrape time from the store.
+pub(super) fn register_store_metrics(metrics: &Metrics, store: &Arc<Store>) {
+    let s = store.clone();
+    metrics.gauge_fn(
+        "ratelimitd_backend_up",
+        "1 when the counter store is reachable (Redis: at least one connection up).",
+        Box::new(move || {
+            let up = s.health().up;
+            vec![(
+                vec![("backend", s.name().to_string())],
+                f64::from(u8::from(up)),
+            )]
+        }),
+    );
+    let s = store.clone();
+    metrics.gauge_fn(
+        "ratelimitd_backend_breaker_open",
+        "1 while the circuit breaker in front of Redis answers without asking it.",
+        Box::new(move || {
+            let open = s.health().breaker_open;
+            vec![(
+                vec![("backend", s.name().to_string())],
+                f64::from(u8::from(open)),
+            )]
+        }),
+    );
+    let s = store.clone();
+    metrics.gauge_fn(
+        "ratelimitd_memory_store_counters",
+        "Counters held by the memory store.",
+        Box::new(move || {
+            s.health()
+                .counters
+                .map(|n| (Vec::new(), n as f64))
+                .into_iter()
+                .collect()
+        }),
+    );
+}

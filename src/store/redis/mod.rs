@@ -18,6 +18,7 @@
 
 mod backend;
 mod node;
+mod script;
 mod tls;
 
 use std::{
@@ -41,15 +42,13 @@ use futures_util::future::join_all;
 use tokio::time::Instant;
 use tokio_util::task::TaskTracker;
 
-use self::{backend::Backend, node::Node};
-use super::{Applied, Batch, CounterStore, Deadline, Outcome, Role, StoreError, StoreHealth};
-use crate::{
-    algorithm::{Algorithm, Decision},
-    settings::{RedisSettings, RedisTopology, SocketType},
+use self::{
+    backend::Backend,
+    node::Node,
+    script::{DecideCall, RefundCall, SlotReply, DECIDE_LUA, REFUND_LUA},
 };
-
-const DECIDE_LUA: &str = include_str!("decide.lua");
-const REFUND_LUA: &str = include_str!("refund.lua");
+use super::{Applied, Batch, CounterStore, Deadline, Outcome, StoreError, StoreHealth};
+use crate::settings::{RedisSettings, RedisTopology, SocketType};
 
 /// Counters in Redis.
 #[derive(Debug)]
@@ -65,15 +64,6 @@ pub struct RedisStore {
     tasks: TaskTracker,
     /// Every Redis was connected and had the scripts loaded at least once.
     reached: AtomicBool,
-}
-
-/// The reply of one `decide.lua` call.
-struct SlotReply {
-    window_mismatch: bool,
-    denied: bool,
-    server_ms: i64,
-    /// (allowed, remaining, reset) per check of the slot.
-    outcomes: Vec<Outcome>,
 }
 
 /// The checks of one script call: one backend, one hash slot, one server.
@@ -309,40 +299,13 @@ impl RedisStore {
         } else {
             rand::random_range(0..=self.jitter_max)
         };
-        let mut args: Vec<i64> = Vec::with_capacity(3 + group.checks.len() * 7);
-        args.extend([
-            i64::from(batch.consume_on_deny),
-            if batch.known_denied {
-                2
-            } else {
-                i64::from(complete)
-            },
-            to_i64(jitter),
-        ]);
-        let mut group_keys = Vec::with_capacity(group.checks.len());
-        for &i in &group.checks {
-            let c = &batch.checks[i];
-            group_keys.push(keys[i].clone());
-            let p = &c.params;
-            args.extend([
-                i64::from(p.algorithm.code()),
-                to_i64(p.limit),
-                to_i64(p.window_ms),
-                to_i64(c.bounded_cost()),
-                match c.role {
-                    Role::Enforce => 0,
-                    Role::Shadow => 1,
-                    Role::Quota => 2,
-                },
-                to_i64(p.burst),
-                to_i64(c.window_start_secs(now_ms).unwrap_or(0)),
-            ]);
-        }
+        let DecideCall { keys, args } =
+            DecideCall::new(batch, keys, &group.checks, complete, jitter, now_ms);
         let backend = self.backend(group.backend);
         let (client, script) = (backend.pool.next_connected().clone(), self.decide.clone());
         let call = async move {
             script
-                .evalsha_with_reload::<Vec<i64>, _, _>(&client, group_keys, args)
+                .evalsha_with_reload::<Vec<i64>, _, _>(&client, keys, args)
                 .await
         };
         let (until, late) = Self::wait_bound(backend, deadline);
@@ -351,7 +314,7 @@ impl RedisStore {
             .wait(&self.tasks, call, until, late)
             .await?
             .map_err(redis_error)?;
-        parse_reply(&reply, group.checks.len())
+        SlotReply::parse(&reply, group.checks.len())
     }
 
     /// Gives back the hits of every slot that consumed for this request.
@@ -364,33 +327,12 @@ impl RedisStore {
         deadline: Deadline,
     ) -> Result<(), StoreError> {
         let calls = groups.iter().zip(slots).filter_map(|(group, slot)| {
-            let consumed = !slot.window_mismatch && (!slot.denied || batch.consume_on_deny);
-            if !consumed {
-                return None;
-            }
-            let refund_keys: Vec<String> = group.checks.iter().map(|&i| keys[i].clone()).collect();
-            let mut args: Vec<i64> = vec![slot.server_ms];
-            for (&i, outcome) in group.checks.iter().zip(&slot.outcomes) {
-                let c = &batch.checks[i];
-                // Only what was consumed: allowed checks, and every fixed-window hit.
-                let hits = if outcome.allowed || c.params.algorithm == Algorithm::FixedWindow {
-                    c.bounded_cost()
-                } else {
-                    0
-                };
-                args.extend([
-                    i64::from(c.params.algorithm.code()),
-                    to_i64(hits),
-                    to_i64(c.params.window_ms),
-                    to_i64(c.params.limit),
-                    to_i64(c.params.burst),
-                ]);
-            }
+            let RefundCall { keys, args } = RefundCall::new(batch, keys, &group.checks, slot)?;
             let backend = self.backend(group.backend);
             let (client, script) = (backend.pool.next_connected().clone(), self.refund.clone());
             let call = async move {
                 script
-                    .evalsha_with_reload::<i64, _, _>(&client, refund_keys, args)
+                    .evalsha_with_reload::<i64, _, _>(&client, keys, args)
                     .await
             };
             let (until, late) = Self::wait_bound(backend, deadline);
@@ -449,45 +391,6 @@ impl CounterStore for RedisStore {
         }
         let _ = tokio::time::timeout(Duration::from_secs(1), self.tasks.wait()).await;
     }
-}
-
-fn to_i64(v: u64) -> i64 {
-    i64::try_from(v).unwrap_or(i64::MAX)
-}
-
-fn parse_reply(reply: &[i64], checks: usize) -> Result<SlotReply, StoreError> {
-    let bad = || StoreError::Backend(format!("unexpected reply from decide.lua: {reply:?}"));
-    let (&status, rest) = reply.split_first().ok_or_else(bad)?;
-    let (&denied, rest) = rest.split_first().ok_or_else(bad)?;
-    let (&server_ms, rest) = rest.split_first().ok_or_else(bad)?;
-    if status == 1 {
-        return Ok(SlotReply {
-            window_mismatch: true,
-            denied: false,
-            server_ms,
-            outcomes: Vec::new(),
-        });
-    }
-    if status != 0 || rest.len() != checks * 4 {
-        return Err(bad());
-    }
-    Ok(SlotReply {
-        window_mismatch: false,
-        denied: denied == 1,
-        server_ms,
-        outcomes: rest
-            .chunks_exact(4)
-            .map(|c| {
-                let ms = |v: i64| u64::try_from(v).unwrap_or(0);
-                Outcome::from(Decision {
-                    allowed: c[0] == 1,
-                    remaining: ms(c[1]),
-                    reset_ms: ms(c[2]),
-                    retry_ms: ms(c[3]),
-                })
-            })
-            .collect(),
-    })
 }
 
 async fn load_scripts(client: &Client, scripts: &[Script; 2]) -> FredResult<()> {
@@ -705,19 +608,5 @@ mod tests {
             (username.as_deref(), password.as_deref()),
             (Some("watcher"), Some("sentinel-pw"))
         );
-    }
-
-    #[test]
-    fn malformed_script_replies_are_errors_not_panics() {
-        assert!(parse_reply(&[], 1).is_err());
-        assert!(parse_reply(&[0, 0, 5, 1, 2, 3], 1).is_err());
-        assert!(parse_reply(&[7, 0, 5], 0).is_err());
-        let r = parse_reply(&[0, 1, 5, 0, 0, 2500, 1001], 1).unwrap();
-        assert!(r.denied && !r.outcomes[0].allowed);
-        assert_eq!(
-            (r.outcomes[0].reset_after, r.outcomes[0].retry_after),
-            (3, 2)
-        );
-        assert!(parse_reply(&[1, 0, 5], 2).unwrap().window_mismatch);
     }
 }

@@ -14,7 +14,7 @@ use fred::{
     types::{cluster::ClusterRouting, config::Server, scripts::Script},
 };
 
-use super::{client_config, load_scripts, node::Node, redis_error};
+use super::{config::client_config, load_scripts, node::Node, redis_error};
 use crate::{
     settings::{RedisSettings, RedisTopology},
     store::{breaker::Breaker, StoreError},

@@ -1,11 +1,11 @@
 //! Wiring: builds the parts from settings, serves gRPC and HTTP, and owns the one shutdown path.
 //!
-//! - [`build`] makes the parts: the store, the limiter (deny cache, fallback, hasher), the rules and
+//! - `build` makes the parts: the store, the limiter (deny cache, fallback, hasher), the rules and
 //!   their watcher, the metrics read at scrape time.
-//! - [`serve`] runs the listeners and drains them.
+//! - `serve` runs the listeners and drains them.
 //! - [`run_with_clock`] is the sequence: build, start the background work, serve, shut down.
 //!
-//! Every task the server starts is one of its [`Tasks`], and `run` returns only once all have ended.
+//! Every task the server starts is one of its `Tasks`, and `run` returns only once all have ended.
 //!
 //! Shutdown: the `shutdown` token is cancelled (SIGTERM/SIGINT in `main`, the test harness in tests) ->
 //! health turns NOT_SERVING -> after `shutdown.drain_delay` the listeners stop accepting -> in-flight

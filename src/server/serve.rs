@@ -1,7 +1,7 @@
 //! Running the listeners: gRPC (the rate limit service, health and reflection, plaintext or TLS), HTTP,
 //! and the separate Prometheus port; and draining them at shutdown.
 //!
-//! Every listener runs as a task of the server's [`Tasks`]; all stop accepting on one token, so that
+//! Every listener runs as a task of the server's `Tasks`; all stop accepting on one token, so that
 //! the drain is one step for all of them.
 
 use std::sync::Arc;

@@ -12,13 +12,13 @@
 //! - Waiting: a request waits for Redis until its answer is due: shortly before the caller's gRPC deadline,
 //!   or `redis.timeout` for callers without one. Each server has a circuit breaker that opens only when
 //!   the server is failing (connections refused or lost, or no answer at all for
-//!   `redis.unresponsive_after` while commands wait: see [`node`]); while open, requests are answered at
+//!   `redis.unresponsive_after` while commands wait: see `node`); while open, requests are answered at
 //!   once by the policy. fred reconnects with backoff; scripts are loaded at start, on reconnect, and again
 //!   on NOSCRIPT.
 //!
-//! Beside this file: [`script`] (the calling contract of `decide.lua` and `refund.lua`), [`backend`] (one
-//! Redis deployment and its connections), [`node`] (one server's health and waiting for it), [`config`]
-//! (the client configuration for the settings) and [`tls`].
+//! Beside this file: `script` (the calling contract of `decide.lua` and `refund.lua`), `backend` (one
+//! Redis deployment and its connections), `node` (one server's health and waiting for it), `config`
+//! (the client configuration for the settings) and `tls`.
 
 mod backend;
 mod config;

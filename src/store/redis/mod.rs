@@ -161,23 +161,7 @@ impl RedisStore {
                 })
                 .collect();
             let groups = self.groups(batch, &keys);
-            for group in &groups {
-                let backend = self.backend(group.backend);
-                if !backend.connected() {
-                    if group.node.breaker.trip() {
-                        tracing::warn!(server = %group.node.name(), backend = backend.name, "no connection to Redis: circuit breaker open");
-                    }
-                    return Err(StoreError::CircuitOpen("no connection to Redis"));
-                }
-            }
-            // Every server of the request must be asked, or none: a refused slot would leave the
-            // others' consumption unrefunded.
-            let mut servers: Vec<&Arc<Node>> = groups.iter().map(|g| &g.node).collect();
-            servers.sort_by_key(|node| Arc::as_ptr(node));
-            servers.dedup_by_key(|node| Arc::as_ptr(node));
-            if servers.iter().any(|node| !node.breaker.allow()) {
-                return Err(StoreError::CircuitOpen("Redis failing"));
-            }
+            self.admit(&groups)?;
             let complete = groups.len() == 1;
             let replies = join_all(groups.iter().map(|group| {
                 let now = u64::try_from(now_ms[group.backend]).unwrap_or(0);
@@ -188,19 +172,7 @@ impl RedisStore {
             for reply in replies {
                 slots.push(reply?);
             }
-            for (index, backend) in self.backends().enumerate() {
-                let newest = groups
-                    .iter()
-                    .zip(&slots)
-                    .filter(|(g, _)| g.backend == index)
-                    .map(|(_, s)| s.server_ms)
-                    .max();
-                if let Some(server_ms) = newest {
-                    backend
-                        .clock_offset_ms
-                        .store(server_ms - local_ms as i64, Ordering::Relaxed);
-                }
-            }
+            self.record_clocks(&groups, &slots, local_ms);
             let mismatches: Vec<(usize, i64)> = groups
                 .iter()
                 .zip(&slots)
@@ -216,50 +188,58 @@ impl RedisStore {
                 }
                 continue;
             }
-            let mut outcomes = vec![
-                Outcome {
-                    allowed: false,
-                    remaining: 0,
-                    reset_after: 0,
-                    retry_after: 0,
-                    retry_ms: 0,
-                };
-                batch.checks.len()
-            ];
-            for (group, slot) in groups.iter().zip(&slots) {
-                for (&i, outcome) in group.checks.iter().zip(&slot.outcomes) {
-                    outcomes[i] = *outcome;
-                }
-            }
+            let mut outcomes = in_batch_order(batch, &groups, &slots);
             let denied = batch.is_denied(|i| outcomes[i].allowed);
             if denied && !complete && !batch.consume_on_deny {
                 // Another slot denied what these consumed: give it back.
                 self.refund_consumed(batch, &keys, &groups, &slots, deadline)
                     .await?;
-                // Report the quota as it stands, as a denied request does everywhere: each allowed
-                // check gets back what it, and earlier checks of its key in this request, consumed.
-                for (group, slot) in groups.iter().zip(&slots) {
-                    if !slot.denied {
-                        let mut consumed: BTreeMap<&str, u64> = BTreeMap::new();
-                        for &i in &group.checks {
-                            let c = &batch.checks[i];
-                            if outcomes[i].allowed {
-                                let given_back = consumed.entry(keys[i].as_str()).or_default();
-                                *given_back = given_back.saturating_add(c.bounded_cost());
-                                outcomes[i].remaining = outcomes[i]
-                                    .remaining
-                                    .saturating_add(*given_back)
-                                    .min(c.params.burst.max(c.params.limit));
-                            }
-                        }
-                    }
-                }
+                report_refunded(batch, &keys, &groups, &slots, &mut outcomes);
             }
             return Ok(Applied { denied, outcomes });
         }
         Err(StoreError::Backend(
             "the Redis clock moved across a window twice during one request".into(),
         ))
+    }
+
+    /// Whether the request may go to Redis: every backend it needs has a connection, and every server it
+    /// needs lets it through its breaker. Every server of the request must be asked, or none: a refused
+    /// slot would leave the others' consumption unrefunded.
+    fn admit(&self, groups: &[Group]) -> Result<(), StoreError> {
+        for group in groups {
+            let backend = self.backend(group.backend);
+            if !backend.connected() {
+                if group.node.breaker.trip() {
+                    tracing::warn!(server = %group.node.name(), backend = backend.name, "no connection to Redis: circuit breaker open");
+                }
+                return Err(StoreError::CircuitOpen("no connection to Redis"));
+            }
+        }
+        let mut servers: Vec<&Arc<Node>> = groups.iter().map(|g| &g.node).collect();
+        servers.sort_by_key(|node| Arc::as_ptr(node));
+        servers.dedup_by_key(|node| Arc::as_ptr(node));
+        if servers.iter().any(|node| !node.breaker.allow()) {
+            return Err(StoreError::CircuitOpen("Redis failing"));
+        }
+        Ok(())
+    }
+
+    /// Keeps each backend's clock estimate: the newest server time among its replies.
+    fn record_clocks(&self, groups: &[Group], slots: &[SlotReply], local_ms: u64) {
+        for (index, backend) in self.backends().enumerate() {
+            let newest = groups
+                .iter()
+                .zip(slots)
+                .filter(|(g, _)| g.backend == index)
+                .map(|(_, s)| s.server_ms)
+                .max();
+            if let Some(server_ms) = newest {
+                backend
+                    .clock_offset_ms
+                    .store(server_ms - local_ms as i64, Ordering::Relaxed);
+            }
+        }
     }
 
     /// The checks grouped by backend and, on Cluster, by hash slot, each with its server.
@@ -388,6 +368,54 @@ impl CounterStore for RedisStore {
             backend.close().await;
         }
         let _ = tokio::time::timeout(Duration::from_secs(1), self.tasks.wait()).await;
+    }
+}
+
+/// The outcomes of every slot, in the order of the batch's checks.
+fn in_batch_order(batch: &Batch, groups: &[Group], slots: &[SlotReply]) -> Vec<Outcome> {
+    let mut outcomes = vec![
+        Outcome {
+            allowed: false,
+            remaining: 0,
+            reset_after: 0,
+            retry_after: 0,
+            retry_ms: 0,
+        };
+        batch.checks.len()
+    ];
+    for (group, slot) in groups.iter().zip(slots) {
+        for (&i, outcome) in group.checks.iter().zip(&slot.outcomes) {
+            outcomes[i] = *outcome;
+        }
+    }
+    outcomes
+}
+
+/// After a refund, reports the quota as it stands, as a denied request does everywhere: each allowed
+/// check gets back what it, and earlier checks of its key in this request, consumed.
+fn report_refunded(
+    batch: &Batch,
+    keys: &[String],
+    groups: &[Group],
+    slots: &[SlotReply],
+    outcomes: &mut [Outcome],
+) {
+    for (group, slot) in groups.iter().zip(slots) {
+        if slot.denied {
+            continue;
+        }
+        let mut consumed: BTreeMap<&str, u64> = BTreeMap::new();
+        for &i in &group.checks {
+            let c = &batch.checks[i];
+            if outcomes[i].allowed {
+                let given_back = consumed.entry(keys[i].as_str()).or_default();
+                *given_back = given_back.saturating_add(c.bounded_cost());
+                outcomes[i].remaining = outcomes[i]
+                    .remaining
+                    .saturating_add(*given_back)
+                    .min(c.params.burst.max(c.params.limit));
+            }
+        }
     }
 }
 

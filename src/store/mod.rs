@@ -1,5 +1,7 @@
 //! Where counters live. Every store implements [`CounterStore`]: one call decides a whole request
-//! atomically, so that a denied request can leave every counter untouched.
+//! atomically, so that a denied request can leave every counter untouched. The same interface carries
+//! the store's lifecycle (readiness, health for the metrics, housekeeping, closing), so that the server
+//! never needs to know which store it runs.
 
 mod breaker;
 pub mod deny_cache;

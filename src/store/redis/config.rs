@@ -40,12 +40,6 @@ fn host_port(text: &str, default_port: u16) -> Result<(String, u16), StoreError>
 
 /// The fred configuration for the settings.
 pub fn client_config(settings: &RedisSettings) -> Result<Config, StoreError> {
-    // `password` or `user:password` (a Redis ACL user); empty: no authentication.
-    let credentials = |auth: &str| match auth.split_once(':') {
-        _ if auth.is_empty() => (None, None),
-        Some((user, password)) => (Some(user.to_owned()), Some(password.to_owned())),
-        None => (None, Some(auth.to_owned())),
-    };
     let url = settings.url.trim();
     let tls = settings.tls || url.starts_with("rediss://");
     let is_path = url.starts_with('/');
@@ -71,45 +65,14 @@ pub fn client_config(settings: &RedisSettings) -> Result<Config, StoreError> {
                 ..Config::default()
             }
         }
-        RedisTopology::Sentinel => {
-            let (username, password) = credentials(&settings.sentinel_auth.0);
-            let mut parts = url.split(',').map(str::trim).filter(|p| !p.is_empty());
-            let service_name = parts.next().unwrap_or_default().to_owned();
-            let hosts = parts
-                .map(|p| host_port(p, 26379).map(|(h, p)| Server::new(h, p)))
-                .collect::<Result<Vec<_>, _>>()?;
-            if service_name.is_empty() || hosts.is_empty() {
-                return Err(StoreError::Config(
-                    "REDIS_URL: Sentinel needs `mastername,host:port[,host:port...]`".into(),
-                ));
-            }
-            Config {
-                server: ServerConfig::Sentinel {
-                    hosts,
-                    service_name,
-                    username,
-                    password,
-                },
-                ..Config::default()
-            }
-        }
-        RedisTopology::Cluster => {
-            let hosts = url
-                .split(',')
-                .map(str::trim)
-                .filter(|p| !p.is_empty())
-                .map(|p| host_port(p, 6379))
-                .collect::<Result<Vec<_>, _>>()?;
-            if hosts.is_empty() {
-                return Err(StoreError::Config(
-                    "REDIS_URL: Cluster needs `host:port[,host:port...]` seed nodes".into(),
-                ));
-            }
-            Config {
-                server: ServerConfig::new_clustered(hosts),
-                ..Config::default()
-            }
-        }
+        RedisTopology::Sentinel => Config {
+            server: sentinel_server(url, &settings.sentinel_auth.0)?,
+            ..Config::default()
+        },
+        RedisTopology::Cluster => Config {
+            server: cluster_server(url)?,
+            ..Config::default()
+        },
     };
     config.fail_fast = false;
     // Without REDIS_AUTH, credentials in a `redis://user:password@...` URL stay.
@@ -120,6 +83,52 @@ pub fn client_config(settings: &RedisSettings) -> Result<Config, StoreError> {
         config.tls = Some(tls::connector(settings)?.into());
     }
     Ok(config)
+}
+
+/// `mastername,host:port[,host:port...]`, asked with the sentinels' own credentials.
+fn sentinel_server(url: &str, sentinel_auth: &str) -> Result<ServerConfig, StoreError> {
+    let (username, password) = credentials(sentinel_auth);
+    let mut parts = url.split(',').map(str::trim).filter(|p| !p.is_empty());
+    let service_name = parts.next().unwrap_or_default().to_owned();
+    let hosts = parts
+        .map(|p| host_port(p, 26379).map(|(h, p)| Server::new(h, p)))
+        .collect::<Result<Vec<_>, _>>()?;
+    if service_name.is_empty() || hosts.is_empty() {
+        return Err(StoreError::Config(
+            "REDIS_URL: Sentinel needs `mastername,host:port[,host:port...]`".into(),
+        ));
+    }
+    Ok(ServerConfig::Sentinel {
+        hosts,
+        service_name,
+        username,
+        password,
+    })
+}
+
+/// `host:port[,host:port...]` seed nodes.
+fn cluster_server(url: &str) -> Result<ServerConfig, StoreError> {
+    let hosts = url
+        .split(',')
+        .map(str::trim)
+        .filter(|p| !p.is_empty())
+        .map(|p| host_port(p, 6379))
+        .collect::<Result<Vec<_>, _>>()?;
+    if hosts.is_empty() {
+        return Err(StoreError::Config(
+            "REDIS_URL: Cluster needs `host:port[,host:port...]` seed nodes".into(),
+        ));
+    }
+    Ok(ServerConfig::new_clustered(hosts))
+}
+
+/// `password` or `user:password` (a Redis ACL user); empty: no authentication.
+fn credentials(auth: &str) -> (Option<String>, Option<String>) {
+    match auth.split_once(':') {
+        _ if auth.is_empty() => (None, None),
+        Some((user, password)) => (Some(user.to_owned()), Some(password.to_owned())),
+        None => (None, Some(auth.to_owned())),
+    }
 }
 
 #[cfg(test)]

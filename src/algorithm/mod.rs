@@ -59,17 +59,6 @@ impl Algorithm {
     pub fn uses_burst(self) -> bool {
         matches!(self, Self::TokenBucket | Self::Gcra)
     }
-
-    /// The short tag used in counter keys and script arguments.
-    pub fn code(self) -> u8 {
-        match self {
-            Self::FixedWindow => 0,
-            Self::SlidingWindow => 1,
-            Self::SlidingLog => 2,
-            Self::TokenBucket => 3,
-            Self::Gcra => 4,
-        }
-    }
 }
 
 impl serde::Serialize for Algorithm {

@@ -10,7 +10,9 @@
 //! ```
 //!
 //! - [`proto`] — the wire API (Envoy RLS v3 subset), generated from `proto/`.
-//! - [`settings`] — process settings, typed and validated before any port is bound.
+//! - [`settings`] — process settings, typed and validated before any port is bound. Each layer defines
+//!   its own options (`limiter::OverloadSettings`, `store::redis::RedisSettings`, ...); `settings`
+//!   assembles them from the settings file and the environment, and only `main` and `server` use it.
 //! - [`rules`] — the reference rules format, validated and compiled into a matcher.
 //! - [`limiter`] — decides a request: matching, counting, statuses, headers.
 //! - [`store`] — where counters live, behind the [`store::CounterStore`] trait.
@@ -24,6 +26,7 @@
 pub mod algorithm;
 pub mod api;
 pub mod clock;
+mod duration;
 pub mod limiter;
 pub mod proto;
 pub mod rules;

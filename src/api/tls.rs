@@ -10,22 +10,39 @@
 //! the one they started with.
 
 use std::{
+    path::PathBuf,
     sync::Arc,
     time::{Duration, SystemTime},
 };
 
 use arc_swap::ArcSwap;
 use rustls::{pki_types::ServerName, server::WebPkiClientVerifier, ServerConfig};
+use serde::{Deserialize, Serialize};
 use tokio::net::TcpStream;
 use tokio_rustls::{server::TlsStream, TlsAcceptor};
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
 
 use super::conn::{Acceptor, Counted};
-use crate::{
-    settings::GrpcTlsSettings,
-    tls::{certificates, private_key, provider, roots, TlsFileError},
-};
+use crate::tls::{certificates, private_key, provider, roots, TlsFileError};
+
+/// TLS on the gRPC listener (part of the process settings). The files are read at start (an unreadable
+/// one stops the start) and again whenever they change, without a restart.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct GrpcTlsSettings {
+    /// Env `GRPC_SERVER_USE_TLS` (default false).
+    pub enabled: bool,
+    /// Env `GRPC_SERVER_TLS_CERT`: the server's PEM certificate chain, leaf first.
+    pub cert: PathBuf,
+    /// Env `GRPC_SERVER_TLS_KEY`: its PEM private key.
+    pub key: PathBuf,
+    /// Env `GRPC_CLIENT_TLS_CACERT`: when set, clients must present a certificate signed by these PEM CAs
+    /// (mTLS).
+    pub client_ca: Option<PathBuf>,
+    /// Env `GRPC_CLIENT_TLS_SAN`: when set, the client certificate must also name this DNS SAN.
+    pub client_san: Option<String>,
+}
 
 /// Why a TLS configuration could not be built.
 #[derive(Debug, thiserror::Error)]

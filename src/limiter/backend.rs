@@ -10,8 +10,8 @@ use std::sync::{
     Arc,
 };
 
+use super::OnBackendError;
 use crate::{
-    settings::OnBackendError,
     store::{
         deny_cache::CacheableStore, Applied, Batch, CounterStore, Deadline, Store, StoreError,
     },

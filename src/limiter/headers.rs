@@ -7,11 +7,8 @@
 //! same descriptor as `envoy` mode (`"name";r=<remaining>;t=<seconds to reset>`). Whenever headers are
 //! on, an OVER_LIMIT answer also carries `Retry-After`.
 
-use super::{Code, DescriptorStatus};
-use crate::{
-    settings::{HeaderNames, ResponseHeaders},
-    store::Role,
-};
+use super::{Code, DescriptorStatus, HeaderNames, ResponseHeaders};
+use crate::store::Role;
 
 pub(super) fn build(
     mode: ResponseHeaders,

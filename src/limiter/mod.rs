@@ -16,6 +16,7 @@
 
 mod backend;
 mod headers;
+mod options;
 mod plan;
 mod record;
 mod sensitive;
@@ -23,6 +24,9 @@ mod status;
 mod types;
 
 pub use backend::Fallback;
+pub use options::{
+    FallbackSettings, HeaderNames, OnBackendError, OverloadSettings, RequestLimits, ResponseHeaders,
+};
 pub use sensitive::Sensitive;
 pub use types::{
     Code, CurrentLimit, Descriptor, DescriptorStatus, Entry, LimitError, LimitOverride, Request,
@@ -36,7 +40,6 @@ use smallvec::{smallvec, SmallVec};
 use crate::{
     clock::Clock,
     rules::Rules,
-    settings::{HeaderNames, OnBackendError, OverloadSettings, RequestLimits, ResponseHeaders},
     store::{deny_cache::DenyCached, Batch, Deadline, DenyCache, Store, StoreError},
     telemetry::{Metrics, TopOffenders},
 };

@@ -8,11 +8,10 @@ use std::{borrow::Cow, sync::Arc};
 
 use smallvec::{smallvec, SmallVec};
 
-use super::{CurrentLimit, Descriptor, LimitError, Options, Request, Small};
+use super::{CurrentLimit, Descriptor, LimitError, Options, Request, RequestLimits, Small};
 use crate::{
     algorithm::{Algorithm, Params},
     rules::{Domain, Node, PathStep, Unit},
-    settings::RequestLimits,
     store::{keys, Batch, Check, Role},
 };
 

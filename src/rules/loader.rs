@@ -23,8 +23,8 @@ use super::{
     error::LoadError,
     model::RuleSet,
     yaml::{parse_file_within, DomainFile},
+    Source,
 };
-use crate::settings::RulesSource;
 
 /// The result of a successful load.
 #[derive(Debug)]
@@ -46,7 +46,7 @@ enum Found {
 }
 
 /// Loads every rules file of the source. A missing root folder is an empty rule set.
-pub fn load(source: &RulesSource) -> Result<Loaded, LoadError> {
+pub fn load(source: &Source) -> Result<Loaded, LoadError> {
     let mut parsed = Vec::new();
     let mut digest = Sha256::new();
     for (name, what) in find(source)? {
@@ -78,7 +78,7 @@ pub fn load(source: &RulesSource) -> Result<Loaded, LoadError> {
 }
 
 /// Everything under the source's root by dotted name, sorted: the load order.
-fn find(source: &RulesSource) -> Result<Vec<(String, Found)>, LoadError> {
+fn find(source: &Source) -> Result<Vec<(String, Found)>, LoadError> {
     let mut found = Vec::new();
     // The root's real path, resolved once: a swap of the root during the load does not mix versions.
     if let Ok(root) = fs::canonicalize(&source.root) {
@@ -168,15 +168,15 @@ fn walk(
 mod tests {
     use super::*;
 
-    fn source(root: &Path, prefix: Option<&str>, ignore_dotfiles: bool) -> RulesSource {
-        RulesSource {
+    fn source(root: &Path, prefix: Option<&str>, ignore_dotfiles: bool) -> Source {
+        Source {
             root: root.to_owned(),
             key_prefix: prefix.map(str::to_owned),
             ignore_dotfiles,
             merge_domains: false,
             default_algorithm: crate::algorithm::Algorithm::FixedWindow,
             swap_point: None,
-            max_yaml_nodes: crate::settings::DEFAULT_MAX_YAML_NODES,
+            max_yaml_nodes: crate::rules::DEFAULT_MAX_YAML_NODES,
         }
     }
 

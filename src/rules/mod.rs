@@ -12,6 +12,8 @@
 //! - `matcher` and `rlconfig`: what requests and `/rlconfig` read from a built [`RuleSet`].
 //! - `model`: the compiled tree itself ([`RuleSet`], [`Node`], [`Limit`]).
 //! - `flags`, `pattern`, `unit`: a rule's yes/no settings, its `cidr:` and `*` values, its units.
+//! - `options`: where the rules live ([`RulesSettings`], part of the process settings) and the
+//!   [`Source`] a load and the watcher work from.
 
 mod compile;
 mod error;
@@ -19,6 +21,7 @@ mod flags;
 mod loader;
 mod matcher;
 mod model;
+mod options;
 mod pattern;
 mod rlconfig;
 mod unit;
@@ -37,6 +40,7 @@ pub use flags::RuleFlags;
 pub use loader::{load, Loaded};
 pub use matcher::EntryRef;
 pub use model::{Domain, KeyNodes, Level, Limit, Node, PathStep, RuleSet};
+pub use options::{RulesSettings, Source, DEFAULT_MAX_YAML_NODES};
 pub use pattern::{Cidr, CidrError, Wildcard};
 pub use unit::Unit;
 pub use watcher::{reload, OnLoaded, ReloadStats, RulesWatch};

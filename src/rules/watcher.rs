@@ -29,8 +29,7 @@ use notify::{
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use super::{load, Loaded, Rules};
-use crate::settings::RulesSource;
+use super::{load, Loaded, Rules, Source};
 
 /// Outcomes of rules loads, for logs and metrics.
 #[derive(Debug, Default)]
@@ -45,12 +44,7 @@ pub struct ReloadStats {
 pub type OnLoaded = Box<dyn Fn(&Loaded) + Send + Sync>;
 
 /// Loads the rules once and swaps them in if valid and different; returns whether they changed.
-pub fn reload(
-    source: &RulesSource,
-    rules: &Rules,
-    stats: &ReloadStats,
-    on_loaded: &OnLoaded,
-) -> bool {
+pub fn reload(source: &Source, rules: &Rules, stats: &ReloadStats, on_loaded: &OnLoaded) -> bool {
     match load(source) {
         Ok(loaded) => {
             stats.successes.fetch_add(1, Ordering::Relaxed);
@@ -77,7 +71,7 @@ pub fn reload(
 /// Watches registered on the rules folder. Events are collected from [`RulesWatch::start`] on, so that a
 /// change made while the first load runs is not missed; [`RulesWatch::run`] acts on them.
 pub struct RulesWatch {
-    source: RulesSource,
+    source: Source,
     watched: Watched,
     watcher: notify::RecommendedWatcher,
     changes: mpsc::UnboundedReceiver<()>,
@@ -86,7 +80,7 @@ pub struct RulesWatch {
 impl RulesWatch {
     /// Starts listening for changes to the rules. Call it before the first load. `None` (with the reason
     /// logged) when the platform cannot watch: the rules then never reload.
-    pub fn start(source: &RulesSource) -> Option<Self> {
+    pub fn start(source: &Source) -> Option<Self> {
         let Some(watched) = Watched::new(source) else {
             tracing::error!(path = %source.root.display(), "cannot resolve the rules folder, rules will not reload");
             return None;
@@ -174,7 +168,7 @@ struct Watched {
 }
 
 impl Watched {
-    fn new(source: &RulesSource) -> Option<Self> {
+    fn new(source: &Source) -> Option<Self> {
         Some(Self {
             root: std::path::absolute(&source.root).ok()?,
             swap_point: match &source.swap_point {

@@ -8,8 +8,8 @@ use super::{
     error::{Location, ParseError, SyntaxProblem},
     flags::RuleFlags,
     yaml_tree::Yaml,
+    DEFAULT_MAX_YAML_NODES,
 };
-use crate::settings::DEFAULT_MAX_YAML_NODES;
 
 /// Every key name accepted anywhere in a rules file besides the [`RuleFlags`] (one flat set, as the
 /// reference checks it).

@@ -4,16 +4,18 @@
 
 pub mod b3;
 pub mod metrics;
+mod options;
 pub mod top;
 
 pub use metrics::Metrics;
+pub use options::{
+    LogFormat, LogLevel, LogSettings, MetricsSettings, TopOffendersSettings, TracingSettings,
+};
 pub use top::TopOffenders;
 
 use opentelemetry::trace::TracerProvider as _;
 use opentelemetry_sdk::trace::{Sampler, SdkTracerProvider};
 use tracing_subscriber::{fmt, layer::SubscriberExt, util::SubscriberInitExt, EnvFilter, Layer};
-
-use crate::settings::{LogFormat, LogSettings, TracingSettings};
 
 /// Keeps the trace exporter alive; [`Telemetry::shutdown`] flushes the spans not yet sent.
 #[derive(Debug, Default)]

@@ -14,11 +14,10 @@ use fred::{
     types::{cluster::ClusterRouting, config::Server, scripts::Script},
 };
 
-use super::{config::client_config, load_scripts, node::Node, redis_error};
-use crate::{
-    settings::{RedisSettings, RedisTopology},
-    store::{breaker::Breaker, StoreError},
+use super::{
+    config::client_config, load_scripts, node::Node, redis_error, RedisSettings, RedisTopology,
 };
+use crate::store::{breaker::Breaker, StoreError};
 
 /// How each server's breaker and silence bound are set.
 #[derive(Debug, Clone, Copy)]

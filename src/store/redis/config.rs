@@ -9,8 +9,7 @@ use fred::{
     types::config::{Server, ServerConfig},
 };
 
-use super::{super::StoreError, tls};
-use crate::settings::{RedisSettings, RedisTopology, SocketType};
+use super::{super::StoreError, tls, RedisSettings, RedisTopology, SocketType};
 
 /// Splits `host:port` (IPv6 in brackets allowed).
 fn host_port(text: &str, default_port: u16) -> Result<(String, u16), StoreError> {
@@ -175,10 +174,10 @@ mod tests {
     #[test]
     fn auth_takes_a_password_or_an_acl_user() {
         let mut s = settings("h:1", RedisTopology::Single);
-        s.auth = crate::settings::Secret("pw".into());
+        s.auth = super::super::Secret("pw".into());
         let c = client_config(&s).unwrap();
         assert_eq!((c.username, c.password.as_deref()), (None, Some("pw")));
-        s.auth = crate::settings::Secret("app:pw".into());
+        s.auth = super::super::Secret("app:pw".into());
         let c = client_config(&s).unwrap();
         assert_eq!(
             (c.username.as_deref(), c.password.as_deref()),
@@ -195,7 +194,7 @@ mod tests {
     #[test]
     fn sentinels_get_their_own_credentials_and_the_master_its_own() {
         let mut s = settings("mymaster,s1:26379", RedisTopology::Sentinel);
-        s.auth = crate::settings::Secret("master-pw".into());
+        s.auth = super::super::Secret("master-pw".into());
         let c = client_config(&s).unwrap();
         assert_eq!(c.password.as_deref(), Some("master-pw"));
         assert!(
@@ -209,7 +208,7 @@ mod tests {
             ),
             "no REDIS_SENTINEL_AUTH: the sentinels are asked without the master's password"
         );
-        s.sentinel_auth = crate::settings::Secret("watcher:sentinel-pw".into());
+        s.sentinel_auth = super::super::Secret("watcher:sentinel-pw".into());
         let c = client_config(&s).unwrap();
         assert_eq!(
             (c.username, c.password.as_deref()),

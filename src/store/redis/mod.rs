@@ -18,13 +18,16 @@
 //!
 //! Beside this file: `script` (the calling contract of `decide.lua` and `refund.lua`), `backend` (one
 //! Redis deployment and its connections), `node` (one server's health and waiting for it), `config`
-//! (the client configuration for the settings) and `tls`.
+//! (the client configuration for the settings), `options` (the settings themselves) and `tls`.
 
 mod backend;
 mod config;
 mod node;
+mod options;
 mod script;
 mod tls;
+
+pub use options::{RedisSettings, RedisTopology, Secret, SocketType};
 
 use std::{
     collections::BTreeMap,
@@ -46,7 +49,6 @@ use self::{
     script::{DecideCall, RefundCall, SlotReply, DECIDE_LUA, REFUND_LUA},
 };
 use super::{Applied, Batch, CounterStore, Deadline, Outcome, StoreError, StoreHealth};
-use crate::settings::RedisSettings;
 
 /// Counters in Redis.
 #[derive(Debug)]

@@ -13,11 +13,8 @@ use rustls::{
     ClientConfig, DigitallySignedStruct, RootCertStore, SignatureScheme,
 };
 
-use super::StoreError;
-use crate::{
-    settings::RedisSettings,
-    tls::{certificates, private_key, provider, roots},
-};
+use super::{RedisSettings, StoreError};
+use crate::tls::{certificates, private_key, provider, roots};
 
 /// The connector for `settings`: fred's default (system roots, no client certificate) unless a CA, a
 /// client certificate or skipping the hostname check is asked for.

@@ -1,0 +1,543 @@
+//! Assembling the settings: the sources and their precedence, the reference variables, validation,
+//! and the messages a wrong setting gets.
+
+use super::*;
+use crate::algorithm::Algorithm;
+
+fn env(pairs: &[(&str, &str)]) -> HashMap<String, String> {
+    pairs
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+}
+
+#[test]
+fn defaults_serve_on_the_reference_ports_with_memory_and_local_rules() {
+    let s = Settings::load(None, &env(&[])).unwrap();
+    assert_eq!(s.grpc.addr("grpc").unwrap().to_string(), "0.0.0.0:8081");
+    assert_eq!(s.http.addr("http").unwrap().to_string(), "0.0.0.0:8080");
+    assert_eq!(s.backend(), BackendKind::Memory);
+    assert_eq!(s.log.level, LogLevel::Warn);
+    assert_eq!(s.rules.source().root, PathBuf::from("config"));
+    assert!(!s.consume_on_deny);
+}
+
+#[test]
+fn precedence_is_defaults_then_file_then_prefixed_env_then_reference_env() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("s.yaml");
+    std::fs::write(
+        &file,
+        "grpc:\n  port: 7000\nhttp:\n  port: 7001\nlog:\n  level: info\n",
+    )
+    .unwrap();
+    let s = Settings::load(Some(&file), &env(&[])).unwrap();
+    assert_eq!(
+        (s.grpc.port, s.http.port, s.log.level),
+        (7000, 7001, LogLevel::Info)
+    );
+
+    let s = Settings::load(
+        Some(&file),
+        &env(&[
+            ("RATELIMITD_GRPC__PORT", "7100"),
+            ("RATELIMITD_HTTP__PORT", "7101"),
+        ]),
+    )
+    .unwrap();
+    assert_eq!((s.grpc.port, s.http.port), (7100, 7101));
+
+    let s = Settings::load(
+        Some(&file),
+        &env(&[("RATELIMITD_GRPC__PORT", "7100"), ("GRPC_PORT", "7200")]),
+    )
+    .unwrap();
+    assert_eq!(s.grpc.port, 7200);
+}
+
+#[test]
+fn toml_files_are_read_too() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("s.toml");
+    std::fs::write(&file, "shadow_mode = true\n[memory]\nmax_keys = 10\n").unwrap();
+    let s = Settings::load(
+        Some(&file),
+        &env(&[("RATELIMITD_RULES__DEFAULT_ALGORITHM", "gcra")]),
+    )
+    .unwrap();
+    assert!(s.shadow_mode);
+    assert_eq!(s.memory.max_keys, 10);
+    assert_eq!(s.rules.default_algorithm, Algorithm::Gcra);
+    let err = Settings::load(
+        None,
+        &env(&[("RATELIMITD_RULES__DEFAULT_ALGORITHM", "leaky")]),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("leaky") && err.contains("sliding_window"),
+        "{err}"
+    );
+}
+
+#[test]
+fn reference_env_vars_keep_their_meaning() {
+    let s = Settings::load(
+        None,
+        &env(&[
+            ("HOST", "127.0.0.1"),
+            ("PORT", "9080"),
+            ("LOG_LEVEL", "DEBUG"),
+            ("LOG_FORMAT", "json"),
+            ("SHADOW_MODE", "true"),
+            ("STOP_CACHE_KEY_INCREMENT_WHEN_OVERLIMIT", "false"),
+            ("LIMIT_RESPONSE_HEADERS_ENABLED", "true"),
+            ("LIMIT_REMAINING_HEADER", "X-Left"),
+            ("MERGE_DOMAIN_CONFIG", "1"),
+            ("HEALTHY_WITH_AT_LEAST_ONE_CONFIG_LOADED", "T"),
+            ("NEAR_LIMIT_RATIO", "0.5"),
+            ("BACKEND_TYPE", "memory"),
+            ("REDIS_URL", "redis:6379"),
+        ]),
+    )
+    .unwrap();
+    assert_eq!(s.http.addr("http").unwrap().to_string(), "127.0.0.1:9080");
+    assert_eq!(s.log.level, LogLevel::Debug);
+    assert_eq!(s.log.format, LogFormat::Json);
+    assert!(s.shadow_mode);
+    assert!(s.consume_on_deny);
+    assert_eq!(s.response_headers, ResponseHeaders::Envoy);
+    assert_eq!(s.header_names.remaining, "X-Left");
+    assert!(s.rules.merge_domains);
+    assert!(s.healthy_with_at_least_one_config_loaded);
+    assert_eq!(s.near_limit_ratio, 0.5);
+    assert_eq!(
+        s.backend(),
+        BackendKind::Memory,
+        "BACKEND_TYPE wins over REDIS_URL"
+    );
+}
+
+#[test]
+fn redis_settings_from_the_reference_variables() {
+    let s = Settings::load(
+        None,
+        &env(&[
+            ("REDIS_URL", "mymaster,10.0.0.1:26379,10.0.0.2:26379"),
+            ("REDIS_TYPE", "SENTINEL"),
+            ("REDIS_AUTH", "app:s3cret"),
+            ("REDIS_SENTINEL_AUTH", "sentinel-pw"),
+            ("REDIS_POOL_SIZE", "4"),
+            ("REDIS_TIMEOUT", "25ms"),
+            ("CACHE_KEY_PREFIX", "svc:"),
+            ("EXPIRATION_JITTER_MAX_SECONDS", "0"),
+            ("RATELIMITD_ON_BACKEND_ERROR", "allow"),
+            ("RATELIMITD_HASH_SECRET", "hmac-secret-value"),
+        ]),
+    )
+    .unwrap();
+    assert_eq!(s.backend(), BackendKind::Redis, "a Redis URL selects redis");
+    assert_eq!(s.redis.topology, RedisTopology::Sentinel);
+    assert_eq!(s.redis.auth.0, "app:s3cret");
+    assert_eq!(s.redis.sentinel_auth.0, "sentinel-pw");
+    assert_eq!(
+        (s.redis.pool_size, s.redis.timeout),
+        (4, Duration::from_millis(25))
+    );
+    assert_eq!(s.cache_key_prefix, "svc:");
+    assert_eq!(s.expiration_jitter_max_seconds, 0);
+    assert_eq!(s.on_backend_error, OnBackendError::Allow);
+    let shown = format!("{s:?}");
+    assert!(
+        !shown.contains("s3cret") && !shown.contains("sentinel-pw"),
+        "the passwords never show: {shown}"
+    );
+
+    // The reference's variables alone are enough: without a secret, values are hashed unkeyed.
+    let s = Settings::load(None, &env(&[("REDIS_URL", "h:1")])).unwrap();
+    assert_eq!(
+        (s.backend(), s.hash_secret.0.as_str(), s.hashed_keys.len()),
+        (BackendKind::Redis, "", 3)
+    );
+    let s = Settings::load(
+        None,
+        &env(&[
+            ("REDIS_URL", "h:1"),
+            ("RATELIMITD_HASHED_KEYS", "token,session"),
+            ("RATELIMITD_HASH_SECRET", "k"),
+        ]),
+    )
+    .unwrap();
+    assert_eq!(s.hashed_keys, vec!["token", "session"]);
+    let err = Settings::load(None, &env(&[("BACKEND_TYPE", "redis")])).unwrap_err();
+    assert!(err.to_string().contains("REDIS_URL"), "{err}");
+    let err =
+        Settings::load(None, &env(&[("REDIS_URL", "h:1"), ("REDIS_TYPE", "ring")])).unwrap_err();
+    assert!(
+        err.to_string().contains("REDIS_TYPE") && err.to_string().contains("ring"),
+        "{err}"
+    );
+}
+
+#[test]
+fn connection_age_from_the_reference_variables_and_the_settings_file() {
+    let s = Settings::load(None, &env(&[])).unwrap();
+    assert_eq!(
+        (s.grpc.max_connection_age, s.grpc.max_connection_age_grace),
+        (Duration::from_secs(24 * 3600), Duration::from_secs(3600)),
+        "the reference's defaults"
+    );
+    let s = Settings::load(
+        None,
+        &env(&[
+            ("GRPC_MAX_CONNECTION_AGE", "1h30m"),
+            ("GRPC_MAX_CONNECTION_AGE_GRACE", "0"),
+        ]),
+    )
+    .unwrap();
+    assert_eq!(
+        (s.grpc.max_connection_age, s.grpc.max_connection_age_grace),
+        (Duration::from_secs(5400), Duration::ZERO)
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("s.yaml");
+    std::fs::write(
+        &file,
+        "grpc:\n  port: 7000\n  max_connection_age: 10m\n  max_connection_age_grace: 30s\n",
+    )
+    .unwrap();
+    let s = Settings::load(Some(&file), &env(&[])).unwrap();
+    assert_eq!(s.grpc.port, 7000);
+    assert_eq!(
+        (s.grpc.max_connection_age, s.grpc.max_connection_age_grace),
+        (Duration::from_secs(600), Duration::from_secs(30))
+    );
+    let err = Settings::load(None, &env(&[("GRPC_MAX_CONNECTION_AGE", "a day")]))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("GRPC_MAX_CONNECTION_AGE") && err.contains("a day"),
+        "{err}"
+    );
+}
+
+#[test]
+fn listener_bounds_have_defaults_are_set_by_name_and_refuse_zero() {
+    let s = Settings::load(None, &env(&[])).unwrap();
+    assert_eq!(
+        (
+            s.grpc.handshake_timeout,
+            s.grpc.idle_timeout,
+            s.grpc.keepalive_interval,
+            s.grpc.keepalive_timeout
+        ),
+        (
+            Duration::from_secs(10),
+            Duration::from_secs(300),
+            Duration::from_secs(60),
+            Duration::from_secs(20)
+        )
+    );
+    assert_eq!(
+        (
+            s.http.max_connections,
+            s.http.header_read_timeout,
+            s.http.request_timeout,
+            s.http.idle_timeout
+        ),
+        (
+            256,
+            Duration::from_secs(10),
+            Duration::from_secs(10),
+            Duration::from_secs(30)
+        )
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("s.yaml");
+    std::fs::write(
+        &file,
+        "http:\n  max_connections: 64\n  header_read_timeout: 2s\ngrpc:\n  idle_timeout: 1m\n",
+    )
+    .unwrap();
+    let s = Settings::load(
+        Some(&file),
+        &env(&[
+            ("PORT", "9000"),
+            ("RATELIMITD_GRPC__HANDSHAKE_TIMEOUT", "3s"),
+        ]),
+    )
+    .unwrap();
+    assert_eq!(
+        (
+            s.http.port,
+            s.http.max_connections,
+            s.http.header_read_timeout
+        ),
+        (9000, 64, Duration::from_secs(2))
+    );
+    assert_eq!(s.http.host, "0.0.0.0", "unnamed fields keep their default");
+    assert_eq!(
+        (s.grpc.idle_timeout, s.grpc.handshake_timeout),
+        (Duration::from_secs(60), Duration::from_secs(3))
+    );
+    for (variable, name, zero) in [
+        (
+            "RATELIMITD_HTTP__MAX_CONNECTIONS",
+            "http.max_connections",
+            "0",
+        ),
+        (
+            "RATELIMITD_HTTP__HEADER_READ_TIMEOUT",
+            "http.header_read_timeout",
+            "0s",
+        ),
+        (
+            "RATELIMITD_HTTP__REQUEST_TIMEOUT",
+            "http.request_timeout",
+            "0s",
+        ),
+        ("RATELIMITD_HTTP__IDLE_TIMEOUT", "http.idle_timeout", "0s"),
+        (
+            "RATELIMITD_GRPC__HANDSHAKE_TIMEOUT",
+            "grpc.handshake_timeout",
+            "0s",
+        ),
+        ("RATELIMITD_GRPC__IDLE_TIMEOUT", "grpc.idle_timeout", "0s"),
+        (
+            "RATELIMITD_GRPC__KEEPALIVE_INTERVAL",
+            "grpc.keepalive_interval",
+            "0s",
+        ),
+        (
+            "RATELIMITD_GRPC__KEEPALIVE_TIMEOUT",
+            "grpc.keepalive_timeout",
+            "0s",
+        ),
+    ] {
+        let err = Settings::load(None, &env(&[(variable, zero)]))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(name), "{variable}: {err}");
+    }
+}
+
+#[test]
+fn a_per_second_redis_from_the_reference_variables_or_our_own() {
+    let s = Settings::load(
+        None,
+        &env(&[
+            ("REDIS_URL", "main:6379"),
+            ("REDIS_TLS_CACERT", "/etc/ca.pem"),
+            ("REDIS_PERSECOND", "true"),
+            ("REDIS_PERSECOND_URL", "fast:6379"),
+            ("REDIS_PERSECOND_TYPE", "cluster"),
+            ("REDIS_PERSECOND_POOL_SIZE", "3"),
+            ("REDIS_PERSECOND_AUTH", "u:p"),
+            ("REDIS_PERSECOND_TIMEOUT", "50ms"),
+        ]),
+    )
+    .unwrap();
+    let per_second = s.redis_per_second.as_ref().expect("configured");
+    assert_eq!(
+        (
+            per_second.url.as_str(),
+            per_second.topology,
+            per_second.pool_size,
+            per_second.auth.0.as_str(),
+            per_second.timeout,
+        ),
+        (
+            "fast:6379",
+            RedisTopology::Cluster,
+            3,
+            "u:p",
+            Duration::from_millis(50)
+        )
+    );
+    assert_eq!(
+        per_second.tls_ca_cert.as_deref(),
+        Some(Path::new("/etc/ca.pem")),
+        "TLS files are shared"
+    );
+    assert_eq!(s.redis.url, "main:6379");
+    assert!(Settings::load(
+        None,
+        &env(&[("REDIS_URL", "m:1"), ("REDIS_PERSECOND", "true")])
+    )
+    .unwrap_err()
+    .to_string()
+    .contains("REDIS_PERSECOND_URL"));
+    let s = Settings::load(
+        None,
+        &env(&[
+            ("REDIS_URL", "m:1"),
+            ("RATELIMITD_REDIS_PER_SECOND__URL", "fast:1"),
+        ]),
+    )
+    .unwrap();
+    assert_eq!(s.redis_per_second.map(|r| r.url).as_deref(), Some("fast:1"));
+    assert!(s.warnings.is_empty(), "{:?}", s.warnings);
+}
+
+#[test]
+fn the_local_fallback_and_the_waits_for_redis() {
+    let s = Settings::load(None, &env(&[("REDIS_URL", "m:1")])).unwrap();
+    assert_eq!(
+        (
+            s.redis.timeout,
+            s.redis.unresponsive_after,
+            s.on_backend_error
+        ),
+        (
+            Duration::from_secs(1),
+            Duration::from_millis(300),
+            OnBackendError::Error
+        )
+    );
+    let s = Settings::load(
+        None,
+        &env(&[
+            ("REDIS_URL", "m:1"),
+            ("RATELIMITD_ON_BACKEND_ERROR", "local"),
+            ("RATELIMITD_FALLBACK__REPLICAS", "3"),
+            ("RATELIMITD_REDIS__UNRESPONSIVE_AFTER", "150ms"),
+        ]),
+    )
+    .unwrap();
+    assert_eq!(
+        (
+            s.on_backend_error,
+            s.fallback.replicas,
+            s.redis.unresponsive_after
+        ),
+        (OnBackendError::Local, 3, Duration::from_millis(150))
+    );
+    let err = Settings::load(None, &env(&[("RATELIMITD_FALLBACK__REPLICAS", "0")]))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("fallback.replicas"), "{err}");
+}
+
+#[test]
+fn runtime_layouts_resolve_like_the_reference() {
+    let s = Settings::load(
+        None,
+        &env(&[
+            ("RUNTIME_ROOT", "/srv/data"),
+            ("RUNTIME_SUBDIRECTORY", "ratelimit"),
+        ]),
+    )
+    .unwrap();
+    let src = s.rules.source();
+    assert_eq!(src.root, PathBuf::from("/srv/data/ratelimit"));
+    assert_eq!(src.key_prefix.as_deref(), Some("config."));
+
+    let s = Settings::load(
+        None,
+        &env(&[
+            ("RUNTIME_ROOT", "/srv/data"),
+            ("RUNTIME_SUBDIRECTORY", "ratelimit"),
+            ("RUNTIME_APPDIRECTORY", "rules"),
+            ("RUNTIME_WATCH_ROOT", "false"),
+            ("RUNTIME_IGNOREDOTFILES", "true"),
+        ]),
+    )
+    .unwrap();
+    let src = s.rules.source();
+    assert_eq!(src.root, PathBuf::from("/srv/data/ratelimit/rules"));
+    assert_eq!(src.key_prefix, None);
+    assert!(src.ignore_dotfiles);
+}
+
+#[test]
+fn a_wrong_setting_names_the_setting_and_the_value() {
+    for (name, value) in [
+        ("GRPC_PORT", "80800"),
+        ("PORT", "http"),
+        ("LOG_LEVEL", "loud"),
+        ("LOG_FORMAT", "xml"),
+        ("SHADOW_MODE", "yes please"),
+        ("BACKEND_TYPE", "memcache"),
+        ("NEAR_LIMIT_RATIO", "1.5"),
+        ("HOST", "my host"),
+    ] {
+        let err = Settings::load(None, &env(&[(name, value)]))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(value), "{name}: {err}");
+    }
+    let err = Settings::load(None, &env(&[("GRPC_PORT", "80800")]))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("GRPC_PORT"), "{err}");
+    let err = Settings::load(None, &env(&[("RATELIMITD_MEMORY__MAX_KEYS", "lots")]))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("max_keys") && err.contains("lots"), "{err}");
+}
+
+#[test]
+fn unknown_prefixed_variables_are_a_warning_and_known_ones_still_apply() {
+    let s = Settings::load(
+        None,
+        &env(&[
+            // Kubernetes service links for a Service named ratelimitd.
+            ("RATELIMITD_PORT", "tcp://10.0.0.1:8081"),
+            ("RATELIMITD_PORT_8081_TCP_ADDR", "10.0.0.1"),
+            ("RATELIMITD_SERVICE_HOST", "10.0.0.1"),
+            ("RATELIMITD_SERVICE_PORT", "8081"),
+            // A typo, whose value may be a secret.
+            ("RATELIMITD_HASH_SECRETT", "typed-secret"),
+            ("RATELIMITD_GRPC__PROT", "1"),
+            ("RATELIMITD_MEMORY__MAX_KEYS", "10"),
+            ("RATELIMITD_HASH_SECRET", "s"),
+        ]),
+    )
+    .unwrap();
+    assert_eq!((s.memory.max_keys, s.hash_secret.0.as_str()), (10, "s"));
+    assert_eq!(s.grpc.port, 8081);
+    assert_eq!(s.warnings.len(), 1, "one warning: {:?}", s.warnings);
+    let warning = &s.warnings[0];
+    assert!(
+        warning.contains("RATELIMITD_GRPC__PROT, RATELIMITD_HASH_SECRETT, RATELIMITD_PORT, RATELIMITD_PORT_8081_TCP_ADDR, RATELIMITD_SERVICE_HOST, RATELIMITD_SERVICE_PORT"),
+        "{warning}"
+    );
+    assert!(
+        !warning.contains("typed-secret"),
+        "values are not shown: {warning}"
+    );
+    assert!(Settings::load(None, &env(&[])).unwrap().warnings.is_empty());
+
+    // A known setting with a bad value still stops the start, naming it.
+    let err = Settings::load(
+        None,
+        &env(&[
+            ("RATELIMITD_PORT", "tcp://10.0.0.1:8081"),
+            ("RATELIMITD_MEMORY__MAX_KEYS", "lots"),
+        ]),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("max_keys") && err.contains("lots"), "{err}");
+}
+
+#[test]
+fn a_broken_settings_file_is_reported_with_its_path() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("s.yaml");
+    std::fs::write(&file, "grpc:\n  prot: 1\n").unwrap();
+    let err = Settings::load(Some(&file), &env(&[]))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("s.yaml") && err.contains("prot"), "{err}");
+    // Unknown keys in the file stay errors, unlike unknown variables: the file is ratelimitd's own.
+    std::fs::write(&file, "port: 8081\n").unwrap();
+    let err = Settings::load(Some(&file), &env(&[]))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("s.yaml") && err.contains("port"), "{err}");
+    let err = Settings::load(Some(&dir.path().join("missing.yaml")), &env(&[]))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("missing.yaml"), "{err}");
+}

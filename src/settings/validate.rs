@@ -1,0 +1,203 @@
+//! What types alone cannot check, checked once after the sources are merged and before any port is bound:
+//! values that must be above zero, settings that need one another, addresses that must parse. Each error
+//! names the setting (by the name its user most likely set: the reference variable when there is one,
+//! else the settings key).
+
+use std::time::Duration;
+
+use super::{BackendKind, Settings, SettingsError};
+
+impl Settings {
+    /// Checks what types alone cannot.
+    pub(super) fn validate(&self) -> Result<(), SettingsError> {
+        if self.backend() == BackendKind::Redis {
+            self.validate_redis()?;
+        }
+        at_least_one("fallback.replicas", self.fallback.replicas as usize)?;
+        self.grpc.addr("grpc.host")?;
+        self.http.addr("http.host")?;
+        self.validate_grpc_tls()?;
+        if self.redis.tls_client_cert.is_some() != self.redis.tls_client_key.is_some() {
+            return Err(SettingsError::invalid(
+                "REDIS_TLS_CLIENT_CERT",
+                self.redis
+                    .tls_client_cert
+                    .as_ref()
+                    .map_or_else(String::new, |p| p.display().to_string()),
+                "REDIS_TLS_CLIENT_CERT and REDIS_TLS_CLIENT_KEY go together",
+            ));
+        }
+        self.validate_prometheus()?;
+        if !(self.near_limit_ratio > 0.0 && self.near_limit_ratio <= 1.0) {
+            return Err(SettingsError::invalid(
+                "near_limit_ratio",
+                self.near_limit_ratio,
+                "must be greater than 0 and at most 1",
+            ));
+        }
+        if !(0.0..=1.0).contains(&self.tracing.sampling_rate) {
+            return Err(SettingsError::invalid(
+                "TRACING_SAMPLING_RATE",
+                self.tracing.sampling_rate,
+                "must be between 0 and 1",
+            ));
+        }
+        at_least_one("memory.max_keys", self.memory.max_keys)?;
+        longer_than_zero("memory.sweep_interval", self.memory.sweep_interval)?;
+        self.validate_bounds()?;
+        self.validate_header_names()
+    }
+
+    fn validate_redis(&self) -> Result<(), SettingsError> {
+        if self.redis.url.trim().is_empty() {
+            return Err(SettingsError::invalid(
+                "REDIS_URL",
+                "",
+                "the redis backend needs a Redis address",
+            ));
+        }
+        if let Some(per_second) = &self.redis_per_second {
+            if per_second.url.trim().is_empty() {
+                return Err(SettingsError::invalid(
+                    "REDIS_PERSECOND_URL",
+                    "",
+                    "REDIS_PERSECOND=true needs the per-second Redis address",
+                ));
+            }
+            if per_second.pool_size == 0 || per_second.timeout.is_zero() {
+                return Err(SettingsError::invalid(
+                    "REDIS_PERSECOND_POOL_SIZE",
+                    per_second.pool_size,
+                    "the per-second pool size and timeout must be above zero",
+                ));
+            }
+        }
+        at_least_one("REDIS_POOL_SIZE", self.redis.pool_size)?;
+        longer_than_zero("REDIS_TIMEOUT", self.redis.timeout)?;
+        longer_than_zero("redis.unresponsive_after", self.redis.unresponsive_after)?;
+        at_least_one(
+            "redis.breaker_failures",
+            self.redis.breaker_failures as usize,
+        )
+    }
+
+    fn validate_grpc_tls(&self) -> Result<(), SettingsError> {
+        let tls = &self.grpc_tls;
+        if tls.enabled {
+            for (name, path) in [
+                ("GRPC_SERVER_TLS_CERT", &tls.cert),
+                ("GRPC_SERVER_TLS_KEY", &tls.key),
+            ] {
+                if path.as_os_str().is_empty() {
+                    return Err(SettingsError::invalid(
+                        name,
+                        "",
+                        "GRPC_SERVER_USE_TLS=true needs a certificate and its key",
+                    ));
+                }
+            }
+        } else if let Some(ca) = &tls.client_ca {
+            return Err(SettingsError::invalid(
+                "GRPC_CLIENT_TLS_CACERT",
+                ca.display(),
+                "client certificates need GRPC_SERVER_USE_TLS=true",
+            ));
+        }
+        if let (Some(san), None) = (&tls.client_san, &tls.client_ca) {
+            return Err(SettingsError::invalid(
+                "GRPC_CLIENT_TLS_SAN",
+                san,
+                "a required client SAN needs GRPC_CLIENT_TLS_CACERT (client certificates)",
+            ));
+        }
+        Ok(())
+    }
+
+    fn validate_prometheus(&self) -> Result<(), SettingsError> {
+        if self.prometheus.enabled {
+            self.prometheus.socket_addr()?;
+            if !self.prometheus.path.starts_with('/') {
+                return Err(SettingsError::invalid(
+                    "PROMETHEUS_PATH",
+                    &self.prometheus.path,
+                    "must start with /",
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The bounds on requests, connections and waits: none may be zero.
+    fn validate_bounds(&self) -> Result<(), SettingsError> {
+        let limits = &self.request_limits;
+        for (name, value) in [
+            ("request_limits.max_descriptors", limits.max_descriptors),
+            ("request_limits.max_entries", limits.max_entries),
+            ("request_limits.max_key_bytes", limits.max_key_bytes),
+            ("request_limits.max_value_bytes", limits.max_value_bytes),
+            ("request_limits.max_message_bytes", limits.max_message_bytes),
+            ("overload.max_connections", self.overload.max_connections),
+            (
+                "overload.max_streams_per_connection",
+                self.overload.max_streams_per_connection as usize,
+            ),
+            ("overload.max_in_flight", self.overload.max_in_flight),
+            ("rules.max_yaml_nodes", self.rules.max_yaml_nodes),
+            ("http.max_connections", self.http.max_connections),
+        ] {
+            at_least_one(name, value)?;
+        }
+        for (name, value) in [
+            ("overload.deadline", self.overload.deadline),
+            ("grpc.handshake_timeout", self.grpc.handshake_timeout),
+            ("grpc.idle_timeout", self.grpc.idle_timeout),
+            ("grpc.keepalive_interval", self.grpc.keepalive_interval),
+            ("grpc.keepalive_timeout", self.grpc.keepalive_timeout),
+            ("http.header_read_timeout", self.http.header_read_timeout),
+            ("http.request_timeout", self.http.request_timeout),
+            ("http.idle_timeout", self.http.idle_timeout),
+        ] {
+            longer_than_zero(name, value)?;
+        }
+        Ok(())
+    }
+
+    fn validate_header_names(&self) -> Result<(), SettingsError> {
+        for (name, value) in [
+            ("header_names.limit", &self.header_names.limit),
+            ("header_names.remaining", &self.header_names.remaining),
+            ("header_names.reset", &self.header_names.reset),
+        ] {
+            let valid = !value.is_empty()
+                && value
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b));
+            if !valid {
+                return Err(SettingsError::invalid(
+                    name,
+                    value,
+                    "not a valid HTTP header name",
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+fn at_least_one(name: &str, value: usize) -> Result<(), SettingsError> {
+    if value == 0 {
+        return Err(SettingsError::invalid(name, 0, "must be at least 1"));
+    }
+    Ok(())
+}
+
+fn longer_than_zero(name: &str, value: Duration) -> Result<(), SettingsError> {
+    if value.is_zero() {
+        return Err(SettingsError::invalid(
+            name,
+            "0s",
+            "must be longer than zero",
+        ));
+    }
+    Ok(())
+}

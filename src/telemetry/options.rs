@@ -1,0 +1,120 @@
+//! Telemetry's options: logging, traces, and the bounds on what requests can make metrics hold. Part of
+//! the process settings (`settings` assembles them from the settings file and the environment); defaults
+//! here are the service's.
+
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+/// Logging. Env `LOG_LEVEL` (default warn, as the reference), `LOG_FORMAT` (`text` or `json`).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct LogSettings {
+    /// `trace`, `debug`, `info`, `warn` or `error` (any case); default `warn`.
+    pub level: LogLevel,
+    /// `text` (default) or `json`.
+    pub format: LogFormat,
+}
+
+impl Default for LogSettings {
+    fn default() -> Self {
+        Self {
+            level: LogLevel::Warn,
+            format: LogFormat::Text,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogLevel {
+    Trace,
+    Debug,
+    Info,
+    Warn,
+    Error,
+}
+
+impl LogLevel {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Trace => "trace",
+            Self::Debug => "debug",
+            Self::Info => "info",
+            Self::Warn => "warn",
+            Self::Error => "error",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+/// OpenTelemetry traces.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TracingSettings {
+    /// Env `TRACING_ENABLED` (default false): export spans over OTLP/gRPC.
+    pub enabled: bool,
+    /// Env `TRACING_SERVICE_NAME` (default `RateLimit`, as the reference): the `service.name` resource.
+    pub service_name: String,
+    /// Env `TRACING_SAMPLING_RATE` (default 1): share of traces started here that are kept; traces
+    /// started by the caller follow the caller's sampling decision.
+    pub sampling_rate: f64,
+    /// Collector endpoint; unset: the standard `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` /
+    /// `OTEL_EXPORTER_OTLP_ENDPOINT` variables, else `http://localhost:4317`.
+    pub endpoint: Option<String>,
+}
+
+impl Default for TracingSettings {
+    fn default() -> Self {
+        Self {
+            enabled: false,
+            service_name: "RateLimit".into(),
+            sampling_rate: 1.0,
+            endpoint: None,
+        }
+    }
+}
+
+/// Bounds on the metric series that request values can create.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct MetricsSettings {
+    /// Most `rule` label values one rule takes from request values (`detailed_metric`,
+    /// `value_to_metric`; default 1 000); further values are counted together under
+    /// `<rule> (other values)`, so callers cannot grow `/metrics` without bound.
+    pub max_values_per_rule: usize,
+}
+
+impl Default for MetricsSettings {
+    fn default() -> Self {
+        Self {
+            max_values_per_rule: 1000,
+        }
+    }
+}
+
+/// The `/debug/top` sketch of the most denied descriptors.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TopOffendersSettings {
+    /// Descriptors tracked (default 100): memory is fixed by this, whatever the traffic.
+    pub capacity: usize,
+    /// The list covers the last one to two of these (default `60s`).
+    #[serde(with = "crate::duration")]
+    pub interval: Duration,
+}
+
+impl Default for TopOffendersSettings {
+    fn default() -> Self {
+        Self {
+            capacity: 100,
+            interval: Duration::from_secs(60),
+        }
+    }
+}

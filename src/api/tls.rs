@@ -44,6 +44,14 @@ pub struct GrpcTlsSettings {
     pub client_san: Option<String>,
 }
 
+impl GrpcTlsSettings {
+    /// Builds the configuration once without serving: the files read, parse and go together, so that a
+    /// wrong one stops the start before any port is bound.
+    pub fn check(&self) -> Result<(), TlsError> {
+        build(self).map(drop)
+    }
+}
+
 /// Why a TLS configuration could not be built.
 #[derive(Debug, thiserror::Error)]
 pub enum TlsError {

@@ -54,6 +54,9 @@ pub enum SettingsError {
     File { path: PathBuf, reason: String },
     #[error("invalid settings: {0}")]
     Source(String),
+    /// A file or an address that a setting names cannot be used; the message names the setting.
+    #[error("{0}")]
+    Unusable(String),
 }
 
 impl SettingsError {
@@ -265,6 +268,7 @@ impl Settings {
             .map_err(|e| from_config_error(file, e))?;
         reference_env::apply(&mut settings, env)?;
         settings.validate()?;
+        settings.check_files_and_addresses()?;
         if !unknown.is_empty() {
             // Names only: a mistyped variable may well hold a secret.
             settings.warnings.push(format!(

@@ -541,3 +541,66 @@ fn a_broken_settings_file_is_reported_with_its_path() {
         .to_string();
     assert!(err.contains("missing.yaml"), "{err}");
 }
+
+#[test]
+fn files_and_addresses_are_checked_before_any_port_is_bound() {
+    let dir = tempfile::tempdir().unwrap();
+    let cert = dir.path().join("server.pem");
+    let key = dir.path().join("server.key");
+    std::fs::write(&cert, "-----BEGIN PRIVATE KEY-----\nk3y-mat3rial\n").unwrap();
+    std::fs::write(&key, "whatever").unwrap();
+    let err = Settings::load(
+        None,
+        &env(&[
+            ("GRPC_SERVER_USE_TLS", "true"),
+            ("GRPC_SERVER_TLS_CERT", cert.to_str().unwrap()),
+            ("GRPC_SERVER_TLS_KEY", key.to_str().unwrap()),
+        ]),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("GRPC_SERVER_TLS_CERT") && !err.contains("k3y-mat3rial"),
+        "{err}"
+    );
+    let err = Settings::load(
+        None,
+        &env(&[
+            ("GRPC_SERVER_USE_TLS", "true"),
+            ("GRPC_SERVER_TLS_CERT", "/nonexistent/server.pem"),
+            ("GRPC_SERVER_TLS_KEY", key.to_str().unwrap()),
+        ]),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("GRPC_SERVER_TLS_CERT"), "{err}");
+
+    for (url, topology) in [
+        ("h:port", "single"),
+        ("mymaster", "sentinel"),
+        (",", "cluster"),
+    ] {
+        let err = Settings::load(
+            None,
+            &env(&[
+                ("BACKEND_TYPE", "redis"),
+                ("REDIS_URL", url),
+                ("REDIS_TYPE", topology),
+            ]),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("REDIS_URL"), "{url}: {err}");
+    }
+    let err = Settings::load(
+        None,
+        &env(&[
+            ("REDIS_URL", "main:6379"),
+            ("REDIS_PERSECOND", "true"),
+            ("REDIS_PERSECOND_URL", "fast:port"),
+        ]),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("per-second"), "{err}");
+}

@@ -1,14 +1,15 @@
 //! What types alone cannot check, checked once after the sources are merged and before any port is bound:
-//! values that must be above zero, settings that need one another, addresses that must parse. Each error
-//! names the setting (by the name its user most likely set: the reference variable when there is one,
-//! else the settings key).
+//! values that must be above zero, settings that need one another, addresses that must parse, and the
+//! files that TLS and Redis will read. Each error names the setting (by the name its user most likely
+//! set: the reference variable when there is one, else the settings key).
 
 use std::time::Duration;
 
 use super::{BackendKind, Settings, SettingsError};
+use crate::api::tls::TlsError;
 
 impl Settings {
-    /// Checks what types alone cannot.
+    /// Checks what types alone cannot, reading nothing.
     pub(super) fn validate(&self) -> Result<(), SettingsError> {
         if self.backend() == BackendKind::Redis {
             self.validate_redis()?;
@@ -46,6 +47,35 @@ impl Settings {
         longer_than_zero("memory.sweep_interval", self.memory.sweep_interval)?;
         self.validate_bounds()?;
         self.validate_header_names()
+    }
+
+    /// Opens what the settings name, without connecting or binding: the gRPC TLS files must read, parse
+    /// and go together, and the Redis addresses (and Redis TLS files) must make a client configuration.
+    /// Run after [`Settings::validate`].
+    pub(super) fn check_files_and_addresses(&self) -> Result<(), SettingsError> {
+        if self.grpc_tls.enabled {
+            self.grpc_tls.check().map_err(|e| {
+                SettingsError::Unusable(match e {
+                    TlsError::File(file) => format!("invalid setting {file}"),
+                    TlsError::Config(reason) => {
+                        format!("invalid gRPC TLS settings (GRPC_SERVER_USE_TLS): {reason}")
+                    }
+                })
+            })?;
+        }
+        if self.backend() == BackendKind::Redis {
+            self.redis
+                .check()
+                .map_err(|e| SettingsError::Unusable(e.to_string()))?;
+            if let Some(per_second) = &self.redis_per_second {
+                per_second.check().map_err(|e| {
+                    SettingsError::Unusable(format!(
+                        "{e} (the per-second Redis, REDIS_PERSECOND_*)"
+                    ))
+                })?;
+            }
+        }
+        Ok(())
     }
 
     fn validate_redis(&self) -> Result<(), SettingsError> {

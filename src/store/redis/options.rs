@@ -6,6 +6,8 @@ use std::{fmt, path::PathBuf, time::Duration};
 
 use serde::{Deserialize, Serialize};
 
+use super::StoreError;
+
 /// How ratelimitd reaches Redis.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -117,5 +119,13 @@ impl Default for RedisSettings {
             breaker_failures: 5,
             breaker_open_for: Duration::from_millis(500),
         }
+    }
+}
+
+impl RedisSettings {
+    /// Builds the client configuration without connecting: the address parses and the TLS files read,
+    /// so that a wrong one stops the start before any port is bound.
+    pub fn check(&self) -> Result<(), StoreError> {
+        super::config::client_config(self).map(drop)
     }
 }

@@ -1,26 +1,37 @@
 //! ratelimitd: an Envoy-compatible rate limit decision service.
 //!
 //! # Layout
-//! Requests flow one way, and no module imports one above it:
+//! A request flows down through four layers, and no module imports one above it:
 //!
 //! ```text
-//! api (gRPC RLS, HTTP)  ->  limiter (plan + decide)  ->  store (memory)  ->  algorithm (pure math)
-//!                               |
-//!                               +--> rules (compiled, swapped snapshot)
+//! api (gRPC RLS, /json, health)  ->  limiter  ->  store  ->  algorithm (pure arithmetic)
+//!                                       |     (memory | redis, with the deny cache in front)
+//!                                       +-->  rules (compiled tree, swapped whole on reload)
 //! ```
 //!
+//! `telemetry` (metrics, traces, logs, top offenders) sits beside them and imports none of them.
+//! `settings` and `server` sit on top: `settings` assembles every layer's own options from the settings
+//! file and the environment, `server` builds the parts from them and runs them. Only `main` and
+//! `server` import `settings`.
+//!
 //! - [`proto`] — the wire API (Envoy RLS v3 subset), generated from `proto/`.
-//! - [`settings`] — process settings, typed and validated before any port is bound. Each layer defines
-//!   its own options (`limiter::OverloadSettings`, `store::redis::RedisSettings`, ...); `settings`
-//!   assembles them from the settings file and the environment, and only `main` and `server` use it.
-//! - [`rules`] — the reference rules format, validated and compiled into a matcher.
-//! - [`limiter`] — decides a request: matching, counting, statuses, headers.
-//! - [`store`] — where counters live, behind the [`store::CounterStore`] trait.
-//! - [`algorithm`] — rate limit arithmetic, no I/O.
-//! - [`api`] — gRPC service, health, reflection and the HTTP side port; the only place that converts
-//!   between wire and domain types.
-//! - [`telemetry`] — logging.
-//! - [`server`] — wiring and the shutdown path.
+//! - [`api`] — gRPC service, health, reflection and the HTTP side port, and the listeners' connection
+//!   bounds; the only place that converts between wire and domain types.
+//! - [`limiter`] — decides a request as steps: `plan` (descriptors to checks), the store call
+//!   (`backend`: timing, traces, the local fallback), `status` (verdicts to statuses and headers),
+//!   `record` (metrics and offenders). Its options are in `limiter::options`.
+//! - [`rules`] — the reference rules format: `yaml` reads, `compile` validates and builds the tree of
+//!   `model`, `matcher` walks it per request, `rlconfig` prints it; `loader` and `watcher` read the folder.
+//! - [`store`] — where counters live, behind [`store::CounterStore`], which also carries a store's
+//!   lifecycle (readiness, health, housekeeping, close): the memory store, the Redis store (its calling
+//!   contract with `decide.lua` in `store::redis::script`), the deny cache as a wrapper store, the
+//!   counter key schema and the circuit breaker.
+//! - [`algorithm`] — the five algorithms as pure functions, mirrored by the Redis script.
+//! - [`telemetry`] — metrics, traces (W3C and B3), logs and the top offenders.
+//! - [`settings`] — the process settings: file, `RATELIMITD_*` and the reference's variables
+//!   (`settings::reference_env` is their table), validated before any port is bound.
+//! - [`server`] — `build` makes the store, limiter, rules watcher and metrics from the settings; `serve`
+//!   runs the listeners; every task it starts is tracked and drained on shutdown.
 #![forbid(unsafe_code)]
 
 pub mod algorithm;

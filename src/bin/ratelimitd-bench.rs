@@ -7,6 +7,7 @@
 
 use std::{
     collections::BTreeMap,
+    io::Write,
     sync::Arc,
     time::{Duration, Instant},
 };
@@ -78,6 +79,25 @@ struct Args {
     /// A label for the run, echoed in the report.
     #[arg(long, default_value = "")]
     label: String,
+}
+
+impl Args {
+    /// Refuses the counts a run cannot have.
+    fn check(&self) -> Result<(), Box<dyn std::error::Error>> {
+        if self.concurrency == 0 || self.connections == 0 || self.descriptors == 0 {
+            return Err("--concurrency, --connections and --descriptors must be at least 1".into());
+        }
+        Ok(())
+    }
+
+    /// Open loop with a target rate, closed loop without.
+    fn mode(&self) -> &'static str {
+        if self.rate > 0 {
+            "open"
+        } else {
+            "closed"
+        }
+    }
 }
 
 /// Samples key numbers.
@@ -202,21 +222,52 @@ fn pacer(rate: u64, start: Instant, end: Instant) -> Schedule {
     Arc::new(tokio::sync::Mutex::new(rx))
 }
 
-#[allow(clippy::too_many_arguments)]
-async fn caller(
-    args: Arc<Args>,
-    sampler: Arc<KeySampler>,
-    channel: Channel,
-    id: usize,
-    schedule: Option<Schedule>,
+/// What every caller shares: the arguments, the keys, the clock of the run and, in open loop, the
+/// schedule.
+struct Workload {
+    args: Args,
+    sampler: KeySampler,
+    /// Requests due before this are warm-up: answered, counted apart, not measured.
     measure_from: Instant,
+    /// No request is sent from then on.
     end: Instant,
-) -> Tally {
+    /// The send times (open loop); `None`: closed loop.
+    schedule: Option<Schedule>,
+}
+
+impl Workload {
+    /// The keys of `args`, then the run's clock started now (and, in open loop, its pacer).
+    fn start(args: Args) -> Self {
+        let sampler = KeySampler::new(args.distribution, args.keys);
+        let start = Instant::now();
+        let measure_from = start + args.warmup;
+        let end = measure_from + args.duration;
+        let schedule = (args.rate > 0).then(|| pacer(args.rate, start, end));
+        Self {
+            args,
+            sampler,
+            measure_from,
+            end,
+            schedule,
+        }
+    }
+}
+
+/// One caller until the end of the workload: sends a request once its last is answered (closed
+/// loop) or at the schedule's next time (open loop); what it measured.
+async fn caller(workload: Arc<Workload>, channel: Channel, id: usize) -> Tally {
+    let Workload {
+        args,
+        sampler,
+        measure_from,
+        end,
+        schedule,
+    } = &*workload;
     let mut client = RateLimitServiceClient::new(channel);
     let mut rng = SmallRng::seed_from_u64(id as u64 + 1);
     let mut tally = Tally::default();
     loop {
-        let scheduled = match &schedule {
+        let scheduled = match schedule {
             // Open loop: the next send time of the schedule. A request picked up after its time (every
             // caller was waiting for an answer) is measured from its time, so slow answers are not hidden
             // by sending fewer requests (coordinated omission).
@@ -224,15 +275,15 @@ async fn caller(
                 Some(at) => at,
                 None => break,
             },
-            None if Instant::now() >= end => break,
+            None if Instant::now() >= *end => break,
             None => Instant::now(),
         };
-        let mut r = tonic::Request::new(request(&args, &sampler, &mut rng));
+        let mut r = tonic::Request::new(request(args, sampler, &mut rng));
         r.set_timeout(args.timeout);
         let sent = Instant::now();
         let result = client.should_rate_limit(r).await;
         let done = Instant::now();
-        if scheduled < measure_from {
+        if scheduled < *measure_from {
             tally.warmup += 1;
             continue;
         }
@@ -259,6 +310,25 @@ async fn caller(
     tally
 }
 
+/// Runs one caller per `--concurrency`, spread over the connections, to the end of the workload; their
+/// tallies summed.
+async fn run(
+    workload: Arc<Workload>,
+    channels: &[Channel],
+) -> Result<Tally, tokio::task::JoinError> {
+    let tasks: Vec<_> = (0..workload.args.concurrency)
+        .map(|id| {
+            let channel = channels[id % channels.len()].clone();
+            tokio::spawn(caller(workload.clone(), channel, id))
+        })
+        .collect();
+    let mut total = Tally::default();
+    for task in tasks {
+        total.merge(task.await?);
+    }
+    Ok(total)
+}
+
 fn percentile(sorted: &[u32], p: f64) -> f64 {
     if sorted.is_empty() {
         return 0.0;
@@ -267,66 +337,63 @@ fn percentile(sorted: &[u32], p: f64) -> f64 {
     f64::from(sorted[rank.clamp(1, sorted.len()) - 1]) / 1000.0
 }
 
-#[tokio::main]
-async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let args = Arc::new(Args::parse());
-    if args.concurrency == 0 || args.connections == 0 || args.descriptors == 0 {
-        return Err("--concurrency, --connections and --descriptors must be at least 1".into());
+/// What a run measured, as reported.
+struct Report {
+    total: Tally,
+    /// The measured part of the run, in seconds.
+    elapsed: f64,
+    /// Requests answered in the measured part.
+    sent: usize,
+    errors: u64,
+    rps: f64,
+    /// Latency percentiles in ms: p50, p90, p99, p99.9 and the maximum.
+    latency: [f64; 5],
+    /// Latency from send in ms: p50 and p99.
+    service: [f64; 2],
+}
+
+impl Report {
+    fn new(mut total: Tally, duration: Duration) -> Self {
+        total.latencies_us.sort_unstable();
+        total.service_us.sort_unstable();
+        let elapsed = duration.as_secs_f64();
+        let sent = total.latencies_us.len();
+        let latency = [50.0, 90.0, 99.0, 99.9, 100.0].map(|p| percentile(&total.latencies_us, p));
+        let service = [50.0, 99.0].map(|p| percentile(&total.service_us, p));
+        Self {
+            errors: total.errors.values().sum(),
+            rps: sent as f64 / elapsed,
+            total,
+            elapsed,
+            sent,
+            latency,
+            service,
+        }
     }
-    let mut channels = Vec::with_capacity(args.connections);
-    for _ in 0..args.connections {
-        let endpoint = Endpoint::from_shared(format!("http://{}", args.addr))?
-            .tcp_nodelay(true)
-            .connect_timeout(Duration::from_secs(5));
-        channels.push(endpoint.connect().await?);
+
+    /// The report on `out`: one JSON object with `--json`, lines of text without.
+    fn write(&self, args: &Args, out: &mut impl Write) -> std::io::Result<()> {
+        if args.json {
+            self.write_json(args, out)
+        } else {
+            self.write_text(args, out)
+        }
     }
-    let sampler = Arc::new(KeySampler::new(args.distribution, args.keys));
-    let start = Instant::now();
-    let measure_from = start + args.warmup;
-    let end = measure_from + args.duration;
-    let schedule = (args.rate > 0).then(|| pacer(args.rate, start, end));
-    let tasks: Vec<_> = (0..args.concurrency)
-        .map(|id| {
-            tokio::spawn(caller(
-                args.clone(),
-                sampler.clone(),
-                channels[id % channels.len()].clone(),
-                id,
-                schedule.clone(),
-                measure_from,
-                end,
-            ))
-        })
-        .collect();
-    let mut total = Tally::default();
-    for task in tasks {
-        total.merge(task.await?);
-    }
-    let elapsed = args.duration.as_secs_f64();
-    total.latencies_us.sort_unstable();
-    total.service_us.sort_unstable();
-    let (service_p50, service_p99) = (
-        percentile(&total.service_us, 50.0),
-        percentile(&total.service_us, 99.0),
-    );
-    let sent = total.latencies_us.len();
-    let errors: u64 = total.errors.values().sum();
-    let (p50, p90, p99, p999) = (
-        percentile(&total.latencies_us, 50.0),
-        percentile(&total.latencies_us, 90.0),
-        percentile(&total.latencies_us, 99.0),
-        percentile(&total.latencies_us, 99.9),
-    );
-    let max = percentile(&total.latencies_us, 100.0);
-    let rps = sent as f64 / elapsed;
-    // The report goes to stdout with write errors returned, not panicked on (a reader that went away).
-    use std::io::Write;
-    let mut out = std::io::stdout().lock();
-    if args.json {
+
+    fn write_json(&self, args: &Args, out: &mut impl Write) -> std::io::Result<()> {
+        let Self {
+            total,
+            elapsed,
+            sent,
+            errors,
+            rps,
+            latency: [p50, p90, p99, p999, max],
+            service: [service_p50, service_p99],
+        } = self;
         let report = serde_json::json!({
             "label": args.label,
             "addr": args.addr,
-            "mode": if args.rate > 0 { "open" } else { "closed" },
+            "mode": args.mode(),
             "target_rate": args.rate,
             "concurrency": args.concurrency,
             "connections": args.connections,
@@ -344,8 +411,19 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             "latency_ms": {"p50": p50, "p90": p90, "p99": p99, "p99_9": p999, "max": max},
             "service_latency_ms": {"p50": service_p50, "p99": service_p99},
         });
-        writeln!(out, "{report}")?;
-    } else {
+        writeln!(out, "{report}")
+    }
+
+    fn write_text(&self, args: &Args, out: &mut impl Write) -> std::io::Result<()> {
+        let Self {
+            total,
+            elapsed,
+            sent,
+            errors,
+            rps,
+            latency: [p50, p90, p99, p999, max],
+            service: [service_p50, service_p99],
+        } = self;
         writeln!(
             out,
             "{}{} requests in {:.1}s: {:.0} req/s ({} mode, {} callers, {} connections, {} descriptor(s), {} {:?} keys)",
@@ -353,7 +431,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             sent,
             elapsed,
             rps,
-            if args.rate > 0 { "open" } else { "closed" },
+            args.mode(),
             args.concurrency,
             args.connections,
             args.descriptors,
@@ -372,8 +450,32 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             out,
             "answers: OK {}  OVER_LIMIT {}  errors {errors} {:?}",
             total.ok, total.over_limit, total.errors
-        )?;
+        )
     }
+}
+
+/// One HTTP/2 connection per `--connections`, all open before the run starts.
+async fn connect(args: &Args) -> Result<Vec<Channel>, Box<dyn std::error::Error>> {
+    let mut channels = Vec::with_capacity(args.connections);
+    for _ in 0..args.connections {
+        let endpoint = Endpoint::from_shared(format!("http://{}", args.addr))?
+            .tcp_nodelay(true)
+            .connect_timeout(Duration::from_secs(5));
+        channels.push(endpoint.connect().await?);
+    }
+    Ok(channels)
+}
+
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let args = Args::parse();
+    args.check()?;
+    let channels = connect(&args).await?;
+    let workload = Arc::new(Workload::start(args));
+    let total = run(workload.clone(), &channels).await?;
+    let report = Report::new(total, workload.args.duration);
+    // Write errors are returned, not panicked on (a reader that went away).
+    report.write(&workload.args, &mut std::io::stdout().lock())?;
     Ok(())
 }
 

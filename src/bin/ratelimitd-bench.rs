@@ -16,7 +16,7 @@ use clap::{Parser, ValueEnum};
 use rand::{rngs::SmallRng, Rng, SeedableRng};
 use ratelimitd::proto::{
     rate_limit_descriptor::Entry, rate_limit_response::Code, RateLimitDescriptor, RateLimitRequest,
-    RateLimitServiceClient,
+    RateLimitResponse, RateLimitServiceClient,
 };
 use tonic::transport::{Channel, Endpoint};
 
@@ -166,6 +166,34 @@ impl Tally {
             *self.errors.entry(k).or_default() += v;
         }
     }
+
+    /// One measured answer: due at `scheduled`, sent at `sent`, answered at `done`.
+    fn record(
+        &mut self,
+        scheduled: Instant,
+        sent: Instant,
+        done: Instant,
+        result: Result<tonic::Response<RateLimitResponse>, tonic::Status>,
+    ) {
+        let micros = |from: Instant| {
+            u32::try_from(done.duration_since(from).as_micros()).unwrap_or(u32::MAX)
+        };
+        self.latencies_us.push(micros(scheduled));
+        self.service_us.push(micros(sent));
+        match result {
+            Ok(resp) => match Code::try_from(resp.into_inner().overall_code) {
+                Ok(Code::Ok) => self.ok += 1,
+                Ok(Code::OverLimit) => self.over_limit += 1,
+                _ => *self.errors.entry("UNKNOWN code".into()).or_default() += 1,
+            },
+            Err(status) => {
+                *self
+                    .errors
+                    .entry(format!("{:?}", status.code()))
+                    .or_default() += 1
+            }
+        }
+    }
 }
 
 fn request(args: &Args, sampler: &KeySampler, rng: &mut SmallRng) -> RateLimitRequest {
@@ -287,25 +315,7 @@ async fn caller(workload: Arc<Workload>, channel: Channel, id: usize) -> Tally {
             tally.warmup += 1;
             continue;
         }
-        tally
-            .latencies_us
-            .push(u32::try_from(done.duration_since(scheduled).as_micros()).unwrap_or(u32::MAX));
-        tally
-            .service_us
-            .push(u32::try_from(done.duration_since(sent).as_micros()).unwrap_or(u32::MAX));
-        match result {
-            Ok(resp) => match Code::try_from(resp.into_inner().overall_code) {
-                Ok(Code::Ok) => tally.ok += 1,
-                Ok(Code::OverLimit) => tally.over_limit += 1,
-                _ => *tally.errors.entry("UNKNOWN code".into()).or_default() += 1,
-            },
-            Err(status) => {
-                *tally
-                    .errors
-                    .entry(format!("{:?}", status.code()))
-                    .or_default() += 1
-            }
-        }
+        tally.record(scheduled, sent, done, result);
     }
     tally
 }

@@ -135,6 +135,13 @@ impl Serving {
     }
 }
 
+/// The reflection services' builder: the rate limit API and the health service.
+fn reflection_builder() -> tonic_reflection::server::Builder<'static> {
+    tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(proto::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+}
+
 /// Serves the gRPC services on `listener` until `stop_accepting`, then drains them; the task ends with
 /// the server's error, if any.
 fn serve_grpc(
@@ -144,15 +151,10 @@ fn serve_grpc(
     stop_accepting: CancellationToken,
     tasks: &Tasks,
 ) -> Result<JoinHandle<Result<(), String>>, ServerError> {
-    let reflection = |builder: tonic_reflection::server::Builder<'static>| {
-        builder
-            .register_encoded_file_descriptor_set(proto::FILE_DESCRIPTOR_SET)
-            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-    };
-    let reflection_v1 = reflection(tonic_reflection::server::Builder::configure())
+    let reflection_v1 = reflection_builder()
         .build_v1()
         .map_err(|e| ServerError::Setup(format!("reflection: {e}")))?;
-    let reflection_v1alpha = reflection(tonic_reflection::server::Builder::configure())
+    let reflection_v1alpha = reflection_builder()
         .build_v1alpha()
         .map_err(|e| ServerError::Setup(format!("reflection: {e}")))?;
 

@@ -11,7 +11,7 @@ use crate::{
     limiter::{self, Limiter},
     rules::{self, Rules},
     settings::{BackendKind, OnBackendError, Settings},
-    store::{CounterStore, DenyCache, MemoryStore, RedisStore, Store},
+    store::{CounterStore, DenyCache, MemoryStore, RedisStore, Store, StoreHealth},
     telemetry::{Metrics, TopOffenders},
 };
 
@@ -193,29 +193,27 @@ fn register_rules_metrics(metrics: &Metrics, rules: &Arc<Rules>, stats: &Arc<rul
 
 /// Metrics read at scrape time from the store.
 pub(super) fn register_store_metrics(metrics: &Metrics, store: &Arc<Store>) {
-    let s = store.clone();
-    metrics.gauge_fn(
+    // A yes/no of the store's health, labelled with the store's name.
+    let flag = |name, help, read: fn(&StoreHealth) -> bool| {
+        let s = store.clone();
+        metrics.gauge_fn(
+            name,
+            help,
+            Box::new(move || {
+                let value = f64::from(u8::from(read(&s.health())));
+                vec![(vec![("backend", s.name().to_string())], value)]
+            }),
+        );
+    };
+    flag(
         "ratelimitd_backend_up",
         "1 when the counter store is reachable (Redis: at least one connection up).",
-        Box::new(move || {
-            let up = s.health().up;
-            vec![(
-                vec![("backend", s.name().to_string())],
-                f64::from(u8::from(up)),
-            )]
-        }),
+        |h| h.up,
     );
-    let s = store.clone();
-    metrics.gauge_fn(
+    flag(
         "ratelimitd_backend_breaker_open",
         "1 while the circuit breaker in front of Redis answers without asking it.",
-        Box::new(move || {
-            let open = s.health().breaker_open;
-            vec![(
-                vec![("backend", s.name().to_string())],
-                f64::from(u8::from(open)),
-            )]
-        }),
+        |h| h.breaker_open,
     );
     let s = store.clone();
     metrics.gauge_fn(

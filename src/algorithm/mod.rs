@@ -377,8 +377,9 @@ fn token_bucket(p: &Params, state: Option<&State>, now_ms: u64, cost: u64) -> (D
 }
 
 fn gcra(p: &Params, state: Option<&State>, now_ms: u64, cost: u64) -> (Decision, State) {
-    // Emission interval and tolerance in microseconds.
-    let interval_us = p.window_ms as f64 * 1000.0 / p.limit.max(1) as f64;
+    // Emission interval (whole microseconds, rounded up, so that every time below is a whole number
+    // and two requests at the same instant are decided exactly) and tolerance.
+    let interval_us = p.window_ms.saturating_mul(1000).div_ceil(p.limit.max(1)) as f64;
     let capacity_us = interval_us * p.burst as f64;
     let now_us = now_ms as f64 * 1000.0;
     let tat = match state {

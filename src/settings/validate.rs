@@ -103,6 +103,9 @@ impl Settings {
             }
         }
         at_least_one("REDIS_POOL_SIZE", self.redis.pool_size)?;
+        at_least_one("redis.calls_in_flight", self.redis.calls_in_flight)?;
+        at_least_one("redis.batch_max_requests", self.redis.batch_max_requests)?;
+        at_least_one("redis.batch_max_bytes", self.redis.batch_max_bytes)?;
         longer_than_zero("REDIS_TIMEOUT", self.redis.timeout)?;
         longer_than_zero("redis.unresponsive_after", self.redis.unresponsive_after)?;
         at_least_one(

@@ -14,8 +14,14 @@ use fred::{
     types::{cluster::ClusterRouting, config::Server, scripts::Script},
 };
 
+use tokio_util::task::TaskTracker;
+
 use super::{
-    config::client_config, load_scripts, node::Node, redis_error, RedisSettings, RedisTopology,
+    coalesce::{Bounds, Caller},
+    config::client_config,
+    load_scripts,
+    node::Node,
+    redis_error, RedisSettings, RedisTopology,
 };
 use crate::store::{breaker::Breaker, StoreError};
 
@@ -42,6 +48,8 @@ pub struct Backend {
     /// `main` or `per-second`, for logs.
     pub name: &'static str,
     pub pool: Pool,
+    /// Sends the decide calls, coalescing the requests that wait for a server.
+    pub caller: Arc<Caller>,
     pub cluster: bool,
     /// How long calls without a deadline of their own wait (`REDIS_TIMEOUT`).
     pub timeout: Duration,
@@ -69,12 +77,15 @@ impl std::fmt::Debug for Backend {
 impl Backend {
     /// Builds the pool and starts connecting in the background; it does not wait for Redis. Commands
     /// still unanswered after `command_timeout` are abandoned by the client, never replayed after a
-    /// reconnect.
+    /// reconnect. `scripts` are decide.lua and refund.lua; `jitter_max` is
+    /// `EXPIRATION_JITTER_MAX_SECONDS`; calls whose callers stopped waiting end in `tasks`.
     pub fn connect(
         name: &'static str,
         settings: &RedisSettings,
         command_timeout: Duration,
         scripts: [Script; 2],
+        jitter_max: u64,
+        tasks: TaskTracker,
     ) -> Result<Arc<Self>, StoreError> {
         let config = client_config(settings)?;
         let pool = Builder::from_config(config)
@@ -95,10 +106,24 @@ impl Backend {
             breaker_open_for: settings.breaker_open_for,
             unresponsive_after: settings.unresponsive_after,
         };
+        let cluster = settings.topology == RedisTopology::Cluster;
+        let caller = Arc::new(Caller {
+            pool: pool.clone(),
+            script: scripts[0].clone(),
+            cluster,
+            jitter_max,
+            bounds: Bounds {
+                requests: settings.batch_max_requests.max(1),
+                bytes: settings.batch_max_bytes.max(1),
+                calls: settings.calls_in_flight.max(1),
+            },
+            tasks,
+        });
         let backend = Arc::new(Self {
             name,
             pool,
-            cluster: settings.topology == RedisTopology::Cluster,
+            caller,
+            cluster,
             timeout: settings.timeout,
             single: node_settings.node(settings.url.clone()),
             masters: Mutex::new(HashMap::new()),

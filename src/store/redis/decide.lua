@@ -1,372 +1,439 @@
--- ratelimitd: decide every check of one request (or of one Cluster hash slot) atomically.
+-- ratelimitd: decide the checks of one or more requests, each request atomically and all-or-nothing,
+-- in the order given. Requests that arrive while an earlier call is in flight travel together in one
+-- call; each sees the counters as the requests before it in the call left them.
 --
--- KEYS[i]   state key of check i. Fixed window: the counter key, ending with the window start (the
---           reference layout). Other algorithms: one key per descriptor and limit.
--- ARGV[1]   1: consume every allowed check (and count every fixed-window hit) even when the request is
---           denied; 0: consume only if the request is allowed.
--- ARGV[2]   1: these are all the checks of the request (quota checks may deny); 0: a part of them;
---           2: a part of them, and the request is already denied by a check elsewhere (decide, and consume
---           only what a denied request consumes).
--- ARGV[3]   extra seconds of TTL for fixed-window counters this call creates (expiry jitter).
--- ARGV[4..] seven integers per check i: algorithm (0 fixed window, 1 sliding window, 2 sliding log,
---           3 token bucket, 4 GCRA), limit, window (ms), cost, role (0 enforce, 1 shadow, 2 quota),
---           burst, fixed-window start (s; 0 for the other algorithms).
+-- KEYS      the state keys the call declares. Standalone and Sentinel: every key of the call. Cluster:
+--           the keys of one hash slot, by which Redis routes the call; the other keys of the same server
+--           follow in ARGV (the script reads and writes every key of one slot with its own commands).
+-- ARGV, integers first, then the keys that are not in KEYS:
+--   jitter            extra seconds of TTL for fixed-window counters this call creates
+--   K                 distinct keys in the call (KEYS, then the ones at the end of ARGV)
+--   G, G integers     read groups: the index of the last key of each group. Keys are numbered by group,
+--                     and the string keys of one group are read with one MGET (a group is one hash slot)
+--   S, 5 per spec     limit specs: algorithm (0 fixed window, 1 sliding window, 2 sliding log,
+--                     3 token bucket, 4 GCRA), limit, window (ms), burst, fixed-window start (s; 0 for
+--                     the others)
+--   R, per request    flags (scope + 4 x consume_on_deny), n checks, then n times: key index, spec index,
+--                     cost, role (0 enforce, 1 shadow, 2 quota)
+--                     scope 1: these are all the checks of the request (quota checks may deny); 0: a part
+--                     of them; 2: a part of them, and a check elsewhere already denies the request
+--                     (decide, and consume only what a denied request consumes). consume_on_deny: consume
+--                     every allowed check (and count every fixed-window hit) even when denied.
+--   then K - #KEYS key names
 --
--- Reply: { status, denied, server time (ms), then per check: allowed (1/0), remaining, reset (ms),
---          retry (ms) }.
---   status 0: decided. status 1: a fixed-window start disagrees with this server's clock; nothing was
---   read or written, and the caller retries with keys for the server time it is given.
+-- Reply: { server time (ms), then per request: status, denied (1/0), and when decided, per check:
+--          allowed (1/0), remaining, reset (ms), retry (ms) }
+--   status 0: decided. status 1: a fixed-window start of the request disagrees with this server's clock;
+--   nothing of that request was read or written, and the caller retries it with keys for the server time.
 --
--- Every number must be a whole number from 0 to 2^53 (costs arrive bounded by what the limit could
--- ever allow); anything else is refused before anything is read or written.
+-- Every integer must be a whole number from 0 to 2^53 (costs arrive bounded by what the limit could ever
+-- allow), and every index must point at what it names; anything else is refused before anything is read
+-- or written. Every key is read before anything is written, so a call refused while reading (a Cluster
+-- key that moved away) has changed nothing.
 --
--- A sliding-log key is a sorted set with one member per counted request, `<time>:<seq>:<cost>` scored
--- by its time (members `<time>:<seq>` of earlier versions count 1 each): its memory follows requests,
--- never the hits they carry.
+-- A sliding-log key is a sorted set of entries `<time>:<seq>:<hits>` scored by their time (members
+-- `<time>:<seq>` of earlier versions count 1 each). One call adds at most one entry per key, holding every
+-- hit the call counted on it at that instant: memory follows calls, never the hits they carry.
 --
 -- The arithmetic mirrors src/algorithm/mod.rs operation for operation, so the memory store and Redis
--- give the same answers. Time is the Redis server's (TIME), so replicas with skewed clocks agree.
---
--- The client side of this contract (argument layout, codes, reply parsing) is src/store/redis/script.rs;
--- change both together. Each algorithm is one block below: how its state is read, decided and written.
+-- give the same answers. Time is the Redis server's (TIME, read once per call), so replicas with skewed
+-- clocks agree. The client side of this contract is src/store/redis/script.rs; change both together.
 
-for i = 3, #ARGV do
-  local v = tonumber(ARGV[i])
+local A = ARGV
+local numbers = #A
+local K = tonumber(A[2])
+if K == nil then return redis.error_reply('ratelimitd: argument 2 is not a number') end
+numbers = numbers - (K - #KEYS)
+if K < #KEYS or numbers < 5 then return redis.error_reply('ratelimitd: key count does not match the call') end
+local n = {}
+for i = 1, numbers do
+  local v = tonumber(A[i])
   if v == nil or v < 0 or v > 9007199254740992 or v ~= math.floor(v) then
     return redis.error_reply('ratelimitd: argument ' .. i .. ' is not a whole number from 0 to 2^53')
   end
+  n[i] = v
 end
 
-local consume_on_deny = ARGV[1] == '1'
-local complete = ARGV[2] == '1'
-local known_denied = ARGV[2] == '2'
-local jitter = tonumber(ARGV[3])
+-- A cursor over the integers; any read past them is a malformed call.
+local at = 0
+local function int()
+  at = at + 1
+  local v = n[at]
+  if v == nil then error('ratelimitd: the call ends early at argument ' .. at, 0) end
+  return v
+end
+local function index(max, what)
+  local v = int()
+  if v < 1 or v > max then error('ratelimitd: argument ' .. at .. ' is not a ' .. what, 0) end
+  return v
+end
+
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local n = #KEYS
+local now_s = math.floor(now / 1000)
+
+local key = {}
+for i = 1, #KEYS do key[i] = KEYS[i] end
+for i = #KEYS + 1, K do key[i] = A[numbers + i - #KEYS] end
+
+local ok, err = pcall(function()
+  local jitter = int()
+  int()
+  local groups = {}
+  for g = 1, int() do groups[g] = index(K, 'key index') end
+  -- Specs as parallel arrays.
+  local alg, limit, win, burst, valid = {}, {}, {}, {}, {}
+  for s = 1, int() do
+    alg[s] = int(); limit[s] = int(); win[s] = int(); burst[s] = int()
+    local start = int()
+    if alg[s] > 4 then error('ratelimitd: argument ' .. (at - 4) .. ' is not a known algorithm', 0) end
+    -- A fixed-window spec is valid only for the window the server is in.
+    valid[s] = alg[s] ~= 0 or (win[s] >= 1000 and now_s - now_s % (win[s] / 1000) == start)
+  end
+  local specs = #alg
+  -- Checks as parallel arrays, requests as ranges of them.
+  local ckey, cspec, ccost, crole = {}, {}, {}, {}
+  local rflags, rfirst, rlast = {}, {}, {}
+  local c = 0
+  for r = 1, int() do
+    rflags[r] = int()
+    if rflags[r] % 4 > 2 or rflags[r] > 6 then error('ratelimitd: argument ' .. at .. ' is not a request flag', 0) end
+    rfirst[r] = c + 1
+    for _ = 1, int() do
+      c = c + 1
+      ckey[c] = index(K, 'key index'); cspec[c] = index(specs, 'spec index')
+      ccost[c] = int(); crole[c] = int()
+      if crole[c] > 2 then error('ratelimitd: argument ' .. at .. ' is not a role', 0) end
+    end
+    rlast[r] = c
+  end
+  if at ~= numbers then error('ratelimitd: ' .. (numbers - at) .. ' arguments left over', 0) end
+  return { jitter = jitter, groups = groups, alg = alg, limit = limit, win = win, burst = burst,
+    valid = valid, ckey = ckey, cspec = cspec, ccost = ccost, crole = crole, rflags = rflags,
+    rfirst = rfirst, rlast = rlast }
+end)
+if not ok then return redis.error_reply(tostring(err)) end
+local call = err
+local alg, limit, win, burst = call.alg, call.limit, call.win, call.burst
+local ckey, cspec, ccost, crole = call.ckey, call.cspec, call.ccost, call.crole
+local requests = #call.rflags
+
+-- A request is decided only if every fixed-window spec it uses is for this server's window.
+local skipped = {}
+for r = 1, requests do
+  for i = call.rfirst[r], call.rlast[r] do
+    if not call.valid[cspec[i]] then skipped[r] = true; break end
+  end
+end
+
+-- The algorithm of each key, from the first check on it; which keys are needed at all.
+local kalg, needed = {}, {}
+for r = 1, requests do
+  if not skipped[r] then
+    for i = call.rfirst[r], call.rlast[r] do
+      local k = ckey[i]
+      needed[k] = true
+      if kalg[k] == nil then kalg[k] = alg[cspec[i]] end
+    end
+  end
+end
+
+-- The state of each key, as up to three numbers (nil: nothing stored).
+--   fixed window: count | sliding window: window start, count, previous count | sliding log: (the
+--   second) hits this call added | token bucket: tokens, time counted | GCRA: theoretical arrival (us)
+-- A sliding log's stored entries are kept in logt/logc (times ascending) and never change in the call.
+local s1, s2, s3, has = {}, {}, {}, {}
+local base, existed, logt, logc = {}, {}, {}, {}
+
+-- Read every needed key: string keys one MGET per group, the others one command each.
+local first = 1
+for g = 1, #call.groups do
+  local last = call.groups[g]
+  local strings = {}
+  for k = first, last do
+    if needed[k] and (kalg[k] == 0 or kalg[k] == 4) then strings[#strings + 1] = k end
+  end
+  if #strings > 0 then
+    local names = {}
+    for j = 1, #strings do names[j] = key[strings[j]] end
+    local v = redis.call('MGET', unpack(names))
+    for j = 1, #strings do
+      local k = strings[j]
+      local value = tonumber(v[j])
+      if value then has[k] = true; s1[k] = value end
+      existed[k] = value ~= nil
+      base[k] = value or 0
+    end
+  end
+  for k = first, last do
+    if needed[k] then
+      local a = kalg[k]
+      if a == 1 then
+        local v = redis.call('HMGET', key[k], 's', 'c', 'p')
+        if v[1] then has[k] = true; s1[k], s2[k], s3[k] = tonumber(v[1]), tonumber(v[2]), tonumber(v[3]) end
+      elseif a == 3 then
+        local v = redis.call('HMGET', key[k], 't', 'l')
+        if v[1] then has[k] = true; s1[k], s2[k] = tonumber(v[1]), tonumber(v[2]) end
+      elseif a == 2 then
+        local v = redis.call('ZRANGE', key[k], 0, -1, 'WITHSCORES')
+        local times, costs = {}, {}
+        for j = 1, #v, 2 do
+          times[#times + 1] = tonumber(v[j + 1])
+          costs[#costs + 1] = tonumber(string.match(v[j], '^%d+:%d+:(%d+)$')) or 1
+        end
+        logt[k], logc[k] = times, costs
+      end
+    end
+  end
+  first = last + 1
+end
 
 local function ceil0(x)
   if x < 0 then return 0 end
   return math.ceil(x)
 end
 
--- The algorithms by id, one block each. A check `c` carries alg, limit, w (window, ms), cost, role,
--- burst and key.
---   load(c)            the state stored under c.key, or nil when the key holds nothing
---   decide(c, s, cost) allowed, remaining, reset (ms), retry (ms), and the state after (s may be nil)
---   save(c, s)         writes the state after back under c.key, with its expiry
---   in_window(c, start) (fixed window only) whether the key's window start (s) is this server's
---   counts_denied      (fixed window only) a denied hit is counted too
-local algorithms = {}
+-- The stored sliding-log entries a window of `w` still sees: the first of them and their hits (kept
+-- for the key's window; a second window on the same key is counted afresh).
+local live_from, live_hits, live_w = {}, {}, {}
+local function log_live(k, w)
+  if live_w[k] ~= w then
+    local times, costs = logt[k], logc[k]
+    local from, hits = 1, 0
+    while from <= #times and times[from] + w <= now do from = from + 1 end
+    for j = from, #times do hits = hits + costs[j] end
+    live_from[k], live_hits[k], live_w[k] = from, hits, w
+  end
+  return live_from[k], live_hits[k]
+end
+
+-- The algorithms, by id: decide(s, k, has, a, b, c, cost) returns allowed, remaining, reset (ms),
+-- retry (ms) and the state after (three numbers). `counts_denied`: a denied hit is counted too.
+local decide = {}
+local counts_denied = { [0] = true }
 
 -- 0: fixed window. An integer counter per window; its key ends with the window start.
-algorithms[0] = {
-  counts_denied = true,
-
-  in_window = function(c, start)
-    local ws = c.w / 1000
-    local now_s = math.floor(now / 1000)
-    return now_s - (now_s % ws) == start
-  end,
-
-  load = function(c)
-    local count = redis.call('GET', c.key)
-    if not count then return nil end
-    return { start = now - now % c.w, count = tonumber(count), stored = tonumber(count) }
-  end,
-
-  decide = function(c, s, cost)
-    local start = now - now % c.w
-    local count = 0
-    if s and s.start == start then count = s.count end
-    local after = count + cost
-    local allowed = after <= c.limit
-    local reset = c.w - now % c.w
-    local remaining, retry = 0, reset
-    if allowed then remaining = math.max(c.limit - after, 0); retry = 0 end
-    return allowed, remaining, reset, retry,
-      { start = start, count = after, stored = s and s.stored or 0 }
-  end,
-
-  save = function(c, s)
-    local after = redis.call('INCRBY', c.key, s.count - s.stored)
-    -- The TTL is set once, when this call created the counter.
-    if after == s.count - s.stored then
-      redis.call('EXPIRE', c.key, c.w / 1000 + jitter)
-    end
-  end,
-}
+decide[0] = function(s, k, present, count, _, _, cost)
+  local w = win[s]
+  if not present then count = 0 end
+  local after = count + cost
+  local allowed = after <= limit[s]
+  local reset = w - now % w
+  local remaining, retry = 0, reset
+  if allowed then remaining = math.max(limit[s] - after, 0); retry = 0 end
+  return allowed, remaining, reset, retry, after, nil, nil
+end
 
 -- 1: sliding window. A hash: window start `s`, its count `c`, the previous window's count `p`.
-local function sliding_window_wait(c, current, previous, elapsed, cost)
-  local w, limit = c.w, c.limit
-  if cost > limit then return c.w * 2 - elapsed end
+local function sliding_window_wait(s, current, previous, elapsed, cost)
+  local w, lim = win[s], limit[s]
+  if cost > lim then return w * 2 - elapsed end
   local left = w - elapsed
-  if current + cost <= limit and previous > 0 then
-    return ceil0(left - (limit - current - cost) * w / previous)
+  if current + cost <= lim and previous > 0 then
+    return ceil0(left - (lim - current - cost) * w / previous)
   end
-  local t = 0
-  if current > 0 then t = math.max(w - (limit - cost) * w / current, 0) end
-  return math.ceil(left + t)
+  local wait = 0
+  if current > 0 then wait = math.max(w - (lim - cost) * w / current, 0) end
+  return math.ceil(left + wait)
 end
 
-algorithms[1] = {
-  load = function(c)
-    local v = redis.call('HMGET', c.key, 's', 'c', 'p')
-    if not v[1] then return nil end
-    return { start = tonumber(v[1]), current = tonumber(v[2]), previous = tonumber(v[3]) }
-  end,
+decide[1] = function(s, k, present, start0, current0, previous0, cost)
+  local w = win[s]
+  local start = now - now % w
+  local current, previous = 0, 0
+  if present then
+    if start0 == start then current, previous = current0, previous0
+    elseif start0 + w == start then previous = current0 end
+  end
+  local elapsed = now - start
+  local weight = (w - elapsed) / w
+  local estimate = previous * weight + current
+  local allowed = estimate + cost <= limit[s]
+  local after_current, after_estimate = current, estimate
+  if allowed then after_current, after_estimate = current + cost, estimate + cost end
+  local reset = 0
+  if after_current > 0 then reset = start + 2 * w - now
+  elseif previous > 0 then reset = start + w - now end
+  local remaining, retry = 0, 0
+  if allowed then remaining = math.floor(math.max(limit[s] - after_estimate, 0))
+  else retry = sliding_window_wait(s, current, previous, elapsed, cost) end
+  return allowed, remaining, reset, retry, start, after_current, previous
+end
 
-  decide = function(c, s, cost)
-    local w = c.w
-    local start = now - now % w
-    local current, previous = 0, 0
-    if s then
-      if s.start == start then current, previous = s.current, s.previous
-      elseif s.start + w == start then previous = s.current end
-    end
-    local elapsed = now - start
-    local weight = (w - elapsed) / w
-    local estimate = previous * weight + current
-    local allowed = estimate + cost <= c.limit
-    local after_current, after_estimate = current, estimate
-    if allowed then after_current, after_estimate = current + cost, estimate + cost end
-    local reset = 0
-    if after_current > 0 then reset = start + 2 * w - now
-    elseif previous > 0 then reset = start + w - now end
-    local remaining, retry = 0, 0
-    if allowed then remaining = math.floor(math.max(c.limit - after_estimate, 0))
-    else retry = sliding_window_wait(c, current, previous, elapsed, cost) end
-    return allowed, remaining, reset, retry, { start = start, current = after_current, previous = previous }
-  end,
-
-  save = function(c, s)
-    redis.call('HSET', c.key, 's', s.start, 'c', s.current, 'p', s.previous)
-    redis.call('PEXPIRE', c.key, s.start + 2 * c.w - now)
-  end,
-}
-
--- 2: sliding log. A sorted set with one member per counted request, `<time>:<seq>:<cost>` scored by its
--- time (members `<time>:<seq>` of earlier versions count 1 each). `new` holds the costs this call adds.
-algorithms[2] = {
-  load = function(c)
-    local v = redis.call('ZRANGEBYSCORE', c.key, '(' .. (now - c.w), '+inf', 'WITHSCORES')
-    local entries = {}
-    for j = 1, #v, 2 do
-      entries[#entries + 1] = { tonumber(v[j + 1]), tonumber(string.match(v[j], '^%d+:%d+:(%d+)$')) or 1 }
-    end
-    return { entries = entries, new = {} }
-  end,
-
-  decide = function(c, s, cost)
-    local entries, new, count = {}, {}, 0
-    if s then
-      for j = 1, #s.entries do
-        local e = s.entries[j]
-        if e[1] + c.w > now then
-          entries[#entries + 1] = e
-          count = count + e[2]
-        end
+-- 2: sliding log. The state is the hits this call added (all at `now`, after every stored entry); the
+-- stored entries are read in place.
+decide[2] = function(s, k, _, _, added, _, cost)
+  local w, lim = win[s], limit[s]
+  local from, live = log_live(k, w)
+  local count = live + added
+  local allowed = count + cost <= lim
+  local retry = 0
+  if not allowed then
+    if cost > lim then retry = w
+    else
+      -- Enough of the oldest hits must leave the window to free `count + cost - limit`; the ones this
+      -- call added leave last, a whole window from now.
+      local must_leave, left = count + cost - lim, 0
+      retry = w
+      local times, costs = logt[k], logc[k]
+      for j = from, #times do
+        left = left + costs[j]
+        if left >= must_leave then retry = times[j] + w - now; break end
       end
-      for j = 1, #s.new do new[j] = s.new[j] end
     end
-    local allowed = count + cost <= c.limit
-    local retry = 0
-    if not allowed then
-      if cost > c.limit then retry = c.w
-      else
-        -- Enough of the oldest requests must leave the window to free `count + cost - limit` hits.
-        local must_leave, left = count + cost - c.limit, 0
-        retry = c.w
-        for j = 1, #entries do
-          left = left + entries[j][2]
-          if left >= must_leave then
-            retry = entries[j][1] + c.w - now
-            break
-          end
-        end
-      end
-    elseif cost > 0 then
-      entries[#entries + 1] = { now, cost }
-      new[#new + 1] = cost
-    end
-    local reset = 0
-    if #entries > 0 then reset = entries[#entries][1] + c.w - now end
-    local remaining = 0
-    if allowed then remaining = c.limit - count - cost end
-    return allowed, remaining, reset, retry, { entries = entries, new = new }
-  end,
-
-  save = function(c, s)
-    redis.call('ZREMRANGEBYSCORE', c.key, '-inf', now - c.w)
-    local card = redis.call('ZCARD', c.key)
-    for j = 1, #s.new do
-      redis.call('ZADD', c.key, now, now .. ':' .. (card + j) .. ':' .. s.new[j])
-    end
-    redis.call('PEXPIRE', c.key, c.w)
-  end,
-}
+  end
+  local after = added
+  if allowed then after = added + cost end
+  local reset = 0
+  if after > 0 then reset = w
+  elseif from <= #logt[k] then reset = logt[k][#logt[k]] + w - now end
+  local remaining = 0
+  if allowed then remaining = lim - count - cost end
+  return allowed, remaining, reset, retry, nil, after, nil
+end
 
 -- 3: token bucket. A hash: tokens `t` (a float) and the time they were counted `l`.
-algorithms[3] = {
-  load = function(c)
-    local v = redis.call('HMGET', c.key, 't', 'l')
-    if not v[1] then return nil end
-    return { tokens = tonumber(v[1]), last = tonumber(v[2]) }
-  end,
+decide[3] = function(s, k, present, tokens0, last0, _, cost)
+  local capacity = burst[s]
+  local per_ms = limit[s] / win[s]
+  local tokens = capacity
+  if present then tokens = math.min(tokens0 + math.max(now - last0, 0) * per_ms, capacity) end
+  local allowed = cost <= tokens
+  local after = tokens
+  if allowed then after = tokens - cost end
+  local function refill(missing)
+    if per_ms > 0 then return ceil0(missing / per_ms) end
+    return win[s]
+  end
+  local retry = 0
+  if not allowed then
+    if cost > capacity then retry = win[s] else retry = refill(cost - tokens) end
+  end
+  local remaining = 0
+  if allowed then remaining = math.floor(after) end
+  return allowed, remaining, refill(capacity - after), retry, after, now, nil
+end
 
-  decide = function(c, s, cost)
-    local capacity = c.burst
-    local per_ms = c.limit / c.w
-    local tokens = capacity
-    if s then tokens = math.min(s.tokens + math.max(now - s.last, 0) * per_ms, capacity) end
-    local allowed = cost <= tokens
-    local after = tokens
-    if allowed then after = tokens - cost end
-    local function refill(missing)
-      if per_ms > 0 then return ceil0(missing / per_ms) end
-      return c.w
-    end
-    local retry = 0
-    if not allowed then
-      if cost > capacity then retry = c.w else retry = refill(cost - tokens) end
-    end
-    local remaining = 0
-    if allowed then remaining = math.floor(after) end
-    return allowed, remaining, refill(capacity - after), retry, { tokens = after, last = now }
-  end,
+-- 4: GCRA. A string: the theoretical arrival time in microseconds; the emission interval is whole
+-- microseconds, rounded up.
+decide[4] = function(s, k, present, tat0, _, _, cost)
+  local interval = math.ceil(win[s] * 1000 / math.max(limit[s], 1))
+  local capacity = interval * burst[s]
+  local now_us = now * 1000.0
+  local tat = now_us
+  if present then tat = math.max(tat0, now_us) end
+  local new_tat = tat + cost * interval
+  local allowed = limit[s] > 0 and new_tat - now_us <= capacity
+  local kept = tat
+  if allowed then kept = new_tat end
+  local remaining = math.max(math.floor((capacity - (kept - now_us)) / interval), 0)
+  local retry = 0
+  if not allowed then
+    if limit[s] == 0 or cost > burst[s] then retry = win[s]
+    else retry = ceil0((new_tat - capacity - now_us) / 1000.0) end
+    remaining = 0
+  end
+  return allowed, remaining, ceil0((kept - now_us) / 1000.0), retry, math.ceil(kept), nil, nil
+end
 
-  save = function(c, s)
+-- The sliding log's state starts with nothing added by this call, whether or not the key existed.
+for k in pairs(needed) do
+  if kalg[k] == 2 then has[k], s2[k] = true, 0 end
+end
+
+-- Writes a key's state back, with its expiry; `s` is the spec of the last check that changed it.
+local function save(k, s)
+  local a, name, w = alg[s], key[k], win[s]
+  if a == 0 then
+    if not existed[k] then
+      redis.call('SET', name, s1[k], 'EX', w / 1000 + call.jitter)
+    else
+      redis.call('INCRBY', name, s1[k] - base[k])
+    end
+  elseif a == 1 then
+    redis.call('HSET', name, 's', s1[k], 'c', s2[k], 'p', s3[k])
+    redis.call('PEXPIRE', name, s1[k] + 2 * w - now)
+  elseif a == 2 then
+    if #logt[k] > 0 and logt[k][1] + w <= now then
+      redis.call('ZREMRANGEBYSCORE', name, '-inf', now - w)
+    end
+    redis.call('ZADD', name, now, now .. ':' .. t[2] .. ':' .. s2[k])
+    redis.call('PEXPIRE', name, w)
+  elseif a == 3 then
     -- Until the bucket is full again (as the memory store keeps it): one that never refills
     -- (requests_per_unit 0) keeps its state for burst x window, not for a moment.
-    local full_in = ceil0((c.burst - s.tokens) * c.w / math.max(c.limit, 1)) + 1
-    redis.call('HSET', c.key, 't', string.format('%.17g', s.tokens), 'l', s.last)
-    redis.call('PEXPIRE', c.key, full_in)
-  end,
-}
+    local full_in = ceil0((burst[s] - s1[k]) * w / math.max(limit[s], 1)) + 1
+    redis.call('HSET', name, 't', string.format('%.17g', s1[k]), 'l', s2[k])
+    redis.call('PEXPIRE', name, full_in)
+  else
+    redis.call('SET', name, string.format('%d', s1[k]), 'PX', ceil0(s1[k] / 1000 - now) + 1)
+  end
+end
 
--- 4: GCRA. A string: the theoretical arrival time in microseconds.
-algorithms[4] = {
-  load = function(c)
-    local tat = redis.call('GET', c.key)
-    if not tat then return nil end
-    return { tat = tonumber(tat) }
-  end,
-
-  decide = function(c, s, cost)
-    local interval = c.w * 1000.0 / math.max(c.limit, 1)
-    local capacity = interval * c.burst
-    local now_us = now * 1000.0
-    local tat = now_us
-    if s then tat = math.max(s.tat, now_us) end
-    local new_tat = tat + cost * interval
-    local allowed = c.limit > 0 and new_tat - now_us <= capacity
-    local kept = tat
-    if allowed then kept = new_tat end
-    local remaining = math.max(math.floor((capacity - (kept - now_us)) / interval), 0)
-    local retry = 0
-    if not allowed then
-      if c.limit == 0 or cost > c.burst then retry = c.w
-      else retry = ceil0((new_tat - capacity - now_us) / 1000.0) end
-      remaining = 0
+-- Decide the requests in order. A request's changes are tentative (t1..t3, marked with the request in
+-- `tr`) until it is known to consume; a key checked twice in one request sees the earlier check's cost.
+local t1, t2, t3, tr = {}, {}, {}, {}
+local allowed, remaining, reset, retry = {}, {}, {}, {}
+local dirty = {}
+local reply = { now }
+for r = 1, requests do
+  if skipped[r] then
+    reply[#reply + 1] = 1
+    reply[#reply + 1] = 0
+  else
+    local flags = call.rflags[r]
+    local scope, consume_on_deny = flags % 4, flags >= 4
+    local first_check, last_check = call.rfirst[r], call.rlast[r]
+    for i = first_check, last_check do
+      local k, s, cost = ckey[i], cspec[i], ccost[i]
+      local a, b, c3, present
+      if tr[k] == r then a, b, c3, present = t1[k], t2[k], t3[k], true
+      else a, b, c3, present = s1[k], s2[k], s3[k], has[k] end
+      local ok, rem, res, ret, n1, n2, n3 = decide[alg[s]](s, k, present, a, b, c3, cost)
+      allowed[i], remaining[i], reset[i], retry[i] = ok, rem, res, ret
+      if cost > 0 and (ok or counts_denied[alg[s]]) then
+        t1[k], t2[k], t3[k], tr[k] = n1, n2, n3, r
+      end
     end
-    return allowed, remaining, ceil0((kept - now_us) / 1000.0), retry, { tat = math.ceil(kept) }
-  end,
-
-  save = function(c, s)
-    redis.call('SET', c.key, string.format('%d', s.tat), 'PX', ceil0(s.tat / 1000 - now) + 1)
-  end,
-}
-
--- The checks, refused before anything is read when an algorithm is unknown or a key's window is not
--- this server's.
-local checks = {}
-for i = 1, n do
-  local a = 3 + (i - 1) * 7
-  local c = {
-    alg = tonumber(ARGV[a + 1]), limit = tonumber(ARGV[a + 2]), w = tonumber(ARGV[a + 3]),
-    cost = tonumber(ARGV[a + 4]), role = tonumber(ARGV[a + 5]), burst = tonumber(ARGV[a + 6]),
-    key = KEYS[i],
-  }
-  local algorithm = algorithms[c.alg]
-  if algorithm == nil then
-    return redis.error_reply('ratelimitd: argument ' .. (a + 1) .. ' is not a known algorithm')
-  end
-  if algorithm.in_window and not algorithm.in_window(c, tonumber(ARGV[a + 7])) then
-    return { 1, 0, now }
-  end
-  c.algorithm = algorithm
-  checks[i] = c
-end
-
--- A copy of a state, so that the state as loaded survives the decisions made on it.
-local function copy(s)
-  if s == nil then return nil end
-  local c = {}
-  for k, v in pairs(s) do c[k] = v end
-  if s.entries then
-    c.entries, c.new = {}, {}
-    for j = 1, #s.entries do c.entries[j] = s.entries[j] end
-    for j = 1, #s.new do c.new[j] = s.new[j] end
-  end
-  return c
-end
-
--- Decide in order; a key checked twice in one call sees the earlier checks' costs.
-local state, loaded, original = {}, {}, {}
-local allowed, results = {}, {}
-for i = 1, n do
-  local c = checks[i]
-  if not loaded[c.key] then
-    state[c.key] = c.algorithm.load(c)
-    original[c.key] = copy(state[c.key])
-    loaded[c.key] = true
-  end
-  local ok, remaining, reset, retry, next_state = c.algorithm.decide(c, state[c.key], c.cost)
-  allowed[i] = ok
-  results[i] = { remaining, reset, retry }
-  if c.cost > 0 and (ok or c.algorithm.counts_denied) then
-    state[c.key] = next_state
-    c.changed = true
-  end
-end
-
-local denied = known_denied
-local quota, quota_over = 0, 0
-for i = 1, n do
-  if checks[i].role == 0 and not allowed[i] then
-    denied = true
-  elseif checks[i].role == 2 then
-    quota = quota + 1
-    if not allowed[i] then quota_over = quota_over + 1 end
-  end
-end
-if complete and quota > 0 and quota == quota_over then denied = true end
-local consume = consume_on_deny or not denied
-
-if consume then
-  local written = {}
-  for i = 1, n do
-    local c = checks[i]
-    if c.changed and not written[c.key] then
-      written[c.key] = true
-      c.algorithm.save(c, state[c.key])
+    local denied = scope == 2
+    local quota, quota_over = 0, 0
+    for i = first_check, last_check do
+      if crole[i] == 0 and not allowed[i] then denied = true
+      elseif crole[i] == 2 then
+        quota = quota + 1
+        if not allowed[i] then quota_over = quota_over + 1 end
+      end
+    end
+    if scope == 1 and quota > 0 and quota == quota_over then denied = true end
+    local consume = consume_on_deny or not denied
+    reply[#reply + 1] = 0
+    reply[#reply + 1] = denied and 1 or 0
+    for i = first_check, last_check do
+      local k, s = ckey[i], cspec[i]
+      if allowed[i] and not consume then
+        -- Allowed but not consumed: the quota as it stands.
+        local _, rem, res = decide[alg[s]](s, k, has[k], s1[k], s2[k], s3[k], 0)
+        remaining[i], reset[i] = rem, res
+      end
+      reply[#reply + 1] = allowed[i] and 1 or 0
+      reply[#reply + 1] = remaining[i]
+      reply[#reply + 1] = reset[i]
+      reply[#reply + 1] = retry[i]
+    end
+    if consume then
+      for i = first_check, last_check do
+        local k = ckey[i]
+        if tr[k] == r then
+          s1[k], s2[k], s3[k], has[k] = t1[k], t2[k], t3[k], true
+          tr[k] = nil
+          dirty[k] = cspec[i]
+        end
+      end
+    else
+      for i = first_check, last_check do tr[ckey[i]] = nil end
     end
   end
 end
 
-local reply = { 0, denied and 1 or 0, now }
-for i = 1, n do
-  local c = checks[i]
-  local remaining, reset, retry = results[i][1], results[i][2], results[i][3]
-  if allowed[i] and not consume then
-    -- Allowed but not consumed: the quota as it stands.
-    local _, r, z = c.algorithm.decide(c, original[c.key], 0)
-    remaining, reset = r, z
-  end
-  reply[#reply + 1] = allowed[i] and 1 or 0
-  reply[#reply + 1] = remaining
-  reply[#reply + 1] = reset
-  reply[#reply + 1] = retry
-end
+for k, s in pairs(dirty) do save(k, s) end
 return reply

@@ -21,6 +21,7 @@
 //! (the client configuration for the settings), `options` (the settings themselves) and `tls`.
 
 mod backend;
+mod coalesce;
 mod config;
 mod node;
 mod options;
@@ -38,6 +39,7 @@ use std::{
     time::Duration,
 };
 
+use bytes::Bytes;
 use fred::{prelude::*, types::scripts::Script};
 use futures_util::future::join_all;
 use tokio::time::Instant;
@@ -46,7 +48,7 @@ use tokio_util::task::TaskTracker;
 use self::{
     backend::Backend,
     node::Node,
-    script::{DecideCall, RefundCall, SlotReply, DECIDE_LUA, REFUND_LUA},
+    script::{Part, PartReply, RefundCall, DECIDE_LUA, REFUND_LUA},
 };
 use super::{Applied, Batch, CounterStore, Deadline, Outcome, StoreError, StoreHealth};
 
@@ -59,8 +61,7 @@ pub struct RedisStore {
     per_second: Option<Arc<Backend>>,
     decide: Script,
     refund: Script,
-    jitter_max: u64,
-    /// Commands whose callers stopped waiting, watched until they end.
+    /// Commands whose callers stopped waiting, and the calls in flight, watched until they end.
     tasks: TaskTracker,
     /// Every Redis was connected and had the scripts loaded at least once.
     reached: AtomicBool,
@@ -87,19 +88,26 @@ impl RedisStore {
     ) -> Result<Arc<Self>, StoreError> {
         let (decide, refund) = (Script::from_lua(DECIDE_LUA), Script::from_lua(REFUND_LUA));
         let scripts = [decide.clone(), refund.clone()];
-        let command_timeout =
-            |s: &RedisSettings| longest_wait.max(s.timeout) + s.unresponsive_after.max(s.timeout);
-        let main = Backend::connect("main", settings, command_timeout(settings), scripts.clone())?;
-        let per_second = per_second
-            .map(|s| Backend::connect("per-second", s, command_timeout(s), scripts))
-            .transpose()?;
+        let tasks = TaskTracker::new();
+        let connect = |name, s: &RedisSettings| {
+            let command_timeout = longest_wait.max(s.timeout) + s.unresponsive_after.max(s.timeout);
+            Backend::connect(
+                name,
+                s,
+                command_timeout,
+                scripts.clone(),
+                jitter_max,
+                tasks.clone(),
+            )
+        };
+        let main = connect("main", settings)?;
+        let per_second = per_second.map(|s| connect("per-second", s)).transpose()?;
         Ok(Arc::new(Self {
             main,
             per_second,
             decide,
             refund,
-            jitter_max,
-            tasks: TaskTracker::new(),
+            tasks,
             reached: AtomicBool::new(false),
         }))
     }
@@ -154,20 +162,35 @@ impl RedisStore {
         let estimate = |b: &Backend| local_ms as i64 + b.clock_offset_ms.load(Ordering::Relaxed);
         let mut now_ms = [estimate(&self.main), estimate(self.backend(1))];
         for _ in 0..2 {
-            let keys: Vec<String> = batch
+            let keys: Vec<Bytes> = batch
                 .checks
                 .iter()
                 .map(|c| {
                     let now = now_ms[self.backend_of(c.per_second)];
-                    c.storage_key(u64::try_from(now).unwrap_or(0))
+                    c.storage_key(u64::try_from(now).unwrap_or(0)).into()
                 })
                 .collect();
             let groups = self.groups(batch, &keys);
             self.admit(&groups)?;
             let complete = groups.len() == 1;
-            let replies = join_all(groups.iter().map(|group| {
-                let now = u64::try_from(now_ms[group.backend]).unwrap_or(0);
-                self.call_decide(batch, &keys, group, complete, now, deadline)
+            let parts = groups
+                .iter()
+                .map(|group| {
+                    let now = u64::try_from(now_ms[group.backend]).unwrap_or(0);
+                    let cluster = self.backend(group.backend).cluster;
+                    Part::new(batch, &keys, &group.checks, complete, now, |key| {
+                        if cluster {
+                            fred::util::redis_keyslot(key)
+                        } else {
+                            0
+                        }
+                    })
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            let replies = join_all(groups.iter().zip(parts).map(|(group, part)| {
+                let backend = self.backend(group.backend);
+                let (until, late) = Self::wait_bound(backend, deadline);
+                backend.caller.decide(&group.node, part, until, late)
             }))
             .await;
             let mut slots = Vec::with_capacity(replies.len());
@@ -228,7 +251,7 @@ impl RedisStore {
     }
 
     /// Keeps each backend's clock estimate: the newest server time among its replies.
-    fn record_clocks(&self, groups: &[Group], slots: &[SlotReply], local_ms: u64) {
+    fn record_clocks(&self, groups: &[Group], slots: &[PartReply], local_ms: u64) {
         for (index, backend) in self.backends().enumerate() {
             let newest = groups
                 .iter()
@@ -245,14 +268,14 @@ impl RedisStore {
     }
 
     /// The checks grouped by backend and, on Cluster, by hash slot, each with its server.
-    fn groups(&self, batch: &Batch, keys: &[String]) -> Vec<Group> {
+    fn groups(&self, batch: &Batch, keys: &[Bytes]) -> Vec<Group> {
         let mut by_slot: BTreeMap<(usize, Option<u16>), Vec<usize>> = BTreeMap::new();
         for (i, (check, key)) in batch.checks.iter().zip(keys).enumerate() {
             let backend = self.backend_of(check.per_second);
             let slot = self
                 .backend(backend)
                 .cluster
-                .then(|| fred::util::redis_keyslot(key.as_bytes()));
+                .then(|| fred::util::redis_keyslot(key));
             by_slot.entry((backend, slot)).or_default().push(i);
         }
         by_slot
@@ -265,45 +288,13 @@ impl RedisStore {
             .collect()
     }
 
-    async fn call_decide(
-        &self,
-        batch: &Batch,
-        keys: &[String],
-        group: &Group,
-        complete: bool,
-        now_ms: u64,
-        deadline: Deadline,
-    ) -> Result<SlotReply, StoreError> {
-        let jitter = if self.jitter_max == 0 {
-            0
-        } else {
-            rand::random_range(0..=self.jitter_max)
-        };
-        let DecideCall { keys, args } =
-            DecideCall::new(batch, keys, &group.checks, complete, jitter, now_ms);
-        let backend = self.backend(group.backend);
-        let (client, script) = (backend.pool.next_connected().clone(), self.decide.clone());
-        let call = async move {
-            script
-                .evalsha_with_reload::<Vec<i64>, _, _>(&client, keys, args)
-                .await
-        };
-        let (until, late) = Self::wait_bound(backend, deadline);
-        let reply = group
-            .node
-            .wait(&self.tasks, call, until, late)
-            .await?
-            .map_err(redis_error)?;
-        SlotReply::parse(&reply, group.checks.len())
-    }
-
     /// Gives back the hits of every slot that consumed for this request.
     async fn refund_consumed(
         &self,
         batch: &Batch,
-        keys: &[String],
+        keys: &[Bytes],
         groups: &[Group],
-        slots: &[SlotReply],
+        slots: &[PartReply],
         deadline: Deadline,
     ) -> Result<(), StoreError> {
         let calls = groups.iter().zip(slots).filter_map(|(group, slot)| {
@@ -374,7 +365,7 @@ impl CounterStore for RedisStore {
 }
 
 /// The outcomes of every slot, in the order of the batch's checks.
-fn in_batch_order(batch: &Batch, groups: &[Group], slots: &[SlotReply]) -> Vec<Outcome> {
+fn in_batch_order(batch: &Batch, groups: &[Group], slots: &[PartReply]) -> Vec<Outcome> {
     let mut outcomes = vec![
         Outcome {
             allowed: false,
@@ -397,20 +388,20 @@ fn in_batch_order(batch: &Batch, groups: &[Group], slots: &[SlotReply]) -> Vec<O
 /// check gets back what it, and earlier checks of its key in this request, consumed.
 fn report_refunded(
     batch: &Batch,
-    keys: &[String],
+    keys: &[Bytes],
     groups: &[Group],
-    slots: &[SlotReply],
+    slots: &[PartReply],
     outcomes: &mut [Outcome],
 ) {
     for (group, slot) in groups.iter().zip(slots) {
         if slot.denied {
             continue;
         }
-        let mut consumed: BTreeMap<&str, u64> = BTreeMap::new();
+        let mut consumed: BTreeMap<&[u8], u64> = BTreeMap::new();
         for &i in &group.checks {
             let c = &batch.checks[i];
             if outcomes[i].allowed {
-                let given_back = consumed.entry(keys[i].as_str()).or_default();
+                let given_back = consumed.entry(&keys[i][..]).or_default();
                 *given_back = given_back.saturating_add(c.bounded_cost());
                 outcomes[i].remaining = outcomes[i]
                     .remaining

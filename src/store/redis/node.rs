@@ -1,4 +1,5 @@
-//! The health of one Redis server as this replica sees it, and waiting for its answers.
+//! The health of one Redis server as this replica sees it, waiting for its answers, and the lane of
+//! requests waiting to be sent to it (see `coalesce`).
 //!
 //! A call waits for its answer until the caller's answer is due ([`Node::wait`]); while it waits, answers
 //! to any other call count as signs of life. Only a server that answers nothing at all for
@@ -26,14 +27,19 @@ use fred::error::{Error, ErrorKind};
 use tokio::time::Instant;
 use tokio_util::task::TaskTracker;
 
-use super::super::{breaker::Breaker, StoreError};
+use super::{
+    super::{breaker::Breaker, StoreError},
+    coalesce::Lane,
+};
 
-/// One Redis server: its breaker and the signs of life seen from it.
+/// One Redis server: its breaker, the signs of life seen from it, and the parts waiting for its next
+/// call.
 #[derive(Debug)]
 pub struct Node {
     /// `host:port`, for logs.
     name: String,
     pub breaker: Breaker,
+    pub lane: Lane,
     unresponsive_after: Duration,
     /// Reference point of the millisecond clocks below.
     epoch: Instant,
@@ -49,6 +55,7 @@ impl Node {
         Self {
             name,
             breaker,
+            lane: Lane::default(),
             unresponsive_after,
             epoch: Instant::now(),
             outstanding: AtomicUsize::new(0),

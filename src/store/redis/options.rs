@@ -75,6 +75,15 @@ pub struct RedisSettings {
     pub tls_skip_hostname_verification: bool,
     /// Env `REDIS_POOL_SIZE` (default 10): connections per Redis node; commands are pipelined on each.
     pub pool_size: usize,
+    /// Script calls in flight per Redis server (default 2). Requests that arrive while every one is busy
+    /// wait, and go together in the next call that ends: an idle service sends each request at once, a
+    /// busy one fewer, larger calls.
+    pub calls_in_flight: usize,
+    /// Most requests one script call decides (default 64), each still all-or-nothing.
+    pub batch_max_requests: usize,
+    /// About the most bytes of keys and arguments one script call carries (default 64 KiB); a request
+    /// larger than that alone still goes, in a call of its own.
+    pub batch_max_bytes: usize,
     /// Env `REDIS_TIMEOUT` (default `1s`): the longest a request that carries no deadline of its own
     /// waits for Redis before the `on_backend_error` policy answers (never past `overload.deadline`). A
     /// gRPC call with a deadline (Envoy sends its filter timeout as `grpc-timeout`) waits until shortly
@@ -113,6 +122,9 @@ impl Default for RedisSettings {
             tls_client_key: None,
             tls_skip_hostname_verification: false,
             pool_size: 10,
+            calls_in_flight: 2,
+            batch_max_requests: 64,
+            batch_max_bytes: 64 * 1024,
             timeout: Duration::from_secs(1),
             unresponsive_after: Duration::from_millis(300),
             connect_timeout: Duration::from_secs(2),

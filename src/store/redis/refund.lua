@@ -26,11 +26,17 @@ for i = 1, #KEYS do
         redis.call('HSET', key, 'p', math.max(tonumber(v[3]) - hits, 0))
       end
     elseif alg == 2 then
-      -- The request's entry: counted at the stamp, with its cost (any such entry is the same).
+      -- The call's entry: counted at the stamp, holding every hit that call added to the key (this
+      -- request's among them). Take this request's hits out of it.
       local members = redis.call('ZRANGEBYSCORE', key, stamp, stamp)
       for j = 1, #members do
-        if (tonumber(string.match(members[j], '^%d+:%d+:(%d+)$')) or 1) == hits then
+        local seq, held = string.match(members[j], '^%d+:(%d+):(%d+)$')
+        held = tonumber(held) or 1
+        if held >= hits then
           redis.call('ZREM', key, members[j])
+          if held > hits then
+            redis.call('ZADD', key, stamp, stamp .. ':' .. (seq or 0) .. ':' .. (held - hits))
+          end
           break
         end
       end
@@ -39,7 +45,7 @@ for i = 1, #KEYS do
       redis.call('HSET', key, 't', string.format('%.17g', math.min(tokens + hits, burst)))
     else
       local tat = tonumber(redis.call('GET', key))
-      local interval = w * 1000.0 / math.max(limit, 1)
+      local interval = math.ceil(w * 1000 / math.max(limit, 1))
       redis.call('SET', key, string.format('%d', math.ceil(tat - hits * interval)), 'KEEPTTL')
     end
   end

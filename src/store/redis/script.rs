@@ -2,8 +2,18 @@
 //! arguments of a call, the codes inside them, and what a reply means. A change to a script's header is
 //! a change here, and the other way round.
 //!
-//! Every number crosses as an integer (`i64`); the scripts refuse anything outside 0 to 2^53 before they
-//! read or write, and costs arrive already bounded (see [`Check::bounded_cost`]).
+//! A decide call carries one or more [`Part`]s: the checks of one request that one server decides (all
+//! of a request's checks outside Cluster, those of one hash slot on it). The script decides the parts in
+//! order, each all-or-nothing, and answers each with its own [`PartReply`].
+//!
+//! Every number crosses as an integer; the scripts refuse anything outside 0 to 2^53 before they read or
+//! write, and a part refuses to be built with one (so that one request can never spoil a call it shares
+//! with others). Costs arrive already bounded (see [`Check::bounded_cost`]).
+
+use std::collections::HashMap;
+
+use bytes::Bytes;
+use fred::types::{Key, Value};
 
 use super::super::{Batch, Check, Outcome, Role, StoreError};
 use crate::algorithm::{Algorithm, Decision};
@@ -11,12 +21,10 @@ use crate::algorithm::{Algorithm, Decision};
 pub const DECIDE_LUA: &str = include_str!("decide.lua");
 pub const REFUND_LUA: &str = include_str!("refund.lua");
 
-/// decide.lua's ARGV before the per-check integers: consume on deny, scope, expiry jitter.
-const DECIDE_HEADER_ARGS: usize = 3;
-/// decide.lua's integers per check: algorithm, limit, window (ms), cost, role, burst, window start (s).
-const DECIDE_ARGS_PER_CHECK: usize = 7;
+/// The largest integer the scripts accept (Lua numbers are doubles: exact up to here).
+const MAX_INTEGER: u64 = 1 << 53;
 
-/// decide.lua's ARGV[2]: how much of the request one call decides.
+/// decide.lua's scope of a part: how much of its request the part is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Scope {
     /// Some of its checks (a Cluster hash slot): quota checks alone cannot deny.
@@ -27,6 +35,9 @@ enum Scope {
     /// consumes.
     PartOfDenied = 2,
 }
+
+/// decide.lua's request flags: the scope plus this for consume-on-deny.
+const CONSUME_ON_DENY: i64 = 4;
 
 /// The role code of a check, as the script's header numbers them.
 fn role_code(role: Role) -> i64 {
@@ -48,147 +59,282 @@ fn algorithm_id(algorithm: Algorithm) -> i64 {
     }
 }
 
-/// The keys and arguments of one decide.lua call: the checks `checks` (indexes into the batch) of one
-/// hash slot.
-pub struct DecideCall {
-    pub keys: Vec<String>,
-    pub args: Vec<i64>,
+/// A limit spec as decide.lua numbers it: algorithm, limit, window (ms), burst, fixed-window start (s).
+type Spec = [i64; 5];
+
+/// One check of a part.
+#[derive(Debug, Clone)]
+pub struct PartCheck {
+    /// Its storage key.
+    pub key: Bytes,
+    /// The key's Cluster hash slot (0 outside Cluster).
+    pub slot: u16,
+    spec: Spec,
+    cost: i64,
+    role: i64,
 }
 
-impl DecideCall {
-    /// `keys` are the storage keys of every check of the batch; `complete` says whether `checks` are all
-    /// of them; `jitter` is the extra TTL (s) of new fixed-window counters; `now_ms` is the server time
-    /// the fixed-window keys were computed for.
+/// The checks of one request that one call decides, ready to travel in a call with others.
+#[derive(Debug, Clone)]
+pub struct Part {
+    flags: i64,
+    pub checks: Vec<PartCheck>,
+}
+
+impl Part {
+    /// The checks `checks` (indexes into the batch) of one request, whose storage keys are `keys` and
+    /// slots `slot_of`; `complete` says whether they are all of its checks; `now_ms` is the server time
+    /// the fixed-window keys were computed for. Refused when a number exceeds what the script takes.
     pub fn new(
         batch: &Batch,
-        keys: &[String],
+        keys: &[Bytes],
         checks: &[usize],
         complete: bool,
-        jitter: u64,
         now_ms: u64,
-    ) -> Self {
+        slot_of: impl Fn(&[u8]) -> u16,
+    ) -> Result<Self, StoreError> {
         let scope = match (batch.known_denied, complete) {
             (true, _) => Scope::PartOfDenied,
             (false, true) => Scope::Complete,
             (false, false) => Scope::Part,
         };
-        let mut args =
-            Vec::with_capacity(DECIDE_HEADER_ARGS + checks.len() * DECIDE_ARGS_PER_CHECK);
-        args.extend([
-            i64::from(batch.consume_on_deny),
-            scope as i64,
-            to_i64(jitter),
-        ]);
-        let mut call_keys = Vec::with_capacity(checks.len());
-        for &i in checks {
-            let c = &batch.checks[i];
-            call_keys.push(keys[i].clone());
-            let p = &c.params;
-            args.extend([
-                algorithm_id(p.algorithm),
-                to_i64(p.limit),
-                to_i64(p.window_ms),
-                to_i64(c.bounded_cost()),
-                role_code(c.role),
-                to_i64(p.burst),
-                to_i64(c.window_start_secs(now_ms).unwrap_or(0)),
-            ]);
-        }
-        Self {
-            keys: call_keys,
-            args,
-        }
+        let flags = scope as i64
+            + if batch.consume_on_deny {
+                CONSUME_ON_DENY
+            } else {
+                0
+            };
+        let checks = checks
+            .iter()
+            .map(|&i| {
+                let c = &batch.checks[i];
+                let p = &c.params;
+                Ok(PartCheck {
+                    key: keys[i].clone(),
+                    slot: slot_of(&keys[i]),
+                    spec: [
+                        algorithm_id(p.algorithm),
+                        integer(p.limit, "limit")?,
+                        integer(p.window_ms, "window")?,
+                        integer(p.burst, "burst")?,
+                        integer(c.window_start_secs(now_ms).unwrap_or(0), "window start")?,
+                    ],
+                    cost: integer(c.bounded_cost(), "cost")?,
+                    role: role_code(c.role),
+                })
+            })
+            .collect::<Result<_, StoreError>>()?;
+        Ok(Self { flags, checks })
+    }
+
+    /// About what the part adds to a call on the wire: its keys and integers.
+    pub fn wire_bytes(&self) -> usize {
+        self.checks.iter().map(|c| c.key.len() + 48).sum::<usize>() + 16
     }
 }
 
-/// decide.lua's reply status: decided.
+/// A number as the scripts take it: a whole number up to 2^53.
+fn integer(v: u64, what: &str) -> Result<i64, StoreError> {
+    if v > MAX_INTEGER {
+        return Err(StoreError::Backend(format!(
+            "{what} {v} is above 2^53, more than the Redis store can count"
+        )));
+    }
+    Ok(v as i64)
+}
+
+/// The keys and arguments of one decide.lua call.
+pub struct DecideCall {
+    /// The declared keys: all of them outside Cluster, those of the first hash slot on it.
+    pub keys: Vec<Key>,
+    pub args: Vec<Value>,
+}
+
+impl DecideCall {
+    /// A call deciding `parts` in order; `jitter` is the extra TTL (s) of the fixed-window counters it
+    /// creates. On Cluster (`cluster`), the keys are grouped by hash slot and those of the first slot are
+    /// declared, the others passed at the end of ARGV.
+    pub fn new(parts: &[&Part], jitter: u64, cluster: bool) -> Self {
+        // Distinct keys in first-seen order, then grouped by slot (first-seen slot first).
+        let mut index: HashMap<&[u8], usize> = HashMap::new();
+        let mut distinct: Vec<&PartCheck> = Vec::new();
+        for check in parts.iter().flat_map(|p| &p.checks) {
+            index.entry(&check.key[..]).or_insert_with(|| {
+                distinct.push(check);
+                distinct.len() - 1
+            });
+        }
+        let mut order: Vec<usize> = (0..distinct.len()).collect();
+        if cluster {
+            let mut first_seen: HashMap<u16, usize> = HashMap::new();
+            for (i, check) in distinct.iter().enumerate() {
+                first_seen.entry(check.slot).or_insert(i);
+            }
+            order.sort_by_key(|&i| (first_seen[&distinct[i].slot], i));
+        }
+        // number[i]: the 1-based key index of distinct key i.
+        let mut number = vec![0; distinct.len()];
+        for (position, &i) in order.iter().enumerate() {
+            number[i] = position + 1;
+        }
+        let mut group_ends = Vec::new();
+        for (position, pair) in order.windows(2).enumerate() {
+            if cluster && distinct[pair[0]].slot != distinct[pair[1]].slot {
+                group_ends.push(position + 1);
+            }
+        }
+        if !order.is_empty() {
+            group_ends.push(order.len());
+        }
+        let declared = if cluster {
+            group_ends.first().copied().unwrap_or(0)
+        } else {
+            order.len()
+        };
+
+        let mut specs: Vec<Spec> = Vec::new();
+        let mut spec_index: HashMap<Spec, usize> = HashMap::new();
+        let checks: usize = parts.iter().map(|p| p.checks.len()).sum();
+        let mut args: Vec<Value> =
+            Vec::with_capacity(8 + group_ends.len() + parts.len() * 2 + checks * 9);
+        let push = |args: &mut Vec<Value>, v: usize| args.push(Value::Integer(v as i64));
+        args.push(Value::Integer(jitter.min(MAX_INTEGER) as i64));
+        push(&mut args, order.len());
+        push(&mut args, group_ends.len());
+        for &end in &group_ends {
+            push(&mut args, end);
+        }
+        // Specs come before the requests that name them: gather them first.
+        let mut requests: Vec<Value> = Vec::with_capacity(parts.len() * 2 + checks * 4);
+        for part in parts {
+            requests.push(Value::Integer(part.flags));
+            push(&mut requests, part.checks.len());
+            for check in &part.checks {
+                let spec = *spec_index.entry(check.spec).or_insert_with(|| {
+                    specs.push(check.spec);
+                    specs.len()
+                });
+                push(&mut requests, number[index[&check.key[..]]]);
+                push(&mut requests, spec);
+                requests.push(Value::Integer(check.cost));
+                requests.push(Value::Integer(check.role));
+            }
+        }
+        push(&mut args, specs.len());
+        args.extend(specs.iter().flatten().map(|&v| Value::Integer(v)));
+        push(&mut args, parts.len());
+        args.append(&mut requests);
+        let mut keys = Vec::with_capacity(declared);
+        for &i in &order[..declared] {
+            keys.push(Key::from(distinct[i].key.clone()));
+        }
+        for &i in &order[declared..] {
+            args.push(Value::Bytes(distinct[i].key.clone()));
+        }
+        Self { keys, args }
+    }
+}
+
+/// decide.lua's reply status of a part: decided.
 const STATUS_DECIDED: i64 = 0;
-/// decide.lua's reply status: a fixed-window key is for another window than the server's clock says;
-/// nothing was read or written.
+/// decide.lua's reply status of a part: a fixed-window key is for another window than the server's clock
+/// says; nothing of it was read or written.
 const STATUS_WINDOW_MISMATCH: i64 = 1;
-/// decide.lua's reply before the per-check integers: status, denied, server time (ms).
-const REPLY_HEADER: usize = 3;
 /// decide.lua's reply integers per check: allowed (1/0), remaining, reset (ms), retry (ms).
 const REPLY_PER_CHECK: usize = 4;
 
-/// The reply of one decide.lua call.
-#[derive(Debug)]
-pub struct SlotReply {
+/// The answer to one part.
+#[derive(Debug, Clone)]
+pub struct PartReply {
     /// Nothing was decided: retry with keys for `server_ms`.
     pub window_mismatch: bool,
-    /// The checks of this call deny the request.
+    /// The checks of this part deny the request.
     pub denied: bool,
     /// The server's time when it decided.
     pub server_ms: i64,
-    /// One per check of the call, in order.
+    /// One per check of the part, in order.
     pub outcomes: Vec<Outcome>,
 }
 
-impl SlotReply {
-    /// Reads the reply of a call with `checks` checks; anything else than the header says is an error.
-    pub fn parse(reply: &[i64], checks: usize) -> Result<Self, StoreError> {
+impl PartReply {
+    /// Reads the reply of a call that carried `parts`, one answer per part; anything else than the
+    /// header says is an error.
+    pub fn parse_all(reply: &[i64], parts: &[&Part]) -> Result<Vec<Self>, StoreError> {
         let bad = || StoreError::Backend(format!("unexpected reply from decide.lua: {reply:?}"));
-        if reply.len() < REPLY_HEADER {
+        let (&server_ms, mut rest) = reply.split_first().ok_or_else(bad)?;
+        let mut replies = Vec::with_capacity(parts.len());
+        for part in parts {
+            let [status, denied, tail @ ..] = rest else {
+                return Err(bad());
+            };
+            rest = tail;
+            match *status {
+                STATUS_WINDOW_MISMATCH => replies.push(Self {
+                    window_mismatch: true,
+                    denied: false,
+                    server_ms,
+                    outcomes: Vec::new(),
+                }),
+                STATUS_DECIDED => {
+                    let len = part.checks.len() * REPLY_PER_CHECK;
+                    if rest.len() < len {
+                        return Err(bad());
+                    }
+                    let (checks, tail) = rest.split_at(len);
+                    rest = tail;
+                    replies.push(Self {
+                        window_mismatch: false,
+                        denied: *denied == 1,
+                        server_ms,
+                        outcomes: checks.chunks_exact(REPLY_PER_CHECK).map(outcome).collect(),
+                    });
+                }
+                _ => return Err(bad()),
+            }
+        }
+        if !rest.is_empty() {
             return Err(bad());
         }
-        let (header, rest) = reply.split_at(REPLY_HEADER);
-        let (status, denied, server_ms) = (header[0], header[1], header[2]);
-        if status == STATUS_WINDOW_MISMATCH {
-            return Ok(Self {
-                window_mismatch: true,
-                denied: false,
-                server_ms,
-                outcomes: Vec::new(),
-            });
-        }
-        if status != STATUS_DECIDED || rest.len() != checks * REPLY_PER_CHECK {
-            return Err(bad());
-        }
-        Ok(Self {
-            window_mismatch: false,
-            denied: denied == 1,
-            server_ms,
-            outcomes: rest
-                .chunks_exact(REPLY_PER_CHECK)
-                .map(|c| {
-                    let ms = |v: i64| u64::try_from(v).unwrap_or(0);
-                    Outcome::from(Decision {
-                        allowed: c[0] == 1,
-                        remaining: ms(c[1]),
-                        reset_ms: ms(c[2]),
-                        retry_ms: ms(c[3]),
-                    })
-                })
-                .collect(),
-        })
+        Ok(replies)
     }
 
-    /// Whether the call consumed anything: it decided, and its checks allowed the request or the
+    /// Whether the part consumed anything: it decided, and its checks allowed the request or the
     /// request consumes even when denied.
     pub fn consumed(&self, batch: &Batch) -> bool {
         !self.window_mismatch && (!self.denied || batch.consume_on_deny)
     }
 }
 
+fn outcome(c: &[i64]) -> Outcome {
+    let ms = |v: i64| u64::try_from(v).unwrap_or(0);
+    Outcome::from(Decision {
+        allowed: c[0] == 1,
+        remaining: ms(c[1]),
+        reset_ms: ms(c[2]),
+        retry_ms: ms(c[3]),
+    })
+}
+
 /// refund.lua's integers per key: algorithm, hits to give back, window (ms), limit, burst.
 const REFUND_ARGS_PER_KEY: usize = 5;
 
-/// The keys and arguments of one refund.lua call: gives back what a decide.lua call consumed.
+/// The keys and arguments of one refund.lua call: gives back what a decided part consumed.
 pub struct RefundCall {
-    pub keys: Vec<String>,
+    pub keys: Vec<Key>,
     pub args: Vec<i64>,
 }
 
 impl RefundCall {
-    /// For the call that decided `checks` and replied `slot`; `None` when it consumed nothing.
-    pub fn new(batch: &Batch, keys: &[String], checks: &[usize], slot: &SlotReply) -> Option<Self> {
-        if !slot.consumed(batch) {
+    /// For the part of `checks` (indexes into the batch, whose storage keys are `keys`) that was
+    /// answered `reply`; `None` when it consumed nothing.
+    pub fn new(batch: &Batch, keys: &[Bytes], checks: &[usize], reply: &PartReply) -> Option<Self> {
+        if !reply.consumed(batch) {
             return None;
         }
-        let call_keys: Vec<String> = checks.iter().map(|&i| keys[i].clone()).collect();
+        let keys = checks.iter().map(|&i| Key::from(keys[i].clone())).collect();
         let mut args = Vec::with_capacity(1 + checks.len() * REFUND_ARGS_PER_KEY);
-        args.push(slot.server_ms);
-        for (&i, outcome) in checks.iter().zip(&slot.outcomes) {
+        args.push(reply.server_ms);
+        for (&i, outcome) in checks.iter().zip(&reply.outcomes) {
             let c = &batch.checks[i];
             args.extend([
                 algorithm_id(c.params.algorithm),
@@ -198,14 +344,11 @@ impl RefundCall {
                 to_i64(c.params.burst),
             ]);
         }
-        Some(Self {
-            keys: call_keys,
-            args,
-        })
+        Some(Self { keys, args })
     }
 }
 
-/// What a check consumed in a call that consumed: its cost when allowed, and every fixed-window hit
+/// What a check consumed in a part that consumed: its cost when allowed, and every fixed-window hit
 /// (decide.lua's `counts_denied`).
 fn consumed_hits(check: &Check, outcome: &Outcome) -> u64 {
     if outcome.allowed || check.params.algorithm == Algorithm::FixedWindow {
@@ -224,22 +367,16 @@ mod tests {
     use super::*;
     use crate::{algorithm::Params, store::Check};
 
-    #[test]
-    fn malformed_script_replies_are_errors_not_panics() {
-        assert!(SlotReply::parse(&[], 1).is_err());
-        assert!(SlotReply::parse(&[0, 0, 5, 1, 2, 3], 1).is_err());
-        assert!(SlotReply::parse(&[7, 0, 5], 0).is_err());
-        let r = SlotReply::parse(&[0, 1, 5, 0, 0, 2500, 1001], 1).unwrap();
-        assert!(r.denied && !r.outcomes[0].allowed);
-        assert_eq!(
-            (r.outcomes[0].reset_after, r.outcomes[0].retry_after),
-            (3, 2)
-        );
-        assert!(SlotReply::parse(&[1, 0, 5], 2).unwrap().window_mismatch);
+    fn ints(args: &[Value]) -> Vec<i64> {
+        args.iter()
+            .map(|v| match v {
+                Value::Integer(i) => *i,
+                other => panic!("not an integer: {other:?}"),
+            })
+            .collect()
     }
 
-    #[test]
-    fn a_call_passes_seven_integers_per_check_after_three_of_its_own() {
+    fn batch() -> Batch {
         let token_bucket = Check {
             key: "tb".into(),
             params: Params {
@@ -252,30 +389,88 @@ mod tests {
             role: Role::Quota,
             per_second: false,
         };
-        let batch = Batch {
+        Batch {
             checks: vec![
                 Check::fixed_window("fw_".into(), 5, 60, 1, Role::Shadow),
                 token_bucket,
             ],
             consume_on_deny: true,
             known_denied: false,
-        };
-        let keys = ["fw_2220".to_owned(), "tb".to_owned()];
-        let call = DecideCall::new(&batch, &keys, &[0, 1], true, 7, 2_222_000);
-        assert_eq!(call.keys, keys);
+        }
+    }
+
+    fn keys() -> Vec<Bytes> {
+        vec![Bytes::from_static(b"fw_2220"), Bytes::from_static(b"tb")]
+    }
+
+    #[test]
+    fn malformed_script_replies_are_errors_not_panics() {
+        let batch = batch();
+        let part = Part::new(&batch, &keys(), &[0], true, 2_222_000, |_| 0).unwrap();
+        let parts = [&part];
+        assert!(PartReply::parse_all(&[], &parts).is_err());
+        assert!(PartReply::parse_all(&[5, 0, 0, 1, 2, 3], &parts).is_err());
+        assert!(PartReply::parse_all(&[5, 7, 0], &parts).is_err());
+        assert!(PartReply::parse_all(&[5, 0, 0, 1, 2, 3, 4, 9], &parts).is_err());
+        let r = PartReply::parse_all(&[5, 0, 1, 0, 0, 2500, 1001], &parts).unwrap();
+        assert!(r[0].denied && !r[0].outcomes[0].allowed);
         assert_eq!(
-            call.args,
-            [1, 1, 7, 0, 5, 60_000, 1, 1, 5, 2_220, 3, 10, 60_000, 3, 2, 20, 0]
+            (r[0].outcomes[0].reset_after, r[0].outcomes[0].retry_after),
+            (3, 2)
         );
-        let part = DecideCall::new(&batch, &keys, &[1], false, 0, 2_222_000);
-        assert_eq!((part.args[1], part.keys.len()), (0, 1));
+        assert!(PartReply::parse_all(&[5, 1, 0], &parts).unwrap()[0].window_mismatch);
+    }
+
+    #[test]
+    fn a_call_numbers_distinct_keys_and_specs_and_lists_each_request() {
+        let batch = batch();
+        let keys = keys();
+        let both = Part::new(&batch, &keys, &[0, 1], true, 2_222_000, |_| 0).unwrap();
+        let again = Part::new(&batch, &keys, &[1], false, 2_222_000, |_| 0).unwrap();
+        let call = DecideCall::new(&[&both, &again], 7, false);
+        assert_eq!(call.keys, vec![Key::from("fw_2220"), Key::from("tb")]);
+        assert_eq!(
+            ints(&call.args),
+            [
+                7, 2, // jitter, keys
+                1, 2, // one read group ending at key 2
+                2, 0, 5, 60_000, 5, 2_220, 3, 10, 60_000, 20, 0, // two specs
+                2, // two requests
+                5, 2, 1, 1, 1, 1, 2, 2, 3, 2, // complete + consume on deny: fw, tb
+                4, 1, 2, 2, 3, 2, // a part: tb again
+            ]
+        );
         let denied = Batch {
             known_denied: true,
+            consume_on_deny: false,
             ..batch
         };
-        assert_eq!(
-            DecideCall::new(&denied, &keys, &[1], false, 0, 0).args[1],
-            2
-        );
+        let part = Part::new(&denied, &keys, &[1], false, 0, |_| 0).unwrap();
+        assert_eq!(part.flags, 2);
+    }
+
+    #[test]
+    fn on_cluster_the_first_slot_is_declared_and_the_other_keys_follow_the_integers() {
+        let batch = batch();
+        let keys = keys();
+        let slot = |k: &[u8]| if k == b"tb" { 9 } else { 3 };
+        let second = Part::new(&batch, &keys, &[1], false, 2_222_000, slot).unwrap();
+        let first = Part::new(&batch, &keys, &[0], false, 2_222_000, slot).unwrap();
+        let call = DecideCall::new(&[&second, &first], 0, true);
+        assert_eq!(call.keys, vec![Key::from("tb")]);
+        let tail = call.args.last().unwrap();
+        assert!(matches!(tail, Value::Bytes(b) if &b[..] == b"fw_2220"));
+        // Two read groups, one key each; `tb` is key 1.
+        assert_eq!(ints(&call.args[..5]), [0, 2, 2, 1, 2]);
+    }
+
+    #[test]
+    fn numbers_the_script_cannot_hold_refuse_the_part_alone() {
+        let mut batch = batch();
+        batch.checks[1].params.limit = (1 << 53) + 1;
+        batch.checks[1].params.burst = 1 << 60;
+        let err = Part::new(&batch, &keys(), &[0, 1], true, 0, |_| 0).unwrap_err();
+        assert!(err.to_string().contains("above 2^53"), "{err}");
+        assert!(Part::new(&batch, &keys(), &[0], false, 0, |_| 0).is_ok());
     }
 }

@@ -1,0 +1,281 @@
+//! Coalescing: the requests that reach a Redis server while its calls are in flight travel together in
+//! its next script call.
+//!
+//! Each server has a [`Lane`]: the parts waiting for it, and how many calls it has in flight (at most
+//! `redis.calls_in_flight`). A part that finds a call free is sent at once, in a call of its own; the
+//! parts that arrive while every call is busy wait in the lane, and the first call to end takes them,
+//! in arrival order, bounded by `redis.batch_max_requests` and `redis.batch_max_bytes`. There is no
+//! timer: an idle service sends every request at once, a busy one sends fewer, larger calls, and the
+//! script still decides each request on its own, all-or-nothing, in that order.
+//!
+//! A caller waits for its own part until its own answer is due; a part whose caller stopped waiting
+//! before its call was sent is dropped, never counted. The call itself is watched by the server's
+//! [`Node`], which tells a slow answer from a silent server.
+//!
+//! On Cluster a call carries the parts of every hash slot of one server: the keys of the first slot are
+//! declared (Redis routes by them) and the script reads the others itself. While slots move, such a call
+//! may be refused before it writes anything; its parts are then sent one slot per call, through the
+//! client's own redirection handling.
+
+use std::{
+    collections::VecDeque,
+    sync::{Arc, Mutex},
+};
+
+use fred::{error::Error, prelude::*, types::scripts::Script};
+use futures_util::future::join_all;
+use tokio::{sync::oneshot, time::Instant};
+use tokio_util::task::TaskTracker;
+
+use super::{
+    node::Node,
+    redis_error,
+    script::{DecideCall, Part, PartReply},
+};
+use crate::store::StoreError;
+
+/// How large one call may grow.
+#[derive(Debug, Clone, Copy)]
+pub struct Bounds {
+    /// Parts (requests, or their share on one server) per call.
+    pub requests: usize,
+    /// About the bytes of keys and arguments per call.
+    pub bytes: usize,
+    /// Calls in flight per server.
+    pub calls: usize,
+}
+
+/// One part waiting for a call.
+struct Waiting {
+    part: Part,
+    /// The part's caller stops waiting then.
+    until: Instant,
+    answer: oneshot::Sender<Result<PartReply, StoreError>>,
+}
+
+/// The parts waiting for one server, and its calls in flight.
+#[derive(Default)]
+pub struct Lane {
+    queue: Mutex<Queue>,
+}
+
+#[derive(Default)]
+struct Queue {
+    waiting: VecDeque<Waiting>,
+    calls: usize,
+}
+
+impl std::fmt::Debug for Lane {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let queue = self.lock();
+        f.debug_struct("Lane")
+            .field("waiting", &queue.waiting.len())
+            .field("calls", &queue.calls)
+            .finish()
+    }
+}
+
+impl Lane {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Queue> {
+        self.queue.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Queues a part; true when a call was free, which the caller must then start.
+    fn push(&self, waiting: Waiting, bounds: Bounds) -> bool {
+        let mut queue = self.lock();
+        queue.waiting.push_back(waiting);
+        let free = queue.calls < bounds.calls;
+        if free {
+            queue.calls += 1;
+        }
+        free
+    }
+
+    /// The next call's parts, oldest first, within the bounds; those whose callers stopped waiting are
+    /// dropped. `None` (and one call fewer in flight) when nothing waits.
+    fn take(&self, bounds: Bounds) -> Option<Vec<Waiting>> {
+        let mut queue = self.lock();
+        let mut batch = Vec::new();
+        let mut bytes = 0;
+        while batch.len() < bounds.requests {
+            let Some(next) = queue.waiting.front() else {
+                break;
+            };
+            if next.answer.is_closed() {
+                queue.waiting.pop_front();
+                continue;
+            }
+            let size = next.part.wire_bytes();
+            if !batch.is_empty() && bytes + size > bounds.bytes {
+                break;
+            }
+            bytes += size;
+            batch.extend(queue.waiting.pop_front());
+        }
+        if batch.is_empty() {
+            queue.calls -= 1;
+            return None;
+        }
+        Some(batch)
+    }
+}
+
+/// What every call to one Redis deployment needs.
+pub struct Caller {
+    pub pool: Pool,
+    pub script: Script,
+    pub cluster: bool,
+    /// Most extra seconds of TTL for new fixed-window counters (`EXPIRATION_JITTER_MAX_SECONDS`).
+    pub jitter_max: u64,
+    pub bounds: Bounds,
+    /// Calls whose callers stopped waiting, and the lanes' own tasks, watched until they end.
+    pub tasks: TaskTracker,
+}
+
+impl Caller {
+    /// Decides `part` on `node`, in a call of its own or with the parts waiting beside it; waits until
+    /// `until`, then answers `late`.
+    pub async fn decide(
+        self: &Arc<Self>,
+        node: &Arc<Node>,
+        part: Part,
+        until: Instant,
+        late: StoreError,
+    ) -> Result<PartReply, StoreError> {
+        let (answer, answered) = oneshot::channel();
+        let waiting = Waiting {
+            part,
+            until,
+            answer,
+        };
+        if node.lane.push(waiting, self.bounds) {
+            self.tasks.spawn(self.clone().serve(node.clone()));
+        }
+        tokio::select! {
+            biased;
+            answer = answered => answer.unwrap_or_else(|_| {
+                Err(StoreError::Backend("the Redis call carrying this request was dropped".into()))
+            }),
+            _ = tokio::time::sleep_until(until) => Err(late),
+        }
+    }
+
+    /// One of the server's calls in flight: sends what waits, until nothing does.
+    async fn serve(self: Arc<Self>, node: Arc<Node>) {
+        while let Some(batch) = node.lane.take(self.bounds) {
+            self.send(&node, batch).await;
+        }
+    }
+
+    /// Sends one call and hands every part its answer. Every part passed the server's breaker when
+    /// its request was admitted, moments ago.
+    async fn send(&self, node: &Arc<Node>, batch: Vec<Waiting>) {
+        let until = batch
+            .iter()
+            .map(|w| w.until)
+            .max()
+            .unwrap_or_else(Instant::now);
+        let parts: Vec<&Part> = batch.iter().map(|w| &w.part).collect();
+        let result = match self.call(node, &parts, until).await {
+            Err(CallError::Moved(_)) if parts.len() > 1 => {
+                // Slots are moving: one slot per call, each routed (and redirected) by the client.
+                let alone = join_all(
+                    parts
+                        .iter()
+                        .map(|part| self.call(node, std::slice::from_ref(part), until)),
+                )
+                .await;
+                for (waiting, reply) in batch.into_iter().zip(alone) {
+                    let reply = reply.map_err(StoreError::from).and_then(|mut replies| {
+                        replies.pop().ok_or_else(|| {
+                            StoreError::Backend("decide.lua answered no part".into())
+                        })
+                    });
+                    let _ = waiting.answer.send(reply);
+                }
+                return;
+            }
+            other => other.map_err(StoreError::from),
+        };
+        match result {
+            Ok(replies) => {
+                for (waiting, reply) in batch.into_iter().zip(replies) {
+                    let _ = waiting.answer.send(Ok(reply));
+                }
+            }
+            Err(err) => {
+                for waiting in batch {
+                    let _ = waiting.answer.send(Err(err.clone()));
+                }
+            }
+        }
+    }
+
+    /// One EVALSHA of `parts`, loading the script again when the server lost it.
+    async fn call(
+        &self,
+        node: &Arc<Node>,
+        parts: &[&Part],
+        until: Instant,
+    ) -> Result<Vec<PartReply>, CallError> {
+        let jitter = if self.jitter_max == 0 {
+            0
+        } else {
+            rand::random_range(0..=self.jitter_max)
+        };
+        let client = self.pool.next_connected().clone();
+        let mut loaded = false;
+        loop {
+            let DecideCall { keys, args } = DecideCall::new(parts, jitter, self.cluster);
+            let (sha, sender) = (self.script.sha1().clone(), client.clone());
+            let call = async move { sender.evalsha::<Vec<i64>, _, _, _>(sha, keys, args).await };
+            let late = StoreError::Deadline(until.saturating_duration_since(Instant::now()));
+            match node.wait(&self.tasks, call, until, late).await? {
+                Ok(reply) => return Ok(PartReply::parse_all(&reply, parts)?),
+                Err(err) if !loaded && err.details().starts_with("NOSCRIPT") => {
+                    self.script.load(&client).await.map_err(redis_error)?;
+                    loaded = true;
+                }
+                Err(err) if self.cluster && is_moved(&err) => return Err(CallError::Moved(err)),
+                Err(err) => return Err(redis_error(err).into()),
+            }
+        }
+    }
+}
+
+/// Why a call failed.
+enum CallError {
+    /// A Cluster call reached keys its server no longer serves (slots moving); nothing was written.
+    Moved(Error),
+    Store(StoreError),
+}
+
+impl From<StoreError> for CallError {
+    fn from(err: StoreError) -> Self {
+        Self::Store(err)
+    }
+}
+
+impl From<CallError> for StoreError {
+    fn from(err: CallError) -> Self {
+        match err {
+            CallError::Moved(err) => redis_error(err),
+            CallError::Store(err) => err,
+        }
+    }
+}
+
+/// Whether a Cluster error says a key of the call is not (or not only) on the server that ran it.
+fn is_moved(err: &Error) -> bool {
+    let details = err.details();
+    [
+        "non local key",
+        "CROSSSLOT",
+        "TRYAGAIN",
+        "MOVED",
+        "ASK",
+        "hash to the same slot",
+    ]
+    .iter()
+    .any(|sign| details.contains(sign))
+}

@@ -1,0 +1,325 @@
+//! Requests that wait for a busy Redis server travel together in one script call, and are still decided
+//! one at a time, all-or-nothing, in arrival order: the same answers as the memory store deciding them
+//! one after another, on standalone Redis and on a 3-master Cluster (where one call carries the keys of
+//! several hash slots of one server); several replicas on one Redis count every admitted hit once and
+//! never more than the limit; an idle store sends each request at once; calls stay within their bounds.
+
+mod common;
+
+use std::{
+    sync::Arc,
+    time::{Duration, SystemTime, UNIX_EPOCH},
+};
+
+use common::redis::{command_calls, RedisCluster, RedisProcess};
+use futures_util::future::join_all;
+use rand::{rngs::SmallRng, Rng, SeedableRng};
+use ratelimitd::{
+    algorithm::{Algorithm, Params},
+    settings::{RedisSettings, RedisTopology},
+    store::{Applied, Batch, Check, CounterStore, Deadline, MemoryStore, RedisStore, Role, Store},
+};
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64
+}
+
+const ALGORITHMS: [Algorithm; 5] = [
+    Algorithm::FixedWindow,
+    Algorithm::SlidingWindow,
+    Algorithm::SlidingLog,
+    Algorithm::TokenBucket,
+    Algorithm::Gcra,
+];
+
+async fn redis_store(
+    url: String,
+    topology: RedisTopology,
+    tweak: impl FnOnce(&mut RedisSettings),
+) -> Arc<RedisStore> {
+    let mut settings = RedisSettings {
+        url,
+        topology,
+        timeout: Duration::from_secs(5),
+        pool_size: 2,
+        ..RedisSettings::default()
+    };
+    tweak(&mut settings);
+    let store = RedisStore::connect(&settings, None, 0, Duration::from_secs(5)).unwrap();
+    tokio::time::timeout(Duration::from_secs(20), store.ready())
+        .await
+        .expect("redis ready in time")
+        .unwrap();
+    store
+}
+
+fn within() -> Deadline {
+    Deadline::within(Duration::from_secs(5))
+}
+
+/// What a user sees of an answer.
+fn view(a: &Applied) -> (bool, Vec<(bool, u64)>) {
+    let outcomes = a
+        .outcomes
+        .iter()
+        .map(|o| (o.allowed, o.remaining))
+        .collect();
+    (a.denied, outcomes)
+}
+
+/// A random trace of requests on a few keys: 1 to `max_checks` checks each, mixed roles and costs
+/// (now and then the limit, one above it, or 2^64 - 1), consume-on-deny now and then. Windows of a day
+/// keep time out of the comparison.
+fn trace(seed: u64, algorithm: Algorithm, requests: usize, max_checks: usize) -> Vec<Batch> {
+    let mut rng = SmallRng::seed_from_u64(seed);
+    let roles = [Role::Enforce, Role::Enforce, Role::Shadow, Role::Quota];
+    (0..requests)
+        .map(|_| Batch {
+            checks: (0..rng.random_range(1..=max_checks))
+                .map(|_| {
+                    let key = ["a", "bb", "c", "dd", "e"][rng.random_range(0..5)];
+                    let limit = [4, 7][key.len() % 2];
+                    let cost = [0, 1, 1, 1, 2, limit, limit + 1, u64::MAX][rng.random_range(0..8)];
+                    Check {
+                        key: format!("seed{seed}:{}:{key}_", algorithm.name()),
+                        params: Params {
+                            algorithm,
+                            limit,
+                            window_ms: 86_400_000,
+                            burst: limit,
+                        },
+                        cost,
+                        role: roles[rng.random_range(0..4)],
+                        per_second: false,
+                    }
+                })
+                .collect(),
+            consume_on_deny: rng.random_bool(0.2),
+            known_denied: false,
+        })
+        .collect()
+}
+
+/// The trace sent all at once to Redis (so that it queues behind the first call and travels in few
+/// calls), against the memory store deciding it one request after another.
+async fn same_answers_when_coalesced(redis: &Store, seed: u64, max_checks: usize) {
+    for algorithm in ALGORITHMS {
+        let trace = trace(seed, algorithm, 200, max_checks);
+        let memory = Store::Memory(MemoryStore::new(10_000));
+        let mut expected = Vec::new();
+        for batch in &trace {
+            expected.push(view(
+                &memory.apply(batch, now_ms(), within()).await.unwrap(),
+            ));
+        }
+        let now = now_ms();
+        let answers = join_all(trace.iter().map(|batch| redis.apply(batch, now, within()))).await;
+        for (step, (answer, expected)) in answers.into_iter().zip(expected).enumerate() {
+            let answer = view(&answer.expect("the store decides"));
+            assert_eq!(
+                answer, expected,
+                "{algorithm:?} request {step}: {:?}",
+                trace[step]
+            );
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn coalesced_requests_are_decided_one_at_a_time_in_arrival_order() {
+    let redis = RedisProcess::start(&[]);
+    let store = redis_store(redis.addr(), RedisTopology::Single, |s| {
+        s.calls_in_flight = 1
+    })
+    .await;
+    let before = command_calls(&redis.cli(&["INFO", "commandstats"]), "evalsha");
+    same_answers_when_coalesced(&Store::Redis(store.clone()), 11, 3).await;
+    let calls = command_calls(&redis.cli(&["INFO", "commandstats"]), "evalsha") - before;
+    // 5 algorithms x 200 requests, at most 64 per call: far fewer calls than requests.
+    assert!(
+        calls < 5 * 200 / 4,
+        "{calls} script calls for 1 000 requests"
+    );
+    store.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_cluster_one_call_carries_the_slots_of_one_server() {
+    let cluster = RedisCluster::start(false);
+    let store = redis_store(cluster.url(), RedisTopology::Cluster, |s| {
+        s.calls_in_flight = 1
+    })
+    .await;
+    let before = cluster.calls("evalsha");
+    // One check per request: each request is one part, the parts of many slots share calls.
+    same_answers_when_coalesced(&Store::Redis(store.clone()), 12, 1).await;
+    let calls = cluster.calls("evalsha") - before;
+    assert!(
+        calls < 5 * 200 / 4,
+        "{calls} script calls for 1 000 requests"
+    );
+    store.close().await;
+}
+
+/// Three replicas on one Redis send random requests at once: every counter holds exactly the hits the
+/// fleet admitted on it, and never more than its limit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_sharing_redis_count_each_admitted_hit_once() {
+    let redis = RedisProcess::start(&[]);
+    let mut fleet = Vec::new();
+    for _ in 0..3 {
+        fleet.push(
+            redis_store(redis.addr(), RedisTopology::Single, |s| {
+                s.calls_in_flight = 1
+            })
+            .await,
+        );
+    }
+    let keys = ["k0", "k1", "k2", "k3"];
+    let limit = 150;
+    let traces: Vec<Vec<Batch>> = (0..3)
+        .map(|replica| {
+            let mut rng = SmallRng::seed_from_u64(replica);
+            (0..300)
+                .map(|_| {
+                    let mut picked = keys.to_vec();
+                    picked.truncate(rng.random_range(1..=3));
+                    Batch {
+                        checks: picked
+                            .iter()
+                            .map(|key| {
+                                let cost = rng.random_range(0..=3);
+                                Check::fixed_window(
+                                    format!("fleet_{key}_"),
+                                    limit,
+                                    3600,
+                                    cost,
+                                    Role::Enforce,
+                                )
+                            })
+                            .collect(),
+                        consume_on_deny: false,
+                        known_denied: false,
+                    }
+                })
+                .collect()
+        })
+        .collect();
+    let now = now_ms();
+    let answers = join_all(fleet.iter().zip(&traces).map(|(store, trace)| async move {
+        let store = Store::Redis(store.clone());
+        join_all(trace.iter().map(|batch| store.apply(batch, now, within()))).await
+    }))
+    .await;
+    let mut admitted = std::collections::BTreeMap::<String, u64>::new();
+    for (trace, answers) in traces.iter().zip(answers) {
+        for (batch, answer) in trace.iter().zip(answers) {
+            let answer = answer.expect("the store decides");
+            if !answer.denied {
+                for check in &batch.checks {
+                    *admitted.entry(check.storage_key(now)).or_default() += check.cost;
+                }
+            }
+        }
+    }
+    for (key, hits) in admitted {
+        let stored: u64 = redis.cli(&["GET", &key]).parse().unwrap_or(0);
+        assert_eq!(stored, hits, "{key}: the counter holds what was admitted");
+        assert!(stored <= limit, "{key}: {stored} over the limit of {limit}");
+    }
+    for store in fleet {
+        store.close().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_store_sends_each_request_at_once_and_a_busy_one_within_bounds() {
+    let redis = RedisProcess::start(&[]);
+    let store = redis_store(redis.addr(), RedisTopology::Single, |s| {
+        s.calls_in_flight = 1;
+        s.batch_max_requests = 4;
+    })
+    .await;
+    let store = Store::Redis(store);
+    let batch = |i: usize| Batch {
+        checks: vec![Check::fixed_window(
+            format!("idle_{i}_"),
+            10,
+            3600,
+            1,
+            Role::Enforce,
+        )],
+        consume_on_deny: false,
+        known_denied: false,
+    };
+    let calls = || command_calls(&redis.cli(&["INFO", "commandstats"]), "evalsha");
+
+    // One after another: nothing waits, so every request is a call of its own, answered at once.
+    let before = calls();
+    for i in 0..20 {
+        let started = std::time::Instant::now();
+        assert!(
+            !store
+                .apply(&batch(i), now_ms(), within())
+                .await
+                .unwrap()
+                .denied
+        );
+        assert!(
+            started.elapsed() < Duration::from_secs(1),
+            "no timer holds an idle request"
+        );
+    }
+    assert_eq!(calls() - before, 20);
+
+    // All at once: at most 4 per call.
+    let before = calls();
+    let trace: Vec<Batch> = (100..200).map(batch).collect();
+    let now = now_ms();
+    for answer in join_all(trace.iter().map(|b| store.apply(b, now, within()))).await {
+        assert!(!answer.unwrap().denied);
+    }
+    let used = calls() - before;
+    assert!(
+        (25..100).contains(&used),
+        "{used} calls for 100 requests at most 4 per call"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_too_large_to_count_fails_alone() {
+    let redis = RedisProcess::start(&[]);
+    let store = Store::Redis(
+        redis_store(redis.addr(), RedisTopology::Single, |s| {
+            s.calls_in_flight = 1
+        })
+        .await,
+    );
+    let fine = |i: usize| Batch {
+        checks: vec![Check::fixed_window(
+            format!("fine_{i}_"),
+            10,
+            3600,
+            1,
+            Role::Enforce,
+        )],
+        consume_on_deny: false,
+        known_denied: false,
+    };
+    let mut huge = fine(999);
+    huge.checks[0].params.limit = 1 << 60;
+    let mut trace: Vec<Batch> = (0..10).map(fine).collect();
+    trace.insert(5, huge);
+    let now = now_ms();
+    let answers = join_all(trace.iter().map(|b| store.apply(b, now, within()))).await;
+    for (i, answer) in answers.into_iter().enumerate() {
+        match answer {
+            Err(err) if i == 5 => assert!(err.to_string().contains("2^53"), "{err}"),
+            Ok(applied) if i != 5 => assert!(!applied.denied),
+            other => panic!("request {i}: {other:?}"),
+        }
+    }
+}

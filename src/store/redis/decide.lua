@@ -156,7 +156,13 @@ for g = 1, #call.groups do
   if #strings > 0 then
     local names = {}
     for j = 1, #strings do names[j] = key[strings[j]] end
-    local v = redis.call('MGET', unpack(names))
+    -- A Redis ACL user without MGET (set up for earlier versions) reads them one by one: MGET fails for
+    -- no other reason.
+    local v = redis.pcall('MGET', unpack(names))
+    if v.err then
+      v = {}
+      for j = 1, #names do v[j] = redis.call('GET', names[j]) end
+    end
     for j = 1, #strings do
       local k = strings[j]
       local value = tonumber(v[j])
@@ -175,7 +181,7 @@ for g = 1, #call.groups do
         local v = redis.call('HMGET', key[k], 't', 'l')
         if v[1] then has[k] = true; s1[k], s2[k] = tonumber(v[1]), tonumber(v[2]) end
       elseif a == 2 then
-        local v = redis.call('ZRANGE', key[k], 0, -1, 'WITHSCORES')
+        local v = redis.call('ZRANGEBYSCORE', key[k], '-inf', '+inf', 'WITHSCORES')
         local times, costs = {}, {}
         for j = 1, #v, 2 do
           times[#times + 1] = tonumber(v[j + 1])

@@ -144,7 +144,11 @@ async fn a_cluster_fleet_never_admits_more_than_the_limit_across_slots() {
     )
     .await;
     assert_eq!(allowed, 200);
-    // The ip counter holds exactly the admitted requests: what denied requests took was given back.
+    // Once the replicas' leases on the hot ip counter ended, it holds exactly the admitted requests:
+    // what denied requests took was given back, and so was every leased hit not admitted.
+    for s in &fleet {
+        s.wait_leases_given_back(Duration::from_secs(5)).await;
+    }
     let ip_count: u64 = cluster
         .masters
         .iter()

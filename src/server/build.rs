@@ -215,6 +215,36 @@ pub(super) fn register_store_metrics(metrics: &Metrics, store: &Arc<Store>) {
         "1 while the circuit breaker in front of Redis answers without asking it.",
         |h| h.breaker_open,
     );
+    let leases = |read: fn(&crate::store::redis::LeaseStats) -> f64| {
+        let s = store.clone();
+        move || {
+            s.health()
+                .leases
+                .map(|l| (Vec::new(), read(&l)))
+                .into_iter()
+                .collect()
+        }
+    };
+    metrics.gauge_fn(
+        "ratelimitd_redis_leases",
+        "Quota leases this replica holds on hot Redis counters.",
+        Box::new(leases(|l| l.held as f64)),
+    );
+    metrics.counter_fn(
+        "ratelimitd_redis_lease_granted_hits_total",
+        "Hits leased to this replica from hot Redis counters (counted in Redis at once, admitted here).",
+        Box::new(leases(|l| l.granted as f64)),
+    );
+    metrics.counter_fn(
+        "ratelimitd_redis_lease_returned_hits_total",
+        "Leased hits this replica gave back unused when their lease ended.",
+        Box::new(leases(|l| l.returned as f64)),
+    );
+    metrics.counter_fn(
+        "ratelimitd_redis_lease_answers_total",
+        "Checks answered from a lease, without a Redis call.",
+        Box::new(leases(|l| l.answered as f64)),
+    );
     let s = store.clone();
     metrics.gauge_fn(
         "ratelimitd_memory_store_counters",

@@ -108,6 +108,9 @@ impl Settings {
         at_least_one("redis.batch_max_bytes", self.redis.batch_max_bytes)?;
         longer_than_zero("REDIS_TIMEOUT", self.redis.timeout)?;
         longer_than_zero("redis.unresponsive_after", self.redis.unresponsive_after)?;
+        if self.redis.lease_after > 0 {
+            longer_than_zero("redis.lease_for", self.redis.lease_for)?;
+        }
         at_least_one(
             "redis.breaker_failures",
             self.redis.breaker_failures as usize,

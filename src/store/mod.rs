@@ -210,6 +210,8 @@ pub struct StoreHealth {
     pub breaker_open: bool,
     /// Counters held in this process, for a store that keeps them here.
     pub counters: Option<usize>,
+    /// Quota leases on hot counters, for a store that takes them (Redis).
+    pub leases: Option<redis::LeaseStats>,
 }
 
 impl Default for StoreHealth {
@@ -219,6 +221,7 @@ impl Default for StoreHealth {
             up: true,
             breaker_open: false,
             counters: None,
+            leases: None,
         }
     }
 }

@@ -121,6 +121,21 @@ impl TestServer {
         .await;
     }
 
+    /// The value of an unlabelled series in `/metrics`, if it is there.
+    pub async fn metric(&self, name: &str) -> Option<f64> {
+        let (_, text) = self.http("GET", "/metrics", "").await;
+        text.lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+    }
+
+    /// Waits until this server holds no quota lease: every leased hit admitted or given back.
+    pub async fn wait_leases_given_back(&self, within: Duration) {
+        wait_for("leases given back", within, async || {
+            (self.metric("ratelimitd_redis_leases").await == Some(0.0)).then_some(())
+        })
+        .await;
+    }
+
     /// Stops the server and waits for it to return.
     pub async fn stop(self) {
         self.shutdown.cancel();

@@ -30,7 +30,7 @@ use tokio_util::task::TaskTracker;
 use super::{
     node::Node,
     redis_error,
-    script::{DecideCall, Part, PartReply},
+    script::{DecideCall, Part, PartReply, Return},
 };
 use crate::store::StoreError;
 
@@ -176,13 +176,13 @@ impl Caller {
             .max()
             .unwrap_or_else(Instant::now);
         let parts: Vec<&Part> = batch.iter().map(|w| &w.part).collect();
-        let result = match self.call(node, &parts, until).await {
+        let result = match self.call(node, &parts, &[], until).await {
             Err(CallError::Moved(_)) if parts.len() > 1 => {
                 // Slots are moving: one slot per call, each routed (and redirected) by the client.
                 let alone = join_all(
                     parts
                         .iter()
-                        .map(|part| self.call(node, std::slice::from_ref(part), until)),
+                        .map(|part| self.call(node, std::slice::from_ref(part), &[], until)),
                 )
                 .await;
                 for (waiting, reply) in batch.into_iter().zip(alone) {
@@ -211,11 +211,24 @@ impl Caller {
         }
     }
 
-    /// One EVALSHA of `parts`, loading the script again when the server lost it.
+    /// Gives leased hits back to `node`'s keys, in a call of their own; waits until `until`.
+    pub async fn give_back(
+        &self,
+        node: &Arc<Node>,
+        returns: &[Return],
+        until: Instant,
+    ) -> Result<(), StoreError> {
+        self.call(node, &[], returns, until).await?;
+        Ok(())
+    }
+
+    /// One EVALSHA of `parts` (after giving back `returns`), loading the script again when the server
+    /// lost it.
     async fn call(
         &self,
         node: &Arc<Node>,
         parts: &[&Part],
+        returns: &[Return],
         until: Instant,
     ) -> Result<Vec<PartReply>, CallError> {
         let jitter = if self.jitter_max == 0 {
@@ -226,7 +239,7 @@ impl Caller {
         let client = self.pool.next_connected().clone();
         let mut loaded = false;
         loop {
-            let DecideCall { keys, args } = DecideCall::new(parts, jitter, self.cluster);
+            let DecideCall { keys, args } = DecideCall::new(parts, returns, jitter, self.cluster);
             let (sha, sender) = (self.script.sha1().clone(), client.clone());
             let call = async move { sender.evalsha::<Vec<i64>, _, _, _>(sha, keys, args).await };
             let late = StoreError::Deadline(until.saturating_duration_since(Instant::now()));

@@ -19,10 +19,15 @@
 --                     of them; 2: a part of them, and a check elsewhere already denies the request
 --                     (decide, and consume only what a denied request consumes). consume_on_deny: consume
 --                     every allowed check (and count every fixed-window hit) even when denied.
+--   W, 2 per want     quota leases wanted (fixed and sliding window): a check's number in the call (from
+--                     1, in order), and the hits it wants beyond its cost when its request consumes
+--   B, 3 per return   leased hits given back before any request is decided: key index, spec index, hits
+--                     (a sliding window takes them off its current window, or its previous one once the
+--                     window has moved on)
 --   then K - #KEYS key names
 --
 -- Reply: { server time (ms), then per request: status, denied (1/0), and when decided, per check:
---          allowed (1/0), remaining, reset (ms), retry (ms) }
+--          allowed (1/0), remaining, reset (ms), retry (ms); then per lease wanted, the hits granted }
 --   status 0: decided. status 1: a fixed-window start of the request disagrees with this server's clock;
 --   nothing of that request was read or written, and the caller retries it with keys for the server time.
 --
@@ -30,6 +35,11 @@
 -- allow), and every index must point at what it names; anything else is refused before anything is read
 -- or written. Every key is read before anything is written, so a call refused while reading (a Cluster
 -- key that moved away) has changed nothing.
+--
+-- A lease is granted only to a check that is allowed and consumed, and only while it is at most a
+-- sixteenth of what is left after it: the hits are counted now, as if admitted, and the replica that holds
+-- them admits them itself, so that counted hits plus what replicas hold never exceed the limit, and the
+-- last sixteenth of a limit is always counted request by request.
 --
 -- A sliding-log key is a sorted set of entries `<time>:<seq>:<hits>` scored by their time (members
 -- `<time>:<seq>` of earlier versions count 1 each). One call adds at most one entry per key, holding every
@@ -44,7 +54,7 @@ local numbers = #A
 local K = tonumber(A[2])
 if K == nil then return redis.error_reply('ratelimitd: argument 2 is not a number') end
 numbers = numbers - (K - #KEYS)
-if K < #KEYS or numbers < 5 then return redis.error_reply('ratelimitd: key count does not match the call') end
+if K < #KEYS or numbers < 7 then return redis.error_reply('ratelimitd: key count does not match the call') end
 local n = {}
 for i = 1, numbers do
   local v = tonumber(A[i])
@@ -107,10 +117,20 @@ local ok, err = pcall(function()
     end
     rlast[r] = c
   end
+  local want, wants = {}, {}
+  for w = 1, int() do
+    local check = index(c, 'check number')
+    wants[w] = check
+    want[check] = int()
+  end
+  local returns = {}
+  for b = 1, int() do
+    returns[b] = { index(K, 'key index'), index(specs, 'spec index'), int() }
+  end
   if at ~= numbers then error('ratelimitd: ' .. (numbers - at) .. ' arguments left over', 0) end
   return { jitter = jitter, groups = groups, alg = alg, limit = limit, win = win, burst = burst,
     valid = valid, ckey = ckey, cspec = cspec, ccost = ccost, crole = crole, rflags = rflags,
-    rfirst = rfirst, rlast = rlast }
+    rfirst = rfirst, rlast = rlast, want = want, wants = wants, returns = returns }
 end)
 if not ok then return redis.error_reply(tostring(err)) end
 local call = err
@@ -136,6 +156,11 @@ for r = 1, requests do
       if kalg[k] == nil then kalg[k] = alg[cspec[i]] end
     end
   end
+end
+for b = 1, #call.returns do
+  local k = call.returns[b][1]
+  needed[k] = true
+  if kalg[k] == nil then kalg[k] = alg[call.returns[b][2]] end
 end
 
 -- The state of each key, as up to three numbers (nil: nothing stored).
@@ -378,9 +403,27 @@ end
 
 -- Decide the requests in order. A request's changes are tentative (t1..t3, marked with the request in
 -- `tr`) until it is known to consume; a key checked twice in one request sees the earlier check's cost.
+-- Leased hits given back (fixed and sliding window), before any request is decided; state that has
+-- expired or moved on is left alone.
+local dirty = {}
+for b = 1, #call.returns do
+  local k, s, hits = call.returns[b][1], call.returns[b][2], call.returns[b][3]
+  if has[k] and hits > 0 then
+    if alg[s] == 0 then
+      s1[k] = math.max(s1[k] - hits, 0)
+      dirty[k] = s
+    elseif alg[s] == 1 then
+      local w = win[s]
+      local start = now - now % w
+      if s1[k] == start then s2[k] = math.max(s2[k] - hits, 0); dirty[k] = s
+      elseif s1[k] + w == start then s3[k] = math.max(s3[k] - hits, 0); dirty[k] = s end
+    end
+  end
+end
+
 local t1, t2, t3, tr = {}, {}, {}, {}
 local allowed, remaining, reset, retry = {}, {}, {}, {}
-local dirty = {}
+local granted = {}
 local reply = { now }
 for r = 1, requests do
   if skipped[r] then
@@ -435,6 +478,24 @@ for r = 1, requests do
           dirty[k] = cspec[i]
         end
       end
+      -- Leases ride on consuming requests, granted whole while they are at most a sixteenth of what is
+      -- left after the request.
+      for i = first_check, last_check do
+        local wanted = call.want[i]
+        if wanted and wanted > 0 and allowed[i] then
+          local k, s = ckey[i], cspec[i]
+          local give = 0
+          if alg[s] == 0 then
+            if limit[s] - s1[k] >= 16 * wanted then give = wanted; s1[k] = s1[k] + give end
+          elseif alg[s] == 1 then
+            local w = win[s]
+            local estimate = s3[k] * (w - (now - s1[k])) / w + s2[k]
+            if limit[s] - estimate >= 16 * wanted then give = wanted; s2[k] = s2[k] + give end
+          end
+          if give > 0 then dirty[k] = s end
+          granted[i] = give
+        end
+      end
     else
       for i = first_check, last_check do tr[ckey[i]] = nil end
     end
@@ -442,4 +503,5 @@ for r = 1, requests do
 end
 
 for k, s in pairs(dirty) do save(k, s) end
+for w = 1, #call.wants do reply[#reply + 1] = granted[call.wants[w]] or 0 end
 return reply

@@ -23,11 +23,13 @@
 mod backend;
 mod coalesce;
 mod config;
+mod lease;
 mod node;
 mod options;
 mod script;
 mod tls;
 
+pub use lease::LeaseStats;
 pub use options::{RedisSettings, RedisTopology, Secret, SocketType};
 
 use std::{
@@ -43,14 +45,16 @@ use bytes::Bytes;
 use fred::{prelude::*, types::scripts::Script};
 use futures_util::future::join_all;
 use tokio::time::Instant;
-use tokio_util::task::TaskTracker;
+use tokio_util::{sync::CancellationToken, task::TaskTracker};
 
 use self::{
     backend::Backend,
+    lease::{Ended, LeaseSettings, Leases, Settling, Taken},
     node::Node,
-    script::{Part, PartReply, RefundCall, DECIDE_LUA, REFUND_LUA},
+    script::{Grant, Part, PartReply, RefundCall, Return, Spec, DECIDE_LUA, REFUND_LUA},
 };
-use super::{Applied, Batch, CounterStore, Deadline, Outcome, StoreError, StoreHealth};
+use super::{Applied, Batch, Check, CounterStore, Deadline, Outcome, StoreError, StoreHealth};
+use crate::clock::Clock;
 
 /// Counters in Redis.
 #[derive(Debug)]
@@ -65,6 +69,8 @@ pub struct RedisStore {
     tasks: TaskTracker,
     /// Every Redis was connected and had the scripts loaded at least once.
     reached: AtomicBool,
+    /// Quota this replica holds on hot counters.
+    leases: Leases,
 }
 
 /// The checks of one script call: one backend, one hash slot, one server.
@@ -109,6 +115,10 @@ impl RedisStore {
             refund,
             tasks,
             reached: AtomicBool::new(false),
+            leases: Leases::new(LeaseSettings {
+                after: settings.lease_after,
+                lease_for: settings.lease_for,
+            }),
         }))
     }
 
@@ -161,30 +171,45 @@ impl RedisStore {
         // The time on each backend's clock, as this replica estimates it.
         let estimate = |b: &Backend| local_ms as i64 + b.clock_offset_ms.load(Ordering::Relaxed);
         let mut now_ms = [estimate(&self.main), estimate(self.backend(1))];
-        for _ in 0..2 {
+        let (mut mismatched, mut waited) = (false, false);
+        loop {
+            let server_ms =
+                |c: &Check| u64::try_from(now_ms[self.backend_of(c.per_second)]).unwrap_or(0);
             let keys: Vec<Bytes> = batch
                 .checks
                 .iter()
-                .map(|c| {
-                    let now = now_ms[self.backend_of(c.per_second)];
-                    c.storage_key(u64::try_from(now).unwrap_or(0)).into()
-                })
+                .map(|c| c.storage_key(server_ms(c)).into())
                 .collect();
-            let groups = self.groups(batch, &keys);
+            let backend_of = |c: &Check| self.backend_of(c.per_second);
+            let mut taken = self.leases.take(batch, &keys, backend_of, !waited);
+            if let Some(renewed) = taken.wait.take() {
+                // A lease it needs is being refilled: give back what it took, wait, take again.
+                drop(Settling::new(&self.leases, batch, &keys, taken));
+                waited = true;
+                tokio::select! {
+                    () = renewed => continue,
+                    () = tokio::time::sleep_until(deadline.at) => {
+                        return Err(StoreError::Deadline(Duration::ZERO));
+                    }
+                }
+            }
+            let leased = Settling::new(&self.leases, batch, &keys, taken);
+            if leased.taken.all_local() {
+                return Ok(answered_from_leases(batch, leased));
+            }
+            let remote: Vec<usize> = (0..batch.checks.len())
+                .filter(|&i| leased.taken.local[i].is_none())
+                .collect();
+            let groups = self.groups(batch, &keys, &remote);
             self.admit(&groups)?;
-            let complete = groups.len() == 1;
+            let complete = groups.len() == 1 && !leased.taken.any_local();
             let parts = groups
                 .iter()
                 .map(|group| {
                     let now = u64::try_from(now_ms[group.backend]).unwrap_or(0);
-                    let cluster = self.backend(group.backend).cluster;
-                    Part::new(batch, &keys, &group.checks, complete, now, |key| {
-                        if cluster {
-                            fred::util::redis_keyslot(key)
-                        } else {
-                            0
-                        }
-                    })
+                    let slot_of = self.slot_of(group.backend);
+                    let wants = &leased.taken.want;
+                    Part::new(batch, &keys, &group.checks, complete, now, wants, slot_of)
                 })
                 .collect::<Result<Vec<_>, _>>()?;
             let replies = join_all(groups.iter().zip(parts).map(|(group, part)| {
@@ -198,6 +223,7 @@ impl RedisStore {
                 slots.push(reply?);
             }
             self.record_clocks(&groups, &slots, local_ms);
+            let grants = self.grants(batch, &keys, &groups, &slots, &server_ms);
             let mismatches: Vec<(usize, i64)> = groups
                 .iter()
                 .zip(&slots)
@@ -205,27 +231,94 @@ impl RedisStore {
                 .map(|(g, s)| (g.backend, s.server_ms))
                 .collect();
             if !mismatches.is_empty() {
+                leased.finish(false, &grants);
                 self.refund_consumed(batch, &keys, &groups, &slots, deadline)
                     .await?;
+                if mismatched {
+                    return Err(StoreError::Backend(
+                        "the Redis clock moved across a window twice during one request".into(),
+                    ));
+                }
+                mismatched = true;
                 for (backend, server_ms) in mismatches {
                     tracing::debug!(local_ms, server_ms, "window moved on the server; retrying");
                     now_ms[backend] = server_ms;
                 }
                 continue;
             }
-            let mut outcomes = in_batch_order(batch, &groups, &slots);
+            let mut outcomes = in_batch_order(batch, &groups, &slots, &leased.taken);
             let denied = batch.is_denied(|i| outcomes[i].allowed);
-            if denied && !complete && !batch.consume_on_deny {
-                // Another slot denied what these consumed: give it back.
+            let consumed = !denied || batch.consume_on_deny;
+            if !consumed && !complete {
+                // Another slot, or a lease, denied what these consumed: give it back.
                 self.refund_consumed(batch, &keys, &groups, &slots, deadline)
                     .await?;
-                report_refunded(batch, &keys, &groups, &slots, &mut outcomes);
+                report_refunded(batch, &keys, &groups, &slots, &leased.taken, &mut outcomes);
             }
+            leased.finish(consumed, &grants);
             return Ok(Applied { denied, outcomes });
         }
-        Err(StoreError::Backend(
-            "the Redis clock moved across a window twice during one request".into(),
-        ))
+    }
+
+    /// A key's Cluster slot on a backend (0 outside Cluster).
+    fn slot_of(&self, backend: usize) -> impl Fn(&[u8]) -> u16 {
+        let cluster = self.backend(backend).cluster;
+        move |key| {
+            if cluster {
+                fred::util::redis_keyslot(key)
+            } else {
+                0
+            }
+        }
+    }
+
+    /// The leases granted in the replies, by check of the batch, with the slot and spec each was asked
+    /// under (to give back what is left of it later).
+    fn grants(
+        &self,
+        batch: &Batch,
+        keys: &[Bytes],
+        groups: &[Group],
+        slots: &[PartReply],
+        server_ms: &impl Fn(&Check) -> u64,
+    ) -> Vec<(usize, Grant, u16, Spec)> {
+        let mut grants = Vec::new();
+        for (group, slot) in groups.iter().zip(slots) {
+            for grant in &slot.grants {
+                let i = group.checks[grant.check];
+                let check = &batch.checks[i];
+                if let Ok(spec) = script::spec(check, server_ms(check)) {
+                    grants.push((i, *grant, self.slot_of(group.backend)(&keys[i]), spec));
+                }
+            }
+        }
+        grants
+    }
+
+    /// Gives back the hits of leases that ended, one call per server.
+    async fn give_back(&self, ended: Vec<Ended>) {
+        let mut by_server: Vec<(usize, Arc<Node>, Vec<Return>)> = Vec::new();
+        for Ended { backend, give_back } in ended {
+            let b = self.backend(backend);
+            let node = b.node_for_slot(b.cluster.then_some(give_back.slot));
+            match by_server
+                .iter_mut()
+                .find(|(i, n, _)| *i == backend && Arc::ptr_eq(n, &node))
+            {
+                Some((_, _, returns)) => returns.push(give_back),
+                None => by_server.push((backend, node, vec![give_back])),
+            }
+        }
+        let calls = by_server
+            .into_iter()
+            .map(|(backend, node, returns)| async move {
+                let b = self.backend(backend);
+                let until = Instant::now() + b.timeout;
+                if let Err(err) = b.caller.give_back(&node, &returns, until).await {
+                    tracing::warn!(server = %node.name(), "could not give leased hits back: {err}");
+                }
+            });
+        join_all(calls).await;
     }
 
     /// Whether the request may go to Redis: every backend it needs has a connection, and every server it
@@ -267,15 +360,16 @@ impl RedisStore {
         }
     }
 
-    /// The checks grouped by backend and, on Cluster, by hash slot, each with its server.
-    fn groups(&self, batch: &Batch, keys: &[Bytes]) -> Vec<Group> {
+    /// The checks `checks` (indexes into the batch) grouped by backend and, on Cluster, by hash slot,
+    /// each with its server.
+    fn groups(&self, batch: &Batch, keys: &[Bytes], checks: &[usize]) -> Vec<Group> {
         let mut by_slot: BTreeMap<(usize, Option<u16>), Vec<usize>> = BTreeMap::new();
-        for (i, (check, key)) in batch.checks.iter().zip(keys).enumerate() {
-            let backend = self.backend_of(check.per_second);
+        for &i in checks {
+            let backend = self.backend_of(batch.checks[i].per_second);
             let slot = self
                 .backend(backend)
                 .cluster
-                .then(|| fred::util::redis_keyslot(key));
+                .then(|| fred::util::redis_keyslot(&keys[i]));
             by_slot.entry((backend, slot)).or_default().push(i);
         }
         by_slot
@@ -351,7 +445,25 @@ impl CounterStore for RedisStore {
             up: self.backends().all(|b| b.connected()),
             breaker_open: self.backends().any(|b| b.breaker_open()),
             counters: None,
+            leases: Some(self.leases.stats()),
         }
+    }
+
+    /// Gives back the hits of leases that ended, until `stop`; then gives back every lease still held.
+    async fn maintain(&self, _clock: &Clock, _every: Duration, stop: CancellationToken) {
+        let Some(every) = self.leases.sweep_every() else {
+            return;
+        };
+        let mut tick = tokio::time::interval(every);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = stop.cancelled() => break,
+                _ = tick.tick() => {}
+            }
+            self.give_back(self.leases.ended(false)).await;
+        }
+        self.give_back(self.leases.ended(true)).await;
     }
 
     /// Closes the connections and waits briefly for the commands still watched.
@@ -364,24 +476,54 @@ impl CounterStore for RedisStore {
     }
 }
 
-/// The outcomes of every slot, in the order of the batch's checks.
-fn in_batch_order(batch: &Batch, groups: &[Group], slots: &[PartReply]) -> Vec<Outcome> {
-    let mut outcomes = vec![
-        Outcome {
-            allowed: false,
-            remaining: 0,
-            reset_after: 0,
-            retry_after: 0,
-            retry_ms: 0,
-        };
-        batch.checks.len()
-    ];
+/// The outcomes of every slot and of the leases, in the order of the batch's checks.
+fn in_batch_order(
+    batch: &Batch,
+    groups: &[Group],
+    slots: &[PartReply],
+    taken: &Taken,
+) -> Vec<Outcome> {
+    let mut outcomes: Vec<Outcome> = taken
+        .local
+        .iter()
+        .map(|local| local.unwrap_or_default())
+        .collect();
+    outcomes.resize(batch.checks.len(), Outcome::default());
     for (group, slot) in groups.iter().zip(slots) {
         for (&i, outcome) in group.checks.iter().zip(&slot.outcomes) {
             outcomes[i] = *outcome;
         }
     }
     outcomes
+}
+
+/// The answer to a request every check of which a lease answered.
+fn answered_from_leases(batch: &Batch, leased: Settling<'_>) -> Applied {
+    let mut outcomes: Vec<Outcome> = leased
+        .taken
+        .local
+        .iter()
+        .map(|local| local.unwrap_or_default())
+        .collect();
+    let denied = batch.is_denied(|i| outcomes[i].allowed);
+    let consumed = !denied || batch.consume_on_deny;
+    if !consumed {
+        give_back_in_report(batch, &leased.taken, &mut outcomes);
+    }
+    leased.finish(consumed, &[]);
+    Applied { denied, outcomes }
+}
+
+/// A request that consumed nothing reports the leased quota as it stands: what its checks took from
+/// leases goes back.
+fn give_back_in_report(batch: &Batch, taken: &Taken, outcomes: &mut [Outcome]) {
+    for (i, local) in taken.local.iter().enumerate() {
+        if local.is_some() {
+            outcomes[i].remaining = outcomes[i]
+                .remaining
+                .saturating_add(batch.checks[i].bounded_cost());
+        }
+    }
 }
 
 /// After a refund, reports the quota as it stands, as a denied request does everywhere: each allowed
@@ -391,8 +533,10 @@ fn report_refunded(
     keys: &[Bytes],
     groups: &[Group],
     slots: &[PartReply],
+    taken: &Taken,
     outcomes: &mut [Outcome],
 ) {
+    give_back_in_report(batch, taken, outcomes);
     for (group, slot) in groups.iter().zip(slots) {
         if slot.denied {
             continue;

@@ -84,6 +84,15 @@ pub struct RedisSettings {
     /// About the most bytes of keys and arguments one script call carries (default 64 KiB); a request
     /// larger than that alone still goes, in a call of its own.
     pub batch_max_bytes: usize,
+    /// Hits per second on one fixed- or sliding-window counter, at this replica, from which it takes
+    /// quota leases (default 64; 0: never): part of the counter's remaining quota counted at once and
+    /// admitted here without asking Redis, so that a counter every request carries stops costing a
+    /// Redis call per request. The fleet still never admits more than the limit.
+    pub lease_after: u64,
+    /// How long a lease lasts unused (default `200ms`) before what is left of it is given back; it
+    /// also ends with its window. A lease asks for about what the counter takes in this time.
+    #[serde(with = "crate::duration")]
+    pub lease_for: Duration,
     /// Env `REDIS_TIMEOUT` (default `1s`): the longest a request that carries no deadline of its own
     /// waits for Redis before the `on_backend_error` policy answers (never past `overload.deadline`). A
     /// gRPC call with a deadline (Envoy sends its filter timeout as `grpc-timeout`) waits until shortly
@@ -125,6 +134,8 @@ impl Default for RedisSettings {
             calls_in_flight: 2,
             batch_max_requests: 64,
             batch_max_bytes: 64 * 1024,
+            lease_after: 64,
+            lease_for: Duration::from_millis(200),
             timeout: Duration::from_secs(1),
             unresponsive_after: Duration::from_millis(300),
             connect_timeout: Duration::from_secs(2),

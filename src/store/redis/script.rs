@@ -6,6 +6,9 @@
 //! of a request's checks outside Cluster, those of one hash slot on it). The script decides the parts in
 //! order, each all-or-nothing, and answers each with its own [`PartReply`].
 //!
+//! A check may ask for a quota lease (see `lease`): the script grants it with the request's own call, and
+//! a call may give leased hits back ([`Return`]).
+//!
 //! Every number crosses as an integer; the scripts refuse anything outside 0 to 2^53 before they read or
 //! write, and a part refuses to be built with one (so that one request can never spoil a call it shares
 //! with others). Costs arrive already bounded (see [`Check::bounded_cost`]).
@@ -60,7 +63,7 @@ fn algorithm_id(algorithm: Algorithm) -> i64 {
 }
 
 /// A limit spec as decide.lua numbers it: algorithm, limit, window (ms), burst, fixed-window start (s).
-type Spec = [i64; 5];
+pub type Spec = [i64; 5];
 
 /// One check of a part.
 #[derive(Debug, Clone)]
@@ -69,9 +72,11 @@ pub struct PartCheck {
     pub key: Bytes,
     /// The key's Cluster hash slot (0 outside Cluster).
     pub slot: u16,
-    spec: Spec,
+    pub spec: Spec,
     cost: i64,
     role: i64,
+    /// Hits wanted in a quota lease beyond the cost (0: none).
+    want: i64,
 }
 
 /// The checks of one request that one call decides, ready to travel in a call with others.
@@ -84,13 +89,15 @@ pub struct Part {
 impl Part {
     /// The checks `checks` (indexes into the batch) of one request, whose storage keys are `keys` and
     /// slots `slot_of`; `complete` says whether they are all of its checks; `now_ms` is the server time
-    /// the fixed-window keys were computed for. Refused when a number exceeds what the script takes.
+    /// the fixed-window keys were computed for; `wants` (per check of the batch, or empty) the lease
+    /// hits each asks for. Refused when a number exceeds what the script takes.
     pub fn new(
         batch: &Batch,
         keys: &[Bytes],
         checks: &[usize],
         complete: bool,
         now_ms: u64,
+        wants: &[u64],
         slot_of: impl Fn(&[u8]) -> u16,
     ) -> Result<Self, StoreError> {
         let scope = match (batch.known_denied, complete) {
@@ -108,19 +115,13 @@ impl Part {
             .iter()
             .map(|&i| {
                 let c = &batch.checks[i];
-                let p = &c.params;
                 Ok(PartCheck {
                     key: keys[i].clone(),
                     slot: slot_of(&keys[i]),
-                    spec: [
-                        algorithm_id(p.algorithm),
-                        integer(p.limit, "limit")?,
-                        integer(p.window_ms, "window")?,
-                        integer(p.burst, "burst")?,
-                        integer(c.window_start_secs(now_ms).unwrap_or(0), "window start")?,
-                    ],
+                    spec: spec(c, now_ms)?,
                     cost: integer(c.bounded_cost(), "cost")?,
                     role: role_code(c.role),
+                    want: integer(wants.get(i).copied().unwrap_or(0), "lease")?,
                 })
             })
             .collect::<Result<_, StoreError>>()?;
@@ -131,6 +132,29 @@ impl Part {
     pub fn wire_bytes(&self) -> usize {
         self.checks.iter().map(|c| c.key.len() + 48).sum::<usize>() + 16
     }
+}
+
+/// Leased hits given back to a key, in a decide call.
+#[derive(Debug, Clone)]
+pub struct Return {
+    pub key: Bytes,
+    /// The key's Cluster hash slot (0 outside Cluster).
+    pub slot: u16,
+    /// The spec of the limit that leased them.
+    pub spec: Spec,
+    pub hits: u64,
+}
+
+/// The spec of a check whose fixed-window key was computed for `now_ms` (server time).
+pub fn spec(check: &Check, now_ms: u64) -> Result<Spec, StoreError> {
+    let p = &check.params;
+    Ok([
+        algorithm_id(p.algorithm),
+        integer(p.limit, "limit")?,
+        integer(p.window_ms, "window")?,
+        integer(p.burst, "burst")?,
+        integer(check.window_start_secs(now_ms).unwrap_or(0), "window start")?,
+    ])
 }
 
 /// A number as the scripts take it: a whole number up to 2^53.
@@ -151,26 +175,31 @@ pub struct DecideCall {
 }
 
 impl DecideCall {
-    /// A call deciding `parts` in order; `jitter` is the extra TTL (s) of the fixed-window counters it
-    /// creates. On Cluster (`cluster`), the keys are grouped by hash slot and those of the first slot are
-    /// declared, the others passed at the end of ARGV.
-    pub fn new(parts: &[&Part], jitter: u64, cluster: bool) -> Self {
+    /// A call deciding `parts` in order, after giving back `returns`; `jitter` is the extra TTL (s) of
+    /// the fixed-window counters it creates. On Cluster (`cluster`), the keys are grouped by hash slot and
+    /// those of the first slot are declared, the others passed at the end of ARGV.
+    pub fn new(parts: &[&Part], returns: &[Return], jitter: u64, cluster: bool) -> Self {
         // Distinct keys in first-seen order, then grouped by slot (first-seen slot first).
         let mut index: HashMap<&[u8], usize> = HashMap::new();
-        let mut distinct: Vec<&PartCheck> = Vec::new();
-        for check in parts.iter().flat_map(|p| &p.checks) {
-            index.entry(&check.key[..]).or_insert_with(|| {
-                distinct.push(check);
+        let mut distinct: Vec<(&Bytes, u16)> = Vec::new();
+        let named = parts
+            .iter()
+            .flat_map(|p| &p.checks)
+            .map(|c| (&c.key, c.slot))
+            .chain(returns.iter().map(|r| (&r.key, r.slot)));
+        for (key, slot) in named {
+            index.entry(&key[..]).or_insert_with(|| {
+                distinct.push((key, slot));
                 distinct.len() - 1
             });
         }
         let mut order: Vec<usize> = (0..distinct.len()).collect();
         if cluster {
             let mut first_seen: HashMap<u16, usize> = HashMap::new();
-            for (i, check) in distinct.iter().enumerate() {
-                first_seen.entry(check.slot).or_insert(i);
+            for (i, &(_, slot)) in distinct.iter().enumerate() {
+                first_seen.entry(slot).or_insert(i);
             }
-            order.sort_by_key(|&i| (first_seen[&distinct[i].slot], i));
+            order.sort_by_key(|&i| (first_seen[&distinct[i].1], i));
         }
         // number[i]: the 1-based key index of distinct key i.
         let mut number = vec![0; distinct.len()];
@@ -179,7 +208,7 @@ impl DecideCall {
         }
         let mut group_ends = Vec::new();
         for (position, pair) in order.windows(2).enumerate() {
-            if cluster && distinct[pair[0]].slot != distinct[pair[1]].slot {
+            if cluster && distinct[pair[0]].1 != distinct[pair[1]].1 {
                 group_ends.push(position + 1);
             }
         }
@@ -194,6 +223,12 @@ impl DecideCall {
 
         let mut specs: Vec<Spec> = Vec::new();
         let mut spec_index: HashMap<Spec, usize> = HashMap::new();
+        let mut spec_of = |spec: Spec| {
+            *spec_index.entry(spec).or_insert_with(|| {
+                specs.push(spec);
+                specs.len()
+            })
+        };
         let checks: usize = parts.iter().map(|p| p.checks.len()).sum();
         let mut args: Vec<Value> =
             Vec::with_capacity(8 + group_ends.len() + parts.len() * 2 + checks * 9);
@@ -204,35 +239,54 @@ impl DecideCall {
         for &end in &group_ends {
             push(&mut args, end);
         }
-        // Specs come before the requests that name them: gather them first.
+        // Specs come before the requests and returns that name them: gather them first.
         let mut requests: Vec<Value> = Vec::with_capacity(parts.len() * 2 + checks * 4);
+        let mut wants: Vec<(usize, i64)> = Vec::new();
+        let mut numbered = 0;
         for part in parts {
             requests.push(Value::Integer(part.flags));
             push(&mut requests, part.checks.len());
             for check in &part.checks {
-                let spec = *spec_index.entry(check.spec).or_insert_with(|| {
-                    specs.push(check.spec);
-                    specs.len()
-                });
+                numbered += 1;
                 push(&mut requests, number[index[&check.key[..]]]);
-                push(&mut requests, spec);
+                push(&mut requests, spec_of(check.spec));
                 requests.push(Value::Integer(check.cost));
                 requests.push(Value::Integer(check.role));
+                if check.want > 0 {
+                    wants.push((numbered, check.want));
+                }
             }
+        }
+        let mut given_back: Vec<Value> = Vec::with_capacity(returns.len() * 3);
+        for r in returns {
+            push(&mut given_back, number[index[&r.key[..]]]);
+            push(&mut given_back, spec_of(r.spec));
+            args_hits(&mut given_back, r.hits);
         }
         push(&mut args, specs.len());
         args.extend(specs.iter().flatten().map(|&v| Value::Integer(v)));
         push(&mut args, parts.len());
         args.append(&mut requests);
+        push(&mut args, wants.len());
+        for (check, want) in wants {
+            push(&mut args, check);
+            args.push(Value::Integer(want));
+        }
+        push(&mut args, returns.len());
+        args.append(&mut given_back);
         let mut keys = Vec::with_capacity(declared);
         for &i in &order[..declared] {
-            keys.push(Key::from(distinct[i].key.clone()));
+            keys.push(Key::from(distinct[i].0.clone()));
         }
         for &i in &order[declared..] {
-            args.push(Value::Bytes(distinct[i].key.clone()));
+            args.push(Value::Bytes(distinct[i].0.clone()));
         }
         Self { keys, args }
     }
+}
+
+fn args_hits(args: &mut Vec<Value>, hits: u64) {
+    args.push(Value::Integer(hits.min(MAX_INTEGER) as i64));
 }
 
 /// decide.lua's reply status of a part: decided.
@@ -254,6 +308,20 @@ pub struct PartReply {
     pub server_ms: i64,
     /// One per check of the part, in order.
     pub outcomes: Vec<Outcome>,
+    /// The leases granted to checks of the part that asked for one.
+    pub grants: Vec<Grant>,
+}
+
+/// A quota lease granted to one check.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Grant {
+    /// The check's position in its part.
+    pub check: usize,
+    /// Hits leased (0: none).
+    pub hits: u64,
+    /// The check's own answer: what was left after it (leased hits included) and its reset (ms).
+    pub remaining: u64,
+    pub reset_ms: u64,
 }
 
 impl PartReply {
@@ -274,6 +342,7 @@ impl PartReply {
                     denied: false,
                     server_ms,
                     outcomes: Vec::new(),
+                    grants: Vec::new(),
                 }),
                 STATUS_DECIDED => {
                     let len = part.checks.len() * REPLY_PER_CHECK;
@@ -282,18 +351,49 @@ impl PartReply {
                     }
                     let (checks, tail) = rest.split_at(len);
                     rest = tail;
+                    let grants = part
+                        .checks
+                        .iter()
+                        .zip(checks.chunks_exact(REPLY_PER_CHECK))
+                        .enumerate()
+                        .filter(|(_, (c, _))| c.want > 0)
+                        .map(|(i, (_, ints))| Grant {
+                            check: i,
+                            hits: 0,
+                            remaining: non_negative(ints[1]),
+                            reset_ms: non_negative(ints[2]),
+                        })
+                        .collect();
                     replies.push(Self {
                         window_mismatch: false,
                         denied: *denied == 1,
                         server_ms,
                         outcomes: checks.chunks_exact(REPLY_PER_CHECK).map(outcome).collect(),
+                        grants,
                     });
                 }
                 _ => return Err(bad()),
             }
         }
-        if !rest.is_empty() {
+        // One integer per lease asked, in call order, for every part (a part not decided was granted 0).
+        let asked: usize = parts
+            .iter()
+            .map(|p| p.checks.iter().filter(|c| c.want > 0).count())
+            .sum();
+        if rest.len() != asked {
             return Err(bad());
+        }
+        let mut granted = rest.iter();
+        for (part, reply) in parts.iter().zip(&mut replies) {
+            let asked = part.checks.iter().filter(|c| c.want > 0).count();
+            let hits: Vec<u64> = granted
+                .by_ref()
+                .take(asked)
+                .map(|&g| non_negative(g))
+                .collect();
+            for (grant, hits) in reply.grants.iter_mut().zip(hits) {
+                grant.hits = hits;
+            }
         }
         Ok(replies)
     }
@@ -305,13 +405,16 @@ impl PartReply {
     }
 }
 
+fn non_negative(v: i64) -> u64 {
+    u64::try_from(v).unwrap_or(0)
+}
+
 fn outcome(c: &[i64]) -> Outcome {
-    let ms = |v: i64| u64::try_from(v).unwrap_or(0);
     Outcome::from(Decision {
         allowed: c[0] == 1,
-        remaining: ms(c[1]),
-        reset_ms: ms(c[2]),
-        retry_ms: ms(c[3]),
+        remaining: non_negative(c[1]),
+        reset_ms: non_negative(c[2]),
+        retry_ms: non_negative(c[3]),
     })
 }
 
@@ -406,7 +509,7 @@ mod tests {
     #[test]
     fn malformed_script_replies_are_errors_not_panics() {
         let batch = batch();
-        let part = Part::new(&batch, &keys(), &[0], true, 2_222_000, |_| 0).unwrap();
+        let part = Part::new(&batch, &keys(), &[0], true, 2_222_000, &[], |_| 0).unwrap();
         let parts = [&part];
         assert!(PartReply::parse_all(&[], &parts).is_err());
         assert!(PartReply::parse_all(&[5, 0, 0, 1, 2, 3], &parts).is_err());
@@ -425,9 +528,9 @@ mod tests {
     fn a_call_numbers_distinct_keys_and_specs_and_lists_each_request() {
         let batch = batch();
         let keys = keys();
-        let both = Part::new(&batch, &keys, &[0, 1], true, 2_222_000, |_| 0).unwrap();
-        let again = Part::new(&batch, &keys, &[1], false, 2_222_000, |_| 0).unwrap();
-        let call = DecideCall::new(&[&both, &again], 7, false);
+        let both = Part::new(&batch, &keys, &[0, 1], true, 2_222_000, &[], |_| 0).unwrap();
+        let again = Part::new(&batch, &keys, &[1], false, 2_222_000, &[], |_| 0).unwrap();
+        let call = DecideCall::new(&[&both, &again], &[], 7, false);
         assert_eq!(call.keys, vec![Key::from("fw_2220"), Key::from("tb")]);
         assert_eq!(
             ints(&call.args),
@@ -438,6 +541,7 @@ mod tests {
                 2, // two requests
                 5, 2, 1, 1, 1, 1, 2, 2, 3, 2, // complete + consume on deny: fw, tb
                 4, 1, 2, 2, 3, 2, // a part: tb again
+                0, 0, // no leases wanted or given back
             ]
         );
         let denied = Batch {
@@ -445,7 +549,7 @@ mod tests {
             consume_on_deny: false,
             ..batch
         };
-        let part = Part::new(&denied, &keys, &[1], false, 0, |_| 0).unwrap();
+        let part = Part::new(&denied, &keys, &[1], false, 0, &[], |_| 0).unwrap();
         assert_eq!(part.flags, 2);
     }
 
@@ -454,9 +558,9 @@ mod tests {
         let batch = batch();
         let keys = keys();
         let slot = |k: &[u8]| if k == b"tb" { 9 } else { 3 };
-        let second = Part::new(&batch, &keys, &[1], false, 2_222_000, slot).unwrap();
-        let first = Part::new(&batch, &keys, &[0], false, 2_222_000, slot).unwrap();
-        let call = DecideCall::new(&[&second, &first], 0, true);
+        let second = Part::new(&batch, &keys, &[1], false, 2_222_000, &[], slot).unwrap();
+        let first = Part::new(&batch, &keys, &[0], false, 2_222_000, &[], slot).unwrap();
+        let call = DecideCall::new(&[&second, &first], &[], 0, true);
         assert_eq!(call.keys, vec![Key::from("tb")]);
         let tail = call.args.last().unwrap();
         assert!(matches!(tail, Value::Bytes(b) if &b[..] == b"fw_2220"));
@@ -465,12 +569,43 @@ mod tests {
     }
 
     #[test]
+    fn wanted_leases_and_hits_given_back_follow_the_requests() {
+        let batch = batch();
+        let keys = keys();
+        let part = Part::new(&batch, &keys, &[0, 1], true, 2_222_000, &[0, 40], |_| 0).unwrap();
+        let back = Return {
+            key: Bytes::from_static(b"old_2160"),
+            slot: 0,
+            spec: [0, 5, 60_000, 5, 2_160],
+            hits: 7,
+        };
+        let call = DecideCall::new(&[&part], &[back], 0, false);
+        let args = ints(&call.args[..call.args.len()]);
+        // After the request: one lease wanted (check 2, 40 hits), one return (key 3, spec 3, 7 hits).
+        assert_eq!(&args[args.len() - 7..], [1, 2, 40, 1, 3, 3, 7]);
+        assert_eq!(call.keys.len(), 3);
+        // The reply: the part's two checks, then the grant.
+        let reply = [5, 0, 0, 1, 4, 1000, 0, 1, 9, 2000, 0, 40];
+        let parsed = PartReply::parse_all(&reply, &[&part]).unwrap();
+        assert_eq!(
+            parsed[0].grants,
+            [Grant {
+                check: 1,
+                hits: 40,
+                remaining: 9,
+                reset_ms: 2000
+            }]
+        );
+        assert!(PartReply::parse_all(&reply[..reply.len() - 1], &[&part]).is_err());
+    }
+
+    #[test]
     fn numbers_the_script_cannot_hold_refuse_the_part_alone() {
         let mut batch = batch();
         batch.checks[1].params.limit = (1 << 53) + 1;
         batch.checks[1].params.burst = 1 << 60;
-        let err = Part::new(&batch, &keys(), &[0, 1], true, 0, |_| 0).unwrap_err();
+        let err = Part::new(&batch, &keys(), &[0, 1], true, 0, &[], |_| 0).unwrap_err();
         assert!(err.to_string().contains("above 2^53"), "{err}");
-        assert!(Part::new(&batch, &keys(), &[0], false, 0, |_| 0).is_ok());
+        assert!(Part::new(&batch, &keys(), &[0], false, 0, &[], |_| 0).is_ok());
     }
 }

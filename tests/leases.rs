@@ -1,0 +1,230 @@
+//! Quota leases on a hot counter: three ratelimitd replicas on one Redis, 64 concurrent callers over gRPC
+//! on one `generic_key: global` counter. Redis sees a small fraction of a call per request, and the fleet
+//! admits exactly the limit: never more, and, once every lease ended, not less.
+
+mod common;
+
+use std::{
+    sync::{
+        atomic::{AtomicBool, AtomicU64, Ordering},
+        Arc,
+    },
+    time::{Duration, SystemTime, UNIX_EPOCH},
+};
+
+use common::{descriptor, redis::command_calls, redis::RedisProcess, request, TestServer};
+use ratelimitd::{
+    clock::Clock,
+    proto::rate_limit_response::Code,
+    settings::{BackendKind, RedisTopology},
+};
+
+const RULES: &str = r#"
+domain: hot
+descriptors:
+  - key: generic_key
+    value: busy
+    rate_limit: {unit: day, requests_per_unit: 1000000000}
+  - key: generic_key
+    value: global
+    rate_limit: {unit: day, requests_per_unit: 6000}
+  - key: generic_key
+    value: sliding
+    rate_limit: {unit: day, requests_per_unit: 1000000000, algorithm: sliding_window}
+  - key: generic_key
+    value: bucket
+    rate_limit: {unit: day, requests_per_unit: 1000000000, algorithm: token_bucket}
+"#;
+
+/// Three replicas with the defaults, on one Redis.
+async fn fleet(redis: &RedisProcess) -> Vec<TestServer> {
+    let mut fleet = Vec::new();
+    for _ in 0..3 {
+        let url = redis.addr();
+        let s = TestServer::start_with_clock(&[("hot.yaml", RULES)], Clock::System, move |s| {
+            s.backend = Some(BackendKind::Redis);
+            s.redis.url = url;
+            s.redis.topology = RedisTopology::Single;
+            s.hash_secret = ratelimitd::settings::Secret("leases".into());
+        })
+        .await;
+        s.wait_serving(Duration::from_secs(20)).await;
+        fleet.push(s);
+    }
+    fleet
+}
+
+/// 64 callers spread over the fleet send requests on `generic_key=value` until `stop` says so; returns
+/// the requests sent and those allowed.
+async fn hammer(
+    fleet: &[TestServer],
+    value: &'static str,
+    stop: impl Fn(u64, u64) -> bool + Send + Sync + 'static,
+) -> (u64, u64) {
+    let (sent, allowed) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+    let stop = Arc::new(stop);
+    let done = Arc::new(AtomicBool::new(false));
+    let mut callers = Vec::new();
+    for i in 0..64 {
+        let mut client = fleet[i % fleet.len()].client().await;
+        let (sent, allowed, stop, done) =
+            (sent.clone(), allowed.clone(), stop.clone(), done.clone());
+        callers.push(tokio::spawn(async move {
+            let mut denied_in_a_row = 0;
+            while !done.load(Ordering::Relaxed) {
+                let r = request("hot", vec![descriptor(&[("generic_key", value)])]);
+                let answer = client
+                    .should_rate_limit(r)
+                    .await
+                    .expect("answered")
+                    .into_inner();
+                let n = sent.fetch_add(1, Ordering::Relaxed) + 1;
+                if answer.overall_code == Code::Ok as i32 {
+                    allowed.fetch_add(1, Ordering::Relaxed);
+                    denied_in_a_row = 0;
+                } else {
+                    denied_in_a_row += 1;
+                }
+                if stop(n, denied_in_a_row) {
+                    done.store(true, Ordering::Relaxed);
+                }
+            }
+        }));
+    }
+    for c in callers {
+        c.await.unwrap();
+    }
+    (
+        sent.load(Ordering::Relaxed),
+        allowed.load(Ordering::Relaxed),
+    )
+}
+
+/// Waits out the last two minutes of a UTC day, so that a test's counters live in one daily window.
+async fn inside_one_day() {
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    let left = 86_400 - now % 86_400;
+    if left < 120 {
+        tokio::time::sleep(Duration::from_secs(left + 1)).await;
+    }
+}
+
+fn evalsha(redis: &RedisProcess) -> u64 {
+    command_calls(&redis.cli(&["INFO", "commandstats"]), "evalsha")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_global_counter_costs_redis_a_fraction_of_a_call_per_request() {
+    inside_one_day().await;
+    let redis = RedisProcess::start(&[]);
+    let fleet = fleet(&redis).await;
+    let before = evalsha(&redis);
+    let (sent, allowed) = hammer(&fleet, "busy", |sent, _| sent >= 15_000).await;
+    let calls = evalsha(&redis) - before;
+    assert_eq!(allowed, sent, "every request within the limit is allowed");
+    let per_request = calls as f64 / sent as f64;
+    eprintln!("{calls} script calls for {sent} requests: {per_request:.4} per request");
+    assert!(
+        per_request <= 0.05,
+        "{per_request:.4} Redis calls per request"
+    );
+    let mut answered = 0.0;
+    for s in &fleet {
+        answered += s
+            .metric("ratelimitd_redis_lease_answers_total")
+            .await
+            .unwrap();
+        assert!(
+            s.metric("ratelimitd_redis_lease_granted_hits_total")
+                .await
+                .unwrap()
+                > 0.0
+        );
+    }
+    assert!(
+        answered > sent as f64 * 0.9,
+        "{answered} of {sent} answered from leases"
+    );
+
+    // Every hit counted in Redis was admitted, once the leases ended and gave back what was left.
+    for s in &fleet {
+        s.wait_leases_given_back(Duration::from_secs(5)).await;
+    }
+    let key = redis.cli(&["--scan", "--pattern", "hot_generic_key_busy_*"]);
+    assert_eq!(redis.cli(&["GET", key.trim()]), sent.to_string());
+
+    // A sliding window is leased too, and gets back what its leases did not admit.
+    let before = evalsha(&redis);
+    let (sent, allowed) = hammer(&fleet, "sliding", |sent, _| sent >= 5_000).await;
+    assert_eq!(allowed, sent);
+    assert!(evalsha(&redis) - before < sent / 10);
+    for s in &fleet {
+        s.wait_leases_given_back(Duration::from_secs(5)).await;
+    }
+    let key = redis.cli(&["--scan", "--pattern", "*generic%5Fkey_sliding_*"]);
+    assert_eq!(redis.cli(&["HGET", key.trim(), "c"]), sent.to_string());
+
+    // A token bucket is never leased: a hit taken early would be refilled by the time it is spent.
+    let before = evalsha(&redis);
+    let (sent, _) = hammer(&fleet, "bucket", |sent, _| sent >= 2_000).await;
+    let calls = evalsha(&redis) - before;
+    assert!(
+        calls as f64 > sent as f64 * 0.05,
+        "{calls} calls for {sent} requests"
+    );
+    for s in fleet {
+        s.stop().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_fleet_admits_exactly_the_limit_with_leases() {
+    inside_one_day().await;
+    let redis = RedisProcess::start(&[]);
+    let fleet = fleet(&redis).await;
+    // Until the limit is spent everywhere: every caller of a replica keeps going while its replica
+    // admits, from a lease or from Redis.
+    let (sent, mut allowed) =
+        hammer(&fleet, "global", |_, denied_in_a_row| denied_in_a_row >= 50).await;
+    assert!(allowed <= 6_000, "{allowed} admitted on a limit of 6 000");
+    let mut granted = 0.0;
+    for s in &fleet {
+        granted += s
+            .metric("ratelimitd_redis_lease_granted_hits_total")
+            .await
+            .unwrap();
+    }
+    assert!(granted > 0.0, "the counter was leased");
+    // Leases that ended unspent gave their hits back; what is left is admitted, request by request.
+    for s in &fleet {
+        s.wait_leases_given_back(Duration::from_secs(5)).await;
+    }
+    let key = redis.cli(&["--scan", "--pattern", "hot_generic_key_global_*"]);
+    let counted: u64 = redis.cli(&["GET", key.trim()]).parse().unwrap();
+    assert_eq!(counted, allowed, "Redis counted what the fleet admitted");
+    for s in &fleet {
+        let mut client = s.client().await;
+        for _ in 0..(6_000 - allowed).div_ceil(3) + 5 {
+            let r = request("hot", vec![descriptor(&[("generic_key", "global")])]);
+            if client
+                .should_rate_limit(r)
+                .await
+                .unwrap()
+                .into_inner()
+                .overall_code
+                == Code::Ok as i32
+            {
+                allowed += 1;
+            }
+        }
+    }
+    eprintln!("{sent} requests, {allowed} admitted, {granted} hits leased");
+    assert_eq!(allowed, 6_000, "exactly the limit");
+    assert_eq!(redis.cli(&["GET", key.trim()]), "6000");
+    for s in fleet {
+        s.stop().await;
+    }
+}

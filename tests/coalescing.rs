@@ -323,3 +323,94 @@ async fn a_request_too_large_to_count_fails_alone() {
         }
     }
 }
+
+/// The owner of a key's slot among the masters, by `CLUSTER SLOTS` ports.
+fn owner(cluster: &RedisCluster, slot: u16) -> usize {
+    let slots = cluster.masters[0].cli(&["CLUSTER", "SLOTS"]);
+    // Lines: start, end, ip, port, id, ... for each range.
+    let lines: Vec<&str> = slots.lines().collect();
+    for w in lines.windows(4) {
+        if let (Ok(start), Ok(end), Ok(port)) = (
+            w[0].parse::<u16>(),
+            w[1].parse::<u16>(),
+            w[3].parse::<u16>(),
+        ) {
+            if (start..=end).contains(&slot) {
+                return cluster.masters.iter().position(|m| m.port == port).unwrap();
+            }
+        }
+    }
+    panic!("slot {slot} has no owner: {slots}");
+}
+
+/// After a slot moved to another server, a replica's slot map is stale for a moment: a call carrying keys
+/// of several slots of what it thinks is one server is refused before it writes anything (a key is no
+/// longer there); its parts then go one slot per call, redirected by the client, and every request is
+/// still decided exactly once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_cluster_a_call_refused_after_a_slot_moved_is_sent_again_one_slot_per_call() {
+    let cluster = RedisCluster::start(false);
+    let store = redis_store(cluster.url(), RedisTopology::Cluster, |s| {
+        s.calls_in_flight = 1
+    })
+    .await;
+    let store = Store::Redis(store);
+    let now = now_ms();
+    let check = |name: String| Check::fixed_window(name, 1_000, 3600, 1, Role::Enforce);
+    let slot_of = |c: &Check| {
+        cluster.masters[0]
+            .cli(&["CLUSTER", "KEYSLOT", &c.storage_key(now)])
+            .parse::<u16>()
+            .unwrap()
+    };
+    // Two counters in different slots of master 0.
+    let mut on_zero = (0..)
+        .map(|i| check(format!("mig{i}_")))
+        .filter(|c| owner(&cluster, slot_of(c)) == 0);
+    let staying = on_zero.next().unwrap();
+    let moving = on_zero.find(|c| slot_of(c) != slot_of(&staying)).unwrap();
+    let one = |c: &Check| Batch {
+        checks: vec![c.clone()],
+        ..Batch::default()
+    };
+    // The replica learns the slot map before the move.
+    assert!(
+        !store
+            .apply(&one(&staying), now, within())
+            .await
+            .unwrap()
+            .denied
+    );
+    // The slot (empty: nothing to migrate) now belongs to master 1, everywhere.
+    let (from, to) = (&cluster.masters[0], &cluster.masters[1]);
+    let (slot, to_id) = (slot_of(&moving).to_string(), to.cli(&["CLUSTER", "MYID"]));
+    for master in &cluster.masters {
+        assert_eq!(
+            master.cli(&["CLUSTER", "SETSLOT", &slot, "NODE", &to_id]),
+            "OK"
+        );
+    }
+
+    // Requests on both counters at once: the first calls span both slots on master 0, which no longer
+    // holds the moving one.
+    let trace: Vec<Batch> = (0..120)
+        .map(|i| one(if i % 2 == 0 { &staying } else { &moving }))
+        .collect();
+    for answer in join_all(trace.iter().map(|b| store.apply(b, now, within()))).await {
+        assert!(!answer.expect("decided after the move").denied);
+    }
+    let stats = from.cli(&["INFO", "commandstats"]);
+    let failed: u64 = stats
+        .lines()
+        .find(|l| l.starts_with("cmdstat_evalsha:"))
+        .and_then(|l| l.split("failed_calls=").nth(1))
+        .and_then(|v| v.split(',').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
+    assert!(failed > 0, "no call spanning slots was refused: {stats}");
+    let count = |node: &common::redis::RedisProcess, c: &Check| -> u64 {
+        node.cli(&["GET", &c.storage_key(now)]).parse().unwrap_or(0)
+    };
+    assert_eq!(count(from, &staying), 61);
+    assert_eq!(count(to, &moving), 60, "counted once, where the slot went");
+}

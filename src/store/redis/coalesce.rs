@@ -177,8 +177,9 @@ impl Caller {
             .unwrap_or_else(Instant::now);
         let parts: Vec<&Part> = batch.iter().map(|w| &w.part).collect();
         let result = match self.call(node, &parts, &[], until).await {
-            Err(CallError::Moved(_)) if parts.len() > 1 => {
+            Err(CallError::Moved(err)) if parts.len() > 1 => {
                 // Slots are moving: one slot per call, each routed (and redirected) by the client.
+                tracing::debug!(server = %node.name(), parts = parts.len(), "a call spanning slots was refused ({err}); sending one slot per call");
                 let alone = join_all(
                     parts
                         .iter()

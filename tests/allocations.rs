@@ -1,6 +1,8 @@
 //! Heap allocations on the hot path, counted by a global allocator: a decision on a counter that
 //! already exists should cost a handful of allocations, not one per string it touches.
 
+mod common;
+
 use std::{
     alloc::{GlobalAlloc, Layout, System},
     sync::{
@@ -13,7 +15,8 @@ use ratelimitd::{
     clock::Clock,
     limiter::{Descriptor, Entry, Limiter, Options, Request},
     rules::{parse_file, RuleSet, Rules},
-    store::{DenyCache, MemoryStore, Store},
+    settings::{RedisSettings, RedisTopology},
+    store::{DenyCache, MemoryStore, RedisStore, Store},
 };
 
 struct Counting;
@@ -58,13 +61,17 @@ descriptors:
 "#;
 
 fn limiter(deny_cache: bool) -> Limiter {
+    limiter_on(Store::Memory(MemoryStore::new(1_000)), deny_cache)
+}
+
+fn limiter_on(store: Store, deny_cache: bool) -> Limiter {
     let rules = Rules::default();
     rules.replace(
         RuleSet::build(&[("edge.yaml".into(), parse_file(RULES).unwrap())], false).unwrap(),
     );
     Limiter::new(
         Arc::new(rules),
-        Arc::new(Store::Memory(MemoryStore::new(1_000))),
+        Arc::new(store),
         Clock::System,
         Options {
             deny_cache: deny_cache.then(|| Arc::new(DenyCache::new(1_000))),
@@ -96,6 +103,14 @@ fn allocations_per_decision(limiter: &Limiter, request: &Request) -> u64 {
         .enable_time()
         .build()
         .unwrap();
+    allocations_per_decision_in(&runtime, limiter, request)
+}
+
+fn allocations_per_decision_in(
+    runtime: &tokio::runtime::Runtime,
+    limiter: &Limiter,
+    request: &Request,
+) -> u64 {
     runtime
         .block_on(limiter.should_rate_limit(request))
         .unwrap();
@@ -134,5 +149,41 @@ fn allocations_per_decision_stay_small() {
     assert!(
         denied_cached <= 6,
         "a decision answered by the deny cache allocated {denied_cached} times"
+    );
+
+    // On Redis: the limiter's part as above, the script call, and the client's own work (counted
+    // too: it runs on the same thread).
+    let redis = common::redis::RedisProcess::start(&[]);
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let store = runtime.block_on(async {
+        let settings = RedisSettings {
+            url: redis.addr(),
+            topology: RedisTopology::Single,
+            pool_size: 1,
+            ..RedisSettings::default()
+        };
+        let store =
+            RedisStore::connect(&settings, None, 0, std::time::Duration::from_secs(1)).unwrap();
+        store.ready().await.unwrap();
+        store
+    });
+    let on_redis = allocations_per_decision_in(
+        &runtime,
+        &limiter_on(Store::Redis(store), false),
+        &request(&[
+            ("remote_address", "203.0.113.7"),
+            ("path", "/login"),
+            ("method", "POST"),
+        ]),
+    );
+    eprintln!("allocations per decision on Redis: {on_redis}");
+    // Besides the limiter's: the storage key, the request's part and its answer, the call (its
+    // arguments, and fred's command, frame and reply), the task that sends it and the waits.
+    assert!(
+        on_redis <= 30,
+        "a decision on Redis allocated {on_redis} times"
     );
 }

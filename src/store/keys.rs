@@ -103,7 +103,12 @@ pub fn limit_key<'a>(
 
 /// Appends the window start to a key built by [`counter_key`].
 pub fn with_window(key: &str, window_start: u64) -> String {
-    format!("{key}{window_start}")
+    use std::fmt::Write;
+    // Sized once: the key and up to 20 digits.
+    let mut out = String::with_capacity(key.len() + 20);
+    out.push_str(key);
+    let _ = write!(out, "{window_start}");
+    out
 }
 
 #[cfg(test)]

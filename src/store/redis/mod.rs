@@ -44,6 +44,7 @@ use std::{
 use bytes::Bytes;
 use fred::{prelude::*, types::scripts::Script};
 use futures_util::future::join_all;
+use smallvec::SmallVec;
 use tokio::time::Instant;
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 
@@ -200,7 +201,7 @@ impl RedisStore {
             let remote: Vec<usize> = (0..batch.checks.len())
                 .filter(|&i| leased.taken.local[i].is_none())
                 .collect();
-            let groups = self.groups(batch, &keys, &remote);
+            let groups = self.groups(batch, &keys, remote);
             self.admit(&groups)?;
             let complete = groups.len() == 1 && !leased.taken.any_local();
             let parts = groups
@@ -334,7 +335,8 @@ impl RedisStore {
                 return Err(StoreError::CircuitOpen("no connection to Redis"));
             }
         }
-        let mut servers: Vec<&Arc<Node>> = groups.iter().map(|g| &g.node).collect();
+        // Each server once: a breaker lets one probe through at a time.
+        let mut servers: SmallVec<[&Arc<Node>; 4]> = groups.iter().map(|g| &g.node).collect();
         servers.sort_by_key(|node| Arc::as_ptr(node));
         servers.dedup_by_key(|node| Arc::as_ptr(node));
         if servers.iter().any(|node| !node.breaker.allow()) {
@@ -362,9 +364,18 @@ impl RedisStore {
 
     /// The checks `checks` (indexes into the batch) grouped by backend and, on Cluster, by hash slot,
     /// each with its server.
-    fn groups(&self, batch: &Batch, keys: &[Bytes], checks: &[usize]) -> Vec<Group> {
+    fn groups(&self, batch: &Batch, keys: &[Bytes], checks: Vec<usize>) -> Vec<Group> {
+        if self.per_second.is_none() && !self.main.cluster {
+            // One server decides every check.
+            let node = self.main.node_for_slot(None);
+            return vec![Group {
+                backend: 0,
+                checks,
+                node,
+            }];
+        }
         let mut by_slot: BTreeMap<(usize, Option<u16>), Vec<usize>> = BTreeMap::new();
-        for &i in checks {
+        for i in checks {
             let backend = self.backend_of(batch.checks[i].per_second);
             let slot = self
                 .backend(backend)

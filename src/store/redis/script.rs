@@ -17,6 +17,7 @@ use std::collections::HashMap;
 
 use bytes::Bytes;
 use fred::types::{Key, Value};
+use smallvec::SmallVec;
 
 use super::super::{Batch, Check, Outcome, Role, StoreError};
 use crate::algorithm::{Algorithm, Decision};
@@ -179,109 +180,168 @@ impl DecideCall {
     /// the fixed-window counters it creates. On Cluster (`cluster`), the keys are grouped by hash slot and
     /// those of the first slot are declared, the others passed at the end of ARGV.
     pub fn new(parts: &[&Part], returns: &[Return], jitter: u64, cluster: bool) -> Self {
-        // Distinct keys in first-seen order, then grouped by slot (first-seen slot first).
-        let mut index: HashMap<&[u8], usize> = HashMap::new();
-        let mut distinct: Vec<(&Bytes, u16)> = Vec::new();
         let named = parts
             .iter()
             .flat_map(|p| &p.checks)
             .map(|c| (&c.key, c.slot))
             .chain(returns.iter().map(|r| (&r.key, r.slot)));
-        for (key, slot) in named {
-            index.entry(&key[..]).or_insert_with(|| {
-                distinct.push((key, slot));
-                distinct.len() - 1
-            });
-        }
-        let mut order: Vec<usize> = (0..distinct.len()).collect();
-        if cluster {
-            let mut first_seen: HashMap<u16, usize> = HashMap::new();
-            for (i, &(_, slot)) in distinct.iter().enumerate() {
-                first_seen.entry(slot).or_insert(i);
-            }
-            order.sort_by_key(|&i| (first_seen[&distinct[i].1], i));
-        }
-        // number[i]: the 1-based key index of distinct key i.
-        let mut number = vec![0; distinct.len()];
-        for (position, &i) in order.iter().enumerate() {
-            number[i] = position + 1;
-        }
-        let mut group_ends = Vec::new();
-        for (position, pair) in order.windows(2).enumerate() {
-            if cluster && distinct[pair[0]].1 != distinct[pair[1]].1 {
-                group_ends.push(position + 1);
-            }
-        }
-        if !order.is_empty() {
-            group_ends.push(order.len());
-        }
-        let declared = if cluster {
-            group_ends.first().copied().unwrap_or(0)
-        } else {
-            order.len()
-        };
-
-        let mut specs: Vec<Spec> = Vec::new();
-        let mut spec_index: HashMap<Spec, usize> = HashMap::new();
-        let mut spec_of = |spec: Spec| {
-            *spec_index.entry(spec).or_insert_with(|| {
+        let keys = KeyNumbers::new(named, cluster);
+        // Specs are few (one per limit in the call): found by looking.
+        let mut specs: SmallVec<[Spec; 4]> = SmallVec::new();
+        for spec in parts
+            .iter()
+            .flat_map(|p| p.checks.iter().map(|c| c.spec))
+            .chain(returns.iter().map(|r| r.spec))
+        {
+            if !specs.contains(&spec) {
                 specs.push(spec);
-                specs.len()
-            })
-        };
+            }
+        }
+        let spec_number = |spec: &Spec| specs.iter().position(|s| s == spec).unwrap_or(0) + 1;
+
         let checks: usize = parts.iter().map(|p| p.checks.len()).sum();
-        let mut args: Vec<Value> =
-            Vec::with_capacity(8 + group_ends.len() + parts.len() * 2 + checks * 9);
+        let wants = parts
+            .iter()
+            .flat_map(|p| &p.checks)
+            .filter(|c| c.want > 0)
+            .count();
+        let mut args: Vec<Value> = Vec::with_capacity(
+            8 + keys.group_ends.len()
+                + specs.len() * 5
+                + parts.len() * 2
+                + checks * 4
+                + wants * 2
+                + returns.len() * 3
+                + keys.distinct.len(),
+        );
         let push = |args: &mut Vec<Value>, v: usize| args.push(Value::Integer(v as i64));
         args.push(Value::Integer(jitter.min(MAX_INTEGER) as i64));
-        push(&mut args, order.len());
-        push(&mut args, group_ends.len());
-        for &end in &group_ends {
+        push(&mut args, keys.distinct.len());
+        push(&mut args, keys.group_ends.len());
+        for &end in &keys.group_ends {
             push(&mut args, end);
-        }
-        // Specs come before the requests and returns that name them: gather them first.
-        let mut requests: Vec<Value> = Vec::with_capacity(parts.len() * 2 + checks * 4);
-        let mut wants: Vec<(usize, i64)> = Vec::new();
-        let mut numbered = 0;
-        for part in parts {
-            requests.push(Value::Integer(part.flags));
-            push(&mut requests, part.checks.len());
-            for check in &part.checks {
-                numbered += 1;
-                push(&mut requests, number[index[&check.key[..]]]);
-                push(&mut requests, spec_of(check.spec));
-                requests.push(Value::Integer(check.cost));
-                requests.push(Value::Integer(check.role));
-                if check.want > 0 {
-                    wants.push((numbered, check.want));
-                }
-            }
-        }
-        let mut given_back: Vec<Value> = Vec::with_capacity(returns.len() * 3);
-        for r in returns {
-            push(&mut given_back, number[index[&r.key[..]]]);
-            push(&mut given_back, spec_of(r.spec));
-            args_hits(&mut given_back, r.hits);
         }
         push(&mut args, specs.len());
         args.extend(specs.iter().flatten().map(|&v| Value::Integer(v)));
         push(&mut args, parts.len());
-        args.append(&mut requests);
-        push(&mut args, wants.len());
-        for (check, want) in wants {
-            push(&mut args, check);
-            args.push(Value::Integer(want));
+        for part in parts {
+            args.push(Value::Integer(part.flags));
+            push(&mut args, part.checks.len());
+            for check in &part.checks {
+                push(&mut args, keys.number(&check.key));
+                push(&mut args, spec_number(&check.spec));
+                args.push(Value::Integer(check.cost));
+                args.push(Value::Integer(check.role));
+            }
+        }
+        push(&mut args, wants);
+        let numbered = parts.iter().flat_map(|p| &p.checks).enumerate();
+        for (i, check) in numbered.filter(|(_, c)| c.want > 0) {
+            push(&mut args, i + 1);
+            args.push(Value::Integer(check.want));
         }
         push(&mut args, returns.len());
-        args.append(&mut given_back);
-        let mut keys = Vec::with_capacity(declared);
-        for &i in &order[..declared] {
-            keys.push(Key::from(distinct[i].0.clone()));
+        for r in returns {
+            push(&mut args, keys.number(&r.key));
+            push(&mut args, spec_number(&r.spec));
+            args_hits(&mut args, r.hits);
         }
-        for &i in &order[declared..] {
-            args.push(Value::Bytes(distinct[i].0.clone()));
+        let declared = keys.declared();
+        let mut call_keys = Vec::with_capacity(declared);
+        for (i, (key, _)) in keys.distinct.iter().enumerate() {
+            if i < declared {
+                call_keys.push(Key::from((*key).clone()));
+            } else {
+                args.push(Value::Bytes((*key).clone()));
+            }
         }
-        Self { keys, args }
+        Self {
+            keys: call_keys,
+            args,
+        }
+    }
+}
+
+/// The distinct keys of a call in the order decide.lua numbers them (from 1): first seen first, and on
+/// Cluster grouped by hash slot (the slot seen first first), with the end of each slot's group.
+struct KeyNumbers<'a> {
+    distinct: Vec<(&'a Bytes, u16)>,
+    group_ends: SmallVec<[usize; 4]>,
+    /// For calls with many keys: where each is in `distinct`.
+    index: Option<HashMap<&'a [u8], usize>>,
+}
+
+impl<'a> KeyNumbers<'a> {
+    /// Calls with more keys than this find them by hashing, fewer by looking.
+    const LOOKED_UP: usize = 16;
+
+    fn new(named: impl Iterator<Item = (&'a Bytes, u16)>, cluster: bool) -> Self {
+        let mut distinct: Vec<(&'a Bytes, u16)> = Vec::new();
+        let mut index: Option<HashMap<&'a [u8], usize>> = None;
+        for (key, slot) in named {
+            let seen = match &index {
+                Some(index) => index.contains_key(&key[..]),
+                None => distinct.iter().any(|(k, _)| k == &key),
+            };
+            if seen {
+                continue;
+            }
+            distinct.push((key, slot));
+            if let Some(index) = &mut index {
+                index.insert(&key[..], distinct.len() - 1);
+            } else if distinct.len() > Self::LOOKED_UP {
+                index = Some(
+                    distinct
+                        .iter()
+                        .enumerate()
+                        .map(|(i, (k, _))| (&k[..], i))
+                        .collect(),
+                );
+            }
+        }
+        let mut group_ends = SmallVec::new();
+        if cluster && distinct.len() > 1 {
+            // Stable: within a slot, first seen first; slots in the order first seen.
+            let mut first_seen: SmallVec<[u16; 8]> = SmallVec::new();
+            for &(_, slot) in &distinct {
+                if !first_seen.contains(&slot) {
+                    first_seen.push(slot);
+                }
+            }
+            distinct.sort_by_key(|&(_, slot)| first_seen.iter().position(|&s| s == slot));
+            if let Some(index) = &mut index {
+                for (i, (key, _)) in distinct.iter().enumerate() {
+                    index.insert(&key[..], i);
+                }
+            }
+            for (position, pair) in distinct.windows(2).enumerate() {
+                if pair[0].1 != pair[1].1 {
+                    group_ends.push(position + 1);
+                }
+            }
+        }
+        if !distinct.is_empty() {
+            group_ends.push(distinct.len());
+        }
+        Self {
+            distinct,
+            group_ends,
+            index,
+        }
+    }
+
+    /// The number of a key of the call.
+    fn number(&self, key: &Bytes) -> usize {
+        let position = match &self.index {
+            Some(index) => index.get(&key[..]).copied(),
+            None => self.distinct.iter().position(|(k, _)| *k == key),
+        };
+        position.unwrap_or(0) + 1
+    }
+
+    /// How many keys the call declares: all of them, or on Cluster those of the first slot.
+    fn declared(&self) -> usize {
+        self.group_ends.first().copied().unwrap_or(0)
     }
 }
 

@@ -4,32 +4,18 @@
 
 mod common;
 
-use std::{
-    sync::Arc,
-    time::{Duration, SystemTime, UNIX_EPOCH},
-};
+use std::{sync::Arc, time::Duration};
 
-use common::redis::{RedisCluster, RedisProcess};
+use common::{
+    now_ms,
+    redis::{RedisCluster, RedisProcess},
+    ALGORITHMS,
+};
 use ratelimitd::{
     algorithm::{Algorithm, Params},
     settings::{RedisSettings, RedisTopology},
     store::{Applied, Batch, Check, CounterStore, Deadline, MemoryStore, RedisStore, Role, Store},
 };
-
-fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap()
-        .as_millis() as u64
-}
-
-const ALGORITHMS: [Algorithm; 5] = [
-    Algorithm::FixedWindow,
-    Algorithm::SlidingWindow,
-    Algorithm::SlidingLog,
-    Algorithm::TokenBucket,
-    Algorithm::Gcra,
-];
 
 /// A store, an algorithm, and the prefix that keeps one scenario's keys apart from the others'.
 #[derive(Clone, Copy)]

@@ -26,6 +26,20 @@ use tokio_util::sync::CancellationToken;
 use tonic::transport::Channel;
 use tonic_health::pb::health_check_response::ServingStatus;
 
+/// Milliseconds since the Unix epoch, as the stores take the time.
+pub fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64
+}
+
+/// Every algorithm, for tables that run each scenario under each.
+pub const ALGORITHMS: [ratelimitd::algorithm::Algorithm; 5] = {
+    use ratelimitd::algorithm::Algorithm::*;
+    [FixedWindow, SlidingWindow, SlidingLog, TokenBucket, Gcra]
+};
+
 pub struct TestServer {
     pub grpc_addr: SocketAddr,
     pub http_addr: SocketAddr,

@@ -24,8 +24,9 @@
 //!   `model`, `matcher` walks it per request, `rlconfig` prints it; `loader` and `watcher` read the folder.
 //! - [`store`] — where counters live, behind [`store::CounterStore`], which also carries a store's
 //!   lifecycle (readiness, health, housekeeping, close): the memory store, the Redis store (its calling
-//!   contract with `decide.lua` in `store::redis::script`), the deny cache as a wrapper store, the
-//!   counter key schema and the circuit breaker.
+//!   contract with `decide.lua` in `store::redis::script`; requests that wait for a busy server share
+//!   one call, hot counters are leased), the deny cache as a wrapper store, the counter key schema and
+//!   the circuit breaker.
 //! - [`algorithm`] — the five algorithms as pure functions, mirrored by the Redis script.
 //! - [`telemetry`] — metrics, traces (W3C and B3), logs and the top offenders.
 //! - [`settings`] — the process settings: file, `RATELIMITD_*` and the reference's variables

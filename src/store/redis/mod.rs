@@ -1,14 +1,19 @@
-//! The Redis store: counters shared by every replica, decided with one script call per request (one per
-//! hash slot on Redis Cluster), on standalone Redis, Sentinel or Cluster.
+//! The Redis store: counters shared by every replica, decided with one script call per request or less
+//! (requests that wait for a busy server share a call), on standalone Redis, Sentinel or Cluster.
 //!
-//! - Atomic: `decide.lua` checks every counter of the request and consumes them only if the request is
-//!   allowed, in one EVALSHA. Concurrent requests are pipelined by fred on each connection.
+//! - Atomic: `decide.lua` checks every counter of a request and consumes them only if the request is
+//!   allowed; one EVALSHA decides one or more requests, each on its own, in arrival order.
+//! - Coalescing: requests that reach a server while its calls are in flight go together in its next
+//!   call (see `coalesce`); an idle server gets each request at once.
+//! - Leases: a hot fixed- or sliding-window counter is leased to this replica in part and admitted here
+//!   without a call, never beyond the limit (see `lease`).
 //! - Server time: the script reads `TIME`. Keys carry the window start (the reference key layout), which
-//!   the client computes from its estimate of the server clock; a key for the wrong window is refused by
-//!   the script before it touches anything, and the client retries once with the server's time.
-//! - Cluster: checks are grouped by hash slot and the slots are asked concurrently. When one slot denies
-//!   the request, `refund.lua` gives back what the others consumed, so the fleet never admits more than
-//!   the limit.
+//!   the client computes from its estimate of the server clock; a request whose key is for the wrong
+//!   window is refused by the script before it touches anything, and the client retries it once with the
+//!   server's time.
+//! - Cluster: checks are grouped by hash slot; the slots of one server travel in one call. When one slot
+//!   denies the request, `refund.lua` gives back what the others consumed, so the fleet never admits more
+//!   than the limit.
 //! - Waiting: a request waits for Redis until its answer is due: shortly before the caller's gRPC deadline,
 //!   or `redis.timeout` for callers without one. Each server has a circuit breaker that opens only when
 //!   the server is failing (connections refused or lost, or no answer at all for
@@ -16,9 +21,10 @@
 //!   once by the policy. fred reconnects with backoff; scripts are loaded at start, on reconnect, and again
 //!   on NOSCRIPT.
 //!
-//! Beside this file: `script` (the calling contract of `decide.lua` and `refund.lua`), `backend` (one
-//! Redis deployment and its connections), `node` (one server's health and waiting for it), `config`
-//! (the client configuration for the settings), `options` (the settings themselves) and `tls`.
+//! Beside this file: `script` (the calling contract of `decide.lua` and `refund.lua`), `coalesce`,
+//! `lease`, `backend` (one Redis deployment and its connections), `node` (one server's health and
+//! waiting for it), `config` (the client configuration for the settings), `options` (the settings
+//! themselves) and `tls`.
 
 mod backend;
 mod coalesce;

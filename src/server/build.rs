@@ -111,8 +111,9 @@ fn sensitive(settings: &Settings) -> Option<limiter::Sensitive> {
     Some(limiter::Sensitive::new(&settings.hashed_keys, secret))
 }
 
-/// Loads the rules into `rules` and, with `rules.watch`, starts the watcher that reloads them on change.
-/// Every successful load is logged, clears the deny cache and tells `health` how many domains it has.
+/// Loads the rules files into `rules` and, with `rules.watch`, starts the watcher that reloads them on
+/// change. Every load that changes the rules is logged, clears the deny cache and tells `health` how many
+/// domains it has.
 pub(super) fn load_rules(
     settings: &Settings,
     rules: &Arc<Rules>,
@@ -121,7 +122,6 @@ pub(super) fn load_rules(
     metrics: &Metrics,
     tasks: &Tasks,
 ) {
-    let source = settings.rules.source();
     let stats = Arc::new(rules::ReloadStats::default());
     let on_loaded: rules::OnLoaded = {
         let (health, tasks) = (health.clone(), tasks.clone());
@@ -146,22 +146,27 @@ pub(super) fn load_rules(
             tasks.spawn(async move { health.rules_loaded(domains).await });
         })
     };
+    let publisher = Arc::new(rules::Publisher::new(
+        rules.clone(),
+        stats.clone(),
+        on_loaded,
+    ));
+    register_rules_metrics(metrics, rules, &stats);
+    load_files(settings, publisher, tasks);
+}
+
+/// Loads the rules files, and starts watching them with `rules.watch`.
+fn load_files(settings: &Settings, publisher: Arc<rules::Publisher>, tasks: &Tasks) {
+    let source = settings.rules.source();
     // Watching starts before the first load, so that a change made while it reads is loaded too.
     let watch = if settings.rules.watch {
         rules::RulesWatch::start(&source)
     } else {
         None
     };
-    rules::reload(&source, rules, &stats, &on_loaded);
-    register_rules_metrics(metrics, rules, &stats);
+    rules::reload(&source, &publisher);
     if let Some(watch) = watch {
-        tasks.spawn(watch.run(
-            rules.clone(),
-            stats,
-            on_loaded,
-            settings.rules.reload_delay,
-            tasks.stopping(),
-        ));
+        tasks.spawn(watch.run(publisher, settings.rules.reload_delay, tasks.stopping()));
     }
 }
 

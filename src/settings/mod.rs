@@ -28,12 +28,15 @@ use serde::{Deserialize, Serialize};
 // Each layer owns its options; the process settings gather them, and these re-exports keep one place to
 // name them all.
 pub use crate::{
-    api::tls::GrpcTlsSettings,
+    api::{
+        tls::GrpcTlsSettings,
+        xds::{BackoffSettings, XdsSettings},
+    },
     limiter::{
         FallbackSettings, HeaderNames, OnBackendError, OverloadSettings, RequestLimits,
         ResponseHeaders,
     },
-    rules::{RulesSettings, Source as RulesSource, DEFAULT_MAX_YAML_NODES},
+    rules::{ConfigType, RulesSettings, Source as RulesSource, DEFAULT_MAX_YAML_NODES},
     store::redis::{RedisSettings, RedisTopology, Secret, SocketType},
     telemetry::{
         LogFormat, LogLevel, LogSettings, MetricsSettings, TopOffendersSettings, TracingSettings,
@@ -83,8 +86,10 @@ pub struct Settings {
     pub overload: OverloadSettings,
     /// Logging. Env `LOG_LEVEL` (default warn, as the reference), `LOG_FORMAT` (`text` or `json`).
     pub log: LogSettings,
-    /// Where the rules files are and how they are read.
+    /// Where the rules come from (files or a control plane) and how files are read.
     pub rules: RulesSettings,
+    /// The xDS control plane the rules come from with `CONFIG_TYPE=GRPC_XDS_SOTW`.
+    pub xds: XdsSettings,
     /// Where counters live: `memory` or `redis`. Env `BACKEND_TYPE`; default `redis` when a Redis URL is
     /// set, else `memory`.
     pub backend: Option<BackendKind>,
@@ -159,6 +164,7 @@ impl Default for Settings {
             http: HttpSettings::default(),
             log: LogSettings::default(),
             rules: RulesSettings::default(),
+            xds: XdsSettings::default(),
             backend: None,
             memory: MemorySettings::default(),
             redis: RedisSettings::default(),

@@ -1,12 +1,12 @@
 //! What types alone cannot check, checked once after the sources are merged and before any port is bound:
 //! values that must be above zero, settings that need one another, addresses that must parse, and the
-//! files that TLS and Redis will read. Each error names the setting (by the name its user most likely
+//! files that TLS, Redis and the xDS client will read. Each error names the setting (by the name its user most likely
 //! set: the reference variable when there is one, else the settings key).
 
 use std::time::Duration;
 
-use super::{BackendKind, Settings, SettingsError};
-use crate::api::tls::TlsError;
+use super::{BackendKind, ConfigType, Settings, SettingsError};
+use crate::api::{tls::TlsError, xds::XdsError};
 
 impl Settings {
     /// Checks what types alone cannot, reading nothing.
@@ -61,6 +61,16 @@ impl Settings {
                         format!("invalid gRPC TLS settings (GRPC_SERVER_USE_TLS): {reason}")
                     }
                 })
+            })?;
+        }
+        if self.rules.config_type == ConfigType::GrpcXdsSotw {
+            self.xds.check().map_err(|e| match e {
+                XdsError::Setting {
+                    name,
+                    value,
+                    reason,
+                } => SettingsError::invalid(name, value, reason),
+                other => SettingsError::Unusable(other.to_string()),
             })?;
         }
         if self.backend() == BackendKind::Redis {

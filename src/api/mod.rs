@@ -8,6 +8,7 @@ pub mod health;
 pub mod http;
 pub mod http1;
 mod json;
+pub mod method_stats;
 pub mod tls;
 pub mod xds;
 

@@ -29,7 +29,8 @@
 //!   contract with `decide.lua` in `store::redis::script`), the deny cache as a wrapper store, the
 //!   counter key schema and the circuit breaker.
 //! - [`algorithm`] — the five algorithms as pure functions, mirrored by the Redis script.
-//! - [`telemetry`] — metrics, traces (W3C and B3), logs and the top offenders.
+//! - [`telemetry`] — metrics, traces (W3C and B3), logs, the top offenders, and the statsd stream of the
+//!   reference's stat names.
 //! - [`settings`] — the process settings: file, `RATELIMITD_*` and the reference's variables
 //!   (`settings::reference_env` is their table), validated before any port is bound.
 //! - [`server`] — `build` makes the store, limiter, rules watcher and metrics from the settings; `serve`

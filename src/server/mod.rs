@@ -9,8 +9,8 @@
 //!
 //! Shutdown: the `shutdown` token is cancelled (SIGTERM/SIGINT in `main`, the test harness in tests) ->
 //! health turns NOT_SERVING -> after `shutdown.drain_delay` the listeners stop accepting -> in-flight
-//! calls finish within `shutdown.grace_period` -> background tasks stop -> the store closes -> `run`
-//! returns.
+//! calls finish within `shutdown.grace_period` -> background tasks stop (the statsd stream flushes a
+//! last time) -> the store closes -> `run` returns.
 
 mod build;
 mod serve;
@@ -28,7 +28,7 @@ use crate::{
     rules::Rules,
     settings::{ConfigType, Settings},
     store::{CounterStore, Store},
-    telemetry::Metrics,
+    telemetry::{statsd::Statsd, Metrics},
 };
 
 /// Why the server could not start or stopped abnormally.
@@ -130,6 +130,10 @@ pub async fn run_with_clock(
     );
     build::register_store_metrics(&metrics, &store);
     start_store_tasks(&settings, &deciding.stores, &health, &clock, &tasks);
+    if settings.statsd.enabled {
+        let statsd = Statsd::new(&settings.statsd, metrics.clone());
+        tasks.spawn(statsd.run(tasks.stopping()));
+    }
 
     let services = Services {
         limiter: deciding.limiter,

@@ -39,7 +39,8 @@ pub use crate::{
     rules::{ConfigType, RulesSettings, Source as RulesSource, DEFAULT_MAX_YAML_NODES},
     store::redis::{RedisSettings, RedisTopology, Secret, SocketType},
     telemetry::{
-        LogFormat, LogLevel, LogSettings, MetricsSettings, TopOffendersSettings, TracingSettings,
+        LogFormat, LogLevel, LogSettings, MetricsSettings, StatsdProtocol, StatsdSettings,
+        TopOffendersSettings, TracingSettings,
     },
 };
 pub use listeners::{GrpcSettings, HttpSettings, PrometheusSettings, ShutdownSettings};
@@ -147,6 +148,8 @@ pub struct Settings {
     /// A separate Prometheus listener, as the reference service has (`/metrics` on the HTTP port is
     /// always there).
     pub prometheus: PrometheusSettings,
+    /// The statsd (or DogStatsD) stream of the reference's stat names, beside Prometheus.
+    pub statsd: StatsdSettings,
     /// Secret of the HMAC-SHA256 that hashes sensitive values. Env `RATELIMITD_HASH_SECRET`; set it to the
     /// same value on every replica. Unset: values are hashed with unkeyed SHA-256 (still never stored raw,
     /// the same on every replica and restart, but a guessed value can be confirmed from the keys).
@@ -188,6 +191,7 @@ impl Default for Settings {
             metrics: MetricsSettings::default(),
             tracing: TracingSettings::default(),
             prometheus: PrometheusSettings::default(),
+            statsd: StatsdSettings::default(),
             hashed_keys: vec!["api_key".into(), "authorization".into(), "x-api-key".into()],
             hash_secret: Secret::default(),
             warnings: Vec::new(),

@@ -157,6 +157,25 @@ const REFERENCE: &[Row] = &[
     row!("XDS_CLIENT_BACKOFF_RANDOM_FACTOR", Trim, |s, v| s.xds.backoff.random_factor = number(v)?),
     row!("XDS_CLIENT_BACKOFF_JITTER", Trim, |s, v| s.xds.backoff.jitter = boolean(v)?),
     row!("XDS_CLIENT_MAX_MSG_SIZE_IN_BYTES", Trim, |s, v| s.xds.max_message_bytes = number(v)?),
+    row!("USE_STATSD", Trim, |s, v| s.statsd.enabled = boolean(v)?),
+    row!("STATSD_HOST", Trim, |s, v| s.statsd.host = v.to_owned()),
+    row!("STATSD_PORT", Trim, |s, v| s.statsd.port = number(v)?),
+    // lyft/gostats' own variable, which the reference's statsd sink reads.
+    row!("STATSD_PROTOCOL", Trim, |s, v| s.statsd.protocol = Some(choice(v)?)),
+    // DogStatsD is a way of writing the statsd stream: asking for it turns the stream on.
+    row!("USE_DOG_STATSD", Trim, |s, v| if boolean(v)? {
+        s.statsd.enabled = true;
+        s.statsd.dogstatsd = true;
+    }),
+    row!("USE_DOG_STATSD_MOGRIFIERS", Trim, |s, v| s.warnings.push(format!(
+        "USE_DOG_STATSD_MOGRIFIERS={v:?} is not supported: DogStatsD stats keep the reference's plain names, with EXTRA_TAGS as tags"
+    ))),
+    row!("EXTRA_TAGS", Trim, |s, v| s.statsd.extra_tags = pairs(v, ':')?),
+    row!("STATS_FLUSH_INTERVAL", Trim, |s, v| s.statsd.flush_interval = duration(v)?),
+    // After USE_STATSD and USE_DOG_STATSD: it wins over both.
+    row!("DISABLE_STATS", Trim, |s, v| if boolean(v)? {
+        s.statsd.enabled = false;
+    }),
 ];
 
 /// The variables of one Redis client, each named after a prefix: `REDIS_` for the main client,

@@ -719,3 +719,130 @@ fn xds_settings_from_the_reference_variables() {
     .to_string();
     assert!(err.contains("CONFIG_GRPC_XDS_SERVER_TLS_CACERT"), "{err}");
 }
+
+#[test]
+fn statsd_settings_from_the_reference_variables() {
+    let s = Settings::load(None, &env(&[])).unwrap();
+    assert!(!s.statsd.enabled, "off unless asked for: see the README");
+    assert_eq!(
+        (s.statsd.host.as_str(), s.statsd.port, s.statsd.protocol()),
+        ("localhost", 8125, StatsdProtocol::Tcp)
+    );
+    let s = Settings::load(
+        None,
+        &env(&[
+            ("USE_STATSD", "true"),
+            ("STATSD_HOST", "statsd.monitoring"),
+            ("STATSD_PORT", "9125"),
+            ("EXTRA_TAGS", "env:prod,team:edge"),
+            ("STATS_FLUSH_INTERVAL", "1s"),
+        ]),
+    )
+    .unwrap();
+    let st = &s.statsd;
+    assert!(st.enabled && !st.dogstatsd);
+    assert_eq!((st.host.as_str(), st.port), ("statsd.monitoring", 9125));
+    assert_eq!(
+        st.extra_tags,
+        [
+            ("env".into(), "prod".into()),
+            ("team".into(), "edge".into())
+        ]
+        .into()
+    );
+    assert_eq!(st.flush_interval, Duration::from_secs(1));
+    let dog = Settings::load(None, &env(&[("USE_DOG_STATSD", "true")])).unwrap();
+    assert!(dog.statsd.enabled && dog.statsd.dogstatsd);
+    assert_eq!(dog.statsd.protocol(), StatsdProtocol::Udp);
+    let tcp = Settings::load(
+        None,
+        &env(&[("USE_DOG_STATSD", "true"), ("STATSD_PROTOCOL", "TCP")]),
+    )
+    .unwrap();
+    assert_eq!(tcp.statsd.protocol(), StatsdProtocol::Tcp);
+    let off = Settings::load(
+        None,
+        &env(&[("USE_STATSD", "true"), ("DISABLE_STATS", "true")]),
+    )
+    .unwrap();
+    assert!(!off.statsd.enabled);
+    let mogrified = Settings::load(
+        None,
+        &env(&[
+            ("USE_DOG_STATSD", "true"),
+            ("USE_DOG_STATSD_MOGRIFIERS", "A"),
+        ]),
+    )
+    .unwrap();
+    assert!(
+        mogrified.warnings[0].contains("USE_DOG_STATSD_MOGRIFIERS"),
+        "{:?}",
+        mogrified.warnings
+    );
+    for (name, value) in [
+        ("STATSD_PORT", "0"),
+        ("STATSD_PORT", "statsd"),
+        ("STATSD_PROTOCOL", "quic"),
+        ("EXTRA_TAGS", "env"),
+        ("STATS_FLUSH_INTERVAL", "0s"),
+    ] {
+        let err = Settings::load(None, &env(&[("USE_STATSD", "true"), (name, value)]))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(name), "{name}={value}: {err}");
+    }
+}
+
+#[test]
+fn envoy_gateways_environment_loads_as_is() {
+    let certs = tempfile::tempdir().unwrap();
+    let (cert, key, ca) = (
+        certs.path().join("tls.crt"),
+        certs.path().join("tls.key"),
+        certs.path().join("ca.crt"),
+    );
+    let generated = rcgen::generate_simple_self_signed(vec!["envoy-ratelimit".into()]).unwrap();
+    std::fs::write(&cert, generated.cert.pem()).unwrap();
+    std::fs::write(&key, generated.key_pair.serialize_pem()).unwrap();
+    std::fs::write(&ca, generated.cert.pem()).unwrap();
+    let (cert, key, ca) = (
+        cert.to_str().unwrap(),
+        key.to_str().unwrap(),
+        ca.to_str().unwrap(),
+    );
+    let s = Settings::load(
+        None,
+        &env(&[
+            ("RUNTIME_ROOT", "/data"),
+            ("RUNTIME_SUBDIRECTORY", "ratelimit"),
+            ("RUNTIME_IGNOREDOTFILES", "true"),
+            ("RUNTIME_WATCH_ROOT", "false"),
+            ("LOG_LEVEL", "info"),
+            ("USE_STATSD", "true"),
+            ("STATSD_PORT", "9125"),
+            ("CONFIG_TYPE", "GRPC_XDS_SOTW"),
+            ("CONFIG_GRPC_XDS_SERVER_URL", "envoy-gateway:18001"),
+            ("CONFIG_GRPC_XDS_NODE_ID", "envoy-ratelimit"),
+            ("GRPC_SERVER_USE_TLS", "true"),
+            ("GRPC_SERVER_TLS_CERT", cert),
+            ("GRPC_SERVER_TLS_KEY", key),
+            ("GRPC_SERVER_TLS_CA_CERT", ca),
+            ("CONFIG_GRPC_XDS_SERVER_USE_TLS", "true"),
+            ("CONFIG_GRPC_XDS_CLIENT_TLS_CERT", cert),
+            ("CONFIG_GRPC_XDS_CLIENT_TLS_KEY", key),
+            ("CONFIG_GRPC_XDS_SERVER_TLS_CACERT", ca),
+            ("FORCE_START_WITHOUT_INITIAL_CONFIG", "true"),
+            ("REDIS_SOCKET_TYPE", "tcp"),
+            ("REDIS_URL", "redis.redis-system.svc.cluster.local:6379"),
+        ]),
+    )
+    .unwrap();
+    assert_eq!(s.rules.config_type, ConfigType::GrpcXdsSotw);
+    assert_eq!(s.backend(), BackendKind::Redis);
+    assert!(s.statsd.enabled && s.xds.tls && s.grpc_tls.enabled);
+    assert_eq!(
+        s.grpc_tls.client_ca, None,
+        "GRPC_SERVER_TLS_CA_CERT is not the reference's"
+    );
+    assert!(s.warnings.is_empty(), "{:?}", s.warnings);
+}

@@ -43,6 +43,7 @@ impl Settings {
                 "must be between 0 and 1",
             ));
         }
+        self.validate_statsd()?;
         at_least_one("memory.max_keys", self.memory.max_keys)?;
         longer_than_zero("memory.sweep_interval", self.memory.sweep_interval)?;
         self.validate_bounds()?;
@@ -151,6 +152,28 @@ impl Settings {
             ));
         }
         Ok(())
+    }
+
+    fn validate_statsd(&self) -> Result<(), SettingsError> {
+        let statsd = &self.statsd;
+        if !statsd.enabled {
+            return Ok(());
+        }
+        if statsd.host.trim().is_empty() {
+            return Err(SettingsError::invalid(
+                "STATSD_HOST",
+                "",
+                "USE_STATSD=true needs the statsd server's host",
+            ));
+        }
+        if statsd.port == 0 {
+            return Err(SettingsError::invalid(
+                "STATSD_PORT",
+                0,
+                "must be a port number",
+            ));
+        }
+        longer_than_zero("STATS_FLUSH_INTERVAL", statsd.flush_interval)
     }
 
     fn validate_prometheus(&self) -> Result<(), SettingsError> {

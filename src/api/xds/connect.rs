@@ -132,13 +132,19 @@ pub(super) async fn channel(settings: &XdsSettings) -> Result<Channel, XdsError>
         .map_err(|e| XdsError::Connect(transport_error(&e)))
 }
 
-/// A transport error with its causes, which hold what went wrong (refused, a certificate not trusted).
+/// A transport error with its causes, which hold what went wrong (refused, a certificate not trusted),
+/// each said once (layers often repeat the one below them).
 fn transport_error(err: &tonic::transport::Error) -> String {
     let mut text = err.to_string();
+    let mut last = text.clone();
     let mut source = std::error::Error::source(err);
     while let Some(cause) = source {
-        text.push_str(": ");
-        text.push_str(&cause.to_string());
+        let said = cause.to_string();
+        if said != last {
+            text.push_str(": ");
+            text.push_str(&said);
+        }
+        last = said;
         source = cause.source();
     }
     text

@@ -129,9 +129,14 @@ impl XdsClient {
                 backoff.reset();
             }
             let wait = backoff.next_wait();
+            let serving = if applied.is_empty() {
+                "no rule set received yet".to_owned()
+            } else {
+                format!("the rules of version {applied} keep serving")
+            };
             tracing::warn!(
                 server = %self.settings.server_url,
-                "xDS stream ended: {}; the current rules keep serving; reconnecting in {wait:?}",
+                "xDS stream ended: {}; {serving}; reconnecting in {wait:?}",
                 ended.reason
             );
             tokio::select! {

@@ -158,10 +158,7 @@ fn end_to_end(c: &mut Criterion) {
 fn statsd(c: &mut Criterion) {
     use std::sync::atomic::Ordering;
 
-    use ratelimitd::telemetry::{
-        statsd::{read, Format},
-        Metrics,
-    };
+    use ratelimitd::telemetry::{statsd::Statsd, Metrics, StatsdSettings};
     let metrics = Metrics::new();
     let time = metrics.histogram(
         "ratelimit_service_response_time_seconds",
@@ -174,16 +171,18 @@ fn statsd(c: &mut Criterion) {
     let rules: Vec<_> = (0..1000)
         .map(|i| metrics.rule("edge", &format!("remote_address.path_/p{i}.method_POST")))
         .collect();
-    let format = Format::new(false, &Default::default());
-    let sent = read(&metrics).into_iter().collect();
-    for rule in &rules {
-        rule.total_hits.fetch_add(3, Ordering::Relaxed);
-        rule.within_limit.fetch_add(3, Ordering::Relaxed);
-    }
+    let mut statsd = Statsd::new(&StatsdSettings::default(), Arc::new(metrics));
+    let first = statsd.due();
+    statsd.delivered(first);
     c.bench_function("statsd/one flush of 1000 changed rules", |b| {
         b.iter(|| {
-            let now = read(&metrics);
-            black_box(format.lines(&now, &sent).len())
+            for rule in &rules {
+                rule.total_hits.fetch_add(3, Ordering::Relaxed);
+                rule.within_limit.fetch_add(3, Ordering::Relaxed);
+            }
+            let due = statsd.due();
+            assert_eq!(due.lines.len(), 2000);
+            statsd.delivered(due);
         })
     });
 }

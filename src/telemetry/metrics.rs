@@ -438,17 +438,14 @@ impl RuleCounters {
 }
 
 impl Metrics {
-    /// Every rule's counters now, by domain and rule label.
-    pub fn rule_totals(&self) -> Vec<(String, String, RuleTotals)> {
+    /// Calls `f` with every rule's counters now: its domain, its rule label and the totals.
+    pub fn for_each_rule(&self, mut f: impl FnMut(&str, &str, RuleTotals)) {
         let rules = self.rules.read().unwrap_or_else(|p| p.into_inner());
-        rules
-            .iter()
-            .flat_map(|(domain, rules)| {
-                rules
-                    .iter()
-                    .map(move |(rule, c)| (domain.to_string(), rule.to_string(), c.totals()))
-            })
-            .collect()
+        for (domain, rules) in rules.iter() {
+            for (rule, counters) in rules {
+                f(domain, rule, counters.totals());
+            }
+        }
     }
 
     /// The series of the counter family `name` now (counted here or read from elsewhere), by labels.

@@ -1,5 +1,6 @@
-//! What a flush says: the reference service's stat names read from the metrics registry, and the
-//! statsd (or DogStatsD) lines of what changed since the last flush that was delivered.
+//! What a flush says: the reference service's stat names read from the metrics registry (but the
+//! per-rule ones, which `rule_stats` keeps), and the statsd (or DogStatsD) lines of what changed since
+//! the last flush that was delivered.
 //!
 //! Nothing here is counted twice: the request path counts once, for Prometheus, and a flush reads
 //! those counters. Counters go out as deltas (`name:N|c`). Timers go out from the latency histogram:
@@ -9,7 +10,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use crate::telemetry::metrics::{HistogramSnapshot, Labels, Metrics, RuleCounters};
+use crate::telemetry::metrics::{HistogramSnapshot, Labels, Metrics};
 
 /// One stat's value at one moment.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -77,15 +78,9 @@ fn label<'a>(labels: &'a Labels, name: &str) -> Option<&'a str> {
         .map(|(_, v)| v.as_str())
 }
 
-/// Every stat of the registry that the reference names, now.
+/// Every stat of the registry that the reference names, now, but the per-rule ones (see `rule_stats`).
 pub fn read(metrics: &Metrics) -> Stats {
     let mut stats = Stats::new();
-    for (domain, rule, totals) in metrics.rule_totals() {
-        for (field, value) in RuleCounters::REFERENCE.iter().zip(totals) {
-            let name = format!("ratelimit.service.rate_limit.{domain}.{rule}.{field}");
-            add_counter(&mut stats, sanitize(&name), value);
-        }
-    }
     for (family, name_of) in COUNTERS {
         for (labels, value) in metrics.counter_values(family) {
             if let Some(name) = name_of(&labels) {
@@ -131,7 +126,14 @@ impl Format {
         }
     }
 
-    fn line(&self, out: &mut String, name: &str, value: &str, kind: &str, rate: Option<&str>) {
+    pub(super) fn line(
+        &self,
+        out: &mut String,
+        name: &str,
+        value: &str,
+        kind: &str,
+        rate: Option<&str>,
+    ) {
         out.push_str(name);
         if !self.dogstatsd {
             for (k, v) in &self.tags {

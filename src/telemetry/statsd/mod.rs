@@ -12,6 +12,7 @@
 //! logged too. The last flush happens at shutdown, after the calls in flight have finished.
 
 mod lines;
+mod rule_stats;
 mod sink;
 
 use std::{
@@ -25,7 +26,10 @@ use std::{
 use tokio_util::sync::CancellationToken;
 
 pub use self::lines::{read, sanitize, Format, Stat, Stats};
-use self::sink::{SendError, Sink};
+use self::{
+    rule_stats::RuleStats,
+    sink::{SendError, Sink},
+};
 use super::{Metrics, StatsdSettings};
 
 /// The flush task's state.
@@ -34,8 +38,10 @@ pub struct Statsd {
     metrics: Arc<Metrics>,
     format: Format,
     sink: Sink,
-    /// What the server has been sent, by name: the base of the next deltas.
+    /// What the server has been sent, by name: the base of the next deltas (the per-rule stats keep
+    /// theirs in `rules`).
     sent: HashMap<String, Stat>,
+    rules: RuleStats,
     /// Whether the last flush failed: a failure is logged when it starts, and so is the recovery.
     failing: bool,
     failures: Arc<AtomicU64>,
@@ -54,6 +60,7 @@ impl Statsd {
             settings: settings.clone(),
             metrics,
             sent: HashMap::new(),
+            rules: RuleStats::default(),
             failing: false,
             failures,
         }
@@ -81,18 +88,17 @@ impl Statsd {
 
     /// Sends what changed since the last delivered flush.
     pub async fn flush(&mut self) {
-        let now = read(&self.metrics);
-        let lines = self.format.lines(&now, &self.sent);
-        if lines.is_empty() {
+        let due = self.due();
+        if due.lines.is_empty() {
             return;
         }
-        match self.sink.send(&lines).await {
+        match self.sink.send(&due.lines).await {
             Ok(()) => {
                 if self.failing {
                     self.failing = false;
                     tracing::warn!(target = %self.sink.target(), "statsd reachable again: stats are sent");
                 }
-                self.sent = now.into_iter().collect();
+                self.delivered(due);
             }
             Err(err) => {
                 self.failures.fetch_add(1, Ordering::Relaxed);
@@ -105,9 +111,29 @@ impl Statsd {
                 }
                 // What was not sent stays owed; what may have been is not sent again.
                 if let SendError::Partly(_) = err {
-                    self.sent = now.into_iter().collect();
+                    self.delivered(due);
                 }
             }
         }
     }
+
+    /// What a flush would send now: the lines of what changed since the last delivered flush.
+    pub fn due(&mut self) -> Due {
+        let read = read(&self.metrics);
+        let mut lines = self.format.lines(&read, &self.sent);
+        self.rules.lines(&self.metrics, &self.format, &mut lines);
+        Due { lines, read }
+    }
+
+    /// Records `due` as delivered: the next flush sends what changes from it on.
+    pub fn delivered(&mut self, due: Due) {
+        self.sent = due.read.into_iter().collect();
+        self.rules.delivered();
+    }
+}
+
+/// The lines a flush sends, and what they were read from.
+pub struct Due {
+    pub lines: Vec<String>,
+    read: Stats,
 }

@@ -2,8 +2,8 @@
 #   docker build -t ratelimitd .
 #   docker run --rm -p 8081:8081 -p 8080:8080 ratelimitd
 # With no settings it serves the example rules (examples/config) from the memory store. In Kubernetes the
-# rules come from a ConfigMap through the RUNTIME_* variables (deploy/kubernetes), and REDIS_URL switches the
-# counters to Redis.
+# rules come from a ConfigMap through the RUNTIME_* variables (deploy/kubernetes), or from Envoy Gateway over
+# xDS (deploy/envoy-gateway), and REDIS_URL switches the counters to Redis.
 
 FROM rust:1.95-slim-bookworm AS build
 WORKDIR /src
@@ -26,6 +26,8 @@ RUN touch src/main.rs src/lib.rs \
 # glibc and libgcc only; runs as the distroless "nonroot" user (uid 65532), no shell.
 FROM gcr.io/distroless/cc-debian12:nonroot
 COPY --from=build /src/target/release/ratelimitd /usr/local/bin/ratelimitd
+# The reference image's path too: Envoy Gateway starts its rate limit container with `/bin/ratelimit`.
+COPY --from=build /src/target/release/ratelimitd /bin/ratelimit
 COPY examples/config /srv/ratelimitd/config
 WORKDIR /srv/ratelimitd
 USER 65532:65532

@@ -152,5 +152,47 @@ fn end_to_end(c: &mut Criterion) {
     });
 }
 
-criterion_group!(benches, matching, key_building, algorithms, end_to_end);
+/// The statsd stream's costs: what a call adds (one histogram observation, per method), and one flush
+/// of a registry holding 1 000 rules (read the registry, write the lines of what changed), which the
+/// flush task pays once per `STATS_FLUSH_INTERVAL`, off the request path.
+fn statsd(c: &mut Criterion) {
+    use std::sync::atomic::Ordering;
+
+    use ratelimitd::telemetry::{statsd::Statsd, Metrics, StatsdSettings};
+    let metrics = Metrics::new();
+    let time = metrics.histogram(
+        "ratelimit_service_response_time_seconds",
+        "Time to answer a unary gRPC call, by method.",
+        vec![("grpc_method", "ShouldRateLimit".to_string())],
+    );
+    c.bench_function("statsd/per call: one response time observed", |b| {
+        b.iter(|| time.observe(black_box(std::time::Duration::from_micros(180))))
+    });
+    let rules: Vec<_> = (0..1000)
+        .map(|i| metrics.rule("edge", &format!("remote_address.path_/p{i}.method_POST")))
+        .collect();
+    let mut statsd = Statsd::new(&StatsdSettings::default(), Arc::new(metrics));
+    let first = statsd.due();
+    statsd.delivered(first);
+    c.bench_function("statsd/one flush of 1000 changed rules", |b| {
+        b.iter(|| {
+            for rule in &rules {
+                rule.total_hits.fetch_add(3, Ordering::Relaxed);
+                rule.within_limit.fetch_add(3, Ordering::Relaxed);
+            }
+            let due = statsd.due();
+            assert_eq!(due.lines.len(), 2000);
+            statsd.delivered(due);
+        })
+    });
+}
+
+criterion_group!(
+    benches,
+    matching,
+    key_building,
+    algorithms,
+    end_to_end,
+    statsd
+);
 criterion_main!(benches);

@@ -14,9 +14,11 @@
 //! file and the environment, `server` builds the parts from them and runs them. Only `main` and
 //! `server` import `settings`.
 //!
-//! - [`proto`] — the wire API (Envoy RLS v3 subset), generated from `proto/`.
-//! - [`api`] — gRPC service, health, reflection and the HTTP side port, and the listeners' connection
-//!   bounds; the only place that converts between wire and domain types.
+//! - [`proto`] — the wire API (Envoy RLS v3 subset, and the xDS discovery subset with the rule sets it
+//!   carries), generated from `proto/`.
+//! - [`api`] — gRPC service, health, reflection and the HTTP side port, the listeners' connection bounds,
+//!   and the xDS client that streams the rules from a control plane; the only place that converts
+//!   between wire and domain types.
 //! - [`limiter`] — decides a request as steps: `plan` (descriptors to checks), the store call
 //!   (`backend`: timing, traces, the local fallback), `status` (verdicts to statuses and headers),
 //!   `record` (metrics and offenders). Its options are in `limiter::options`.
@@ -28,7 +30,8 @@
 //!   one call, hot counters are leased), the deny cache as a wrapper store, the counter key schema and
 //!   the circuit breaker.
 //! - [`algorithm`] — the five algorithms as pure functions, mirrored by the Redis script.
-//! - [`telemetry`] — metrics, traces (W3C and B3), logs and the top offenders.
+//! - [`telemetry`] — metrics, traces (W3C and B3), logs, the top offenders, and the statsd stream of the
+//!   reference's stat names.
 //! - [`settings`] — the process settings: file, `RATELIMITD_*` and the reference's variables
 //!   (`settings::reference_env` is their table), validated before any port is bound.
 //! - [`server`] — `build` makes the store, limiter, rules watcher and metrics from the settings; `serve`

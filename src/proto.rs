@@ -1,4 +1,5 @@
-//! Code generated from `proto/`: the Envoy rate limit service v3 and the messages it uses.
+//! Code generated from `proto/`: the Envoy rate limit service v3 and the messages it uses, and the xDS
+//! discovery service with the rule sets a control plane sends over it.
 #![allow(clippy::all, missing_docs)]
 
 pub mod envoy {
@@ -6,6 +7,11 @@ pub mod envoy {
         pub mod ratelimit {
             pub mod v3 {
                 tonic::include_proto!("envoy.service.ratelimit.v3");
+            }
+        }
+        pub mod discovery {
+            pub mod v3 {
+                tonic::include_proto!("envoy.service.discovery.v3");
             }
         }
     }
@@ -32,7 +38,24 @@ pub mod envoy {
     }
 }
 
-/// The encoded descriptor set of `proto/` (with its imports), served by reflection.
+pub mod google {
+    pub mod rpc {
+        tonic::include_proto!("google.rpc");
+    }
+}
+
+/// The rule sets of envoyproxy/ratelimit's xDS API (`ratelimit.config.ratelimit.v3`).
+pub mod ratelimit {
+    pub mod config {
+        pub mod ratelimit {
+            pub mod v3 {
+                tonic::include_proto!("ratelimit.config.ratelimit.v3");
+            }
+        }
+    }
+}
+
+/// The encoded descriptor set of the rate limit service (with its imports), served by reflection.
 pub const FILE_DESCRIPTOR_SET: &[u8] =
     include_bytes!(concat!(env!("OUT_DIR"), "/rls_descriptor.bin"));
 
@@ -44,3 +67,22 @@ pub use envoy::{
         rate_limit_service_server, RateLimitRequest, RateLimitResponse,
     },
 };
+
+/// What ratelimitd and a control plane say to each other, and the rules it carries.
+pub mod xds {
+    pub use super::envoy::{
+        config::core::v3::Node,
+        service::discovery::v3::{
+            aggregated_discovery_service_client::AggregatedDiscoveryServiceClient,
+            aggregated_discovery_service_server, DiscoveryRequest, DiscoveryResponse,
+        },
+    };
+    pub use super::google::rpc::Status;
+    pub use super::ratelimit::config::ratelimit::v3::{
+        RateLimitConfig, RateLimitDescriptor, RateLimitPolicy, RateLimitReplace, RateLimitUnit,
+    };
+
+    /// The type URL of [`RateLimitConfig`] resources, the one type ratelimitd subscribes to.
+    pub const RATE_LIMIT_CONFIG_TYPE: &str =
+        "type.googleapis.com/ratelimit.config.ratelimit.v3.RateLimitConfig";
+}

@@ -106,6 +106,15 @@ async fn metrics_count_known_traffic_by_rule() {
         ("ratelimit_service_config_load_error", 0.0),
         ("ratelimitd_backend_up{backend=\"memory\"}", 1.0),
         ("ratelimitd_backend_breaker_open{backend=\"memory\"}", 0.0),
+        // Every gRPC call by method, as the reference's Prometheus mapping names it: the refused one too.
+        (
+            "ratelimit_service_total_requests{grpc_method=\"ShouldRateLimit\"}",
+            9.0,
+        ),
+        (
+            "ratelimit_service_response_time_seconds_count{grpc_method=\"ShouldRateLimit\"}",
+            9.0,
+        ),
     ] {
         assert_eq!(sample(&text, metric), want, "{metric}");
     }

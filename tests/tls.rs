@@ -5,77 +5,20 @@
 mod common;
 
 use std::{
-    net::IpAddr,
-    path::{Path, PathBuf},
+    path::Path,
     time::{Duration, Instant},
 };
 
 use common::{
+    certs::{write, Ca, Leaf},
     descriptor,
     redis::{free_port, RedisProcess},
     request, start_binary, wait_for, Running,
 };
 use ratelimitd::proto::{rate_limit_response::Code, RateLimitServiceClient};
-use rcgen::{
-    BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, KeyPair, SanType,
-};
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity};
 
 const RULES: &str = "domain: tls\ndescriptors:\n  - key: user\n    rate_limit: {unit: minute, requests_per_unit: 2}\n";
-
-/// A certificate authority that signs leaf certificates.
-struct Ca {
-    cert: rcgen::Certificate,
-    key: KeyPair,
-}
-
-/// A PEM certificate and key.
-struct Leaf {
-    cert: String,
-    key: String,
-}
-
-impl Ca {
-    fn new(name: &str) -> Self {
-        let key = KeyPair::generate().unwrap();
-        let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
-        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        params.distinguished_name.push(DnType::CommonName, name);
-        let cert = params.self_signed(&key).unwrap();
-        Self { cert, key }
-    }
-
-    fn pem(&self) -> String {
-        self.cert.pem()
-    }
-
-    /// A leaf for these DNS names (and 127.0.0.1), for servers or for clients.
-    fn leaf(&self, dns: &[&str], client: bool) -> Leaf {
-        let key = KeyPair::generate().unwrap();
-        let mut params =
-            CertificateParams::new(dns.iter().map(|s| s.to_string()).collect::<Vec<_>>()).unwrap();
-        params
-            .subject_alt_names
-            .push(SanType::IpAddress(IpAddr::from([127, 0, 0, 1])));
-        params.distinguished_name.push(DnType::CommonName, dns[0]);
-        params.extended_key_usages = vec![if client {
-            ExtendedKeyUsagePurpose::ClientAuth
-        } else {
-            ExtendedKeyUsagePurpose::ServerAuth
-        }];
-        let cert = params.signed_by(&key, &self.cert, &self.key).unwrap();
-        Leaf {
-            cert: cert.pem(),
-            key: key.serialize_pem(),
-        }
-    }
-}
-
-fn write(dir: &Path, name: &str, text: &str) -> PathBuf {
-    let path = dir.join(name);
-    std::fs::write(&path, text).unwrap();
-    path
-}
 
 fn rules_dir() -> tempfile::TempDir {
     let dir = tempfile::tempdir().unwrap();
@@ -206,7 +149,7 @@ async fn a_client_silent_before_or_after_its_tls_handshake_is_dropped_at_the_han
     // A connection that completes its TLS handshake, then never sends the HTTP/2 preface: the same
     // bound, counted from the accept, covers both.
     let mut roots = rustls::RootCertStore::empty();
-    roots.add(ca.cert.der().clone()).unwrap();
+    roots.add(ca.der()).unwrap();
     let mut config = rustls::ClientConfig::builder_with_provider(
         rustls::crypto::ring::default_provider().into(),
     )

@@ -1,7 +1,9 @@
 //! Health as callers see it: the gRPC health service (names `""` and `ratelimit`) and `/healthcheck`.
 //!
 //! Serving means: not shutting down, the backend reached once since start (Redis: connected and scripts
-//! loaded), and, with `healthy_with_at_least_one_config_loaded`, rules with at least one domain loaded.
+//! loaded), with rules from a control plane a first rule set applied (unless
+//! `FORCE_START_WITHOUT_INITIAL_CONFIG`), and, with `healthy_with_at_least_one_config_loaded`, rules with
+//! at least one domain loaded.
 //! Like the reference service, a backend lost after start does not turn health off: that would take
 //! every replica out of its load balancer at once, and `on_backend_error` decides what callers get.
 
@@ -17,17 +19,26 @@ pub struct Health {
     reporter: HealthReporter,
     require_rules: bool,
     rules_loaded: AtomicBool,
+    /// True until a first rule set is applied, when health waits for one (rules from a control plane).
+    awaiting_rules: AtomicBool,
     backend_ready: AtomicBool,
     shutting_down: AtomicBool,
 }
 
 impl Health {
-    /// `backend_ready`: whether the backend needs no waiting (the memory store).
-    pub fn new(reporter: HealthReporter, require_rules: bool, backend_ready: bool) -> Self {
+    /// `backend_ready`: whether the backend needs no waiting (the memory store); `await_rules`: whether
+    /// to report NOT_SERVING until a first rule set is applied, even one without domains.
+    pub fn new(
+        reporter: HealthReporter,
+        require_rules: bool,
+        backend_ready: bool,
+        await_rules: bool,
+    ) -> Self {
         Self {
             reporter,
             require_rules,
             rules_loaded: AtomicBool::new(false),
+            awaiting_rules: AtomicBool::new(await_rules),
             backend_ready: AtomicBool::new(backend_ready),
             shutting_down: AtomicBool::new(false),
         }
@@ -36,6 +47,7 @@ impl Health {
     pub fn is_serving(&self) -> bool {
         !self.shutting_down.load(Ordering::SeqCst)
             && self.backend_ready.load(Ordering::SeqCst)
+            && !self.awaiting_rules.load(Ordering::SeqCst)
             && (!self.require_rules || self.rules_loaded.load(Ordering::SeqCst))
     }
 
@@ -48,6 +60,7 @@ impl Health {
     /// Records a successful rules load with this many domains.
     pub async fn rules_loaded(&self, domains: usize) {
         self.rules_loaded.store(domains > 0, Ordering::SeqCst);
+        self.awaiting_rules.store(false, Ordering::SeqCst);
         self.publish().await;
     }
 

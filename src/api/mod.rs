@@ -1,5 +1,6 @@
-//! The edge: gRPC (Envoy RLS v3, health, reflection) and the HTTP side port. Wire types are converted
-//! to and from the limiter's domain types here and nowhere else.
+//! The edge: gRPC (Envoy RLS v3, health, reflection), the HTTP side port, and the xDS client that takes
+//! the rules from a control plane. Wire types are converted to and from the domain types (the
+//! limiter's, the rules') here and nowhere else.
 
 pub mod conn;
 pub mod grpc;
@@ -7,7 +8,9 @@ pub mod health;
 pub mod http;
 pub mod http1;
 mod json;
+pub mod method_stats;
 pub mod tls;
+pub mod xds;
 
 use axum::http::StatusCode;
 use tonic::{Code as GrpcCode, Status};

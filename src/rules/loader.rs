@@ -19,8 +19,10 @@ use std::{
 
 use sha2::{Digest, Sha256};
 
+use crate::algorithm::Algorithm;
+
 use super::{
-    error::LoadError,
+    error::{BuildError, LoadError},
     model::RuleSet,
     yaml::{parse_file_within, DomainFile},
     Source,
@@ -30,10 +32,31 @@ use super::{
 #[derive(Debug)]
 pub struct Loaded {
     pub rules: RuleSet,
-    /// Names of the files read, in load order.
+    /// Names of the files read (or of the resources received), in load order.
     pub files: Vec<String>,
     /// A hash of the files' names and contents: equal fingerprints, equal rules.
     pub fingerprint: u64,
+}
+
+/// The fingerprint of a rule set's sources: a hash of their names and contents, in load order.
+#[derive(Default)]
+pub struct Fingerprint(Sha256);
+
+impl Fingerprint {
+    /// Adds one part (a name, a file's text, an encoded resource).
+    pub fn add(&mut self, part: &[u8]) {
+        self.0.update(part);
+        // A separator, so that parts moving between neighbours change the hash.
+        self.0.update([0]);
+    }
+
+    /// The first 64 bits of the hash.
+    pub fn finish(self) -> u64 {
+        let digest = self.0.finalize();
+        let mut first = [0u8; 8];
+        first.copy_from_slice(&digest[..8]);
+        u64::from_be_bytes(first)
+    }
 }
 
 /// What the walk found under one dotted name.
@@ -48,7 +71,7 @@ enum Found {
 /// Loads every rules file of the source. A missing root folder is an empty rule set.
 pub fn load(source: &Source) -> Result<Loaded, LoadError> {
     let mut parsed = Vec::new();
-    let mut digest = Sha256::new();
+    let mut fingerprint = Fingerprint::default();
     for (name, what) in find(source)? {
         if let Some(prefix) = &source.key_prefix {
             if !selected(&name, &what, prefix) {
@@ -60,21 +83,34 @@ pub fn load(source: &Source) -> Result<Loaded, LoadError> {
             Found::Outside => return Err(LoadError::Outside { file: name }),
         };
         let (text, file) = read(&name, &path, source.max_yaml_nodes)?;
-        digest.update(name.as_bytes());
-        digest.update([0]);
-        digest.update(text.as_bytes());
-        digest.update([0]);
+        fingerprint.add(name.as_bytes());
+        fingerprint.add(text.as_bytes());
         parsed.push((name, file));
     }
-    let rules = RuleSet::build_with(&parsed, source.merge_domains, source.default_algorithm)?;
-    let digest = digest.finalize();
-    let mut first = [0u8; 8];
-    first.copy_from_slice(&digest[..8]);
-    Ok(Loaded {
-        rules,
-        files: parsed.into_iter().map(|(name, _)| name).collect(),
-        fingerprint: u64::from_be_bytes(first),
-    })
+    Ok(Loaded::build(
+        parsed,
+        fingerprint.finish(),
+        source.merge_domains,
+        source.default_algorithm,
+    )?)
+}
+
+impl Loaded {
+    /// The rule set of files (or a control plane's resources) already parsed, compiled in the order
+    /// given, all or nothing; `fingerprint` identifies their content. The error names the file.
+    pub fn build(
+        parsed: Vec<(String, DomainFile)>,
+        fingerprint: u64,
+        merge_domains: bool,
+        default_algorithm: Algorithm,
+    ) -> Result<Loaded, BuildError> {
+        let rules = RuleSet::build_with(&parsed, merge_domains, default_algorithm)?;
+        Ok(Loaded {
+            rules,
+            files: parsed.into_iter().map(|(name, _)| name).collect(),
+            fingerprint,
+        })
+    }
 }
 
 /// Everything under the source's root by dotted name, sorted: the load order.

@@ -3,7 +3,8 @@
 //!
 //! # Layout
 //! A load runs down this list; each module uses only those below it.
-//! - `watcher`: reloads when the rules folder changes.
+//! - `watcher`: reloads when the rules folder changes; its [`Publisher`] swaps in every loaded set, from
+//!   the files or from a control plane (`api::xds` builds those from [`DomainFile`]s of its own).
 //! - `loader`: reads a rules folder, all files or none.
 //! - `compile`: parsed files to a [`RuleSet`], with the semantic checks.
 //! - `yaml`: one file's text to a [`DomainFile`], with the key and type checks; `yaml_tree` is the
@@ -37,14 +38,14 @@ pub use error::{
     BuildError, LimitField, LoadError, Location, ParseError, RuleError, SyntaxProblem,
 };
 pub use flags::RuleFlags;
-pub use loader::{load, Loaded};
+pub use loader::{load, Fingerprint, Loaded};
 pub use matcher::EntryRef;
 pub use model::{Domain, KeyNodes, Level, Limit, Node, PathStep, RuleSet};
-pub use options::{RulesSettings, Source, DEFAULT_MAX_YAML_NODES};
+pub use options::{ConfigType, RulesSettings, Source, DEFAULT_MAX_YAML_NODES};
 pub use pattern::{Cidr, CidrError, Wildcard};
 pub use unit::Unit;
-pub use watcher::{reload, OnLoaded, ReloadStats, RulesWatch};
-pub use yaml::{parse_file, parse_file_within, DomainFile};
+pub use watcher::{reload, OnLoaded, Publisher, ReloadStats, RulesWatch};
+pub use yaml::{parse_file, parse_file_within, DescriptorSpec, DomainFile, RateLimitSpec};
 
 /// The rule set requests are decided against; empty until the first successful load.
 #[derive(Debug, Default)]

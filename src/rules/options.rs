@@ -19,6 +19,9 @@ pub const DEFAULT_MAX_YAML_NODES: usize = 1_000_000;
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct RulesSettings {
+    /// Where the rules come from. Env `CONFIG_TYPE`: `FILE` (the default) reads the rules folder below;
+    /// `GRPC_XDS_SOTW` takes them from an xDS control plane (the `xds` settings) and reads no files.
+    pub config_type: ConfigType,
     /// A folder of rules files, read recursively.
     pub path: Option<PathBuf>,
     /// Env `RUNTIME_ROOT`: root of the reference layout.
@@ -51,6 +54,7 @@ pub struct RulesSettings {
 impl Default for RulesSettings {
     fn default() -> Self {
         Self {
+            config_type: ConfigType::File,
             path: None,
             runtime_root: None,
             runtime_subdirectory: String::new(),
@@ -64,6 +68,16 @@ impl Default for RulesSettings {
             max_yaml_nodes: DEFAULT_MAX_YAML_NODES,
         }
     }
+}
+
+/// Where the rules come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ConfigType {
+    /// The rules files.
+    File,
+    /// A state-of-the-world xDS control plane.
+    GrpcXdsSotw,
 }
 
 /// How the rules directory is walked.

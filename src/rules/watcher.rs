@@ -40,28 +40,56 @@ pub struct ReloadStats {
     pub fingerprint: AtomicU64,
 }
 
-/// Called after every successful load with the new rule set's domain count.
+/// Called after every successful load that changes the rules, before they are swapped in.
 pub type OnLoaded = Box<dyn Fn(&Loaded) + Send + Sync>;
 
-/// Loads the rules once and swaps them in if valid and different; returns whether they changed.
-pub fn reload(source: &Source, rules: &Rules, stats: &ReloadStats, on_loaded: &OnLoaded) -> bool {
-    match load(source) {
-        Ok(loaded) => {
-            stats.successes.fetch_add(1, Ordering::Relaxed);
-            if rules.snapshot().is_some()
-                && stats.fingerprint.load(Ordering::Relaxed) == loaded.fingerprint
-            {
-                return false;
-            }
-            stats
-                .fingerprint
-                .store(loaded.fingerprint, Ordering::Relaxed);
-            on_loaded(&loaded);
-            rules.replace(loaded.rules);
-            true
+/// Where every loaded rule set goes, whether read from the files or received from a control plane: it
+/// is counted, announced and swapped in whole when it differs from the rules being served.
+pub struct Publisher {
+    rules: Arc<Rules>,
+    stats: Arc<ReloadStats>,
+    on_loaded: OnLoaded,
+}
+
+impl Publisher {
+    pub fn new(rules: Arc<Rules>, stats: Arc<ReloadStats>, on_loaded: OnLoaded) -> Self {
+        Self {
+            rules,
+            stats,
+            on_loaded,
         }
+    }
+
+    /// Counts a successful load and swaps it in if it differs from the rules served (by fingerprint);
+    /// returns whether the rules changed.
+    pub fn publish(&self, loaded: Loaded) -> bool {
+        let stats = &self.stats;
+        stats.successes.fetch_add(1, Ordering::Relaxed);
+        if self.rules.snapshot().is_some()
+            && stats.fingerprint.load(Ordering::Relaxed) == loaded.fingerprint
+        {
+            return false;
+        }
+        stats
+            .fingerprint
+            .store(loaded.fingerprint, Ordering::Relaxed);
+        (self.on_loaded)(&loaded);
+        self.rules.replace(loaded.rules);
+        true
+    }
+
+    /// Counts a refused load; the rules served stay as they are.
+    pub fn refuse(&self) {
+        self.stats.errors.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// Loads the rules files once and publishes them if valid; returns whether the rules changed.
+pub fn reload(source: &Source, publisher: &Publisher) -> bool {
+    match load(source) {
+        Ok(loaded) => publisher.publish(loaded),
         Err(err) => {
-            stats.errors.fetch_add(1, Ordering::Relaxed);
+            publisher.refuse();
             tracing::error!(path = %source.root.display(), "Error loading new configuration: {err}");
             false
         }
@@ -125,9 +153,7 @@ impl RulesWatch {
     /// Reloads the rules after each burst of changes, until `stop`.
     pub async fn run(
         mut self,
-        rules: Arc<Rules>,
-        stats: Arc<ReloadStats>,
-        on_loaded: OnLoaded,
+        publisher: Arc<Publisher>,
         quiet: Duration,
         stop: CancellationToken,
     ) {
@@ -151,7 +177,7 @@ impl RulesWatch {
             // before loading, so that what changes from here on is noticed.
             let _ = self.watcher.unwatch(&self.watched.root);
             self.watch_paths();
-            if reload(&self.source, &rules, &stats, &on_loaded) {
+            if reload(&self.source, &publisher) {
                 tracing::warn!(path = %self.source.root.display(), "rules reloaded");
             }
         }

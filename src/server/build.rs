@@ -1,16 +1,17 @@
 //! Building the parts of the service from its settings: the store, the limiter in front of it (with the
-//! deny cache, the local fallback and the hasher of sensitive values), the rules and their watcher, and
-//! the metrics read at scrape time. Nothing here binds a port or waits for a backend.
+//! deny cache, the local fallback and the hasher of sensitive values), the rules and their watcher (or
+//! the xDS client that streams them), and the metrics read at scrape time. Nothing here binds a port or
+//! waits for a backend.
 
 use std::sync::{atomic::Ordering, Arc};
 
 use super::{ServerError, Tasks};
 use crate::{
-    api::health::Health,
+    api::{health::Health, xds},
     clock::Clock,
     limiter::{self, Limiter},
     rules::{self, Rules},
-    settings::{BackendKind, OnBackendError, Settings},
+    settings::{BackendKind, ConfigType, OnBackendError, Settings},
     store::{CounterStore, DenyCache, MemoryStore, RedisStore, Store, StoreHealth},
     telemetry::{Metrics, TopOffenders},
 };
@@ -111,8 +112,9 @@ fn sensitive(settings: &Settings) -> Option<limiter::Sensitive> {
     Some(limiter::Sensitive::new(&settings.hashed_keys, secret))
 }
 
-/// Loads the rules into `rules` and, with `rules.watch`, starts the watcher that reloads them on change.
-/// Every successful load is logged, clears the deny cache and tells `health` how many domains it has.
+/// Loads the rules into `rules`: from the files (and, with `rules.watch`, starts the watcher that reloads
+/// them on change), or from the xDS control plane (starts the client that streams them). Every load that
+/// changes the rules is logged, clears the deny cache and tells `health` how many domains it has.
 pub(super) fn load_rules(
     settings: &Settings,
     rules: &Arc<Rules>,
@@ -121,7 +123,6 @@ pub(super) fn load_rules(
     metrics: &Metrics,
     tasks: &Tasks,
 ) {
-    let source = settings.rules.source();
     let stats = Arc::new(rules::ReloadStats::default());
     let on_loaded: rules::OnLoaded = {
         let (health, tasks) = (health.clone(), tasks.clone());
@@ -146,23 +147,55 @@ pub(super) fn load_rules(
             tasks.spawn(async move { health.rules_loaded(domains).await });
         })
     };
+    let publisher = Arc::new(rules::Publisher::new(
+        rules.clone(),
+        stats.clone(),
+        on_loaded,
+    ));
+    register_rules_metrics(metrics, rules, &stats);
+    match settings.rules.config_type {
+        ConfigType::File => load_files(settings, publisher, tasks),
+        ConfigType::GrpcXdsSotw => subscribe(settings, publisher, metrics, tasks),
+    }
+}
+
+/// Loads the rules files, and starts watching them with `rules.watch`.
+fn load_files(settings: &Settings, publisher: Arc<rules::Publisher>, tasks: &Tasks) {
+    let source = settings.rules.source();
     // Watching starts before the first load, so that a change made while it reads is loaded too.
     let watch = if settings.rules.watch {
         rules::RulesWatch::start(&source)
     } else {
         None
     };
-    rules::reload(&source, rules, &stats, &on_loaded);
-    register_rules_metrics(metrics, rules, &stats);
+    rules::reload(&source, &publisher);
     if let Some(watch) = watch {
-        tasks.spawn(watch.run(
-            rules.clone(),
-            stats,
-            on_loaded,
-            settings.rules.reload_delay,
-            tasks.stopping(),
-        ));
+        tasks.spawn(watch.run(publisher, settings.rules.reload_delay, tasks.stopping()));
     }
+}
+
+/// Starts the xDS client that streams the rules from the control plane.
+fn subscribe(
+    settings: &Settings,
+    publisher: Arc<rules::Publisher>,
+    metrics: &Metrics,
+    tasks: &Tasks,
+) {
+    let compile = xds::Compile {
+        merge_domains: settings.rules.merge_domains,
+        default_algorithm: settings.rules.default_algorithm,
+    };
+    let client = xds::XdsClient::new(settings.xds.clone(), publisher, compile);
+    let connected = client.connected();
+    metrics.gauge_fn(
+        "ratelimitd_xds_connected",
+        "1 while the stream to the xDS control plane is open and answered.",
+        Box::new(move || {
+            let up = connected.load(Ordering::Relaxed);
+            vec![(Vec::new(), f64::from(u8::from(up)))]
+        }),
+    );
+    tasks.spawn(client.run(tasks.stopping()));
 }
 
 /// Metrics read at scrape time from the rules and their loads.

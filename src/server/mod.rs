@@ -1,7 +1,7 @@
 //! Wiring: builds the parts from settings, serves gRPC and HTTP, and owns the one shutdown path.
 //!
 //! - `build` makes the parts: the store, the limiter (deny cache, fallback, hasher), the rules and
-//!   their watcher, the metrics read at scrape time.
+//!   their watcher or xDS client, the metrics read at scrape time.
 //! - `serve` runs the listeners and drains them.
 //! - [`run_with_clock`] is the sequence: build, start the background work, serve, shut down.
 //!
@@ -9,8 +9,8 @@
 //!
 //! Shutdown: the `shutdown` token is cancelled (SIGTERM/SIGINT in `main`, the test harness in tests) ->
 //! health turns NOT_SERVING -> after `shutdown.drain_delay` the listeners stop accepting -> in-flight
-//! calls finish within `shutdown.grace_period` -> background tasks stop -> the store closes -> `run`
-//! returns.
+//! calls finish within `shutdown.grace_period` -> background tasks stop (the statsd stream flushes a
+//! last time) -> the store closes -> `run` returns.
 
 mod build;
 mod serve;
@@ -26,9 +26,9 @@ use crate::{
     api::health::Health,
     clock::Clock,
     rules::Rules,
-    settings::Settings,
+    settings::{ConfigType, Settings},
     store::{CounterStore, Store},
-    telemetry::Metrics,
+    telemetry::{statsd::Statsd, Metrics},
 };
 
 /// Why the server could not start or stopped abnormally.
@@ -110,10 +110,12 @@ pub async fn run_with_clock(
 
     let store = build::store(&settings)?;
     let reporter = HealthReporter::new();
+    let from_control_plane = settings.rules.config_type == ConfigType::GrpcXdsSotw;
     let health = Arc::new(Health::new(
         reporter.clone(),
         settings.healthy_with_at_least_one_config_loaded,
         store.is_ready(),
+        from_control_plane && !settings.xds.force_start_without_initial_config,
     ));
     health.publish().await;
     let rules = Arc::new(Rules::default());
@@ -128,6 +130,10 @@ pub async fn run_with_clock(
     );
     build::register_store_metrics(&metrics, &store);
     start_store_tasks(&settings, &deciding.stores, &health, &clock, &tasks);
+    if settings.statsd.enabled {
+        let statsd = Statsd::new(&settings.statsd, metrics.clone());
+        tasks.spawn(statsd.run(tasks.stopping()));
+    }
 
     let services = Services {
         limiter: deciding.limiter,

@@ -20,6 +20,7 @@ use crate::{
         grpc::RateLimitApi,
         health::Health,
         http, http1,
+        method_stats::MethodStatsLayer,
         tls::ReloadingTls,
     },
     limiter::Limiter,
@@ -164,6 +165,7 @@ fn serve_grpc(
     );
     let router = grpc_server(settings, &age)
         .layer(TrackCallsLayer)
+        .layer(MethodStatsLayer::new(&services.metrics))
         .layer(tower::util::MapResponseLayer::new(
             crate::api::grpc::refusals_are_invalid_argument,
         ))

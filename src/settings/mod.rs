@@ -28,15 +28,19 @@ use serde::{Deserialize, Serialize};
 // Each layer owns its options; the process settings gather them, and these re-exports keep one place to
 // name them all.
 pub use crate::{
-    api::tls::GrpcTlsSettings,
+    api::{
+        tls::GrpcTlsSettings,
+        xds::{BackoffSettings, XdsSettings},
+    },
     limiter::{
         FallbackSettings, HeaderNames, OnBackendError, OverloadSettings, RequestLimits,
         ResponseHeaders,
     },
-    rules::{RulesSettings, Source as RulesSource, DEFAULT_MAX_YAML_NODES},
+    rules::{ConfigType, RulesSettings, Source as RulesSource, DEFAULT_MAX_YAML_NODES},
     store::redis::{RedisSettings, RedisTopology, Secret, SocketType},
     telemetry::{
-        LogFormat, LogLevel, LogSettings, MetricsSettings, TopOffendersSettings, TracingSettings,
+        LogFormat, LogLevel, LogSettings, MetricsSettings, StatsdProtocol, StatsdSettings,
+        TopOffendersSettings, TracingSettings,
     },
 };
 pub use listeners::{GrpcSettings, HttpSettings, PrometheusSettings, ShutdownSettings};
@@ -83,8 +87,10 @@ pub struct Settings {
     pub overload: OverloadSettings,
     /// Logging. Env `LOG_LEVEL` (default warn, as the reference), `LOG_FORMAT` (`text` or `json`).
     pub log: LogSettings,
-    /// Where the rules files are and how they are read.
+    /// Where the rules come from (files or a control plane) and how files are read.
     pub rules: RulesSettings,
+    /// The xDS control plane the rules come from with `CONFIG_TYPE=GRPC_XDS_SOTW`.
+    pub xds: XdsSettings,
     /// Where counters live: `memory` or `redis`. Env `BACKEND_TYPE`; default `redis` when a Redis URL is
     /// set, else `memory`.
     pub backend: Option<BackendKind>,
@@ -142,6 +148,8 @@ pub struct Settings {
     /// A separate Prometheus listener, as the reference service has (`/metrics` on the HTTP port is
     /// always there).
     pub prometheus: PrometheusSettings,
+    /// The statsd (or DogStatsD) stream of the reference's stat names, beside Prometheus.
+    pub statsd: StatsdSettings,
     /// Secret of the HMAC-SHA256 that hashes sensitive values. Env `RATELIMITD_HASH_SECRET`; set it to the
     /// same value on every replica. Unset: values are hashed with unkeyed SHA-256 (still never stored raw,
     /// the same on every replica and restart, but a guessed value can be confirmed from the keys).
@@ -159,6 +167,7 @@ impl Default for Settings {
             http: HttpSettings::default(),
             log: LogSettings::default(),
             rules: RulesSettings::default(),
+            xds: XdsSettings::default(),
             backend: None,
             memory: MemorySettings::default(),
             redis: RedisSettings::default(),
@@ -182,6 +191,7 @@ impl Default for Settings {
             metrics: MetricsSettings::default(),
             tracing: TracingSettings::default(),
             prometheus: PrometheusSettings::default(),
+            statsd: StatsdSettings::default(),
             hashed_keys: vec!["api_key".into(), "authorization".into(), "x-api-key".into()],
             hash_secret: Secret::default(),
             warnings: Vec::new(),

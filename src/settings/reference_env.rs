@@ -5,7 +5,12 @@
 //! reference (Go) reads them: booleans as `strconv.ParseBool`, durations as `time.ParseDuration`. A value
 //! that does not parse is an error naming the variable and the value.
 
-use std::{collections::HashMap, path::PathBuf, str::FromStr, time::Duration};
+use std::{
+    collections::{BTreeMap, HashMap},
+    path::PathBuf,
+    str::FromStr,
+    time::Duration,
+};
 
 use serde::de::{value::StrDeserializer, DeserializeOwned};
 
@@ -131,6 +136,46 @@ const REFERENCE: &[Row] = &[
     row!("PROMETHEUS_ADDR", Trim, |s, v| s.prometheus.addr = v.to_owned()),
     row!("PROMETHEUS_PATH", Trim, |s, v| s.prometheus.path = v.to_owned()),
     row!("NEAR_LIMIT_RATIO", Trim, |s, v| s.near_limit_ratio = number(v)?),
+    row!("CONFIG_TYPE", Trim, |s, v| s.rules.config_type = choice(v)?),
+    row!("FORCE_START_WITHOUT_INITIAL_CONFIG", Trim,
+        |s, v| s.xds.force_start_without_initial_config = boolean(v)?),
+    row!("CONFIG_GRPC_XDS_SERVER_URL", Trim, |s, v| s.xds.server_url = v.to_owned()),
+    row!("CONFIG_GRPC_XDS_NODE_ID", Trim, |s, v| s.xds.node_id = v.to_owned()),
+    row!("CONFIG_GRPC_XDS_NODE_METADATA", Trim, |s, v| s.xds.node_metadata = pairs(v, '=')?),
+    row!("CONFIG_GRPC_XDS_CLIENT_ADDITIONAL_HEADERS", Trim,
+        |s, v| s.xds.additional_headers =
+            pairs(v, ':')?.into_iter().map(|(k, v)| (k, Secret(v))).collect()),
+    // Sets nothing: reconnects wait as XDS_CLIENT_BACKOFF_* says. The value must still be a duration.
+    row!("CONFIG_GRPC_XDS_SERVER_CONNECT_RETRY_INTERVAL", Trim, |_s, v| duration(v)?),
+    row!("CONFIG_GRPC_XDS_SERVER_USE_TLS", Trim, |s, v| s.xds.tls = boolean(v)?),
+    row!("CONFIG_GRPC_XDS_CLIENT_TLS_CERT", Trim, |s, v| s.xds.client_cert = Some(PathBuf::from(v))),
+    row!("CONFIG_GRPC_XDS_CLIENT_TLS_KEY", Trim, |s, v| s.xds.client_key = Some(PathBuf::from(v))),
+    row!("CONFIG_GRPC_XDS_SERVER_TLS_CACERT", Trim, |s, v| s.xds.server_ca = Some(PathBuf::from(v))),
+    row!("CONFIG_GRPC_XDS_SERVER_TLS_SAN", Trim, |s, v| s.xds.server_san = Some(v.to_owned())),
+    row!("XDS_CLIENT_BACKOFF_INITIAL_INTERVAL", Trim, |s, v| s.xds.backoff.initial = duration(v)?),
+    row!("XDS_CLIENT_BACKOFF_MAX_INTERVAL", Trim, |s, v| s.xds.backoff.max = duration(v)?),
+    row!("XDS_CLIENT_BACKOFF_RANDOM_FACTOR", Trim, |s, v| s.xds.backoff.random_factor = number(v)?),
+    row!("XDS_CLIENT_BACKOFF_JITTER", Trim, |s, v| s.xds.backoff.jitter = boolean(v)?),
+    row!("XDS_CLIENT_MAX_MSG_SIZE_IN_BYTES", Trim, |s, v| s.xds.max_message_bytes = number(v)?),
+    row!("USE_STATSD", Trim, |s, v| s.statsd.enabled = boolean(v)?),
+    row!("STATSD_HOST", Trim, |s, v| s.statsd.host = v.to_owned()),
+    row!("STATSD_PORT", Trim, |s, v| s.statsd.port = number(v)?),
+    // lyft/gostats' own variable, which the reference's statsd sink reads.
+    row!("STATSD_PROTOCOL", Trim, |s, v| s.statsd.protocol = Some(choice(v)?)),
+    // DogStatsD is a way of writing the statsd stream: asking for it turns the stream on.
+    row!("USE_DOG_STATSD", Trim, |s, v| if boolean(v)? {
+        s.statsd.enabled = true;
+        s.statsd.dogstatsd = true;
+    }),
+    row!("USE_DOG_STATSD_MOGRIFIERS", Trim, |s, v| s.warnings.push(format!(
+        "USE_DOG_STATSD_MOGRIFIERS={v:?} is not supported: DogStatsD stats keep the reference's plain names, with EXTRA_TAGS as tags"
+    ))),
+    row!("EXTRA_TAGS", Trim, |s, v| s.statsd.extra_tags = pairs(v, ':')?),
+    row!("STATS_FLUSH_INTERVAL", Trim, |s, v| s.statsd.flush_interval = duration(v)?),
+    // After USE_STATSD and USE_DOG_STATSD: it wins over both.
+    row!("DISABLE_STATS", Trim, |s, v| if boolean(v)? {
+        s.statsd.enabled = false;
+    }),
 ];
 
 /// The variables of one Redis client, each named after a prefix: `REDIS_` for the main client,
@@ -330,6 +375,23 @@ fn go_duration(text: &str) -> Option<Duration> {
         rest = after;
     }
     (total.is_finite() && total < u64::MAX as f64).then(|| Duration::from_nanos(total as u64))
+}
+
+/// A map as the reference reads one: `k<sep>v` pairs separated by commas (`k1:v1,k2:v2`; node metadata
+/// uses `=`). Spaces around items are ignored; an item without the separator or without a key is an
+/// error, not silently dropped.
+fn pairs(value: &str, separator: char) -> Result<BTreeMap<String, String>, String> {
+    value
+        .split(',')
+        .map(str::trim)
+        .filter(|item| !item.is_empty())
+        .map(|item| match item.split_once(separator) {
+            Some((k, v)) if !k.trim().is_empty() => Ok((k.trim().to_owned(), v.trim().to_owned())),
+            _ => Err(format!(
+                "expected key{separator}value pairs separated by commas, found {item:?}"
+            )),
+        })
+        .collect()
 }
 
 /// `TRACING_EXPORTER_PROTOCOL`: the reference also speaks OTLP/HTTP; ratelimitd does not.

@@ -604,3 +604,245 @@ fn files_and_addresses_are_checked_before_any_port_is_bound() {
     .to_string();
     assert!(err.contains("per-second"), "{err}");
 }
+
+#[test]
+fn xds_settings_from_the_reference_variables() {
+    let s = Settings::load(None, &env(&[])).unwrap();
+    assert_eq!(s.rules.config_type, ConfigType::File);
+    assert_eq!(s.xds, XdsSettings::default());
+    assert_eq!(
+        (s.xds.server_url.as_str(), s.xds.node_id.as_str()),
+        ("localhost:18000", "default")
+    );
+    assert_eq!(
+        s.xds.backoff,
+        BackoffSettings {
+            initial: Duration::from_secs(10),
+            max: Duration::from_secs(60),
+            random_factor: 0.5,
+            jitter: true,
+        }
+    );
+    let s = Settings::load(
+        None,
+        &env(&[
+            ("CONFIG_TYPE", "GRPC_XDS_SOTW"),
+            ("FORCE_START_WITHOUT_INITIAL_CONFIG", "true"),
+            ("CONFIG_GRPC_XDS_SERVER_URL", "envoy-gateway:18001"),
+            ("CONFIG_GRPC_XDS_NODE_ID", "envoy-ratelimit"),
+            ("CONFIG_GRPC_XDS_NODE_METADATA", "zone=a, team=edge"),
+            (
+                "CONFIG_GRPC_XDS_CLIENT_ADDITIONAL_HEADERS",
+                "authorization:Bearer t0k3n",
+            ),
+            ("CONFIG_GRPC_XDS_SERVER_CONNECT_RETRY_INTERVAL", "5s"),
+            ("XDS_CLIENT_BACKOFF_INITIAL_INTERVAL", "250ms"),
+            ("XDS_CLIENT_BACKOFF_MAX_INTERVAL", "2s"),
+            ("XDS_CLIENT_BACKOFF_RANDOM_FACTOR", "0.2"),
+            ("XDS_CLIENT_BACKOFF_JITTER", "false"),
+            ("XDS_CLIENT_MAX_MSG_SIZE_IN_BYTES", "16777216"),
+        ]),
+    )
+    .unwrap();
+    assert_eq!(s.rules.config_type, ConfigType::GrpcXdsSotw);
+    let x = &s.xds;
+    assert!(x.force_start_without_initial_config);
+    assert_eq!(
+        (x.server_url.as_str(), x.node_id.as_str()),
+        ("envoy-gateway:18001", "envoy-ratelimit")
+    );
+    assert_eq!(
+        x.node_metadata,
+        [("team".into(), "edge".into()), ("zone".into(), "a".into())].into()
+    );
+    assert_eq!(
+        x.additional_headers,
+        [("authorization".into(), Secret("Bearer t0k3n".into()))].into()
+    );
+    assert!(!format!("{x:?}").contains("t0k3n"), "{x:?}");
+    assert_eq!(
+        x.backoff,
+        BackoffSettings {
+            initial: Duration::from_millis(250),
+            max: Duration::from_secs(2),
+            random_factor: 0.2,
+            jitter: false,
+        }
+    );
+    assert_eq!(x.max_message_bytes(), 16 << 20);
+
+    for (name, value, says) in [
+        ("CONFIG_TYPE", "CONSUL", "expected file or grpc_xds_sotw"),
+        ("CONFIG_GRPC_XDS_SERVER_URL", "http://cp:18000", "host:port"),
+        ("CONFIG_GRPC_XDS_NODE_METADATA", "zone:a", "key=value"),
+        (
+            "CONFIG_GRPC_XDS_CLIENT_ADDITIONAL_HEADERS",
+            "x y:z",
+            "metadata name",
+        ),
+        (
+            "CONFIG_GRPC_XDS_SERVER_CONNECT_RETRY_INTERVAL",
+            "3",
+            "duration",
+        ),
+        (
+            "XDS_CLIENT_BACKOFF_INITIAL_INTERVAL",
+            "0",
+            "longer than zero",
+        ),
+        ("XDS_CLIENT_BACKOFF_MAX_INTERVAL", "1s", "at least"),
+        ("XDS_CLIENT_BACKOFF_RANDOM_FACTOR", "2", "between 0 and 1"),
+        ("XDS_CLIENT_MAX_MSG_SIZE_IN_BYTES", "-1", "invalid digit"),
+        (
+            "CONFIG_GRPC_XDS_CLIENT_TLS_CERT",
+            "/tls/cert.pem",
+            "go together",
+        ),
+    ] {
+        let err = Settings::load(
+            None,
+            &env(&[("CONFIG_TYPE", "grpc_xds_sotw"), (name, value)]),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains(name) && err.contains(says), "{name}: {err}");
+    }
+    let err = Settings::load(
+        None,
+        &env(&[
+            ("CONFIG_TYPE", "GRPC_XDS_SOTW"),
+            ("CONFIG_GRPC_XDS_SERVER_USE_TLS", "true"),
+            ("CONFIG_GRPC_XDS_SERVER_TLS_CACERT", "/nonexistent/ca.pem"),
+        ]),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("CONFIG_GRPC_XDS_SERVER_TLS_CACERT"), "{err}");
+}
+
+#[test]
+fn statsd_settings_from_the_reference_variables() {
+    let s = Settings::load(None, &env(&[])).unwrap();
+    assert!(!s.statsd.enabled, "off unless asked for: see the README");
+    assert_eq!(
+        (s.statsd.host.as_str(), s.statsd.port, s.statsd.protocol()),
+        ("localhost", 8125, StatsdProtocol::Tcp)
+    );
+    let s = Settings::load(
+        None,
+        &env(&[
+            ("USE_STATSD", "true"),
+            ("STATSD_HOST", "statsd.monitoring"),
+            ("STATSD_PORT", "9125"),
+            ("EXTRA_TAGS", "env:prod,team:edge"),
+            ("STATS_FLUSH_INTERVAL", "1s"),
+        ]),
+    )
+    .unwrap();
+    let st = &s.statsd;
+    assert!(st.enabled && !st.dogstatsd);
+    assert_eq!((st.host.as_str(), st.port), ("statsd.monitoring", 9125));
+    assert_eq!(
+        st.extra_tags,
+        [
+            ("env".into(), "prod".into()),
+            ("team".into(), "edge".into())
+        ]
+        .into()
+    );
+    assert_eq!(st.flush_interval, Duration::from_secs(1));
+    let dog = Settings::load(None, &env(&[("USE_DOG_STATSD", "true")])).unwrap();
+    assert!(dog.statsd.enabled && dog.statsd.dogstatsd);
+    assert_eq!(dog.statsd.protocol(), StatsdProtocol::Udp);
+    let tcp = Settings::load(
+        None,
+        &env(&[("USE_DOG_STATSD", "true"), ("STATSD_PROTOCOL", "TCP")]),
+    )
+    .unwrap();
+    assert_eq!(tcp.statsd.protocol(), StatsdProtocol::Tcp);
+    let off = Settings::load(
+        None,
+        &env(&[("USE_STATSD", "true"), ("DISABLE_STATS", "true")]),
+    )
+    .unwrap();
+    assert!(!off.statsd.enabled);
+    let mogrified = Settings::load(
+        None,
+        &env(&[
+            ("USE_DOG_STATSD", "true"),
+            ("USE_DOG_STATSD_MOGRIFIERS", "A"),
+        ]),
+    )
+    .unwrap();
+    assert!(
+        mogrified.warnings[0].contains("USE_DOG_STATSD_MOGRIFIERS"),
+        "{:?}",
+        mogrified.warnings
+    );
+    for (name, value) in [
+        ("STATSD_PORT", "0"),
+        ("STATSD_PORT", "statsd"),
+        ("STATSD_PROTOCOL", "quic"),
+        ("EXTRA_TAGS", "env"),
+        ("STATS_FLUSH_INTERVAL", "0s"),
+    ] {
+        let err = Settings::load(None, &env(&[("USE_STATSD", "true"), (name, value)]))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(name), "{name}={value}: {err}");
+    }
+}
+
+#[test]
+fn envoy_gateways_environment_loads_as_is() {
+    let certs = tempfile::tempdir().unwrap();
+    let (cert, key, ca) = (
+        certs.path().join("tls.crt"),
+        certs.path().join("tls.key"),
+        certs.path().join("ca.crt"),
+    );
+    let generated = rcgen::generate_simple_self_signed(vec!["envoy-ratelimit".into()]).unwrap();
+    std::fs::write(&cert, generated.cert.pem()).unwrap();
+    std::fs::write(&key, generated.key_pair.serialize_pem()).unwrap();
+    std::fs::write(&ca, generated.cert.pem()).unwrap();
+    let (cert, key, ca) = (
+        cert.to_str().unwrap(),
+        key.to_str().unwrap(),
+        ca.to_str().unwrap(),
+    );
+    let s = Settings::load(
+        None,
+        &env(&[
+            ("RUNTIME_ROOT", "/data"),
+            ("RUNTIME_SUBDIRECTORY", "ratelimit"),
+            ("RUNTIME_IGNOREDOTFILES", "true"),
+            ("RUNTIME_WATCH_ROOT", "false"),
+            ("LOG_LEVEL", "info"),
+            ("USE_STATSD", "true"),
+            ("STATSD_PORT", "9125"),
+            ("CONFIG_TYPE", "GRPC_XDS_SOTW"),
+            ("CONFIG_GRPC_XDS_SERVER_URL", "envoy-gateway:18001"),
+            ("CONFIG_GRPC_XDS_NODE_ID", "envoy-ratelimit"),
+            ("GRPC_SERVER_USE_TLS", "true"),
+            ("GRPC_SERVER_TLS_CERT", cert),
+            ("GRPC_SERVER_TLS_KEY", key),
+            ("GRPC_SERVER_TLS_CA_CERT", ca),
+            ("CONFIG_GRPC_XDS_SERVER_USE_TLS", "true"),
+            ("CONFIG_GRPC_XDS_CLIENT_TLS_CERT", cert),
+            ("CONFIG_GRPC_XDS_CLIENT_TLS_KEY", key),
+            ("CONFIG_GRPC_XDS_SERVER_TLS_CACERT", ca),
+            ("FORCE_START_WITHOUT_INITIAL_CONFIG", "true"),
+            ("REDIS_SOCKET_TYPE", "tcp"),
+            ("REDIS_URL", "redis.redis-system.svc.cluster.local:6379"),
+        ]),
+    )
+    .unwrap();
+    assert_eq!(s.rules.config_type, ConfigType::GrpcXdsSotw);
+    assert_eq!(s.backend(), BackendKind::Redis);
+    assert!(s.statsd.enabled && s.xds.tls && s.grpc_tls.enabled);
+    assert_eq!(
+        s.grpc_tls.client_ca, None,
+        "GRPC_SERVER_TLS_CA_CERT is not the reference's"
+    );
+    assert!(s.warnings.is_empty(), "{:?}", s.warnings);
+}

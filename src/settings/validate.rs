@@ -1,12 +1,12 @@
 //! What types alone cannot check, checked once after the sources are merged and before any port is bound:
 //! values that must be above zero, settings that need one another, addresses that must parse, and the
-//! files that TLS and Redis will read. Each error names the setting (by the name its user most likely
+//! files that TLS, Redis and the xDS client will read. Each error names the setting (by the name its user most likely
 //! set: the reference variable when there is one, else the settings key).
 
 use std::time::Duration;
 
-use super::{BackendKind, Settings, SettingsError};
-use crate::api::tls::TlsError;
+use super::{BackendKind, ConfigType, Settings, SettingsError};
+use crate::api::{tls::TlsError, xds::XdsError};
 
 impl Settings {
     /// Checks what types alone cannot, reading nothing.
@@ -43,6 +43,7 @@ impl Settings {
                 "must be between 0 and 1",
             ));
         }
+        self.validate_statsd()?;
         at_least_one("memory.max_keys", self.memory.max_keys)?;
         longer_than_zero("memory.sweep_interval", self.memory.sweep_interval)?;
         self.validate_bounds()?;
@@ -61,6 +62,16 @@ impl Settings {
                         format!("invalid gRPC TLS settings (GRPC_SERVER_USE_TLS): {reason}")
                     }
                 })
+            })?;
+        }
+        if self.rules.config_type == ConfigType::GrpcXdsSotw {
+            self.xds.check().map_err(|e| match e {
+                XdsError::Setting {
+                    name,
+                    value,
+                    reason,
+                } => SettingsError::invalid(name, value, reason),
+                other => SettingsError::Unusable(other.to_string()),
             })?;
         }
         if self.backend() == BackendKind::Redis {
@@ -147,6 +158,28 @@ impl Settings {
             ));
         }
         Ok(())
+    }
+
+    fn validate_statsd(&self) -> Result<(), SettingsError> {
+        let statsd = &self.statsd;
+        if !statsd.enabled {
+            return Ok(());
+        }
+        if statsd.host.trim().is_empty() {
+            return Err(SettingsError::invalid(
+                "STATSD_HOST",
+                "",
+                "USE_STATSD=true needs the statsd server's host",
+            ));
+        }
+        if statsd.port == 0 {
+            return Err(SettingsError::invalid(
+                "STATSD_PORT",
+                0,
+                "must be a port number",
+            ));
+        }
+        longer_than_zero("STATS_FLUSH_INTERVAL", statsd.flush_interval)
     }
 
     fn validate_prometheus(&self) -> Result<(), SettingsError> {

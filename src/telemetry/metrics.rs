@@ -20,21 +20,34 @@ pub const LATENCY_BUCKETS: &[f64] = &[
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 ];
 
-type Labels = Vec<(&'static str, String)>;
+/// A series' labels, in the order they are rendered.
+pub type Labels = Vec<(&'static str, String)>;
 
-/// A histogram with fixed buckets.
+/// A histogram with fixed buckets, which also keeps the sum of each bucket's observations, so that a
+/// statsd timer can be told each bucket's mean.
 #[derive(Debug)]
 pub struct Histogram {
     buckets: Vec<AtomicU64>,
+    /// Sum of each bucket's observations, in nanoseconds.
+    bucket_sums_ns: Vec<AtomicU64>,
     count: AtomicU64,
     /// Sum in nanoseconds.
     sum_ns: AtomicU64,
 }
 
+/// What a [`Histogram`] holds at one moment: per bucket, then past the last bound, how many
+/// observations and their sum in nanoseconds.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct HistogramSnapshot {
+    pub buckets: Vec<(u64, u64)>,
+}
+
 impl Histogram {
     fn new() -> Self {
+        let zeros = || LATENCY_BUCKETS.iter().map(|_| AtomicU64::new(0)).collect();
         Self {
-            buckets: LATENCY_BUCKETS.iter().map(|_| AtomicU64::new(0)).collect(),
+            buckets: zeros(),
+            bucket_sums_ns: zeros(),
             count: AtomicU64::new(0),
             sum_ns: AtomicU64::new(0),
         }
@@ -42,14 +55,31 @@ impl Histogram {
 
     pub fn observe(&self, d: Duration) {
         let secs = d.as_secs_f64();
+        let nanos = u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
         if let Some(i) = LATENCY_BUCKETS.iter().position(|b| secs <= *b) {
             self.buckets[i].fetch_add(1, Ordering::Relaxed);
+            self.bucket_sums_ns[i].fetch_add(nanos, Ordering::Relaxed);
         }
         self.count.fetch_add(1, Ordering::Relaxed);
-        self.sum_ns.fetch_add(
-            u64::try_from(d.as_nanos()).unwrap_or(u64::MAX),
-            Ordering::Relaxed,
-        );
+        self.sum_ns.fetch_add(nanos, Ordering::Relaxed);
+    }
+
+    /// The counts and sums now. Read while observations go on, a bucket's count and sum may be one
+    /// observation apart.
+    pub fn snapshot(&self) -> HistogramSnapshot {
+        let mut buckets: Vec<(u64, u64)> = self
+            .buckets
+            .iter()
+            .zip(&self.bucket_sums_ns)
+            .map(|(n, sum)| (n.load(Ordering::Relaxed), sum.load(Ordering::Relaxed)))
+            .collect();
+        let (within, within_sum) = buckets.iter().fold((0u64, 0u64), |(n, s), (bn, bs)| {
+            (n + bn, s.saturating_add(*bs))
+        });
+        let count = self.count.load(Ordering::Relaxed);
+        let sum = self.sum_ns.load(Ordering::Relaxed);
+        buckets.push((count.saturating_sub(within), sum.saturating_sub(within_sum)));
+        HistogramSnapshot { buckets }
     }
 }
 
@@ -379,6 +409,80 @@ impl Metrics {
     }
 }
 
+/// The reference service's per-rule counters of one `(domain, rule)`, read at one moment, in the order
+/// of [`RuleCounters::REFERENCE`].
+pub type RuleTotals = [u64; 6];
+
+impl RuleCounters {
+    /// The reference's names of the per-rule counters, in the order of [`RuleTotals`].
+    pub const REFERENCE: [&'static str; 6] = [
+        "total_hits",
+        "over_limit",
+        "near_limit",
+        "within_limit",
+        "shadow_mode",
+        "over_limit_with_local_cache",
+    ];
+
+    fn totals(&self) -> RuleTotals {
+        [
+            &self.total_hits,
+            &self.over_limit,
+            &self.near_limit,
+            &self.within_limit,
+            &self.shadow_mode,
+            &self.over_limit_with_local_cache,
+        ]
+        .map(|c| c.load(Ordering::Relaxed))
+    }
+}
+
+impl Metrics {
+    /// Calls `f` with every rule's counters now: its domain, its rule label and the totals.
+    pub fn for_each_rule(&self, mut f: impl FnMut(&str, &str, RuleTotals)) {
+        let rules = self.rules.read().unwrap_or_else(|p| p.into_inner());
+        for (domain, rules) in rules.iter() {
+            for (rule, counters) in rules {
+                f(domain, rule, counters.totals());
+            }
+        }
+    }
+
+    /// The series of the counter family `name` now (counted here or read from elsewhere), by labels.
+    pub fn counter_values(&self, name: &str) -> Vec<(Labels, u64)> {
+        let families = self.families.read().unwrap_or_else(|p| p.into_inner());
+        let Some(family) = families.get(name) else {
+            return Vec::new();
+        };
+        let counted = family
+            .counters
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .map(|(labels, value)| (labels.clone(), value.load(Ordering::Relaxed)))
+            .collect::<Vec<_>>();
+        let read = family
+            .readings
+            .iter()
+            .flat_map(|read| read())
+            .map(|(labels, value)| (labels, value as u64));
+        counted.into_iter().chain(read).collect()
+    }
+
+    /// The series of the histogram family `name` now, by labels.
+    pub fn histogram_values(&self, name: &str) -> Vec<(Labels, HistogramSnapshot)> {
+        let families = self.families.read().unwrap_or_else(|p| p.into_inner());
+        let Some(family) = families.get(name) else {
+            return Vec::new();
+        };
+        let histograms = family.histograms.read().unwrap_or_else(|p| p.into_inner());
+        histograms
+            .iter()
+            .map(|(labels, h)| (labels.clone(), h.snapshot()))
+            .collect()
+    }
+}
+
 /// The series of `labels` in a family's map, created with `make` on first use.
 fn series<T>(
     map: &RwLock<BTreeMap<Labels, Arc<T>>>,
@@ -460,5 +564,25 @@ mod tests {
         );
         assert!(text.contains("# TYPE g gauge\ng 1.5\n"), "{text}");
         assert!(text.contains("ratelimitd_build_info{version="), "{text}");
+    }
+
+    #[test]
+    fn snapshots_hold_each_bucket_count_and_sum_and_what_passed_the_last_bound() {
+        let m = Metrics::new();
+        let h = m.histogram("t_seconds", "T.", vec![]);
+        for micros in [50, 80, 300, 2_000_000] {
+            h.observe(Duration::from_micros(micros));
+        }
+        let buckets = h.snapshot().buckets;
+        assert_eq!(buckets.len(), LATENCY_BUCKETS.len() + 1);
+        assert_eq!(buckets[0], (2, 130_000), "0.1 ms: two calls, 130 us");
+        assert_eq!(buckets[2], (1, 300_000), "0.5 ms: one call");
+        assert_eq!(
+            buckets[LATENCY_BUCKETS.len()],
+            (1, 2_000_000_000),
+            "past 1 s"
+        );
+        assert_eq!(buckets.iter().map(|b| b.0).sum::<u64>(), 4);
+        assert_eq!(m.histogram_values("t_seconds")[0].1.buckets, buckets);
     }
 }

@@ -1,15 +1,17 @@
 //! Logging (`LOG_LEVEL`, `LOG_FORMAT`: text or JSON lines with time, level and message), traces
-//! (OpenTelemetry over OTLP/gRPC when `TRACING_ENABLED`, continuing the caller's W3C or B3 trace context)
-//! and metrics.
+//! (OpenTelemetry over OTLP/gRPC when `TRACING_ENABLED`, continuing the caller's W3C or B3 trace context),
+//! metrics (Prometheus), and the statsd stream that sends them under the reference's stat names.
 
 pub mod b3;
 pub mod metrics;
 mod options;
+pub mod statsd;
 pub mod top;
 
 pub use metrics::Metrics;
 pub use options::{
-    LogFormat, LogLevel, LogSettings, MetricsSettings, TopOffendersSettings, TracingSettings,
+    LogFormat, LogLevel, LogSettings, MetricsSettings, StatsdProtocol, StatsdSettings,
+    TopOffendersSettings, TracingSettings,
 };
 pub use top::TopOffenders;
 

@@ -1,8 +1,8 @@
-//! Telemetry's options: logging, traces, and the bounds on what requests can make metrics hold. Part of
+//! Telemetry's options: logging, traces, the statsd stream, and the bounds on what requests can make metrics hold. Part of
 //! the process settings (`settings` assembles them from the settings file and the environment); defaults
 //! here are the service's.
 
-use std::time::Duration;
+use std::{collections::BTreeMap, time::Duration};
 
 use serde::{Deserialize, Serialize};
 
@@ -117,4 +117,63 @@ impl Default for TopOffendersSettings {
             interval: Duration::from_secs(60),
         }
     }
+}
+
+/// The statsd (or DogStatsD) stream, beside Prometheus: the reference's stat names, counted in memory and
+/// sent every `flush_interval` by a task of its own, so that no request ever waits for it or fails
+/// because of it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct StatsdSettings {
+    /// Env `USE_STATSD`; default false (see the README: the reference defaults to true, sending to
+    /// `localhost:8125` whether or not anything listens there).
+    pub enabled: bool,
+    /// Env `STATSD_HOST`; default `localhost`.
+    pub host: String,
+    /// Env `STATSD_PORT`; default 8125.
+    pub port: u16,
+    /// `tcp` or `udp`. Env `STATSD_PROTOCOL` (lyft/gostats' variable); default `tcp` for statsd, as the
+    /// reference sends, and `udp` for DogStatsD, which the Datadog agent listens on.
+    pub protocol: Option<StatsdProtocol>,
+    /// DogStatsD lines: tags as `|#k:v` rather than in the name. Env `USE_DOG_STATSD` (which also turns
+    /// the stream on); default false.
+    pub dogstatsd: bool,
+    /// Tags added to every stat. Env `EXTRA_TAGS` (`k:v,k2:v2`).
+    pub extra_tags: BTreeMap<String, String>,
+    /// How often counts are sent. Env `STATS_FLUSH_INTERVAL`; default `10s`.
+    #[serde(with = "crate::duration")]
+    pub flush_interval: Duration,
+}
+
+impl Default for StatsdSettings {
+    fn default() -> Self {
+        Self {
+            enabled: false,
+            host: "localhost".into(),
+            port: 8125,
+            protocol: None,
+            dogstatsd: false,
+            extra_tags: BTreeMap::new(),
+            flush_interval: Duration::from_secs(10),
+        }
+    }
+}
+
+impl StatsdSettings {
+    /// The protocol in use: the configured one, else `udp` for DogStatsD and `tcp` for statsd.
+    pub fn protocol(&self) -> StatsdProtocol {
+        self.protocol.unwrap_or(if self.dogstatsd {
+            StatsdProtocol::Udp
+        } else {
+            StatsdProtocol::Tcp
+        })
+    }
+}
+
+/// How stats travel to the statsd server.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum StatsdProtocol {
+    Tcp,
+    Udp,
 }

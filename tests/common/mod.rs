@@ -2,7 +2,10 @@
 //! and talks to it with the generated gRPC client and plain HTTP/1.1 over real sockets.
 #![allow(dead_code)]
 
+pub mod certs;
 pub mod redis;
+pub mod statsd;
+pub mod xds;
 
 use std::{
     io::{BufRead, BufReader, Read, Write},

@@ -7,8 +7,11 @@
 - the Deployment matches the drain, probe and security expectations of deploy/README.md;
 - deploy/envoy/envoy.yaml parses into Envoy's own Bootstrap message and deploy/istio's patches into the
   filter and virtual host messages (PyPI xds-protos), so a misspelled field fails;
-- the Dockerfile copies only files that exist and the .dockerignore lets through, runs as non-root and
-  exposes the default ports.
+- deploy/envoy-gateway: the built-in objects validate, Envoy Gateway's configuration (in the ConfigMap and in
+  the Helm values) names an image and the Redis that redis.yaml serves, and the BackendTrafficPolicy is a
+  global limit Envoy Gateway accepts;
+- the Dockerfile copies only files that exist and the .dockerignore lets through, runs as non-root,
+  exposes the default ports and has the binary where Envoy Gateway starts it.
 """
 
 import fnmatch
@@ -193,6 +196,56 @@ def envoy():
                 check(name, False, f"unexpected applyTo {patch['applyTo']}")
 
 
+def validate(o, name):
+    try:
+        kubernetes_validate.validate(o, KUBERNETES_VERSION, strict=True)
+        check(name, True)
+    except kubernetes_validate.ValidationError as err:
+        check(name, False, f"{'.'.join(str(p) for p in err.path)}: {err.message}")
+
+
+def envoy_gateway():
+    base = "deploy/envoy-gateway"
+    redis = [d for d in yaml.safe_load_all(open(path(base, "redis.yaml"))) if d]
+    for o in redis:
+        validate(o, f"{base}/redis.yaml: {o['kind']}/{o['metadata']['name']}")
+    service = next(o for o in redis if o["kind"] == "Service")
+    redis_url = f"{service['metadata']['name']}.{service['metadata']['namespace']}.svc.cluster.local:{service['spec']['ports'][0]['port']}"
+
+    def gateway_config(config, name):
+        check(f"{name}: an EnvoyGateway", config.get("apiVersion") == "gateway.envoyproxy.io/v1alpha1"
+              and config.get("kind") == "EnvoyGateway", str(config.get("kind")))
+        backend = config.get("rateLimit", {}).get("backend", {})
+        check(f"{name}: counts in the Redis of redis.yaml", backend.get("type") == "Redis"
+              and backend.get("redis", {}).get("url") == redis_url, str(backend))
+        return config
+
+    (configmap,) = [d for d in yaml.safe_load_all(open(path(base, "envoy-gateway-config.yaml"))) if d]
+    validate(configmap, f"{base}/envoy-gateway-config.yaml: ConfigMap")
+    check("envoy-gateway-config in Envoy Gateway's namespace",
+          configmap["metadata"] == {"name": "envoy-gateway-config", "namespace": "envoy-gateway-system"})
+    config = gateway_config(yaml.safe_load(configmap["data"]["envoy-gateway.yaml"]), "envoy-gateway-config.yaml")
+    image = config.get("provider", {}).get("kubernetes", {}).get("rateLimitDeployment", {}).get("container", {}).get("image", "")
+    check("envoy-gateway-config.yaml: a ratelimitd image", "ratelimitd" in image, image)
+
+    values = yaml.safe_load(open(path(base, "values.yaml")))
+    image = values.get("ratelimit", {}).get("image", {})
+    check("values.yaml: the ratelimitd image", set(image) == {"registry", "repository", "tag"}
+          and "ratelimitd" in image["repository"], str(image))
+    backend = values.get("config", {}).get("envoyGateway", {}).get("rateLimit", {}).get("backend", {})
+    check("values.yaml: counts in the Redis of redis.yaml", backend.get("redis", {}).get("url") == redis_url, str(backend))
+
+    (policy,) = [d for d in yaml.safe_load_all(open(path(base, "backend-traffic-policy.yaml"))) if d]
+    check("backend-traffic-policy.yaml: a BackendTrafficPolicy", policy["apiVersion"] == "gateway.envoyproxy.io/v1alpha1"
+          and policy["kind"] == "BackendTrafficPolicy")
+    limit = policy["spec"]["rateLimit"]
+    check("backend-traffic-policy.yaml: a global limit", limit["type"] == "Global" and set(limit) == {"type", "global"})
+    for rule in limit["global"]["rules"]:
+        check("backend-traffic-policy.yaml: each rule a limit per unit",
+              isinstance(rule["limit"]["requests"], int)
+              and rule["limit"]["unit"] in ("Second", "Minute", "Hour", "Day", "Month", "Year"), str(rule))
+
+
 def dockerfile():
     lines = open(path("Dockerfile")).read().splitlines()
     ignore = [l.strip() for l in open(path(".dockerignore")) if l.strip() and not l.startswith("#")]
@@ -217,6 +270,8 @@ def dockerfile():
     check("Dockerfile: multi-stage", stage >= 2)
     check("Dockerfile: non-root user", "USER 65532" in text)
     check("Dockerfile: ports", "EXPOSE 8081 8080" in text)
+    check("Dockerfile: the binary at /bin/ratelimit, where Envoy Gateway starts it",
+          "COPY --from=build /src/target/release/ratelimitd /bin/ratelimit" in text)
     # The image's default: cwd /srv/ratelimitd with the example rules in ./config, no settings at all.
     check("Dockerfile: example rules in ./config of the working directory",
           "COPY examples/config /srv/ratelimitd/config" in text and "WORKDIR /srv/ratelimitd" in text)
@@ -224,5 +279,6 @@ def dockerfile():
 
 kubernetes()
 envoy()
+envoy_gateway()
 dockerfile()
 sys.exit(check.finish())

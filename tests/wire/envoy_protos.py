@@ -5,11 +5,8 @@ official message types, and checks every field that Envoy reads. Prints `wire: N
 """
 
 import os
-import re
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 import grpc
@@ -17,6 +14,8 @@ from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
 from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 from envoy.type.v3 import ratelimit_unit_pb2
 from google.protobuf import wrappers_pb2
+
+import ratelimitd  # beside this script
 
 RULES = """
 domain: wire
@@ -31,25 +30,7 @@ Response = rls_pb2.RateLimitResponse
 
 
 def start(binary, rules_dir):
-    env = {
-        "GRPC_HOST": "127.0.0.1",
-        "GRPC_PORT": "0",
-        "HOST": "127.0.0.1",
-        "PORT": "0",
-        "LIMIT_RESPONSE_HEADERS_ENABLED": "true",
-        "RATELIMITD_RULES__PATH": rules_dir,
-    }
-    proc = subprocess.Popen([binary, "serve"], env=env, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 20
-    for line in proc.stderr:
-        match = re.search(r"Listening for gRPC on '([^']+)'", line)
-        if match:
-            threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()
-            return proc, match.group(1)
-        if time.time() > deadline:
-            break
-    proc.kill()
-    raise RuntimeError("ratelimitd did not start")
+    return ratelimitd.start(binary, {"LIMIT_RESPONSE_HEADERS_ENABLED": "true", "RATELIMITD_RULES__PATH": rules_dir})
 
 
 def descriptor(*entries, hits=None, override=None):

@@ -1,0 +1,122 @@
+//! Counts and times of the unary gRPC calls, by method, as the reference service keeps them
+//! (`ratelimit_server.<Method>.total_requests` and `.response_time` in statsd, which its Prometheus
+//! mapping turns into `ratelimit_service_total_requests` and `ratelimit_service_response_time_seconds`
+//! with a `grpc_method` label). A tower layer in front of the gRPC services: the series are made once,
+//! so a call costs a path comparison, a counter increment and a histogram observation.
+
+use std::{
+    future::Future,
+    pin::Pin,
+    sync::{
+        atomic::{AtomicU64, Ordering},
+        Arc,
+    },
+    task::{Context, Poll},
+};
+
+use tokio::time::Instant;
+use tonic::codegen::http;
+
+use crate::telemetry::{metrics::Histogram, Metrics};
+
+/// The unary methods served, by HTTP/2 path, with the name their stats carry.
+const UNARY: &[(&str, &str)] = &[
+    (
+        "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit",
+        "ShouldRateLimit",
+    ),
+    ("/grpc.health.v1.Health/Check", "Check"),
+];
+
+/// The series of one method.
+#[derive(Debug)]
+struct MethodSeries {
+    path: &'static str,
+    calls: Arc<AtomicU64>,
+    time: Arc<Histogram>,
+}
+
+/// Counts and times every unary call.
+#[derive(Debug, Clone)]
+pub struct MethodStatsLayer {
+    methods: Arc<[MethodSeries]>,
+}
+
+impl MethodStatsLayer {
+    pub fn new(metrics: &Metrics) -> Self {
+        let methods = UNARY
+            .iter()
+            .map(|(path, method)| {
+                let labels = || vec![("grpc_method", method.to_string())];
+                MethodSeries {
+                    path,
+                    calls: metrics.counter(
+                        "ratelimit_service_total_requests",
+                        "Unary gRPC calls, by method.",
+                        labels(),
+                    ),
+                    time: metrics.histogram(
+                        "ratelimit_service_response_time_seconds",
+                        "Time to answer a unary gRPC call, by method.",
+                        labels(),
+                    ),
+                }
+            })
+            .collect();
+        Self { methods }
+    }
+}
+
+impl<S> tower::Layer<S> for MethodStatsLayer {
+    type Service = MethodStats<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        MethodStats {
+            inner,
+            methods: self.methods.clone(),
+        }
+    }
+}
+
+/// The service of [`MethodStatsLayer`].
+#[derive(Debug, Clone)]
+pub struct MethodStats<S> {
+    inner: S,
+    methods: Arc<[MethodSeries]>,
+}
+
+type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
+
+impl<S, B> tower::Service<http::Request<B>> for MethodStats<S>
+where
+    S: tower::Service<http::Request<B>>,
+    S::Future: Send + 'static,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = BoxFuture<Result<S::Response, S::Error>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: http::Request<B>) -> Self::Future {
+        let path = request.uri().path();
+        let series = self
+            .methods
+            .iter()
+            .position(|m| m.path == path)
+            .map(|i| (self.methods.clone(), i));
+        let answer = self.inner.call(request);
+        let Some((methods, i)) = series else {
+            return Box::pin(answer);
+        };
+        methods[i].calls.fetch_add(1, Ordering::Relaxed);
+        let start = Instant::now();
+        Box::pin(async move {
+            let response = answer.await;
+            methods[i].time.observe(start.elapsed());
+            response
+        })
+    }
+}

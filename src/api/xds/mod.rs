@@ -1,0 +1,296 @@
+//! Rules from an xDS control plane (`CONFIG_TYPE=GRPC_XDS_SOTW`): a state-of-the-world client of the
+//! aggregated discovery service, subscribed to every `RateLimitConfig` resource, as Envoy Gateway serves
+//! them to envoyproxy/ratelimit.
+//!
+//! - `options`: the settings and their checks; `connect`: the address, TLS and the channel;
+//!   `convert`: a response's resources to a rule set; `backoff`: the waits between attempts.
+//!
+//! The protocol, per stream: the first request carries the node and the type and no version or nonce;
+//! each response is the whole rule set, compiled as the rules files are. One that compiles is
+//! published (swapped in when it differs from what is served) and ACKed: its version and nonce. One
+//! that does not is NACKed: the version last applied, the response's nonce, and the error a rules file
+//! would get, prefixed by the resource's name; the rules served stay as they were. When the stream ends
+//! (the control plane restarts, the connection drops, the TLS handshake fails), ratelimitd keeps
+//! serving the last rules and opens a new stream after the backoff; a new stream starts from an empty
+//! version, so the control plane sends the whole set again, whatever it restarted with.
+
+mod backoff;
+mod connect;
+mod convert;
+mod options;
+
+use std::{
+    fmt,
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc,
+    },
+};
+
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_util::sync::CancellationToken;
+
+pub use self::{
+    backoff::Backoff,
+    convert::{domain_file, rule_set, Compile, RefusedSet},
+    options::{BackoffSettings, XdsSettings, DEFAULT_MAX_MESSAGE_BYTES},
+};
+use crate::{
+    proto::xds::{
+        AggregatedDiscoveryServiceClient, DiscoveryRequest, DiscoveryResponse, Node, Status,
+        RATE_LIMIT_CONFIG_TYPE,
+    },
+    rules::Publisher,
+    tls::TlsFileError,
+};
+
+/// Why the client cannot talk to the control plane, or a setting it needs is wrong.
+#[derive(Debug, thiserror::Error)]
+pub enum XdsError {
+    #[error("invalid setting {name}={value:?}: {reason}")]
+    Setting {
+        name: &'static str,
+        value: String,
+        reason: String,
+    },
+    #[error("invalid setting {0}")]
+    TlsFile(#[from] TlsFileError),
+    #[error("TLS to the xDS server (CONFIG_GRPC_XDS_SERVER_USE_TLS): {0}")]
+    Tls(String),
+    #[error("cannot connect: {0}")]
+    Connect(String),
+}
+
+impl XdsError {
+    fn setting(name: &'static str, value: impl fmt::Display, reason: impl fmt::Display) -> Self {
+        Self::Setting {
+            name,
+            value: value.to_string(),
+            reason: reason.to_string(),
+        }
+    }
+}
+
+/// The `google.rpc.Code` a NACK carries: the rule set is invalid.
+const INVALID_ARGUMENT: i32 = 3;
+
+/// The client: streams rule sets from the control plane into the [`Publisher`] until stopped.
+pub struct XdsClient {
+    settings: XdsSettings,
+    publisher: Arc<Publisher>,
+    compile: Compile,
+    /// True while a stream is open and answered: `ratelimitd_xds_connected`.
+    connected: Arc<AtomicBool>,
+}
+
+/// How one stream ended.
+struct Ended {
+    /// Whether the control plane sent anything on it: then the backoff starts over.
+    answered: bool,
+    reason: String,
+}
+
+impl XdsClient {
+    pub fn new(settings: XdsSettings, publisher: Arc<Publisher>, compile: Compile) -> Self {
+        Self {
+            settings,
+            publisher,
+            compile,
+            connected: Arc::default(),
+        }
+    }
+
+    /// Whether a stream is open and answered, for metrics.
+    pub fn connected(&self) -> Arc<AtomicBool> {
+        self.connected.clone()
+    }
+
+    /// Keeps a stream to the control plane open, reconnecting after the backoff whenever it ends,
+    /// until `stop`.
+    pub async fn run(self, stop: CancellationToken) {
+        let mut backoff = Backoff::new(&self.settings.backoff);
+        // The version last applied, which a NACK names; it survives reconnects.
+        let mut applied = String::new();
+        tracing::warn!(
+            server = %self.settings.server_url,
+            node = %self.settings.node_id,
+            tls = self.settings.tls,
+            "taking the rules from the xDS server {}",
+            self.settings.server_url
+        );
+        loop {
+            let ended = tokio::select! {
+                _ = stop.cancelled() => return,
+                ended = self.stream(&mut applied) => ended,
+            };
+            self.connected.store(false, Ordering::Relaxed);
+            if ended.answered {
+                backoff.reset();
+            }
+            let wait = backoff.next_wait();
+            let serving = if applied.is_empty() {
+                "no rule set received yet".to_owned()
+            } else {
+                format!("the rules of version {applied} keep serving")
+            };
+            tracing::warn!(
+                server = %self.settings.server_url,
+                "xDS stream ended: {}; {serving}; reconnecting in {wait:?}",
+                ended.reason
+            );
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                () = tokio::time::sleep(wait) => {}
+            }
+        }
+    }
+
+    /// One stream, from connecting to its end.
+    async fn stream(&self, applied: &mut String) -> Ended {
+        let not_answered = |reason: String| Ended {
+            answered: false,
+            reason,
+        };
+        let channel = match connect::channel(&self.settings).await {
+            Ok(channel) => channel,
+            Err(err) => return not_answered(err.to_string()),
+        };
+        let mut client = AggregatedDiscoveryServiceClient::new(channel)
+            .max_decoding_message_size(self.settings.max_message_bytes());
+        let (requests, outgoing) = mpsc::channel(4);
+        // The subscription: no version and no nonce, so the control plane sends what it has.
+        if requests
+            .send(self.request(RATE_LIMIT_CONFIG_TYPE, "", "", None))
+            .await
+            .is_err()
+        {
+            return not_answered("the request stream closed".into());
+        }
+        let mut call = tonic::Request::new(ReceiverStream::new(outgoing));
+        match self.settings.headers() {
+            Ok(headers) => {
+                for (name, value) in headers {
+                    call.metadata_mut().insert(name, value);
+                }
+            }
+            Err(err) => return not_answered(err.to_string()),
+        }
+        let mut responses = match client.stream_aggregated_resources(call).await {
+            Ok(response) => response.into_inner(),
+            Err(status) => return not_answered(status_text(&status)),
+        };
+        let mut answered = false;
+        let reason = loop {
+            match responses.message().await {
+                Ok(Some(response)) => {
+                    if !answered {
+                        answered = true;
+                        self.connected.store(true, Ordering::Relaxed);
+                    }
+                    let reply = self.answer(response, applied);
+                    if requests.send(reply).await.is_err() {
+                        break "the request stream closed".to_owned();
+                    }
+                }
+                Ok(None) => break "the xDS server closed the stream".to_owned(),
+                Err(status) => break status_text(&status),
+            }
+        };
+        Ended { answered, reason }
+    }
+
+    /// Applies one response and returns its ACK, or its NACK when the rule set is refused.
+    fn answer(&self, response: DiscoveryResponse, applied: &mut String) -> DiscoveryRequest {
+        let version = response.version_info.as_str();
+        if response.type_url != RATE_LIMIT_CONFIG_TYPE {
+            let reason = format!(
+                "ratelimitd subscribes to {RATE_LIMIT_CONFIG_TYPE} only, not {}",
+                response.type_url
+            );
+            tracing::warn!(version, "xDS response refused: {reason}");
+            return self.request(&response.type_url, "", &response.nonce, Some(reason));
+        }
+        match rule_set(&response.resources, self.compile) {
+            Ok(loaded) => {
+                let domains = loaded.rules.domains.len();
+                let changed = self.publisher.publish(loaded);
+                tracing::info!(
+                    version,
+                    domains,
+                    changed,
+                    "xDS rules version {version} applied"
+                );
+                *applied = response.version_info.clone();
+                self.request(RATE_LIMIT_CONFIG_TYPE, version, &response.nonce, None)
+            }
+            Err(err) => {
+                self.publisher.refuse();
+                tracing::error!(
+                    version,
+                    applied = %applied,
+                    "Error loading new configuration: {err}"
+                );
+                self.request(
+                    RATE_LIMIT_CONFIG_TYPE,
+                    applied,
+                    &response.nonce,
+                    Some(err.to_string()),
+                )
+            }
+        }
+    }
+
+    /// A request on the stream: the subscription, an ACK, or (with `error`) a NACK.
+    fn request(
+        &self,
+        type_url: &str,
+        version: &str,
+        nonce: &str,
+        error: Option<String>,
+    ) -> DiscoveryRequest {
+        DiscoveryRequest {
+            version_info: version.to_owned(),
+            node: Some(self.node()),
+            resource_names: Vec::new(),
+            type_url: type_url.to_owned(),
+            response_nonce: nonce.to_owned(),
+            error_detail: error.map(|message| Status {
+                code: INVALID_ARGUMENT,
+                message,
+                details: Vec::new(),
+            }),
+        }
+    }
+
+    /// Who ratelimitd is to the control plane.
+    fn node(&self) -> Node {
+        use prost_types::{value::Kind, Struct, Value};
+        let fields = self
+            .settings
+            .node_metadata
+            .iter()
+            .map(|(k, v)| {
+                let value = Value {
+                    kind: Some(Kind::StringValue(v.clone())),
+                };
+                (k.clone(), value)
+            })
+            .collect();
+        Node {
+            id: self.settings.node_id.clone(),
+            metadata: Some(Struct { fields }),
+            user_agent_name: "ratelimitd".into(),
+            user_agent_version_type: Some(
+                crate::proto::envoy::config::core::v3::node::UserAgentVersionType::UserAgentVersion(
+                    env!("CARGO_PKG_VERSION").into(),
+                ),
+            ),
+        }
+    }
+}
+
+/// A gRPC status in a log line: its code and message.
+fn status_text(status: &tonic::Status) -> String {
+    format!("{:?}: {}", status.code(), status.message())
+}

@@ -76,6 +76,7 @@ fn trace(seed: u64, algorithm: Algorithm, requests: usize, max_checks: usize) ->
                             limit,
                             window_ms: 86_400_000,
                             burst: limit,
+                            count_over_limit: false,
                         },
                         cost,
                         role: roles[rng.random_range(0..4)],

@@ -35,11 +35,19 @@ impl Case<'_> {
                 limit,
                 window_ms: window_secs * 1000,
                 burst: limit,
+                count_over_limit: false,
             },
             cost,
             role,
             per_second: window_secs == 1,
         }
+    }
+
+    /// A check of a limit that counts over its limit (a budget fed the usage reported after a response).
+    fn budget(&self, key: &str, limit: u64, cost: u64, role: Role) -> Check {
+        let mut check = self.check(key, limit, 3600, cost, role);
+        check.params.count_over_limit = true;
+        check
     }
 
     async fn apply(&self, checks: Vec<Check>, consume_on_deny: bool) -> Applied {
@@ -208,6 +216,92 @@ async fn extreme_costs_are_denied_without_changing_anything(c: Case<'_>) {
     );
 }
 
+/// A budget of 10 fed reports of 3: the fourth takes it past its limit and is counted (answered over its
+/// limit), and from then on every check is over, a check-only cost of 0 included.
+async fn a_budget_counts_the_report_past_its_limit(c: Case<'_>) {
+    for left in [7, 4, 1] {
+        let a = c
+            .apply(vec![c.budget("b", 10, 3, Role::Enforce)], false)
+            .await;
+        assert!(!a.denied);
+        assert_eq!(a.outcomes[0].remaining, left);
+    }
+    let fourth = c
+        .apply(vec![c.budget("b", 10, 3, Role::Enforce)], false)
+        .await;
+    assert!(fourth.denied && !fourth.outcomes[0].allowed);
+    for cost in [0, 1] {
+        let a = c
+            .apply(vec![c.budget("b", 10, cost, Role::Enforce)], false)
+            .await;
+        assert!(a.denied, "cost {cost}: 12 of 10 were counted");
+    }
+    // A check of the budget beside another limit denies the request, and the other consumes nothing.
+    let both = vec![
+        c.check("other", 5, 3600, 1, Role::Enforce),
+        c.budget("b", 10, 0, Role::Enforce),
+    ];
+    let a = c.apply(both, false).await;
+    assert!(a.denied && a.outcomes[0].allowed);
+    let a = c
+        .apply(vec![c.check("other", 5, 3600, 1, Role::Enforce)], false)
+        .await;
+    assert_eq!(
+        a.outcomes[0].remaining, 4,
+        "the denied request consumed nothing"
+    );
+}
+
+/// A budget's report is counted also when another check denies the request (on Cluster that check may
+/// live on another node, whose denial makes the budget's node give back what else it consumed, never the
+/// budget's hits); the other checks keep their all-or-nothing.
+async fn a_budget_is_counted_when_another_check_denies(c: Case<'_>) {
+    for _ in 0..2 {
+        let a = c
+            .apply(
+                vec![
+                    c.check("closed", 0, 3600, 1, Role::Enforce),
+                    c.check("open", 10, 3600, 1, Role::Enforce),
+                    c.budget("b", 10, 4, Role::Enforce),
+                ],
+                false,
+            )
+            .await;
+        assert!(a.denied);
+        assert!(!a.outcomes[0].allowed && a.outcomes[1].allowed && a.outcomes[2].allowed);
+    }
+    let a = c
+        .apply(
+            vec![
+                c.check("open", 10, 3600, 0, Role::Enforce),
+                c.budget("b", 10, 0, Role::Enforce),
+            ],
+            false,
+        )
+        .await;
+    assert_eq!(a.outcomes[0].remaining, 10, "open gave back what it took");
+    assert_eq!(a.outcomes[1].remaining, 2, "both reports of 4 were counted");
+    // A report the budget itself cannot fit, beside a check that fits: counted, and the request denied.
+    let a = c
+        .apply(
+            vec![
+                c.check("open", 10, 3600, 1, Role::Enforce),
+                c.budget("b", 10, 3, Role::Enforce),
+            ],
+            false,
+        )
+        .await;
+    assert!(a.denied && a.outcomes[0].allowed && !a.outcomes[1].allowed);
+    let a = c
+        .apply(vec![c.check("open", 10, 3600, 0, Role::Enforce)], false)
+        .await;
+    assert_eq!(a.outcomes[0].remaining, 10);
+    let a = c
+        .apply(vec![c.budget("b", 10, 0, Role::Enforce)], false)
+        .await;
+    assert!(a.denied, "11 of 10 counted");
+}
+
 /// A token bucket that never refills (`requests_per_unit: 0`) admits its burst once, and stays spent:
 /// its state is kept, not forgotten a moment after it is written.
 async fn a_bucket_that_never_refills_stays_spent(store: &Store) {
@@ -218,6 +312,7 @@ async fn a_bucket_that_never_refills_stays_spent(store: &Store) {
             limit: 0,
             window_ms: 1000,
             burst: 2,
+            count_over_limit: false,
         },
         cost: 1,
         role: Role::Enforce,
@@ -304,14 +399,17 @@ async fn run_table(store: &Store) {
         shadow_never_denies_and_quota_denies_only_when_all_are_over,
         the_same_key_twice_counts_twice,
         extreme_costs_are_denied_without_changing_anything,
+        a_budget_counts_the_report_past_its_limit,
+        a_budget_is_counted_when_another_check_denies,
     );
     spent_limits_come_back_with_time(store).await;
     a_bucket_that_never_refills_stays_spent(store).await;
 }
 
 /// Random sequences of requests (keys, costs, roles, consume_on_deny) get the same answers from both
-/// stores. Windows of a day keep time out of the comparison.
-async fn same_answers(memory: &Store, redis: &Store, seed: u64) {
+/// stores; with `over`, two of the three keys count over their limit. Windows of a day keep time out of
+/// the comparison.
+async fn same_answers(memory: &Store, redis: &Store, seed: u64, over: bool) {
     use rand::{rngs::SmallRng, Rng, SeedableRng};
     let mut rng = SmallRng::seed_from_u64(seed);
     let roles = [Role::Enforce, Role::Enforce, Role::Shadow, Role::Quota];
@@ -330,7 +428,8 @@ async fn same_answers(memory: &Store, redis: &Store, seed: u64) {
                     // Mostly small costs; now and then the limit, one above it, or 2^64 - 1.
                     let cost = [0, 1, 1, 2, 2, limit, limit + 1, u64::MAX][rng.random_range(0..8)];
                     let mut check = c.check(key, limit, 86_400, cost, role);
-                    check.key = format!("seed{seed}:{}", check.key);
+                    check.key = format!("seed{seed}:{over}:{}", check.key);
+                    check.params.count_over_limit = over && key != "bb";
                     check
                 })
                 .collect();
@@ -360,6 +459,51 @@ async fn same_answers(memory: &Store, redis: &Store, seed: u64) {
     }
 }
 
+/// On Cluster, a request whose fixed-window key is for another window than the server's (its replica's
+/// clock two hours ahead) goes again with keys for the server's time. A budget on another node, decided
+/// and counted on the first try, is not counted again: the retry only checks it.
+async fn a_budget_is_counted_once_when_its_request_goes_again(url: String) {
+    // A store of its own, which has not learned the servers' clock yet.
+    let store = Store::Redis(redis_store(url, RedisTopology::Cluster).await);
+    let fixed = Check::fixed_window("again:fixed_".into(), 10, 3600, 1, Role::Enforce);
+    let budget = Check {
+        key: "again:budget_".into(),
+        params: Params {
+            algorithm: Algorithm::TokenBucket,
+            limit: 10,
+            window_ms: 3_600_000,
+            burst: 10,
+            count_over_limit: true,
+        },
+        cost: 4,
+        role: Role::Enforce,
+        per_second: false,
+    };
+    let slot = |key: &str| fred::util::redis_keyslot(key.as_bytes());
+    assert_ne!(slot(&fixed.storage_key(now_ms())), slot(&budget.key));
+    let batch = Batch {
+        checks: vec![fixed, budget.clone()],
+        ..Batch::default()
+    };
+    let deadline = || Deadline::within(Duration::from_secs(5));
+    let a = store
+        .apply(&batch, now_ms() + 2 * 3_600_000, deadline())
+        .await
+        .unwrap();
+    assert!(!a.denied);
+    assert_eq!((a.outcomes[0].remaining, a.outcomes[1].remaining), (9, 6));
+    let check = Batch {
+        checks: vec![Check { cost: 0, ..budget }],
+        ..Batch::default()
+    };
+    let a = store.apply(&check, now_ms(), deadline()).await.unwrap();
+    assert_eq!(
+        a.outcomes[0].remaining, 6,
+        "the report of 4 was counted once"
+    );
+    store.close().await;
+}
+
 async fn redis_store(url: String, topology: RedisTopology) -> Arc<RedisStore> {
     let settings = RedisSettings {
         url,
@@ -387,7 +531,9 @@ async fn scenarios_on_redis_standalone() {
     let store = redis_store(redis.addr(), RedisTopology::Single).await;
     let redis_store = Store::Redis(store.clone());
     run_table(&redis_store).await;
-    same_answers(&Store::Memory(MemoryStore::new(10_000)), &redis_store, 1).await;
+    let memory = Store::Memory(MemoryStore::new(10_000));
+    same_answers(&memory, &redis_store, 1, false).await;
+    same_answers(&memory, &redis_store, 1, true).await;
     // Every key written, whatever its algorithm, has a TTL.
     for key in redis.cli(&["--scan"]).lines() {
         let ttl: i64 = redis.cli(&["TTL", key]).parse().unwrap();
@@ -403,6 +549,9 @@ async fn scenarios_on_redis_cluster() {
     let store = redis_store(cluster.url(), RedisTopology::Cluster).await;
     let redis_store = Store::Redis(store.clone());
     run_table(&redis_store).await;
-    same_answers(&Store::Memory(MemoryStore::new(10_000)), &redis_store, 2).await;
+    let memory = Store::Memory(MemoryStore::new(10_000));
+    same_answers(&memory, &redis_store, 2, false).await;
+    same_answers(&memory, &redis_store, 2, true).await;
     store.close().await;
+    a_budget_is_counted_once_when_its_request_goes_again(cluster.url()).await;
 }

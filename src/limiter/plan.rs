@@ -142,6 +142,7 @@ fn resolve_one<'a>(
                     limit,
                     window_ms: unit.seconds() * 1000,
                     burst: limit,
+                    count_over_limit: false,
                 },
                 index: 0,
             }],

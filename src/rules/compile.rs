@@ -257,6 +257,12 @@ fn compile_limit(
             algorithm,
         });
     }
+    if spec.count_over_limit && spec.unlimited {
+        return Err(RuleError::CountOverUnlimited {
+            rule: rule.into(),
+            field,
+        });
+    }
     let unit_multiplier =
         unit_multiplier_of(spec).map_err(|written| RuleError::UnitMultiplier {
             rule: rule.into(),
@@ -281,6 +287,7 @@ fn compile_limit(
         unit_multiplier,
         algorithm,
         burst: spec.burst.unwrap_or(u64::from(spec.requests_per_unit)),
+        count_over_limit: spec.count_over_limit,
         unlimited: spec.unlimited,
         name,
         replaces,
@@ -461,6 +468,10 @@ mod tests {
                 "config.f.yaml: rule 'd.a': rate_limit.requests_per_unit: a sliding_log keeps one entry per counted request; use at most 100000, or sliding_window",
             ),
             (
+                "domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unlimited: true, count_over_limit: true}\n",
+                "config.f.yaml: rule 'd.a': rate_limit.count_over_limit: an unlimited limit counts nothing",
+            ),
+            (
                 "domain: d\ndescriptors:\n  - key: a\n    rate_limits: [{unlimited: true}]\n",
                 "config.f.yaml: rule 'd.a': rate_limits[0]: unlimited belongs in rate_limit, not in rate_limits",
             ),
@@ -550,7 +561,8 @@ mod tests {
                 algorithm: Algorithm::TokenBucket,
                 limit: 10,
                 window_ms: 1000,
-                burst: 20
+                burst: 20,
+                count_over_limit: false,
             }
         );
         assert_eq!(limits[1].window_secs(), 300);

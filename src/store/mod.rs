@@ -59,6 +59,7 @@ impl Check {
                 limit,
                 window_ms: window_secs * 1000,
                 burst: limit,
+                count_over_limit: false,
             },
             cost,
             role,

@@ -17,9 +17,10 @@ pub mod fixed_window;
 use std::collections::VecDeque;
 
 /// How a limit counts.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
 pub enum Algorithm {
     /// Epoch-aligned windows, one counter each (the reference service's).
+    #[default]
     FixedWindow,
     /// Current window plus the previous one weighted by how much of it still overlaps the sliding window.
     SlidingWindow,
@@ -188,6 +189,70 @@ pub fn decide(
     let changes = cost > 0
         && (decision.allowed || p.algorithm == Algorithm::FixedWindow || p.count_over_limit);
     (decision, changes.then_some(next))
+}
+
+/// What a counter holds at an instant, as an operator reads it: nothing here changes it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Usage {
+    /// Hits the limit counts now: the window's count, the sliding window's estimate, the log's hits in
+    /// the window, the tokens missing from the bucket, or GCRA's arrival time ahead of now in intervals.
+    /// Past the limit (a limit that counts over it), more than the capacity.
+    pub used: f64,
+    /// Hits a request could still take now (0 when over).
+    pub remaining: u64,
+    /// Time until the state is as if no hit had happened.
+    pub reset_ms: u64,
+    /// A check that counts nothing (cost 0) is denied now: the limit is past its capacity.
+    pub over: bool,
+}
+
+/// What `state` holds for the limit `p` at `now_ms`.
+pub fn usage(p: &Params, state: Option<&State>, now_ms: u64) -> Usage {
+    let (checked, _) = decide(p, state, now_ms, 0);
+    let used = match state {
+        None => 0.0,
+        Some(State::FixedWindow { start_ms, count })
+            if *start_ms == fixed_window::window_start(now_ms, p.window_ms) =>
+        {
+            *count as f64
+        }
+        Some(State::FixedWindow { .. }) => 0.0,
+        Some(State::SlidingWindow {
+            start_ms,
+            current,
+            previous,
+        }) => {
+            let start = fixed_window::window_start(now_ms, p.window_ms);
+            let weight = (p.window_ms - (now_ms - start)) as f64 / p.window_ms as f64;
+            if *start_ms == start {
+                *previous as f64 * weight + *current as f64
+            } else if *start_ms + p.window_ms == start {
+                *current as f64 * weight
+            } else {
+                0.0
+            }
+        }
+        Some(State::SlidingLog(entries)) => entries
+            .iter()
+            .filter(|&&(t, _)| t + p.window_ms > now_ms)
+            .map(|&(_, c)| c as f64)
+            .sum(),
+        Some(State::TokenBucket { tokens, last_ms }) => {
+            let refilled =
+                now_ms.saturating_sub(*last_ms) as f64 * p.limit as f64 / p.window_ms as f64;
+            (p.burst as f64 - (tokens + refilled).min(p.burst as f64)).max(0.0)
+        }
+        Some(State::Gcra { tat_us }) => {
+            let interval_us = p.window_ms.saturating_mul(1000).div_ceil(p.limit.max(1)) as f64;
+            ((*tat_us as f64 - now_ms as f64 * 1000.0) / interval_us).max(0.0)
+        }
+    };
+    Usage {
+        used,
+        remaining: checked.remaining,
+        reset_ms: checked.reset_ms,
+        over: !checked.allowed,
+    }
 }
 
 /// When `state` is equivalent to no state at all: the store may forget it then.

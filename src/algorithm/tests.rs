@@ -397,3 +397,28 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn usage_reads_what_each_algorithm_holds_without_changing_it() {
+    let t0 = 60_000 * 1000;
+    for algorithm in ALL {
+        let p = budget(algorithm, 10, 60_000);
+        let mut state = None;
+        run_counted(&p, &mut state, &[(t0, 4)]);
+        let u = usage(&p, state.as_ref(), t0);
+        assert_eq!(
+            (u.used, u.remaining, u.over),
+            (4.0, 6, false),
+            "{algorithm:?}"
+        );
+        run_counted(&p, &mut state, &[(t0, 9)]);
+        let u = usage(&p, state.as_ref(), t0);
+        assert_eq!(
+            (u.used, u.remaining, u.over),
+            (13.0, 0, true),
+            "{algorithm:?}"
+        );
+        assert!(u.reset_ms > 0, "{algorithm:?}");
+        assert_eq!(usage(&p, None, t0).used, 0.0);
+    }
+}

@@ -17,6 +17,7 @@ use smallvec::SmallVec;
 use tokio_util::sync::CancellationToken;
 
 use super::{
+    operator::LocalRecords,
     sharded::{Held, Shard, Sharded},
     Applied, Batch, Check, CounterStore, Deadline, Outcome, StoreError, StoreHealth,
 };
@@ -43,6 +44,8 @@ pub struct MemoryStore {
     counters: Sharded<Entry>,
     max_keys: usize,
     len: AtomicUsize,
+    /// The runtime limits set by operators, kept here like the counters (see `store::operator`).
+    pub(super) records: LocalRecords,
 }
 
 impl MemoryStore {
@@ -51,7 +54,22 @@ impl MemoryStore {
             counters: Sharded::new(SHARDS),
             max_keys,
             len: AtomicUsize::new(0),
+            records: LocalRecords::default(),
         }
+    }
+
+    /// The live state of a counter, read without changing it (for the operators' API).
+    pub fn state_of(&self, key: &str, now_ms: u64) -> Option<State> {
+        live_state(&self.counters.lock_key(key), key, now_ms).cloned()
+    }
+
+    /// Forgets a counter (an operator's reset); whether there was one.
+    pub fn forget(&self, key: &str) -> bool {
+        let removed = self.counters.lock_key(key).remove(key).is_some();
+        if removed {
+            self.len.fetch_sub(1, Ordering::Relaxed);
+        }
+        removed
     }
 
     /// Number of counters held, expired or not.

@@ -24,13 +24,15 @@
 //! Beside this file: `script` (the calling contract of `decide.lua` and `refund.lua`), `coalesce`,
 //! `lease`, `backend` (one Redis deployment and its connections), `node` (one server's health and
 //! waiting for it), `config` (the client configuration for the settings), `options` (the settings
-//! themselves) and `tls`.
+//! themselves), `tls`, and `operator` (the operators' API: counters read and cleared, runtime limit
+//! records).
 
 mod backend;
 mod coalesce;
 mod config;
 mod lease;
 mod node;
+mod operator;
 mod options;
 mod script;
 mod tls;

@@ -12,7 +12,7 @@ use common::{
     ALGORITHMS,
 };
 use ratelimitd::{
-    algorithm::{Algorithm, Params},
+    algorithm::{self, Algorithm, Params},
     settings::{RedisSettings, RedisTopology},
     store::{Applied, Batch, Check, CounterStore, Deadline, MemoryStore, RedisStore, Role, Store},
 };
@@ -504,6 +504,82 @@ async fn a_budget_is_counted_once_when_its_request_goes_again(url: String) {
     store.close().await;
 }
 
+/// What the operators' API asks of a store: every algorithm's counter read as the requests left it (and
+/// as the memory store reads it), then cleared; runtime limit records written, read back by generation
+/// and deleted.
+async fn operator_calls(store: &Store) {
+    let memory = Store::Memory(MemoryStore::new(100));
+    for algorithm in ALGORITHMS {
+        let c = Case {
+            store,
+            prefix: "operator:",
+            algorithm,
+        };
+        let checks = vec![
+            c.check("a", 10, 3600, 4, Role::Enforce),
+            c.check("b", 10, 3600, 1, Role::Enforce),
+        ];
+        c.apply(checks.clone(), false).await;
+        let m = Case {
+            store: &memory,
+            ..c
+        };
+        m.apply(checks.clone(), false).await;
+        let usage = |read: ratelimitd::store::operator::Read| -> Vec<(f64, u64)> {
+            checks
+                .iter()
+                .zip(&read.states)
+                .map(|(check, state)| {
+                    let u = algorithm::usage(&check.params, state.as_ref(), read.now_ms);
+                    ((u.used * 10.0).round() / 10.0, u.remaining)
+                })
+                .collect()
+        };
+        let read = store.read(&checks, now_ms()).await.unwrap();
+        assert_eq!(usage(read.clone()), [(4.0, 6), (1.0, 9)], "{algorithm:?}");
+        assert_eq!(
+            usage(memory.read(&checks, now_ms()).await.unwrap()),
+            usage(read)
+        );
+        assert_eq!(
+            store.clear(&checks, now_ms()).await.unwrap(),
+            2,
+            "{algorithm:?}"
+        );
+        let read = store.read(&checks, now_ms()).await.unwrap();
+        assert_eq!(read.states, [None, None], "{algorithm:?}");
+        let a = c
+            .apply(vec![c.check("a", 10, 3600, 1, Role::Enforce)], false)
+            .await;
+        assert_eq!(
+            a.outcomes[0].remaining, 9,
+            "{algorithm:?}: counts from zero again"
+        );
+    }
+
+    let keys = ratelimitd::store::operator::RecordKeys::new("operator:");
+    let first = store.records(&keys, None).await.unwrap().unwrap();
+    assert_eq!(first.generation, 0, "nothing set yet");
+    assert!(store.records(&keys, Some(0)).await.unwrap().is_none());
+    store.put_record(&keys, "one", "{\"a\":1}").await.unwrap();
+    store.put_record(&keys, "two", "{}").await.unwrap();
+    let set = store.records(&keys, Some(0)).await.unwrap().unwrap();
+    assert_eq!(set.generation, 2);
+    assert_eq!(
+        set.records,
+        [
+            ("one".into(), "{\"a\":1}".into()),
+            ("two".into(), "{}".into())
+        ]
+    );
+    assert!(store.records(&keys, Some(2)).await.unwrap().is_none());
+    let ids = ["one".to_owned(), "none".to_owned()];
+    assert_eq!(store.delete_records(&keys, &ids).await.unwrap(), 1);
+    store.announce(&keys).await.unwrap();
+    let left = store.records(&keys, Some(2)).await.unwrap().unwrap();
+    assert_eq!((left.generation, left.records.len()), (4, 1));
+}
+
 async fn redis_store(url: String, topology: RedisTopology) -> Arc<RedisStore> {
     let settings = RedisSettings {
         url,
@@ -523,6 +599,7 @@ async fn redis_store(url: String, topology: RedisTopology) -> Arc<RedisStore> {
 #[tokio::test]
 async fn scenarios_on_the_memory_store() {
     run_table(&Store::Memory(MemoryStore::new(10_000))).await;
+    operator_calls(&Store::Memory(MemoryStore::new(10_000))).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -531,11 +608,15 @@ async fn scenarios_on_redis_standalone() {
     let store = redis_store(redis.addr(), RedisTopology::Single).await;
     let redis_store = Store::Redis(store.clone());
     run_table(&redis_store).await;
+    operator_calls(&redis_store).await;
     let memory = Store::Memory(MemoryStore::new(10_000));
     same_answers(&memory, &redis_store, 1, false).await;
     same_answers(&memory, &redis_store, 1, true).await;
-    // Every key written, whatever its algorithm, has a TTL.
+    // Every counter written, whatever its algorithm, has a TTL (runtime limits are kept until deleted).
     for key in redis.cli(&["--scan"]).lines() {
+        if key.contains("{ratelimitd}:") {
+            continue;
+        }
         let ttl: i64 = redis.cli(&["TTL", key]).parse().unwrap();
         // -1 is a key without TTL; -2 one that expired since the scan.
         assert!(ttl != -1, "{key} has no TTL");
@@ -549,6 +630,7 @@ async fn scenarios_on_redis_cluster() {
     let store = redis_store(cluster.url(), RedisTopology::Cluster).await;
     let redis_store = Store::Redis(store.clone());
     run_table(&redis_store).await;
+    operator_calls(&redis_store).await;
     let memory = Store::Memory(MemoryStore::new(10_000));
     same_answers(&memory, &redis_store, 2, false).await;
     same_answers(&memory, &redis_store, 2, true).await;

@@ -13,19 +13,25 @@
 //!   (`headers.rs`).
 //! - `record.rs`: the request and per-rule metrics, and `/debug/top`.
 //! - `sensitive.rs`: which values are hashed before anyone sees them.
+//! - `runtime.rs`: the runtime limits operators set, and `operator.rs`: what the operators' API asks of
+//!   the limiter (inspect, reset, runtime limits), off the request path.
 
 mod backend;
 mod headers;
+mod operator;
 mod options;
 mod plan;
 mod record;
+pub mod runtime;
 mod sensitive;
 mod status;
 mod types;
 
 pub use backend::Fallback;
+pub use operator::{Inspected, Inspection, OperatorError, Reset, Target};
 pub use options::{
-    FallbackSettings, HeaderNames, OnBackendError, OverloadSettings, RequestLimits, ResponseHeaders,
+    FallbackSettings, HeaderNames, OnBackendError, OverloadSettings, RequestLimits,
+    ResponseHeaders, RuntimeLimitsSettings,
 };
 pub use sensitive::Sensitive;
 pub use types::{
@@ -77,6 +83,10 @@ pub struct Options {
     /// Most `rule` label values a rule may take from request values (`detailed_metric`,
     /// `value_to_metric`); further values share one label, `<rule> (other values)`.
     pub metric_values_per_rule: usize,
+    /// How many runtime limits operators may set.
+    pub runtime_limits: RuntimeLimitsSettings,
+    /// The algorithm of runtime limits that name none (`rules.default_algorithm`).
+    pub default_algorithm: crate::algorithm::Algorithm,
 }
 
 impl Options {
@@ -120,11 +130,16 @@ pub struct Limiter {
     series: Series,
     /// One permit per request being decided.
     in_flight: tokio::sync::Semaphore,
+    /// The runtime limits operators set, as this replica last read them.
+    runtime: runtime::RuntimeLimits,
+    /// The store itself, for the operators' API (requests go through `store`).
+    shared: Arc<Store>,
 }
 
 impl Limiter {
     pub fn new(rules: Arc<Rules>, store: Arc<Store>, clock: Clock, options: Options) -> Self {
         let series = Series::new(&options.metrics);
+        let shared = store.clone();
         let backend = Backend::new(
             store,
             options.on_backend_error,
@@ -145,6 +160,8 @@ impl Limiter {
             options,
             series,
             in_flight,
+            runtime: runtime::RuntimeLimits::default(),
+            shared,
         }
     }
 
@@ -202,7 +219,16 @@ impl Limiter {
         if domain.is_none() {
             self.record_unknown_domain();
         }
-        let resolved = plan::resolve(domain, request)?;
+        let runtime = self.runtime.current();
+        let lookup = runtime
+            .as_deref()
+            .and_then(|table| table.domain(&request.domain))
+            .map(|limits| plan::RuntimeLookup {
+                limits,
+                options: &self.options,
+                now_ms: self.clock.now_millis(),
+            });
+        let resolved = plan::resolve(domain, request, lookup.as_ref())?;
         let batch = plan::batch(request, &resolved, &self.options);
 
         // The checks the local deny cache answered, for their metrics.

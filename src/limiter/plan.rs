@@ -1,14 +1,18 @@
 //! Planning a request: its descriptors -> the limits that apply to each -> one batch of checks.
 //!
 //! A descriptor resolves to no limit (unknown domain, no matching rule, an allow-listed rule), to an
-//! unlimited rule, or to the limits of its rule or of the caller's override. `replaces` then drops the
-//! limits that others name, and each remaining limit becomes one check of one counter.
+//! unlimited rule, or to the limits of its rule, of the caller's override, or of an operator's runtime
+//! limit (which wins over both, see `runtime`). `replaces` then drops the limits that others name, and
+//! each remaining limit becomes one check of one counter.
 
 use std::{borrow::Cow, sync::Arc};
 
 use smallvec::{smallvec, SmallVec};
 
-use super::{CurrentLimit, Descriptor, LimitError, Options, Request, RequestLimits, Small};
+use super::{
+    runtime::DomainLimits, CurrentLimit, Descriptor, LimitError, Options, Request, RequestLimits,
+    Small,
+};
 use crate::{
     algorithm::{Algorithm, Params},
     rules::{Domain, Node, PathStep, Unit},
@@ -104,29 +108,61 @@ pub(super) fn validate(request: &Request, limits: &RequestLimits) -> Result<(), 
     Ok(())
 }
 
+/// The runtime limits of a request's domain, and what looking a descriptor up in them needs.
+pub(super) struct RuntimeLookup<'a> {
+    pub limits: &'a DomainLimits,
+    /// How values are shown (hashed) where runtime limits keep them.
+    pub options: &'a Options,
+    pub now_ms: u64,
+}
+
 /// The limits of every descriptor of the request, in order, after `replaces`. Without a domain (one no
 /// rules file declares), nothing is limited.
 pub(super) fn resolve<'a>(
     domain: Option<&'a Domain>,
     request: &Request,
+    runtime: Option<&RuntimeLookup<'_>>,
 ) -> Result<Small<Resolved<'a>>, LimitError> {
     let mut resolved: Small<Resolved<'a>> = Small::new();
     for (index, descriptor) in request.descriptors.iter().enumerate() {
         resolved.push(match domain {
             None => Resolved::NoLimit,
-            Some(domain) => resolve_one(domain, index, descriptor)?,
+            Some(domain) => resolve_one(domain, index, descriptor, runtime)?,
         });
     }
     apply_replaces(&mut resolved);
     Ok(resolved)
 }
 
-/// The limits of one descriptor of a known domain: the caller's override, else its rule's.
+/// The limits of one descriptor of a known domain: an operator's runtime limit for exactly it, else the
+/// caller's override, else its rule's.
 fn resolve_one<'a>(
     domain: &'a Domain,
     index: usize,
     descriptor: &Descriptor,
+    runtime: Option<&RuntimeLookup<'_>>,
 ) -> Result<Resolved<'a>, LimitError> {
+    let set = runtime.and_then(|r| {
+        let show = |key: &str, value| r.options.show(key, value, false);
+        r.limits.find(&descriptor.entries, r.now_ms, show)
+    });
+    if let Some(set) = set {
+        // Counted like an override (no rule): always enforced, in the counter its values make.
+        let limit = &set.limit;
+        return Ok(Resolved::Limited {
+            limits: smallvec![Applicable {
+                limit: CurrentLimit {
+                    requests_per_unit: limit.requests_per_unit,
+                    unit: limit.unit,
+                    name: limit.name.clone(),
+                },
+                params: limit.params(),
+                index: 0,
+            }],
+            node: None,
+            role: Role::Enforce,
+        });
+    }
     if let Some(over) = &descriptor.limit {
         let unit = over.unit.ok_or(LimitError::UnknownOverrideUnit { index })?;
         let limit = u64::from(over.requests_per_unit);

@@ -237,6 +237,22 @@ fn compile_limits(
     Ok(limits)
 }
 
+/// A limit written outside a rules file (an operator's runtime limit), validated as the `rate_limit` of
+/// a rule named `rule` would be; an unlimited one is refused, since it would count nothing.
+pub fn compile_runtime_limit(
+    spec: &RateLimitSpec,
+    rule: &str,
+    default_algorithm: Algorithm,
+) -> Result<Limit, RuleError> {
+    if spec.unlimited {
+        return Err(RuleError::UnlimitedInRateLimits {
+            rule: rule.into(),
+            field: LimitField::RateLimit,
+        });
+    }
+    compile_limit(spec, rule, LimitField::RateLimit, default_algorithm)
+}
+
 /// One limit of the rule `rule`, written at `field`.
 fn compile_limit(
     spec: &RateLimitSpec,

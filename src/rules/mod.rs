@@ -34,6 +34,7 @@ use std::sync::Arc;
 
 use arc_swap::ArcSwapOption;
 
+pub use compile::compile_runtime_limit;
 pub use error::{
     BuildError, LimitField, LoadError, Location, ParseError, RuleError, SyntaxProblem,
 };

@@ -130,6 +130,7 @@ pub async fn run_with_clock(
     );
     build::register_store_metrics(&metrics, &store);
     start_store_tasks(&settings, &deciding.stores, &health, &clock, &tasks);
+    start_runtime_limits(&settings, &deciding.limiter, &store, &tasks);
     if settings.statsd.enabled {
         let statsd = Statsd::new(&settings.statsd, metrics.clone());
         tasks.spawn(statsd.run(tasks.stopping()));
@@ -185,6 +186,47 @@ fn start_store_tasks(
             }
         });
     }
+}
+
+/// Reads the runtime limits operators set every `runtime_limits.refresh_interval`, on every replica
+/// (whether or not it serves the operators' API), once the store can answer. While it cannot, the limits
+/// read last stay in force; the trouble is logged once, and its end too.
+fn start_runtime_limits(
+    settings: &Settings,
+    limiter: &Arc<crate::limiter::Limiter>,
+    store: &Arc<Store>,
+    tasks: &Tasks,
+) {
+    let (limiter, store, stop) = (limiter.clone(), store.clone(), tasks.stopping());
+    let every = settings.runtime_limits.refresh_interval;
+    tasks.spawn(async move {
+        let mut tick = tokio::time::interval(every);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut failing = false;
+        loop {
+            tokio::select! {
+                _ = stop.cancelled() => break,
+                _ = tick.tick() => {}
+            }
+            if !store.is_ready() {
+                continue;
+            }
+            match limiter.refresh_runtime_limits().await {
+                Ok(_) if failing => {
+                    tracing::warn!("runtime limits read from the store again");
+                    failing = false;
+                }
+                Ok(_) => {}
+                Err(err) if !failing => {
+                    tracing::warn!(
+                        "cannot read the runtime limits, the last ones read stay in force: {err}"
+                    );
+                    failing = true;
+                }
+                Err(_) => {}
+            }
+        }
+    });
 }
 
 /// Ends serving once health is NOT_SERVING: after `shutdown.drain_delay`, the listeners stop accepting

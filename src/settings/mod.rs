@@ -34,7 +34,7 @@ pub use crate::{
     },
     limiter::{
         FallbackSettings, HeaderNames, OnBackendError, OverloadSettings, RequestLimits,
-        ResponseHeaders,
+        ResponseHeaders, RuntimeLimitsSettings,
     },
     rules::{ConfigType, RulesSettings, Source as RulesSource, DEFAULT_MAX_YAML_NODES},
     store::redis::{RedisSettings, RedisTopology, Secret, SocketType},
@@ -154,6 +154,9 @@ pub struct Settings {
     /// same value on every replica. Unset: values are hashed with unkeyed SHA-256 (still never stored raw,
     /// the same on every replica and restart, but a guessed value can be confirmed from the keys).
     pub hash_secret: Secret,
+    /// The runtime limits operators set through the operators' API: how often each replica reads them,
+    /// and how many there may be.
+    pub runtime_limits: RuntimeLimitsSettings,
     /// What loading noticed but did not stop for (unknown `RATELIMITD_*` variables), for the caller to log
     /// once logging has started. Not a setting.
     #[serde(skip)]
@@ -194,6 +197,7 @@ impl Default for Settings {
             statsd: StatsdSettings::default(),
             hashed_keys: vec!["api_key".into(), "authorization".into(), "x-api-key".into()],
             hash_secret: Secret::default(),
+            runtime_limits: RuntimeLimitsSettings::default(),
             warnings: Vec::new(),
         }
     }

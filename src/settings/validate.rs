@@ -45,6 +45,11 @@ impl Settings {
         }
         self.validate_statsd()?;
         at_least_one("memory.max_keys", self.memory.max_keys)?;
+        at_least_one("runtime_limits.max_limits", self.runtime_limits.max_limits)?;
+        longer_than_zero(
+            "runtime_limits.refresh_interval",
+            self.runtime_limits.refresh_interval,
+        )?;
         longer_than_zero("memory.sweep_interval", self.memory.sweep_interval)?;
         self.validate_bounds()?;
         self.validate_header_names()

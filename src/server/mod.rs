@@ -54,6 +54,8 @@ pub struct Listeners {
     pub http: TcpListener,
     /// The separate Prometheus listener, when `USE_PROMETHEUS` asks for one.
     pub prometheus: Option<TcpListener>,
+    /// The operators' API listener, when `admin.enabled`.
+    pub admin: Option<TcpListener>,
 }
 
 impl Listeners {
@@ -81,10 +83,19 @@ impl Listeners {
         } else {
             None
         };
+        let admin = if settings.admin.enabled {
+            let addr = settings
+                .admin_addr()
+                .map_err(|e| ServerError::Setup(e.to_string()))?;
+            Some(bind("the operators' API", addr).await?)
+        } else {
+            None
+        };
         Ok(Self {
             grpc: bind("gRPC", grpc_addr).await?,
             http: bind("HTTP", http_addr).await?,
             prometheus,
+            admin,
         })
     }
 }

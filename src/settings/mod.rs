@@ -29,6 +29,7 @@ use serde::{Deserialize, Serialize};
 // name them all.
 pub use crate::{
     api::{
+        admin::{AdminSettings, AdminTlsSettings},
         tls::GrpcTlsSettings,
         xds::{BackoffSettings, XdsSettings},
     },
@@ -157,6 +158,8 @@ pub struct Settings {
     /// The runtime limits operators set through the operators' API: how often each replica reads them,
     /// and how many there may be.
     pub runtime_limits: RuntimeLimitsSettings,
+    /// The operators' API: off unless enabled, on a listener of its own, every call with a bearer token.
+    pub admin: AdminSettings,
     /// What loading noticed but did not stop for (unknown `RATELIMITD_*` variables), for the caller to log
     /// once logging has started. Not a setting.
     #[serde(skip)]
@@ -198,6 +201,7 @@ impl Default for Settings {
             hashed_keys: vec!["api_key".into(), "authorization".into(), "x-api-key".into()],
             hash_secret: Secret::default(),
             runtime_limits: RuntimeLimitsSettings::default(),
+            admin: AdminSettings::default(),
             warnings: Vec::new(),
         }
     }

@@ -85,6 +85,7 @@ impl TestServer {
             grpc: TcpListener::bind("127.0.0.1:0").await.unwrap(),
             http: TcpListener::bind("127.0.0.1:0").await.unwrap(),
             prometheus: None,
+            admin: None,
         };
         let grpc_addr = listeners.grpc.local_addr().unwrap();
         let http_addr = listeners.http.local_addr().unwrap();

@@ -1,0 +1,502 @@
+//! The operators' API and `ratelimitd admin`, on the real binary: inspect after known traffic, reset
+//! (on every replica, deny caches included), runtime limits set on one replica and enforced by the others
+//! of one Redis within the refresh bound, gone after their expiry or delete and kept across a restart;
+//! calls without the token refused and changing nothing; the audit log; TLS with client certificates;
+//! and the settings that must stop the start.
+
+mod common;
+
+use std::{
+    io::{Read, Write},
+    net::{SocketAddr, TcpStream},
+    path::Path,
+    process::{Command, Output},
+    time::{Duration, Instant},
+};
+
+use common::{binary, certs, http_request, redis::RedisProcess, start_binary, wait_for, Running};
+use serde_json::{json, Value};
+
+const TOKEN: &str = "admin-token-for-tests-0123456789";
+
+const RULES: &str = r#"
+domain: api
+descriptors:
+  - key: api_key
+    rate_limit: {unit: hour, requests_per_unit: 3, name: per_key}
+  - key: tenant
+    rate_limit: {unit: hour, requests_per_unit: 2, name: per_tenant}
+"#;
+
+/// A rules folder with [`RULES`], and a file holding the token.
+struct Files {
+    dir: tempfile::TempDir,
+}
+
+impl Files {
+    fn new() -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir(dir.path().join("rules")).unwrap();
+        std::fs::write(dir.path().join("rules/api.yaml"), RULES).unwrap();
+        std::fs::write(dir.path().join("token"), format!("{TOKEN}\n")).unwrap();
+        Self { dir }
+    }
+
+    fn rules(&self) -> std::path::PathBuf {
+        self.dir.path().join("rules")
+    }
+
+    fn token(&self) -> std::path::PathBuf {
+        self.dir.path().join("token")
+    }
+}
+
+/// The binary with the operators' API on a free loopback port, its token in a file.
+fn with_admin(files: &Files) -> Command {
+    let mut cmd = binary(&files.rules());
+    cmd.env("RATELIMITD_ADMIN__ENABLED", "true")
+        .env("RATELIMITD_ADMIN__PORT", "0")
+        .env("RATELIMITD_ADMIN__TOKEN_FILE", files.token())
+        .env("RATELIMITD_HASH_SECRET", "hash-secret-for-tests")
+        .env("LOG_LEVEL", "info");
+    cmd
+}
+
+fn on_redis(cmd: &mut Command, redis: &RedisProcess) {
+    cmd.env("REDIS_URL", redis.addr());
+}
+
+/// Where a running binary serves the operators' API, from its log.
+fn admin_addr(running: &Running) -> SocketAddr {
+    running.wait_log("Operators' API listening on '", Duration::from_secs(10));
+    let log = running.log.lock().unwrap();
+    let rest = log.split("Operators' API listening on '").nth(1).unwrap();
+    rest.split('\'').next().unwrap().parse().unwrap()
+}
+
+/// One call of the API with raw HTTP/1.1: the status and the JSON answer. `token` None sends no
+/// Authorization header.
+fn call(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    token: Option<&str>,
+    body: &Value,
+) -> (u16, Value) {
+    let body = if body.is_null() {
+        String::new()
+    } else {
+        body.to_string()
+    };
+    let auth = token.map_or_else(String::new, |t| format!("Authorization: Bearer {t}\r\n"));
+    let request = format!(
+        "{method} {path} HTTP/1.1\r\nHost: test\r\nConnection: close\r\n{auth}X-Operator: tester\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    let mut stream = TcpStream::connect(addr).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    stream.write_all(request.as_bytes()).unwrap();
+    let mut answer = String::new();
+    let _ = stream.read_to_string(&mut answer);
+    let status = answer
+        .split(' ')
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    let text = answer.split_once("\r\n\r\n").map_or("", |(_, b)| b);
+    (status, serde_json::from_str(text).unwrap_or(Value::Null))
+}
+
+fn descriptor(key: &str, value: &str) -> Value {
+    json!([{ "key": key, "value": value }])
+}
+
+/// One request of the rate limit service over `/json`: 200 (OK) or 429 (OVER_LIMIT).
+fn ask(running: &Running, key: &str, value: &str) -> u16 {
+    let body = json!({ "domain": "api", "descriptors": [{ "entries": descriptor(key, value) }] });
+    http_request(running.http, "POST", "/json", &body.to_string()).0
+}
+
+/// `ratelimitd admin` against `addr`, with the token file.
+fn cli(files: &Files, url: &str, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_ratelimitd"))
+        .env_clear()
+        .arg("admin")
+        .args(["--url", url])
+        .arg("--token-file")
+        .arg(files.token())
+        .args(["--as", "cli-operator"])
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+fn succeeded(out: &Output) -> Value {
+    assert!(
+        out.status.success(),
+        "ratelimitd admin failed: {:?}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+#[tokio::test]
+async fn inspect_shows_the_counts_and_reset_frees_the_key() {
+    let files = Files::new();
+    let running = start_binary(&mut with_admin(&files));
+    assert!(running.serving_within(Duration::from_secs(10)));
+    let admin = admin_addr(&running);
+    let url = format!("http://{admin}");
+    for _ in 0..2 {
+        assert_eq!(ask(&running, "api_key", "raw-secret-key"), 200);
+    }
+    let target = json!({ "domain": "api", "descriptor": descriptor("api_key", "raw-secret-key") });
+    let (status, seen) = call(admin, "POST", "/v1/inspect", Some(TOKEN), &target);
+    assert_eq!(status, 200, "{seen}");
+    let limit = &seen["limits"][0];
+    assert_eq!(
+        (
+            &limit["name"],
+            &limit["used"],
+            &limit["remaining"],
+            &limit["over_limit"]
+        ),
+        (&json!("per_key"), &json!(2.0), &json!(1), &json!(false)),
+        "{seen}"
+    );
+    assert_eq!(limit["source"], "rules");
+    let shown = seen["descriptor"][0]["value"].as_str().unwrap();
+    assert!(shown.starts_with("hmac-"), "the key is hashed: {shown}");
+    assert_eq!(ask(&running, "api_key", "raw-secret-key"), 200);
+    assert_eq!(ask(&running, "api_key", "raw-secret-key"), 429);
+
+    // Without the token, or with another, nothing is done.
+    for token in [None, Some("admin-token-for-tests-0123456788")] {
+        let (status, answer) = call(admin, "POST", "/v1/reset", token, &target);
+        assert_eq!(status, 401, "{answer}");
+        let set = json!({ "domain": "api", "descriptor": descriptor("tenant", "t"),
+                          "limit": { "requests_per_unit": 1000, "unit": "hour" } });
+        assert_eq!(call(admin, "PUT", "/v1/limits", token, &set).0, 401);
+    }
+    assert_eq!(
+        ask(&running, "api_key", "raw-secret-key"),
+        429,
+        "still over"
+    );
+    let (_, listed) = call(admin, "GET", "/v1/limits", Some(TOKEN), &Value::Null);
+    assert_eq!(listed["limits"], json!([]), "nothing was set");
+
+    let out = cli(
+        &files,
+        &url,
+        &["reset", "--domain", "api", "api_key=raw-secret-key"],
+    );
+    assert_eq!(
+        succeeded(&out),
+        json!({ "limits": 1, "counters_cleared": 1 })
+    );
+    assert_eq!(
+        ask(&running, "api_key", "raw-secret-key"),
+        200,
+        "free again"
+    );
+
+    // Bad calls get clear answers.
+    let (status, answer) = call(
+        admin,
+        "POST",
+        "/v1/inspect",
+        Some(TOKEN),
+        &json!({ "domain": "nope", "descriptor": descriptor("a", "b") }),
+    );
+    assert_eq!(status, 404, "{answer}");
+    let (status, answer) = call(
+        admin,
+        "POST",
+        "/v1/inspect",
+        Some(TOKEN),
+        &json!({ "domain": "api" }),
+    );
+    assert_eq!(status, 400, "{answer}");
+    let big = json!({ "domain": "api", "descriptor": descriptor("k", &"v".repeat(70_000)) });
+    assert_eq!(call(admin, "POST", "/v1/inspect", Some(TOKEN), &big).0, 413);
+    let out = cli(
+        &files,
+        &url,
+        &["inspect", "--domain", "api", "not-an-entry"],
+    );
+    assert_eq!(out.status.code(), Some(2), "a usage error");
+
+    running.wait_log(
+        "operators' API: reset by cli-operator from 127.0.0.1",
+        Duration::from_secs(5),
+    );
+    let log = running.log.lock().unwrap().clone();
+    assert!(log.contains("api [api_key=hmac-"), "{log}");
+    assert!(
+        !log.contains("raw-secret-key"),
+        "a raw key in the log:\n{log}"
+    );
+    assert!(!log.contains(TOKEN), "the token in the log:\n{log}");
+}
+
+/// Waits until `ask` on each replica answers `want`; returns how long it took.
+async fn until_each(replicas: &[&Running], value: &str, want: u16, within: Duration) -> Duration {
+    let started = Instant::now();
+    for running in replicas {
+        wait_for(&format!("{want} for tenant {value}"), within, async || {
+            (ask(running, "tenant", value) == want).then_some(())
+        })
+        .await;
+    }
+    started.elapsed()
+}
+
+#[tokio::test]
+async fn runtime_limits_set_on_one_replica_apply_on_all_of_one_redis() {
+    let redis = RedisProcess::start(&[]);
+    let files = Files::new();
+    let mut cmd = with_admin(&files);
+    on_redis(&mut cmd, &redis);
+    let first = start_binary(&mut cmd);
+    let mut cmd = binary(&files.rules());
+    on_redis(&mut cmd, &redis);
+    cmd.env("RATELIMITD_HASH_SECRET", "hash-secret-for-tests");
+    let second = start_binary(&mut cmd);
+    // The third remembers denials locally: a reset must reach its deny cache too.
+    cmd.env("LOCAL_CACHE_SIZE_IN_BYTES", "1000000");
+    let mut third = start_binary(&mut cmd);
+    for r in [&first, &second, &third] {
+        assert!(r.serving_within(Duration::from_secs(20)));
+    }
+    let url = format!("http://{}", admin_addr(&first));
+    // The rules allow 2 an hour.
+    for want in [200, 200, 429] {
+        assert_eq!(ask(&second, "tenant", "acme"), want);
+    }
+    assert_eq!(ask(&third, "tenant", "acme"), 429);
+
+    // 100 an hour for 3 s, set on the first: the others apply it within the refresh bound (500 ms).
+    let set = cli(
+        &files,
+        &url,
+        &[
+            "limits",
+            "set",
+            "--domain",
+            "api",
+            "tenant=acme",
+            "--requests-per-unit",
+            "100",
+            "--unit",
+            "hour",
+            "--expires-in",
+            "3s",
+            "--name",
+            "raised",
+        ],
+    );
+    let record = succeeded(&set);
+    let took = until_each(&[&second, &third], "acme", 200, Duration::from_secs(3)).await;
+    assert!(took < Duration::from_millis(1500), "applied after {took:?}");
+    let listed = succeeded(&cli(&files, &url, &["limits", "list"]));
+    assert_eq!(listed["limits"][0]["id"], record["id"]);
+    assert_eq!(listed["limits"][0]["set_by"], "cli-operator");
+    let inspected = succeeded(&cli(
+        &files,
+        &url,
+        &["inspect", "--domain", "api", "tenant=acme"],
+    ));
+    assert_eq!(inspected["limits"][0]["source"], "runtime", "{inspected}");
+    assert_eq!(
+        inspected["limits"][1]["applies"], false,
+        "the rule's is replaced"
+    );
+    // Its expiry ends it everywhere: the shared counter is past the rule's 2.
+    until_each(
+        &[&first, &second, &third],
+        "acme",
+        429,
+        Duration::from_secs(6),
+    )
+    .await;
+    assert_eq!(
+        succeeded(&cli(&files, &url, &["limits", "list"]))["limits"],
+        json!([])
+    );
+
+    // Set again without an expiry: kept across a restart, then deleted by its descriptor.
+    succeeded(&cli(
+        &files,
+        &url,
+        &[
+            "limits",
+            "set",
+            "--domain",
+            "api",
+            "tenant=acme",
+            "--requests-per-unit",
+            "1000",
+            "--unit",
+            "hour",
+        ],
+    ));
+    until_each(&[&second, &third], "acme", 200, Duration::from_secs(3)).await;
+    third.terminate(Duration::from_secs(10)).await;
+    let third = start_binary(&mut cmd);
+    assert!(third.serving_within(Duration::from_secs(20)));
+    until_each(&[&third], "acme", 200, Duration::from_secs(3)).await;
+    succeeded(&cli(
+        &files,
+        &url,
+        &["limits", "delete", "--domain", "api", "tenant=acme"],
+    ));
+    let took = until_each(&[&second, &third], "acme", 429, Duration::from_secs(3)).await;
+    assert!(took < Duration::from_millis(1500), "deleted after {took:?}");
+    let gone = cli(
+        &files,
+        &url,
+        &["limits", "delete", "--domain", "api", "tenant=acme"],
+    );
+    assert_eq!(gone.status.code(), Some(1));
+    assert!(
+        String::from_utf8_lossy(&gone.stderr).contains("404"),
+        "{gone:?}"
+    );
+
+    // The third remembers the denial (for the rest of the hour, answering it without asking Redis); a
+    // reset reaches it all the same. Its first request asked of Redis again counts 1 of the 2 left.
+    assert_eq!(ask(&third, "tenant", "acme"), 429);
+    succeeded(&cli(
+        &files,
+        &url,
+        &["reset", "--domain", "api", "tenant=acme"],
+    ));
+    let took = until_each(&[&third], "acme", 200, Duration::from_secs(3)).await;
+    assert!(
+        took < Duration::from_millis(1500),
+        "reset seen after {took:?}"
+    );
+    assert_eq!(ask(&second, "tenant", "acme"), 200);
+    assert_eq!(
+        ask(&first, "tenant", "acme"),
+        429,
+        "2 of 2 counted since the reset"
+    );
+}
+
+#[tokio::test]
+async fn over_tls_the_api_asks_for_a_client_certificate() {
+    let files = Files::new();
+    let dir = files.dir.path();
+    let ca = certs::Ca::new("admin test CA");
+    let server = ca.leaf(&["localhost"], false);
+    let client = ca.leaf(&["operator"], true);
+    let ca_file = certs::write(dir, "ca.pem", &ca.pem());
+    let mut cmd = with_admin(&files);
+    cmd.env("RATELIMITD_ADMIN__TLS__ENABLED", "true")
+        .env(
+            "RATELIMITD_ADMIN__TLS__CERT",
+            certs::write(dir, "server.pem", &server.cert),
+        )
+        .env(
+            "RATELIMITD_ADMIN__TLS__KEY",
+            certs::write(dir, "server.key", &server.key),
+        )
+        .env("RATELIMITD_ADMIN__TLS__CLIENT_CA", &ca_file);
+    let running = start_binary(&mut cmd);
+    assert!(running.serving_within(Duration::from_secs(10)));
+    let admin = admin_addr(&running);
+    let url = format!("https://localhost:{}", admin.port());
+    let ca_arg = ca_file.to_str().unwrap();
+    let list = ["--ca-cert", ca_arg, "limits", "list"];
+
+    let without = cli(&files, &url, &list);
+    assert_eq!(without.status.code(), Some(69), "{without:?}");
+    assert_eq!(
+        call(admin, "GET", "/v1/limits", Some(TOKEN), &Value::Null).0,
+        0,
+        "no plaintext"
+    );
+
+    let cert = certs::write(dir, "client.pem", &client.cert);
+    let key = certs::write(dir, "client.key", &client.key);
+    let with = |args: &[&str]| {
+        let mut all = vec![
+            "--client-cert",
+            cert.to_str().unwrap(),
+            "--client-key",
+            key.to_str().unwrap(),
+        ];
+        all.extend_from_slice(args);
+        cli(&files, &url, &all)
+    };
+    assert_eq!(succeeded(&with(&list))["limits"], json!([]));
+    succeeded(&with(&[
+        "--ca-cert",
+        ca_arg,
+        "reset",
+        "--domain",
+        "api",
+        "tenant=t",
+    ]));
+    running.wait_log(
+        "operators' API: reset by cli-operator",
+        Duration::from_secs(5),
+    );
+    let log = running.log.lock().unwrap().clone();
+    let audit = log
+        .lines()
+        .find(|l| l.contains("operators' API: reset"))
+        .unwrap();
+    assert!(
+        !audit.contains("certificate=none") && audit.contains("certificate="),
+        "{audit}"
+    );
+}
+
+fn refuses_to_start(files: &Files, env: &[(&str, &str)], says: &str) {
+    let out = binary(&files.rules())
+        .env("RATELIMITD_ADMIN__ENABLED", "true")
+        .envs(env.iter().copied())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(64), "{err}");
+    assert!(err.contains(says), "{err}");
+}
+
+#[test]
+fn the_api_needs_a_usable_token_and_stays_off_unless_enabled() {
+    let files = Files::new();
+    refuses_to_start(&files, &[], "admin.token");
+    refuses_to_start(
+        &files,
+        &[("RATELIMITD_ADMIN__TOKEN", "short")],
+        "at least 16 bytes",
+    );
+    let missing = files.dir.path().join("missing");
+    refuses_to_start(
+        &files,
+        &[("RATELIMITD_ADMIN__TOKEN_FILE", missing.to_str().unwrap())],
+        "admin.token_file=",
+    );
+    refuses_to_start(
+        &files,
+        &[
+            ("RATELIMITD_ADMIN__TOKEN", TOKEN),
+            ("RATELIMITD_ADMIN__TLS__ENABLED", "true"),
+        ],
+        "admin.tls.cert",
+    );
+    // Off by default: no listener, and the CLI says it cannot reach one.
+    let running = start_binary(&mut binary(&files.rules()));
+    assert!(running.serving_within(Duration::from_secs(10)));
+    assert!(!running.log.lock().unwrap().contains("Operators' API"));
+    let out = cli(&files, "http://127.0.0.1:1", &["limits", "list"]);
+    assert_eq!(out.status.code(), Some(69), "{out:?}");
+    assert!(Path::new(env!("CARGO_BIN_EXE_ratelimitd")).exists());
+}

@@ -72,7 +72,7 @@ impl MemoryStore {
 
     fn purge(&self, shard: &mut Shard<Entry>, now_ms: u64) -> usize {
         let before = shard.len();
-        shard.retain(|_, e| e.expires_at_ms > now_ms);
+        shard.retain(|e| e.expires_at_ms > now_ms);
         let removed = before - shard.len();
         self.len.fetch_sub(removed, Ordering::Relaxed);
         removed
@@ -82,7 +82,7 @@ impl MemoryStore {
     fn reserve(
         &self,
         new_keys: usize,
-        held: &mut Held<'_, Entry>,
+        held: &mut Held<'_, '_, Entry>,
         now_ms: u64,
     ) -> Result<(), StoreError> {
         if new_keys == 0 {
@@ -117,7 +117,7 @@ impl MemoryStore {
     fn apply_now(&self, batch: &Batch, now_ms: u64) -> Result<Applied, StoreError> {
         let checks = &batch.checks;
         // One entry per counter key: a fixed-window state carries its window start, and a state from
-        // an earlier window has expired.
+        // an earlier window has expired. Each key is hashed once, here.
         let mut held = self
             .counters
             .lock_keys(checks.iter().map(|c| c.key.as_str()));
@@ -136,7 +136,7 @@ impl MemoryStore {
                     Outcome::from(decided.decision)
                 } else {
                     // Allowed but not consumed: report the quota as it stands (nothing was written).
-                    let stored = live_state(held.shard(i), &check.key, now_ms);
+                    let stored = live_state(held.get(i), now_ms);
                     let (as_is, _) = algorithm::decide(&check.params, stored, now_ms, 0);
                     Outcome {
                         allowed: true,
@@ -154,14 +154,12 @@ impl MemoryStore {
         &self,
         checks: &[Check],
         decided: &mut [Decided],
-        held: &mut Held<'_, Entry>,
+        held: &mut Held<'_, '_, Entry>,
         now_ms: u64,
     ) -> Result<(), StoreError> {
         let new_keys = (0..checks.len())
             // An expired entry is overwritten in place: only absent keys need room.
-            .filter(|&i| {
-                decided[i].first_write && !held.shard(i).contains_key(checks[i].key.as_str())
-            })
+            .filter(|&i| decided[i].first_write && held.get(i).is_none())
             .count();
         self.reserve(new_keys, held, now_ms)?;
         for (i, check) in checks.iter().enumerate() {
@@ -172,14 +170,8 @@ impl MemoryStore {
                 expires_at_ms: algorithm::expires_at_ms(&check.params, &state, now_ms),
                 state,
             };
-            let map = held.shard_mut(i);
             // Later checks of the same key overwrite earlier ones, in request order.
-            match map.get_mut(check.key.as_str()) {
-                Some(e) => *e = entry,
-                None => {
-                    map.insert(check.key.as_str().into(), entry);
-                }
-            }
+            held.insert(i, entry);
         }
         Ok(())
     }
@@ -195,7 +187,7 @@ struct Decided {
 }
 
 /// Decides every check in order; a key checked twice sees the state the earlier check left.
-fn decide_in_order(checks: &[Check], held: &Held<'_, Entry>, now_ms: u64) -> Small<Decided> {
+fn decide_in_order(checks: &[Check], held: &Held<'_, '_, Entry>, now_ms: u64) -> Small<Decided> {
     let mut decided: Small<Decided> = Small::new();
     for (i, check) in checks.iter().enumerate() {
         let earlier = (0..i)
@@ -203,7 +195,7 @@ fn decide_in_order(checks: &[Check], held: &Held<'_, Entry>, now_ms: u64) -> Sma
             .find(|&j| decided[j].next.is_some() && checks[j].key == check.key);
         let state = match earlier {
             Some(j) => decided[j].next.as_ref(),
-            None => live_state(held.shard(i), &check.key, now_ms),
+            None => live_state(held.get(i), now_ms),
         };
         let (decision, next) =
             algorithm::decide(&check.params, state, now_ms, check.bounded_cost());
@@ -216,10 +208,9 @@ fn decide_in_order(checks: &[Check], held: &Held<'_, Entry>, now_ms: u64) -> Sma
     decided
 }
 
-/// The stored state of `key`, unless it has expired.
-fn live_state<'a>(shard: &'a Shard<Entry>, key: &str, now_ms: u64) -> Option<&'a State> {
-    shard
-        .get(key)
+/// The state in a stored entry, unless it has expired.
+fn live_state(stored: Option<&Entry>, now_ms: u64) -> Option<&State> {
+    stored
         .filter(|e| e.expires_at_ms > now_ms)
         .map(|e| &e.state)
 }

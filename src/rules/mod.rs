@@ -39,7 +39,7 @@ pub use error::{
 pub use flags::RuleFlags;
 pub use loader::{load, Loaded};
 pub use matcher::EntryRef;
-pub use model::{Domain, KeyNodes, Level, Limit, Node, PathStep, RuleSet};
+pub use model::{Domain, KeyNodes, Level, Limit, Node, PathStep, RuleMap, RuleSet};
 pub use options::{RulesSettings, Source, DEFAULT_MAX_YAML_NODES};
 pub use pattern::{Cidr, CidrError, Wildcard};
 pub use unit::Unit;

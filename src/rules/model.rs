@@ -12,6 +12,10 @@ use super::{
 };
 use crate::algorithm::{Algorithm, Params};
 
+/// The maps of the tree, by domain, key and value. Their keys come from the rules files alone (a request
+/// only looks up), so no caller can crowd one chain: a fast hash, seeded per map, serves them.
+pub type RuleMap<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
+
 /// A limit of a rule (`rate_limit`, or an entry of `rate_limits`).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Limit {
@@ -86,14 +90,14 @@ impl PathStep {
 /// the two contain.
 #[derive(Debug, Clone, Default)]
 pub struct Level {
-    pub keys: HashMap<Box<str>, KeyNodes>,
+    pub keys: RuleMap<Box<str>, KeyNodes>,
 }
 
 /// The nodes of one level that share a `key`, by how their value matches the request's value.
 #[derive(Debug, Clone, Default)]
 pub struct KeyNodes {
     /// Nodes with a plain value, by that value.
-    pub values: HashMap<Box<str>, Node>,
+    pub values: RuleMap<Box<str>, Node>,
     /// `cidr:` nodes, longest prefix first.
     pub cidrs: Vec<(Cidr, Node)>,
     /// Wildcard-valued nodes, in file order; the pattern is matched against the value alone.
@@ -134,7 +138,7 @@ pub struct Domain {
 /// Every loaded domain: an immutable snapshot.
 #[derive(Debug, Clone, Default)]
 pub struct RuleSet {
-    pub domains: HashMap<String, Domain>,
+    pub domains: RuleMap<String, Domain>,
 }
 
 impl Limit {

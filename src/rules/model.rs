@@ -10,7 +10,10 @@ use super::{
     pattern::{Cidr, Wildcard},
     unit::Unit,
 };
-use crate::algorithm::{Algorithm, Params};
+use crate::{
+    algorithm::{Algorithm, Params},
+    telemetry::metrics::HeldCounters,
+};
 
 /// The maps of the tree, by domain, key and value. Their keys come from the rules files alone (a request
 /// only looks up), so no caller can crowd one chain: a fast hash, seeded per map, serves them.
@@ -64,6 +67,9 @@ pub struct Node {
     pub metadata: Option<Arc<serde_json::Map<String, serde_json::Value>>>,
     /// Nested descriptors.
     pub children: Level,
+    /// The rule's counters in the metrics, held here once found, as the reference keeps a rule's stats
+    /// with the rule: recording a decision under the rule then looks nothing up.
+    pub counters: HeldCounters,
 }
 
 /// One level of a rule's path: the `key` and `value` written there, and that level's flags, which shape

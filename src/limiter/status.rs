@@ -67,16 +67,16 @@ pub(super) fn choose<'a>(
                     windows.push(0);
                     return DescriptorStatus::no_limit();
                 };
-                windows.push(applicable.params.window_ms / 1000);
+                windows.push(applicable.params().window_ms / 1000);
                 verdicts.push(Verdict {
                     index,
                     node,
                     role,
-                    limit: u64::from(applicable.limit.requests_per_unit),
+                    limit: u64::from(applicable.requests_per_unit()),
                     outcome,
                     from_cache,
                 });
-                status(applicable.limit, outcome, role)
+                status(applicable.current_limit(), outcome, role)
             }
         })
         .collect();
@@ -110,8 +110,8 @@ impl Decided<'_> {
 
 /// The descriptor's limit closest to denying, with its outcome: a denying one (the longest wait first),
 /// else the one with the least quota left. `outcomes` are the limits' own, in order.
-fn closest(limits: Limits, outcomes: &[Outcome]) -> Option<(Applicable, Outcome)> {
-    let mut chosen: Option<(Applicable, Outcome)> = None;
+fn closest<'a>(limits: Limits<'a>, outcomes: &[Outcome]) -> Option<(Applicable<'a>, Outcome)> {
+    let mut chosen: Option<(Applicable<'a>, Outcome)> = None;
     for (applicable, &outcome) in limits.into_iter().zip(outcomes) {
         let closer =
             chosen
@@ -159,15 +159,15 @@ pub(super) fn undecided(resolved: Small<Resolved<'_>>, deny: bool) -> Vec<Descri
         .map(|r| match r {
             Resolved::NoLimit => DescriptorStatus::no_limit(),
             Resolved::Unlimited(_) => DescriptorStatus::unlimited(),
-            Resolved::Limited {
-                mut limits, role, ..
-            } if deny && role != Role::Shadow => DescriptorStatus {
-                code: Code::OverLimit,
-                current_limit: Some(limits.swap_remove(0).limit),
-                limit_remaining: 0,
-                duration_until_reset: None,
-                retry_after: None,
-            },
+            Resolved::Limited { limits, role, .. } if deny && role != Role::Shadow => {
+                DescriptorStatus {
+                    code: Code::OverLimit,
+                    current_limit: limits.first().map(Applicable::current_limit),
+                    limit_remaining: 0,
+                    duration_until_reset: None,
+                    retry_after: None,
+                }
+            }
             Resolved::Limited { .. } => DescriptorStatus::no_limit(),
         })
         .collect()

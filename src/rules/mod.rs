@@ -58,6 +58,12 @@ impl Rules {
         self.current.load_full()
     }
 
+    /// The current snapshot, borrowed: no reference count is taken while few are borrowed at once on
+    /// a thread (see [`arc_swap::Guard`]), so deciding a request leaves the snapshot's count alone.
+    pub fn current(&self) -> arc_swap::Guard<Option<Arc<RuleSet>>> {
+        self.current.load()
+    }
+
     /// Replaces the current snapshot.
     pub fn replace(&self, rules: RuleSet) {
         self.current.store(Some(Arc::new(rules)));

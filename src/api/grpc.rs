@@ -33,6 +33,9 @@ impl RateLimitApi {
     }
 }
 
+/// The header Envoy sends its filter timeout in, as the call's deadline.
+const GRPC_TIMEOUT: http::HeaderName = http::HeaderName::from_static("grpc-timeout");
+
 #[tonic::async_trait]
 impl RateLimitService for RateLimitApi {
     async fn should_rate_limit(
@@ -46,7 +49,8 @@ impl RateLimitService for RateLimitApi {
         // Envoy sends its filter timeout as the call's deadline: the answer is due before it.
         let due = request
             .metadata()
-            .get("grpc-timeout")
+            .as_ref()
+            .get(&GRPC_TIMEOUT)
             .and_then(|v| v.to_str().ok())
             .and_then(parse_grpc_timeout)
             .map(|timeout| tokio::time::Instant::now() + timeout);
@@ -59,27 +63,27 @@ impl RateLimitService for RateLimitApi {
             decision = tracing::field::Empty,
         );
         let _ = span.set_parent(parent);
-        let limiter = self.limiter.clone();
-        let decided = span.clone();
-        async move {
-            match limiter.should_rate_limit_by(&request, due).await {
-                Ok(response) => {
-                    let decision = match response.overall_code {
-                        Code::Ok => "OK",
-                        Code::OverLimit => "OVER_LIMIT",
-                    };
-                    decided.record("decision", decision);
-                    Ok(Response::new(to_wire(response)))
-                }
-                Err(err) => {
-                    decided.record("decision", "error");
-                    tracing::debug!(domain = %request.domain, error = %err, "request not decided");
-                    Err(to_status(&err))
-                }
+        let decided = self
+            .limiter
+            .should_rate_limit_by(&request, due)
+            .instrument(span.clone())
+            .await;
+        let _in_span = span.enter();
+        match decided {
+            Ok(response) => {
+                let decision = match response.overall_code {
+                    Code::Ok => "OK",
+                    Code::OverLimit => "OVER_LIMIT",
+                };
+                span.record("decision", decision);
+                Ok(Response::new(to_wire(response)))
+            }
+            Err(err) => {
+                span.record("decision", "error");
+                tracing::debug!(domain = %request.domain, error = %err, "request not decided");
+                Err(to_status(&err))
             }
         }
-        .instrument(span)
-        .await
     }
 }
 

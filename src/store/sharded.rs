@@ -147,18 +147,20 @@ impl<V> Sharded<V> {
     /// Locks the shards of all these keys at once, each once, in ascending order: two callers locking
     /// overlapping shards this way cannot deadlock. Each key is hashed here, once.
     pub fn lock_keys<'k>(&self, keys: impl Iterator<Item = &'k str>) -> Held<'_, 'k, V> {
-        let keys: Small<Hashed<'k>> = keys.map(|key| self.hash(key)).collect();
-        let shards: Small<usize> = keys.iter().map(|&key| self.shard_of(key)).collect();
-        let mut held: Small<usize> = shards.clone();
-        held.sort_unstable();
-        held.dedup();
+        let mut hashed: Small<(Hashed<'k>, usize)> = Small::new();
+        // The shards to lock, ascending and each once; a request has a handful of keys.
+        let mut shards: Small<usize> = Small::new();
+        for key in keys {
+            let key = self.hash(key);
+            let shard = self.shard_of(key);
+            if let Err(at) = shards.binary_search(&shard) {
+                shards.insert(at, shard);
+            }
+            hashed.push((key, shard));
+        }
         Held {
-            slots: shards
-                .iter()
-                .map(|shard| held.partition_point(|i| i < shard))
-                .collect(),
-            guards: held.iter().map(|&i| (i, self.lock(i))).collect(),
-            keys,
+            guards: shards.iter().map(|&i| (i, self.lock(i))).collect(),
+            keys: hashed,
         }
     }
 }
@@ -168,22 +170,28 @@ impl<V> Sharded<V> {
 pub struct Held<'a, 'k, V> {
     /// Each shard held, with its index, in ascending order.
     guards: Small<(usize, MutexGuard<'a, Shard<V>>)>,
-    /// For each key, in the order given, the position in `guards` of its shard.
-    slots: Small<usize>,
-    /// The keys, hashed.
-    keys: Small<Hashed<'k>>,
+    /// The keys, hashed, each with the index of its shard.
+    keys: Small<(Hashed<'k>, usize)>,
 }
 
 impl<'a, V> Held<'a, '_, V> {
+    /// The shard of the `key`-th key given (found among a handful held).
+    fn shard(&self, key: usize) -> &Shard<V> {
+        let shard = self.keys[key].1;
+        let at = self.guards.partition_point(|(i, _)| *i < shard);
+        &self.guards[at].1
+    }
+
     /// The value of the `key`-th key given.
     pub fn get(&self, key: usize) -> Option<&V> {
-        self.guards[self.slots[key]].1.get(self.keys[key])
+        self.shard(key).get(self.keys[key].0)
     }
 
     /// Stores `value` under the `key`-th key given, replacing what was there.
     pub fn insert(&mut self, key: usize, value: V) {
-        let hashed = self.keys[key];
-        self.guards[self.slots[key]].1.insert(hashed, value);
+        let (hashed, shard) = self.keys[key];
+        let at = self.guards.partition_point(|(i, _)| *i < shard);
+        self.guards[at].1.insert(hashed, value);
     }
 
     /// Whether the shard of this index is among those held.

@@ -35,6 +35,9 @@ impl RateLimitApi {
 
 /// The header Envoy sends its filter timeout in, as the call's deadline.
 const GRPC_TIMEOUT: http::HeaderName = http::HeaderName::from_static("grpc-timeout");
+/// The status and message of an answer that is a status alone (trailers-only).
+const GRPC_STATUS: http::HeaderName = http::HeaderName::from_static("grpc-status");
+const GRPC_MESSAGE: http::HeaderName = http::HeaderName::from_static("grpc-message");
 
 #[tonic::async_trait]
 impl RateLimitService for RateLimitApi {
@@ -204,12 +207,12 @@ pub fn refusals_are_invalid_argument(
     mut response: http::Response<tonic::body::Body>,
 ) -> http::Response<tonic::body::Body> {
     let headers = response.headers_mut();
-    let status = headers.get("grpc-status").and_then(|v| v.to_str().ok());
+    let status = headers.get(&GRPC_STATUS).and_then(|v| v.to_str().ok());
     if !matches!(status, Some("11" | "13")) {
         return response;
     }
     let message = headers
-        .get("grpc-message")
+        .get(&GRPC_MESSAGE)
         .map(|v| percent_encoding::percent_decode(v.as_bytes()).decode_utf8_lossy())
         .unwrap_or_default();
     let text = if let Some((_, sizes)) = message.split_once("message length too large: ") {
@@ -231,8 +234,8 @@ pub fn refusals_are_invalid_argument(
         })
         .collect();
     if let Ok(value) = http::HeaderValue::from_str(&text) {
-        headers.insert("grpc-status", http::HeaderValue::from_static("3"));
-        headers.insert("grpc-message", value);
+        headers.insert(GRPC_STATUS, http::HeaderValue::from_static("3"));
+        headers.insert(GRPC_MESSAGE, value);
     }
     response
 }

@@ -157,10 +157,7 @@ impl MemoryStore {
         held: &mut Held<'_, '_, Entry>,
         now_ms: u64,
     ) -> Result<(), StoreError> {
-        let new_keys = (0..checks.len())
-            // An expired entry is overwritten in place: only absent keys need room.
-            .filter(|&i| decided[i].first_write && held.get(i).is_none())
-            .count();
+        let new_keys = decided.iter().filter(|d| d.new_key).count();
         self.reserve(new_keys, held, now_ms)?;
         for (i, check) in checks.iter().enumerate() {
             let Some(state) = decided[i].next.take() else {
@@ -182,8 +179,10 @@ struct Decided {
     decision: Decision,
     /// The state to store when the request consumes; none when the check changes nothing.
     next: Option<State>,
-    /// The check writes its key first in the batch (no earlier check of the key changed it).
-    first_write: bool,
+    /// The check stores a key that is not stored yet: it writes the key first in the batch (no earlier
+    /// check of the key changed it) and no entry is there, expired or not (an expired one is
+    /// overwritten in place). Only such keys need room.
+    new_key: bool,
 }
 
 /// Decides every check in order; a key checked twice sees the state the earlier check left.
@@ -192,16 +191,19 @@ fn decide_in_order(checks: &[Check], held: &Held<'_, '_, Entry>, now_ms: u64) ->
     for (i, check) in checks.iter().enumerate() {
         let earlier = (0..i)
             .rev()
-            .find(|&j| decided[j].next.is_some() && checks[j].key == check.key);
-        let state = match earlier {
-            Some(j) => decided[j].next.as_ref(),
-            None => live_state(held.get(i), now_ms),
+            .find(|&j| decided[j].next.is_some() && held.same_key(i, j));
+        let (state, stored) = match earlier {
+            Some(j) => (decided[j].next.as_ref(), true),
+            None => {
+                let stored = held.get(i);
+                (live_state(stored, now_ms), stored.is_some())
+            }
         };
         let (decision, next) =
             algorithm::decide(&check.params, state, now_ms, check.bounded_cost());
         decided.push(Decided {
             decision,
-            first_write: earlier.is_none() && next.is_some(),
+            new_key: !stored && next.is_some(),
             next,
         });
     }

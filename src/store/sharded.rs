@@ -187,6 +187,12 @@ impl<'a, V> Held<'a, '_, V> {
         self.shard(key).get(self.keys[key].0)
     }
 
+    /// Whether the `a`-th and `b`-th keys given are the same key (their hashes tell most apart).
+    pub fn same_key(&self, a: usize, b: usize) -> bool {
+        let (a, b) = (self.keys[a].0, self.keys[b].0);
+        a.hash == b.hash && a.key == b.key
+    }
+
     /// Stores `value` under the `key`-th key given, replacing what was there.
     pub fn insert(&mut self, key: usize, value: V) {
         let (hashed, shard) = self.keys[key];

@@ -271,15 +271,15 @@ impl Limiter {
                 .await;
             match applied {
                 Ok(applied) => Some(applied),
-                Err(err) => return self.backend_failed(err, resolved, &batch),
+                Err(err) => return self.backend_failed(err, &resolved, &batch),
             }
         };
         let denied = applied.as_ref().is_some_and(|a| a.denied);
         let outcomes = applied.as_ref().map_or(&[][..], |a| &a.outcomes[..]);
 
-        let decided = status::choose(resolved, outcomes, &from_cache);
+        let decided = status::choose(&resolved, outcomes, &from_cache);
         self.record_decision(request, &decided.verdicts, denied);
-        Ok(decided.into_response(&self.options, denied))
+        Ok(decided.into_response(&resolved, &self.options, denied))
     }
 
     /// The answer when the store cannot decide, by the `on_backend_error` policy: the error itself, every
@@ -288,7 +288,7 @@ impl Limiter {
     fn backend_failed(
         &self,
         err: StoreError,
-        resolved: Small<Resolved<'_>>,
+        resolved: &[Resolved<'_>],
         batch: &Batch,
     ) -> Result<Response, LimitError> {
         tracing::debug!(error = %err, policy = ?self.options.on_backend_error, "backend failed");

@@ -229,15 +229,20 @@ fn resolve_one<'a>(
 /// Drops every matched limit whose name another matched limit of the same request replaces
 /// (unlimited limits replace too). Overrides have no name and are never replaced.
 fn apply_replaces(resolved: &mut [Resolved<'_>]) {
-    let replaced: Vec<Arc<str>> = resolved
-        .iter()
-        .filter_map(|r| match r {
+    let rules = || {
+        resolved.iter().filter_map(|r| match r {
             Resolved::Unlimited(node)
             | Resolved::Limited {
                 node: Some(node), ..
-            } => Some(node),
+            } => Some(*node),
             _ => None,
         })
+    };
+    // Most requests match no limit that replaces another: nothing to gather.
+    if !rules().any(|node| node.limits.iter().any(|l| !l.replaces.is_empty())) {
+        return;
+    }
+    let replaced: Vec<Arc<str>> = rules()
         .flat_map(|node| node.limits.iter())
         .flat_map(|limit| limit.replaces.iter().cloned())
         .collect();

@@ -159,6 +159,7 @@ impl MemoryStore {
     ) -> Result<(), StoreError> {
         let new_keys = decided.iter().filter(|d| d.new_key).count();
         self.reserve(new_keys, held, now_ms)?;
+        let mut added = 0;
         for (i, check) in checks.iter().enumerate() {
             let Some(state) = decided[i].next.take() else {
                 continue;
@@ -168,7 +169,12 @@ impl MemoryStore {
                 state,
             };
             // Later checks of the same key overwrite earlier ones, in request order.
-            held.insert(i, entry);
+            added += usize::from(held.insert(i, entry));
+        }
+        // Making room may have reclaimed an expired counter of this very batch, which was then stored
+        // anew: counted here, so that the count stays the number of counters held.
+        if added > new_keys {
+            self.len.fetch_add(added - new_keys, Ordering::Relaxed);
         }
         Ok(())
     }
@@ -409,6 +415,24 @@ mod tests {
         assert!(!run(&store, &one("c_"), 11).denied);
         assert_eq!(store.len(), 1);
         assert_eq!(store.sweep(12_000), 1);
+        assert!(store.is_empty());
+    }
+
+    #[test]
+    fn a_counter_reclaimed_to_make_room_and_stored_again_is_counted() {
+        let store = MemoryStore::new(2);
+        let one = |k: &str| check(k, 5, 1, 1, Role::Enforce);
+        let batch = |checks: Vec<Check>| Batch {
+            checks,
+            consume_on_deny: false,
+            known_denied: false,
+        };
+        run(&store, &batch(vec![one("a_"), one("b_")]), 10);
+        // Both expired; the store is full, so making room for `c_` reclaims them, `a_` included,
+        // which this request then stores again.
+        run(&store, &batch(vec![one("a_"), one("c_")]), 11);
+        assert_eq!(store.len(), 2, "a_ and c_ are held");
+        assert_eq!(store.sweep(12_000), 2);
         assert!(store.is_empty());
     }
 

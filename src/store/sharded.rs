@@ -55,15 +55,19 @@ impl<V> Shard<V> {
             .map(|(_, _, v)| v)
     }
 
-    /// Stores `value` under `key`, replacing what was there.
-    pub fn insert(&mut self, key: Hashed<'_>, value: V) {
+    /// Stores `value` under `key`, replacing what was there; whether the key is new here.
+    pub fn insert(&mut self, key: Hashed<'_>, value: V) -> bool {
         match self
             .table
             .entry(key.hash, |(_, k, _)| **k == *key.key, |(hash, _, _)| *hash)
         {
-            Entry::Occupied(mut held) => held.get_mut().2 = value,
+            Entry::Occupied(mut held) => {
+                held.get_mut().2 = value;
+                false
+            }
             Entry::Vacant(room) => {
                 room.insert((key.hash, key.key.into(), value));
+                true
             }
         }
     }
@@ -193,11 +197,11 @@ impl<'a, V> Held<'a, '_, V> {
         a.hash == b.hash && a.key == b.key
     }
 
-    /// Stores `value` under the `key`-th key given, replacing what was there.
-    pub fn insert(&mut self, key: usize, value: V) {
+    /// Stores `value` under the `key`-th key given, replacing what was there; whether the key is new.
+    pub fn insert(&mut self, key: usize, value: V) -> bool {
         let (hashed, shard) = self.keys[key];
         let at = self.guards.partition_point(|(i, _)| *i < shard);
-        self.guards[at].1.insert(hashed, value);
+        self.guards[at].1.insert(hashed, value)
     }
 
     /// Whether the shard of this index is among those held.

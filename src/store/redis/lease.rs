@@ -380,7 +380,7 @@ impl Leases {
             Lease {
                 params: check.params,
                 slot: 0,
-                spec: [0; 5],
+                spec: [0; 6],
                 backend: backend_of(check),
                 left: 0,
                 remaining: 0,
@@ -557,7 +557,7 @@ mod tests {
             remaining: 900,
             reset_ms: 60_000,
         };
-        (0, grant, 0, [0, 1000, 3_600_000, 1000, 3600])
+        (0, grant, 0, [0, 1000, 3_600_000, 1000, 3600, 0])
     }
 
     fn take(leases: &Leases, batch: &Batch) -> Taken {

@@ -184,14 +184,19 @@ impl Limiter {
         };
         let batch = plan::batch(request, resolved, &self.options);
         for (applicable, check) in limits.iter().zip(batch.checks) {
+            let params = applicable.params();
             planned.inspection.limits.push(Inspected {
                 runtime_id: runtime_id.clone(),
                 applies,
-                name: applicable.limit.name.as_deref().map(str::to_owned),
-                requests_per_unit: applicable.limit.requests_per_unit,
-                unit: applicable.limit.unit,
-                params: applicable.params,
-                usage: algorithm::usage(&applicable.params, None, 0),
+                name: applicable
+                    .current_limit()
+                    .name
+                    .as_deref()
+                    .map(str::to_owned),
+                requests_per_unit: applicable.requests_per_unit(),
+                unit: applicable.unit(),
+                params,
+                usage: algorithm::usage(&params, None, 0),
             });
             planned.checks.push(check);
         }

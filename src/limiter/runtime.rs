@@ -251,6 +251,11 @@ impl RuntimeLimits {
         self.current.load_full()
     }
 
+    /// The current table for a moment (a request's decision): no reference count is touched.
+    pub fn load(&self) -> arc_swap::Guard<Option<Arc<Table>>> {
+        self.current.load()
+    }
+
     /// The generation of the current table (0 before any was read).
     pub fn generation(&self) -> Option<u64> {
         self.current.load().as_ref().map(|t| t.generation)

@@ -684,3 +684,40 @@ async fn a_reset_clears_every_counter_of_the_descriptor() {
     assert!(seen.limits.iter().all(|i| i.usage.used == 0.0));
     assert_eq!(ask(&l, &r).await.overall_code, Code::Ok);
 }
+
+#[tokio::test]
+async fn rule_counters_held_by_the_rules_count_for_each_limiter_and_survive_a_reload() {
+    let rules = Arc::new(Rules::default());
+    let build = || RuleSet::build(&[("f".into(), parse_file(RULES).unwrap())], false).unwrap();
+    rules.replace(build());
+    let limiter_counting_in = |metrics: &Arc<Metrics>| {
+        Limiter::new(
+            rules.clone(),
+            Arc::new(Store::Memory(MemoryStore::new(1000))),
+            Clock::manual(2_222_000),
+            Options {
+                metrics: metrics.clone(),
+                ..Options::default()
+            },
+        )
+    };
+    let (first, second) = (Arc::new(Metrics::new()), Arc::new(Metrics::new()));
+    let (a, b) = (limiter_counting_in(&first), limiter_counting_in(&second));
+    let r = req(vec![desc(&[("k", "v")])]);
+    let hits = |metrics: &Metrics| {
+        let line = "ratelimit_service_rate_limit_total_hits{domain=\"d\",rule=\"k\"} ";
+        metrics
+            .render()
+            .lines()
+            .find_map(|l| l.strip_prefix(line).map(str::to_owned))
+    };
+    ask(&a, &r).await;
+    ask(&a, &r).await;
+    ask(&b, &r).await;
+    assert_eq!(hits(&first).as_deref(), Some("2"));
+    assert_eq!(hits(&second).as_deref(), Some("1"), "each limiter its own");
+    // A reload builds new rules, which hold nothing yet: the same series goes on counting.
+    rules.replace(build());
+    ask(&a, &r).await;
+    assert_eq!(hits(&first).as_deref(), Some("3"));
+}

@@ -179,17 +179,16 @@ impl RedisStore {
         local_ms: u64,
         deadline: Deadline,
     ) -> Result<Applied, StoreError> {
-        let batch = first_batch;
         // The time on each backend's clock, as this replica estimates it.
         let estimate = |b: &Backend| local_ms as i64 + b.clock_offset_ms.load(Ordering::Relaxed);
         let mut now_ms = [estimate(&self.main), estimate(self.backend(1))];
         let (mut mismatched, mut waited) = (false, false);
         // After a window mismatch: the batch that goes again, whose checks counted over their limit on
-        // the first try only check now, and those checks' answers from the first try.
-        let mut again: Option<(Batch, Vec<Option<Outcome>>)> = None;
+        // the first try only check now, and those checks' answers from the first try. Boxed: it is rare,
+        // and this future is part of every request's.
+        let mut again: Option<Box<(Batch, Vec<Option<Outcome>>)>> = None;
         loop {
-            let batch_now = again.as_ref().map_or(batch, |(b, _)| b);
-            let batch = batch_now;
+            let batch = again.as_deref().map_or(first_batch, |(b, _)| b);
             let server_ms =
                 |c: &Check| u64::try_from(now_ms[self.backend_of(c.per_second)]).unwrap_or(0);
             let keys: Vec<Bytes> = batch
@@ -263,20 +262,16 @@ impl RedisStore {
                     tracing::debug!(local_ms, server_ms, "window moved on the server; retrying");
                     now_ms[backend] = server_ms;
                 }
-                again = Some(counted_once(batch, &groups, &slots));
+                again = Some(Box::new(counted_once(batch, &groups, &slots)));
                 continue;
             }
             let mut outcomes = in_batch_order(batch, &groups, &slots, &leased.taken);
-            let original = match &again {
-                Some((_, first)) => {
-                    for (outcome, first) in outcomes.iter_mut().zip(first) {
-                        *outcome = first.unwrap_or(*outcome);
-                    }
-                    first_batch
+            if let Some((_, first)) = again.as_deref() {
+                for (outcome, first) in outcomes.iter_mut().zip(first) {
+                    *outcome = first.unwrap_or(*outcome);
                 }
-                None => batch,
-            };
-            let denied = original.is_denied(|i| outcomes[i].allowed);
+            }
+            let denied = first_batch.is_denied(|i| outcomes[i].allowed);
             let consumed = !denied || batch.consume_on_deny;
             if !consumed && !complete {
                 // Another slot, or a lease, denied what these consumed: give it back.

@@ -1,5 +1,6 @@
-//! The operators' API and `ratelimitd admin`, on the real binary: inspect after known traffic, reset
-//! (on every replica, deny caches included), runtime limits set on one replica and enforced by the others
+//! The operators' API and `ratelimitd admin`, on the real binary: inspect after known traffic and reset
+//! on the memory store and on Redis (on every replica, deny caches included), the precedence of a runtime
+//! limit over a request's override over the rules, runtime limits set on one replica and enforced by the others
 //! of one Redis within the refresh bound, gone after their expiry or delete and kept across a restart;
 //! calls without the token refused and changing nothing; the audit log; TLS with client certificates;
 //! and the settings that must stop the start.
@@ -143,10 +144,15 @@ fn succeeded(out: &Output) -> Value {
     serde_json::from_slice(&out.stdout).unwrap()
 }
 
-#[tokio::test]
-async fn inspect_shows_the_counts_and_reset_frees_the_key() {
+/// Inspect after known traffic, reset, refused calls, bad calls and the audit log, on one replica of the
+/// memory store or of a Redis.
+async fn inspect_shows_the_counts_and_reset_frees_the_key(redis: Option<&RedisProcess>) {
     let files = Files::new();
-    let running = start_binary(&mut with_admin(&files));
+    let mut cmd = with_admin(&files);
+    if let Some(redis) = redis {
+        on_redis(&mut cmd, redis);
+    }
+    let running = start_binary(&mut cmd);
     assert!(running.serving_within(Duration::from_secs(10)));
     let admin = admin_addr(&running);
     let url = format!("http://{admin}");
@@ -241,6 +247,17 @@ async fn inspect_shows_the_counts_and_reset_frees_the_key() {
         "a raw key in the log:\n{log}"
     );
     assert!(!log.contains(TOKEN), "the token in the log:\n{log}");
+}
+
+#[tokio::test]
+async fn on_the_memory_store_inspect_shows_the_counts_and_reset_frees_the_key() {
+    inspect_shows_the_counts_and_reset_frees_the_key(None).await;
+}
+
+#[tokio::test]
+async fn on_redis_inspect_shows_the_counts_and_reset_frees_the_key() {
+    let redis = RedisProcess::start(&[]);
+    inspect_shows_the_counts_and_reset_frees_the_key(Some(&redis)).await;
 }
 
 /// Waits until `ask` on each replica answers `want`; returns how long it took.
@@ -499,4 +516,81 @@ fn the_api_needs_a_usable_token_and_stays_off_unless_enabled() {
     let out = cli(&files, "http://127.0.0.1:1", &["limits", "list"]);
     assert_eq!(out.status.code(), Some(69), "{out:?}");
     assert!(Path::new(env!("CARGO_BIN_EXE_ratelimitd")).exists());
+}
+
+/// The limit a `/json` request was counted against (`current_limit`): requests per unit and name.
+fn counted_against(running: &Running, value: &str, limit: Option<u32>) -> (u64, String) {
+    let mut descriptor = json!({ "entries": descriptor("tenant", value) });
+    if let Some(rpu) = limit {
+        descriptor["limit"] = json!({ "requests_per_unit": rpu, "unit": "DAY" });
+    }
+    let body = json!({ "domain": "api", "descriptors": [descriptor] });
+    let (_, text) = http_request(running.http, "POST", "/json", &body.to_string());
+    let answer: Value = serde_json::from_str(&text).unwrap();
+    let current = &answer["statuses"][0]["currentLimit"];
+    (
+        current["requestsPerUnit"].as_u64().unwrap_or(0),
+        current["name"].as_str().unwrap_or_default().to_owned(),
+    )
+}
+
+/// Precedence, as a user sees it in `current_limit`: a runtime limit wins over the request's own
+/// override, which wins over the rules; deleting the runtime limit gives the override back.
+#[tokio::test]
+async fn a_runtime_limit_wins_over_the_override_which_wins_over_the_rules() {
+    let files = Files::new();
+    let running = start_binary(&mut with_admin(&files));
+    assert!(running.serving_within(Duration::from_secs(10)));
+    let url = format!("http://{}", admin_addr(&running));
+    assert_eq!(
+        counted_against(&running, "t", None),
+        (2, "per_tenant".into())
+    );
+    assert_eq!(
+        counted_against(&running, "t", Some(50)),
+        (50, String::new())
+    );
+    succeeded(&cli(
+        &files,
+        &url,
+        &[
+            "limits",
+            "set",
+            "--domain",
+            "api",
+            "tenant=t",
+            "--requests-per-unit",
+            "700",
+            "--unit",
+            "day",
+            "--name",
+            "operator_set",
+        ],
+    ));
+    // The replica that served the call applies it at once.
+    for limit in [None, Some(50)] {
+        assert_eq!(
+            counted_against(&running, "t", limit),
+            (700, "operator_set".into()),
+            "override {limit:?}"
+        );
+    }
+    // Another tenant is not concerned.
+    assert_eq!(
+        counted_against(&running, "u", None),
+        (2, "per_tenant".into())
+    );
+    succeeded(&cli(
+        &files,
+        &url,
+        &["limits", "delete", "--domain", "api", "tenant=t"],
+    ));
+    assert_eq!(
+        counted_against(&running, "t", Some(50)),
+        (50, String::new())
+    );
+    assert_eq!(
+        counted_against(&running, "t", None),
+        (2, "per_tenant".into())
+    );
 }

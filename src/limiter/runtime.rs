@@ -17,11 +17,18 @@
 //! for counter keys: an operator gives the raw value, the store only ever sees its hash. Looking a
 //! request up hashes its sensitive values only when a runtime limit of the same keys exists.
 
-use std::{borrow::Cow, collections::HashMap, sync::Arc};
+use std::{
+    borrow::Cow,
+    collections::HashMap,
+    hash::{BuildHasher, Hasher},
+    sync::Arc,
+};
 
 use arc_swap::ArcSwapOption;
+use hashbrown::HashTable;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
+use smallvec::SmallVec;
 
 use super::Entry;
 use crate::{
@@ -115,12 +122,15 @@ impl Applied {
     }
 }
 
+/// One runtime limit of a shape: the hash of its values, its values, the limit.
+type ByValues = (u64, Box<[Box<str>]>, Arc<Applied>);
+
 /// The runtime limits of one domain whose descriptors have the same keys in the same order, by their
-/// values (length-prefixed and joined).
+/// values.
 #[derive(Debug)]
 struct Shape {
     keys: Box<[String]>,
-    by_values: HashMap<String, Arc<Applied>>,
+    by_values: HashTable<ByValues>,
 }
 
 /// The runtime limits of one domain.
@@ -128,21 +138,24 @@ struct Shape {
 pub struct DomainLimits {
     /// Few: one per descriptor shape operators set limits on.
     shapes: Vec<Shape>,
-}
-
-fn joined<'a>(values: impl Iterator<Item = &'a str>) -> String {
-    let mut out = String::new();
-    for v in values {
-        out.push_str(&v.len().to_string());
-        out.push(':');
-        out.push_str(v);
-    }
-    out
+    hasher: foldhash::fast::RandomState,
 }
 
 impl DomainLimits {
+    /// The hash of a descriptor's values, each length-prefixed (so that no two lists share one by
+    /// construction).
+    fn hash<'v>(&self, values: impl Iterator<Item = &'v str>) -> u64 {
+        let mut hasher = self.hasher.build_hasher();
+        for value in values {
+            hasher.write_usize(value.len());
+            hasher.write(value.as_bytes());
+        }
+        hasher.finish()
+    }
+
     /// The live runtime limit of exactly these entries, whose values `show` turns into what the limit
     /// keeps (sensitive values hashed); `show` runs only when a runtime limit of the same keys exists.
+    /// Nothing is allocated for descriptors of up to four entries.
     pub fn find<'e>(
         &self,
         entries: &'e [Entry],
@@ -155,11 +168,47 @@ impl DomainLimits {
                 .map(String::as_str)
                 .eq(entries.iter().map(|e| e.key.as_str()))
         })?;
-        let shown: Vec<Cow<'e, str>> = entries.iter().map(|e| show(&e.key, &e.value)).collect();
-        let found = shape
-            .by_values
-            .get(&joined(shown.iter().map(|v| v.as_ref())))?;
+        let shown: SmallVec<[Cow<'e, str>; 4]> =
+            entries.iter().map(|e| show(&e.key, &e.value)).collect();
+        let hash = self.hash(shown.iter().map(|v| v.as_ref()));
+        let (_, _, found) = shape.by_values.find(hash, |(_, values, _)| {
+            values
+                .iter()
+                .map(|v| &**v)
+                .eq(shown.iter().map(|v| v.as_ref()))
+        })?;
         found.live(now_ms).then_some(&**found)
+    }
+
+    fn insert(&mut self, applied: Arc<Applied>) {
+        let record = &applied.record;
+        let keys: Box<[String]> = record.descriptor.iter().map(|(k, _)| k.clone()).collect();
+        let values: Box<[Box<str>]> = record
+            .descriptor
+            .iter()
+            .map(|(_, v)| v.as_str().into())
+            .collect();
+        let hash = self.hash(values.iter().map(|v| &**v));
+        let at = match self.shapes.iter().position(|s| s.keys == keys) {
+            Some(at) => at,
+            None => {
+                self.shapes.push(Shape {
+                    keys,
+                    by_values: HashTable::new(),
+                });
+                self.shapes.len() - 1
+            }
+        };
+        let same = |(_, held, _): &ByValues| *held == values;
+        match self.shapes[at]
+            .by_values
+            .entry(hash, same, |(hash, _, _)| *hash)
+        {
+            hashbrown::hash_table::Entry::Occupied(mut held) => held.get_mut().2 = applied.clone(),
+            hashbrown::hash_table::Entry::Vacant(room) => {
+                room.insert((hash, values.clone(), applied.clone()));
+            }
+        }
     }
 }
 
@@ -206,19 +255,10 @@ impl Table {
     }
 
     fn insert(&mut self, applied: Arc<Applied>) {
-        let record = &applied.record;
-        let domain = self.domains.entry(record.domain.clone()).or_default();
-        let keys: Box<[String]> = record.descriptor.iter().map(|(k, _)| k.clone()).collect();
-        let values = joined(record.descriptor.iter().map(|(_, v)| v.as_str()));
-        match domain.shapes.iter_mut().find(|s| s.keys == keys) {
-            Some(shape) => {
-                shape.by_values.insert(values, applied.clone());
-            }
-            None => domain.shapes.push(Shape {
-                keys,
-                by_values: HashMap::from([(values, applied.clone())]),
-            }),
-        }
+        self.domains
+            .entry(applied.record.domain.clone())
+            .or_default()
+            .insert(applied.clone());
         self.all.push(applied);
     }
 

@@ -405,6 +405,101 @@ async fn runtime_limits_set_on_one_replica_apply_on_all_of_one_redis() {
     );
 }
 
+/// Expiries the API cannot keep (past 10 years, past what a time or a `u64` of ms holds) are refused
+/// with a 400 and set nothing; a record already stored with one (as earlier versions wrote) is still
+/// listed and deleted, and the listener keeps answering.
+#[tokio::test]
+async fn expiries_out_of_bounds_are_refused_and_never_break_the_listing() {
+    let files = Files::new();
+    let redis = RedisProcess::start(&[]);
+    let mut cmd = with_admin(&files);
+    on_redis(&mut cmd, &redis);
+    let running = start_binary(&mut cmd);
+    let admin = admin_addr(&running);
+    let set = |expiry: Value| {
+        let mut body = json!({
+            "domain": "api",
+            "descriptor": descriptor("tenant", "far"),
+            "limit": { "requests_per_unit": 5, "unit": "hour" },
+        });
+        body.as_object_mut()
+            .unwrap()
+            .extend(expiry.as_object().unwrap().clone());
+        call(admin, "PUT", "/v1/limits", Some(TOKEN), &body)
+    };
+    for expiry in [
+        json!({ "expires_in": "10000years" }),
+        json!({ "expires_in": "292277000000y" }),
+        json!({ "expires_in": "18446744073709551615s" }),
+        json!({ "expires_at": "9999-12-31T23:59:59Z" }),
+        json!({ "expires_in": "11y" }),
+    ] {
+        let (status, answer) = set(expiry.clone());
+        assert_eq!(status, 400, "{expiry}: {answer}");
+        let error = answer["error"].as_str().unwrap_or_default();
+        assert!(
+            error.contains("10 years") || error.contains("expires_in"),
+            "{expiry}: {error}"
+        );
+        let (status, listed) = call(admin, "GET", "/v1/limits", Some(TOKEN), &Value::Null);
+        assert_eq!((status, &listed["limits"]), (200, &json!([])), "{expiry}");
+    }
+    let (status, answer) = set(json!({ "expires_in": "9y" }));
+    assert_eq!(status, 200, "{answer}");
+    assert!(
+        answer["expires_at"].as_str().unwrap().ends_with('Z'),
+        "{answer}"
+    );
+
+    // A record stored before expiries were bounded, ending past year 9999.
+    let record = json!({
+        "id": "00000000000000aa",
+        "domain": "api",
+        "descriptor": [["tenant", "old"]],
+        "limit": { "requests_per_unit": 1, "unit": "hour" },
+        "expires_at_ms": u64::MAX,
+        "set_at_ms": 1_700_000_000_000u64,
+        "set_by": "earlier",
+    });
+    redis.cli(&[
+        "HSET",
+        "{ratelimitd}:runtime_limits",
+        "00000000000000aa",
+        &record.to_string(),
+    ]);
+    redis.cli(&["INCR", "{ratelimitd}:operator_changes"]);
+    let listed = wait_for(
+        "the stored record listed",
+        Duration::from_secs(10),
+        async || {
+            let (status, listed) = call(admin, "GET", "/v1/limits", Some(TOKEN), &Value::Null);
+            assert_eq!(status, 200, "{listed}");
+            (listed["limits"].as_array().map_or(0, Vec::len) == 2).then_some(listed)
+        },
+    )
+    .await;
+    let old = listed["limits"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|l| l["id"] == "00000000000000aa")
+        .unwrap();
+    assert_eq!(
+        old["expires_at"],
+        format!("{} ms after 1970-01-01T00:00:00Z", u64::MAX)
+    );
+    let (status, deleted) = call(
+        admin,
+        "DELETE",
+        "/v1/limits",
+        Some(TOKEN),
+        &json!({ "id": "00000000000000aa" }),
+    );
+    assert_eq!(status, 200, "{deleted}");
+    let (status, _) = call(admin, "GET", "/v1/limits", Some(TOKEN), &Value::Null);
+    assert_eq!(status, 200);
+}
+
 #[tokio::test]
 async fn over_tls_the_api_asks_for_a_client_certificate() {
     let files = Files::new();

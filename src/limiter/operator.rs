@@ -10,7 +10,7 @@
 
 use super::{
     plan::{self, Resolved, RuntimeLookup},
-    runtime::{id_of, LimitSpec, RuntimeLimit, Table},
+    runtime::{id_of, Expiry, LimitSpec, RuntimeLimit, Table, MAX_EXPIRY_MS},
     Descriptor, Entry, LimitError, Limiter, Request,
 };
 use crate::{
@@ -236,12 +236,13 @@ impl Limiter {
         })
     }
 
-    /// Sets (or replaces) the runtime limit of a descriptor; `expires_at_ms` ends it.
+    /// Sets (or replaces) the runtime limit of a descriptor; `expiry` ends it, at most [`MAX_EXPIRY_MS`]
+    /// from now (by this replica's clock).
     pub async fn set_runtime_limit(
         &self,
         target: &Target,
         spec: LimitSpec,
-        expires_at_ms: Option<u64>,
+        expiry: Option<Expiry>,
         set_by: &str,
     ) -> Result<RuntimeLimit, OperatorError> {
         let rules = self.rules.snapshot().ok_or(LimitError::NoRules)?;
@@ -266,11 +267,7 @@ impl Limiter {
         )
         .map_err(|e| OperatorError::Invalid(e.to_string()))?;
         let now_ms = self.clock.now_millis();
-        if expires_at_ms.is_some_and(|at| at <= now_ms) {
-            return Err(OperatorError::Invalid(
-                "the expiry is not in the future".into(),
-            ));
-        }
+        let expires_at_ms = expiry.map(|e| expires_at(e, now_ms)).transpose()?;
         self.refresh_runtime_limits().await?;
         let table = self.runtime.current();
         let held = table.as_deref().map_or(0, |t| t.all().len());
@@ -401,5 +398,26 @@ impl Limiter {
             self.shared.operator_changed().await;
         }
         Ok(true)
+    }
+}
+
+/// When a runtime limit set at `now_ms` ends, refused unless it is after `now_ms` and at most
+/// [`MAX_EXPIRY_MS`] later.
+fn expires_at(expiry: Expiry, now_ms: u64) -> Result<u64, OperatorError> {
+    let at = match expiry {
+        Expiry::In(within) => u64::try_from(within.as_millis())
+            .ok()
+            .and_then(|ms| now_ms.checked_add(ms)),
+        Expiry::At(at) => at,
+    };
+    match at {
+        Some(at) if at <= now_ms => Err(OperatorError::Invalid(
+            "the expiry is not in the future".into(),
+        )),
+        Some(at) if at - now_ms <= MAX_EXPIRY_MS => Ok(at),
+        _ => Err(OperatorError::Invalid(format!(
+            "the expiry is more than {} days (10 years) away, the furthest a runtime limit may be set for; set none to keep it until deleted",
+            MAX_EXPIRY_MS / 86_400_000
+        ))),
     }
 }

@@ -33,8 +33,21 @@ use smallvec::SmallVec;
 use super::Entry;
 use crate::{
     algorithm::Algorithm,
-    rules::{compile_runtime_limit, Limit, RateLimitSpec, RuleError},
+    rules::{compile_runtime_limit, Limit, RateLimitSpec, RuleError, MAX_WINDOW_SECS},
 };
+
+/// The furthest ahead a runtime limit's expiry may be: 10 years, the longest window a rule may have. It
+/// keeps every expiry a time that can be added to, compared and written as RFC 3339.
+pub const MAX_EXPIRY_MS: u64 = MAX_WINDOW_SECS * 1000;
+
+/// When a runtime limit being set ends, as the operator wrote it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Expiry {
+    /// This long after it is set (`expires_in`).
+    In(std::time::Duration),
+    /// At this time, ms since the epoch (`expires_at`); `None`: a time past what a `u64` holds.
+    At(Option<u64>),
+}
 
 /// A runtime limit as it is kept in the store (as JSON), listed and logged. Values are as shown: those
 /// of sensitive keys hashed.

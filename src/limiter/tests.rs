@@ -609,9 +609,14 @@ async fn a_runtime_limit_ends_at_its_expiry_and_is_then_purged() {
     let l = limiter();
     let now = l.clock.now_millis();
     let banned = target(&[("banned", "x")]);
-    l.set_runtime_limit(&banned, per_minute(100), Some(now + 10_000), "test")
-        .await
-        .unwrap();
+    l.set_runtime_limit(
+        &banned,
+        per_minute(100),
+        Some(runtime::Expiry::At(Some(now + 10_000))),
+        "test",
+    )
+    .await
+    .unwrap();
     let r = req(vec![desc(&[("banned", "x")])]);
     assert_eq!(ask(&l, &r).await.overall_code, Code::Ok, "unblocked");
     l.clock.advance_millis(9_999);
@@ -620,8 +625,13 @@ async fn a_runtime_limit_ends_at_its_expiry_and_is_then_purged() {
     assert_eq!(ask(&l, &r).await.overall_code, Code::OverLimit, "expired");
     assert!(l.runtime_limits().await.unwrap().is_empty());
     assert!(matches!(
-        l.set_runtime_limit(&banned, per_minute(1), Some(now), "test")
-            .await,
+        l.set_runtime_limit(
+            &banned,
+            per_minute(1),
+            Some(runtime::Expiry::At(Some(now))),
+            "test"
+        )
+        .await,
         Err(OperatorError::Invalid(_))
     ));
 }

@@ -41,7 +41,9 @@ pub use error::{
 pub use flags::RuleFlags;
 pub use loader::{load, Fingerprint, Loaded};
 pub use matcher::EntryRef;
-pub use model::{Domain, KeyNodes, Level, Limit, Node, PathStep, RuleMap, RuleSet};
+pub use model::{
+    Domain, KeyNodes, Level, Limit, Node, PathStep, RuleMap, RuleSet, MAX_WINDOW_SECS,
+};
 pub use options::{ConfigType, RulesSettings, Source, DEFAULT_MAX_YAML_NODES};
 pub use pattern::{Cidr, CidrError, Wildcard};
 pub use unit::Unit;

@@ -35,7 +35,7 @@ use std::{
         atomic::{AtomicU64, Ordering},
         Arc,
     },
-    time::{Duration, SystemTime, UNIX_EPOCH},
+    time::{Duration, UNIX_EPOCH},
 };
 
 use axum::{
@@ -51,7 +51,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use crate::limiter::{
-    runtime::{LimitSpec, RuntimeLimit},
+    runtime::{Expiry, LimitSpec, RuntimeLimit},
     Entry, Inspection, Limiter, OperatorError, Target,
 };
 
@@ -282,8 +282,15 @@ fn entries_json(descriptor: &[(String, String)]) -> Value {
         .collect()
 }
 
+/// A time in ms since the epoch as RFC 3339; one RFC 3339 cannot write (past 9999, as a record written
+/// before expiries were bounded may hold) as the number of ms, never a panic.
 fn rfc3339(ms: u64) -> String {
-    humantime::format_rfc3339_seconds(UNIX_EPOCH + Duration::from_millis(ms)).to_string()
+    use std::fmt::Write;
+    let mut text = String::new();
+    match UNIX_EPOCH.checked_add(Duration::from_millis(ms)) {
+        Some(t) if write!(text, "{}", humantime::format_rfc3339_seconds(t)).is_ok() => text,
+        _ => format!("{ms} ms after 1970-01-01T00:00:00Z"),
+    }
 }
 
 fn inspection_json(i: &Inspection) -> Value {
@@ -397,23 +404,24 @@ struct SetIn {
     expires_at: Option<String>,
 }
 
-/// When a runtime limit set now ends, in ms since the epoch.
-fn expiry(expires_in: Option<&str>, expires_at: Option<&str>) -> Result<Option<u64>, Refused> {
-    let ms = |t: SystemTime| {
-        t.duration_since(UNIX_EPOCH)
-            .map_or(0, |d| d.as_millis() as u64)
-    };
+/// When a runtime limit set now ends, as the call writes it; the limiter bounds it by its clock.
+fn expiry(expires_in: Option<&str>, expires_at: Option<&str>) -> Result<Option<Expiry>, Refused> {
     match (expires_in, expires_at) {
         (Some(_), Some(_)) => Err(bad_request("give expires_in or expires_at, not both")),
         (Some(within), None) => humantime::parse_duration(within)
-            .map(|d| Some(ms(SystemTime::now() + d)))
+            .map(|d| Some(Expiry::In(d)))
             .map_err(|e| {
                 bad_request(format!(
                     "expires_in {within:?}: {e}; write e.g. 30m, 72h, 7days"
                 ))
             }),
         (None, Some(at)) => humantime::parse_rfc3339_weak(at)
-            .map(|t| Some(ms(t)))
+            .map(|t| {
+                let ms = t
+                    .duration_since(UNIX_EPOCH)
+                    .map_or(Some(0), |d| u64::try_from(d.as_millis()).ok());
+                Some(Expiry::At(ms))
+            })
             .map_err(|e| {
                 bad_request(format!(
                     "expires_at {at:?}: {e}; write e.g. 2026-12-04T18:00:00Z"

@@ -405,6 +405,87 @@ async fn runtime_limits_set_on_one_replica_apply_on_all_of_one_redis() {
     );
 }
 
+/// The ACL user SECURITY.md documents, with exactly its command list (read from SECURITY.md).
+fn documented_acl_user(redis: &RedisProcess, password: &str) {
+    let security =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/SECURITY.md")).unwrap();
+    let block = security
+        .split("```text\n")
+        .find(|b| b.starts_with("ACL SETUSER ratelimitd"))
+        .and_then(|b| b.split("```").next())
+        .expect("SECURITY.md lists the ACL user");
+    let pass = format!(">{password}");
+    let args: Vec<&str> = block
+        .split_whitespace()
+        .map(|word| {
+            if word.starts_with('>') {
+                pass.as_str()
+            } else {
+                word
+            }
+        })
+        .collect();
+    assert_eq!(redis.cli(&args), "OK", "{block}");
+}
+
+/// With the Redis ACL user SECURITY.md documents, and only its commands, the API sets, lists, resets and
+/// deletes, and another replica of the same Redis applies what it set.
+#[tokio::test]
+async fn the_documented_redis_acl_user_is_enough_for_the_api() {
+    let redis = RedisProcess::start(&[]);
+    documented_acl_user(&redis, "acl-pass-for-admin-tests");
+    let files = Files::new();
+    let mut cmd = with_admin(&files);
+    on_redis(&mut cmd, &redis);
+    cmd.env("REDIS_AUTH", "ratelimitd:acl-pass-for-admin-tests");
+    let first = start_binary(&mut cmd);
+    let mut cmd = binary(&files.rules());
+    on_redis(&mut cmd, &redis);
+    cmd.env("REDIS_AUTH", "ratelimitd:acl-pass-for-admin-tests")
+        .env("RATELIMITD_HASH_SECRET", "hash-secret-for-tests");
+    let second = start_binary(&mut cmd);
+    for r in [&first, &second] {
+        assert!(r.serving_within(Duration::from_secs(20)));
+    }
+    let admin = admin_addr(&first);
+    // The rules allow 2 an hour.
+    for want in [200, 200, 429] {
+        assert_eq!(ask(&second, "tenant", "acl"), want);
+    }
+    let target = json!({ "domain": "api", "descriptor": descriptor("tenant", "acl") });
+    let mut set = target.clone();
+    set["limit"] = json!({ "requests_per_unit": 100, "unit": "hour" });
+    let (status, answer) = call(admin, "PUT", "/v1/limits", Some(TOKEN), &set);
+    assert_eq!(status, 200, "{answer}\n{}", first.log.lock().unwrap());
+    // The runtime limit allows 100 an hour, on the other replica too, counted in the same counter.
+    wait_for(
+        "the runtime limit on the second replica",
+        Duration::from_secs(10),
+        async || (ask(&second, "tenant", "acl") == 200).then_some(()),
+    )
+    .await;
+    let (status, listed) = call(admin, "GET", "/v1/limits", Some(TOKEN), &Value::Null);
+    assert_eq!(
+        (status, listed["limits"].as_array().map(Vec::len)),
+        (200, Some(1)),
+        "{listed}"
+    );
+    let (status, inspected) = call(admin, "POST", "/v1/inspect", Some(TOKEN), &target);
+    assert_eq!(status, 200, "{inspected}");
+    assert_eq!(inspected["limits"][0]["used"], 3.0, "{inspected}");
+    let (status, reset) = call(admin, "POST", "/v1/reset", Some(TOKEN), &target);
+    assert_eq!(status, 200, "{reset}");
+    let (status, deleted) = call(admin, "DELETE", "/v1/limits", Some(TOKEN), &target);
+    assert_eq!(status, 200, "{deleted}");
+    // Back to the rule's 2 an hour on the other replica, counted from the reset.
+    wait_for(
+        "the rule again on the second replica",
+        Duration::from_secs(10),
+        async || (ask(&second, "tenant", "acl") == 429).then_some(()),
+    )
+    .await;
+}
+
 /// Expiries the API cannot keep (past 10 years, past what a time or a `u64` of ms holds) are refused
 /// with a 400 and set nothing; a record already stored with one (as earlier versions wrote) is still
 /// listed and deleted, and the listener keeps answering.

@@ -1,14 +1,16 @@
 //! The operators' API on Redis (see `store::operator`): counters read and cleared with plain commands,
 //! one per key (each routed to its slot's server on Cluster), at the server's time; runtime limit records
-//! in a hash beside a generation counter, both under the hash tag `{ratelimitd}`. Each command waits at
-//! most `redis.timeout`. The least-privilege ACL user needs `+hgetall +hdel +incr` besides what requests
-//! use, once a runtime limit has been set (until then a replica reads only the generation, with GET).
+//! in a hash beside their generation, both under the hash tag `{ratelimitd}`, changed together by
+//! `records.lua`. Each command waits at most `redis.timeout`. Besides what requests use, the API needs
+//! `+hgetall +hdel` of the least-privilege ACL user (SECURITY.md), once a runtime limit has been set
+//! (until then a replica reads only the generation, with GET).
 
 use fred::{
     prelude::*,
     types::{ClusterHash, CustomCommand},
 };
 use futures_util::future::try_join_all;
+use std::sync::LazyLock;
 
 use super::{backend::Backend, redis_error, RedisStore};
 use crate::{
@@ -18,6 +20,10 @@ use crate::{
         Check, StoreError,
     },
 };
+
+/// Changes the records and their generation together (its header says how).
+static RECORDS_LUA: LazyLock<fred::types::scripts::Script> =
+    LazyLock::new(|| fred::types::scripts::Script::from_lua(include_str!("records.lua")));
 
 /// One command, by name, routed by its first argument (a key), or to any server.
 async fn command(
@@ -213,14 +219,41 @@ impl RedisStore {
         }))
     }
 
+    /// One change of the records by `records.lua`, with a new random generation; how many records it
+    /// deleted.
+    async fn change_records(
+        &self,
+        keys: &RecordKeys,
+        change: &str,
+        args: &[&str],
+    ) -> Result<usize, StoreError> {
+        // Never 0 (no generation yet), and below 2^63.
+        let generation = (rand::random::<u64>() >> 1).max(1).to_string();
+        let argv: Vec<String> = [generation.as_str(), change]
+            .into_iter()
+            .chain(args.iter().copied())
+            .map(str::to_owned)
+            .collect();
+        let client = self.main.pool.next_connected();
+        let call = RECORDS_LUA.evalsha_with_reload::<i64, _, _>(
+            client,
+            vec![keys.records.clone(), keys.generation.clone()],
+            argv,
+        );
+        match tokio::time::timeout(self.main.timeout, call).await {
+            Ok(deleted) => Ok(usize::try_from(deleted.map_err(redis_error)?).unwrap_or(0)),
+            Err(_) => Err(StoreError::Timeout(self.main.timeout)),
+        }
+    }
+
     pub(crate) async fn put_record(
         &self,
         keys: &RecordKeys,
         id: &str,
         record: &str,
     ) -> Result<(), StoreError> {
-        on_key(&self.main, "HSET", &keys.records, &[id, record]).await?;
-        self.announce(keys).await
+        self.change_records(keys, "put", &[id, record]).await?;
+        Ok(())
     }
 
     pub(crate) async fn delete_records(
@@ -229,17 +262,11 @@ impl RedisStore {
         ids: &[String],
     ) -> Result<usize, StoreError> {
         let ids: Vec<&str> = ids.iter().map(String::as_str).collect();
-        let deleted = if ids.is_empty() {
-            0
-        } else {
-            number::<usize>(&on_key(&self.main, "HDEL", &keys.records, &ids).await?).unwrap_or(0)
-        };
-        self.announce(keys).await?;
-        Ok(deleted)
+        self.change_records(keys, "delete", &ids).await
     }
 
     pub(crate) async fn announce(&self, keys: &RecordKeys) -> Result<(), StoreError> {
-        on_key(&self.main, "INCR", &keys.generation, &[]).await?;
+        self.change_records(keys, "announce", &[]).await?;
         Ok(())
     }
 

@@ -486,6 +486,74 @@ async fn the_documented_redis_acl_user_is_enough_for_the_api() {
     .await;
 }
 
+/// A Redis that loses its data (FLUSHALL here; a restart without persistence is the same) loses the
+/// runtime limits with the counters, and the limits set after it apply on every replica within the refresh
+/// bound, although the store's changes start again from nothing.
+#[tokio::test]
+async fn runtime_limits_set_after_redis_lost_its_data_apply_everywhere() {
+    let redis = RedisProcess::start(&[]);
+    let files = Files::new();
+    let mut cmd = with_admin(&files);
+    on_redis(&mut cmd, &redis);
+    let first = start_binary(&mut cmd);
+    let mut cmd = binary(&files.rules());
+    on_redis(&mut cmd, &redis);
+    cmd.env("RATELIMITD_HASH_SECRET", "hash-secret-for-tests");
+    let second = start_binary(&mut cmd);
+    for r in [&first, &second] {
+        assert!(r.serving_within(Duration::from_secs(20)));
+    }
+    let admin = admin_addr(&first);
+    let set = |tenant: &str| {
+        let body = json!({
+            "domain": "api",
+            "descriptor": descriptor("tenant", tenant),
+            "limit": { "requests_per_unit": 100, "unit": "hour" },
+        });
+        let (status, answer) = call(admin, "PUT", "/v1/limits", Some(TOKEN), &body);
+        assert_eq!(status, 200, "{answer}");
+    };
+    // The rules allow 2 an hour; a runtime limit 100.
+    for want in [200, 200, 429] {
+        assert_eq!(ask(&second, "tenant", "before"), want);
+    }
+    set("before");
+    wait_for(
+        "the first limit on the second replica",
+        Duration::from_secs(10),
+        async || (ask(&second, "tenant", "before") == 200).then_some(()),
+    )
+    .await;
+    for _ in 0..3 {
+        assert_eq!(ask(&second, "tenant", "before"), 200);
+    }
+
+    assert_eq!(redis.cli(&["FLUSHALL"]), "OK");
+    for want in [200, 200, 429] {
+        assert_eq!(ask(&second, "tenant", "after"), want);
+    }
+    set("after");
+    wait_for(
+        "the limit set after the loss, on the second replica",
+        Duration::from_secs(10),
+        async || (ask(&second, "tenant", "after") == 200).then_some(()),
+    )
+    .await;
+    // The limit lost with the data no longer applies: the rule's 2 an hour again.
+    for want in [200, 200, 429] {
+        assert_eq!(ask(&second, "tenant", "before"), want);
+    }
+    let (status, listed) = call(admin, "GET", "/v1/limits", Some(TOKEN), &Value::Null);
+    assert_eq!(status, 200);
+    let tenants: Vec<&Value> = listed["limits"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| &l["descriptor"][0]["value"])
+        .collect();
+    assert_eq!(tenants, [&json!("after")], "{listed}");
+}
+
 /// Expiries the API cannot keep (past 10 years, past what a time or a `u64` of ms holds) are refused
 /// with a 400 and set nothing; a record already stored with one (as earlier versions wrote) is still
 /// listed and deleted, and the listener keeps answering.

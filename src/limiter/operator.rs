@@ -5,8 +5,9 @@
 //! A descriptor is planned exactly as a request carrying it (with `hits_addend` 0) would be, so the
 //! counters inspected and reset are the ones requests count in. Every change moves the store's
 //! generation on; each replica that sees it move (within `runtime_limits.refresh_interval`) reads the
-//! runtime limits again, forgets the denials its deny cache remembers and gives its quota leases back,
-//! so that the next requests everywhere see the store as it is.
+//! runtime limits again, forgets the denials its deny cache remembers and drops its quota leases
+//! (without giving their hits back: the counters they came from may be gone), so that the next
+//! requests everywhere see the store as it is.
 
 use super::{
     plan::{self, Resolved, RuntimeLookup},
@@ -223,6 +224,9 @@ impl Limiter {
     pub async fn reset(&self, target: &Target) -> Result<Reset, OperatorError> {
         self.refresh_runtime_limits().await?;
         let planned = self.plan(target)?;
+        // This replica's leases end first, so that none of their hits goes back into a counter that
+        // requests create again after the delete.
+        self.shared.operator_changed();
         let counters = self
             .shared
             .clear(&planned.checks, self.clock.now_millis())
@@ -395,7 +399,7 @@ impl Limiter {
             if let Some(cache) = &self.options.deny_cache {
                 cache.clear();
             }
-            self.shared.operator_changed().await;
+            self.shared.operator_changed();
         }
         Ok(true)
     }

@@ -176,11 +176,12 @@ impl Store {
         }
     }
 
-    /// An operator changed something: what this replica holds of the counters goes back (Redis: the
-    /// quota leases), so that the next requests see the store as it is.
-    pub async fn operator_changed(&self) {
+    /// An operator changed something: what this replica holds of the counters ends (Redis: the quota
+    /// leases, dropped rather than given back, since the counters they came from may be gone), so that
+    /// the next requests see the store as it is.
+    pub fn operator_changed(&self) {
         if let Store::Redis(store) = self {
-            store.end_leases().await;
+            store.drop_leases();
         }
     }
 }

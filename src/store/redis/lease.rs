@@ -508,6 +508,22 @@ impl Leases {
         ended
     }
 
+    /// Ends every lease without giving back what it has left: after an operator changed counters (a
+    /// reset deleted them, a runtime limit replaced the limit) those hits would be taken from a counter
+    /// that never counted them. Left in the old one, they are at worst counted twice until it expires,
+    /// which never admits more than a limit.
+    pub fn drop_all(&self) {
+        if self.count.load(Ordering::Relaxed) == 0 {
+            return;
+        }
+        let mut held = self.lock();
+        for lease in held.values() {
+            lease.renewed.notify_waiters();
+        }
+        held.clear();
+        self.count.store(0, Ordering::Relaxed);
+    }
+
     /// How often the sweep looks for ended leases.
     pub fn sweep_every(&self) -> Option<Duration> {
         (self.settings.after > 0).then(|| {

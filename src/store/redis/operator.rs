@@ -270,8 +270,8 @@ impl RedisStore {
         Ok(())
     }
 
-    /// Gives back every quota lease: after a reset their hits belong to counters that are gone.
-    pub(crate) async fn end_leases(&self) {
-        self.give_back(self.leases.ended(true)).await;
+    /// Ends every quota lease without giving its hits back (see `Leases::drop_all`).
+    pub(crate) fn drop_leases(&self) {
+        self.leases.drop_all();
     }
 }

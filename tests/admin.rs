@@ -554,6 +554,67 @@ async fn runtime_limits_set_after_redis_lost_its_data_apply_everywhere() {
     assert_eq!(tenants, [&json!("after")], "{listed}");
 }
 
+/// A runtime limit set on a value the rules did not hash, after a rules reload that hashes it
+/// (`hash_value: true`): requests never write the raw value into a Redis key; the limit is ignored,
+/// with a warning, and the rule counts the hashed value.
+#[tokio::test]
+async fn a_runtime_limit_on_a_value_the_rules_hash_since_is_ignored() {
+    let redis = RedisProcess::start(&[]);
+    let files = Files::new();
+    let mut cmd = with_admin(&files);
+    on_redis(&mut cmd, &redis);
+    let running = start_binary(&mut cmd);
+    let admin = admin_addr(&running);
+    let body = json!({
+        "domain": "api",
+        "descriptor": descriptor("tenant", "raw-tenant-secret"),
+        "limit": { "requests_per_unit": 100, "unit": "hour" },
+    });
+    let (status, answer) = call(admin, "PUT", "/v1/limits", Some(TOKEN), &body);
+    assert_eq!(status, 200, "{answer}");
+
+    let hashed = RULES.replace(
+        "  - key: tenant\n",
+        "  - key: tenant\n    hash_value: true\n",
+    );
+    assert_ne!(hashed, RULES);
+    let new = files.dir.path().join("api.yaml.new");
+    std::fs::write(&new, hashed).unwrap();
+    std::fs::rename(&new, files.rules().join("api.yaml")).unwrap();
+    running.wait_log("rules reloaded", Duration::from_secs(10));
+
+    // The rule's 2 an hour, not the runtime limit's 100.
+    for want in [200, 200, 429] {
+        assert_eq!(ask(&running, "tenant", "raw-tenant-secret"), want);
+    }
+    let keys = redis.cli(&["--scan"]);
+    let counters: Vec<&str> = keys
+        .lines()
+        .filter(|k| !k.contains("{ratelimitd}"))
+        .collect();
+    assert!(!counters.is_empty(), "{keys}");
+    assert!(
+        counters.iter().all(|k| !k.contains("raw-tenant-secret")),
+        "a raw value in a Redis key: {counters:?}"
+    );
+    running.wait_log(
+        "ignored: rule 'api.tenant' now hashes",
+        Duration::from_secs(5),
+    );
+    let (status, inspected) = call(
+        admin,
+        "POST",
+        "/v1/inspect",
+        Some(TOKEN),
+        &json!({
+            "domain": "api", "descriptor": descriptor("tenant", "raw-tenant-secret"),
+        }),
+    );
+    assert_eq!(status, 200, "{inspected}");
+    assert_eq!(inspected["limits"][0]["source"], "rules", "{inspected}");
+    assert_eq!(inspected["limits"][0]["used"], 2.0, "{inspected}");
+}
+
 /// Expiries the API cannot keep (past 10 years, past what a time or a `u64` of ms holds) are refused
 /// with a 400 and set nothing; a record already stored with one (as earlier versions wrote) is still
 /// listed and deleted, and the listener keeps answering.

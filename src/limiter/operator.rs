@@ -160,11 +160,25 @@ impl Limiter {
                 self.options.show(k, v, false)
             })
         });
-        if let Some(set) = set {
-            let resolved = plan::resolve(Some(domain), &request, lookup.as_ref())?;
-            let id = Some(set.record.id.clone());
-            self.add(&mut planned, &request, &resolved, id, true);
-        }
+        // A runtime limit the request path ignores (its rule now hashes a value it keeps raw) is shown
+        // as not applying.
+        let set = match set {
+            Some(set) => {
+                let resolved = plan::resolve(Some(domain), &request, lookup.as_ref())?;
+                let applies = matches!(resolved[0], Resolved::Limited { node: None, .. });
+                if applies {
+                    self.add(
+                        &mut planned,
+                        &request,
+                        &resolved,
+                        Some(set.record.id.clone()),
+                        true,
+                    );
+                }
+                applies.then_some(set)
+            }
+            None => None,
+        };
         let resolved = plan::resolve(Some(domain), &request, None)?;
         planned.inspection.unlimited = matches!(resolved[0], Resolved::Unlimited(_));
         self.add(&mut planned, &request, &resolved, None, set.is_none());

@@ -202,6 +202,40 @@ pub(super) fn resolve<'a>(
     Ok(resolved)
 }
 
+/// Whether the rule the descriptor matches now hashes a value that the runtime limit keeps raw (a rules
+/// reload added `hash_value: true` after the limit was set, which the set refuses): the limit is then
+/// ignored, with one warning, so that the raw value never reaches a counter key.
+fn keeps_raw_what_the_rule_hashes(
+    domain: &Domain,
+    descriptor: &Descriptor,
+    set: &super::runtime::Applied,
+    runtime: Option<&RuntimeLookup<'_>>,
+) -> bool {
+    let (Some(runtime), Some(node)) = (runtime, domain.find(&descriptor.entries)) else {
+        return false;
+    };
+    let raw = node.path.iter().zip(&descriptor.entries).find(|(step, e)| {
+        step.flags.hash_value
+            && runtime.options.is_sensitive(&e.key, true)
+            && !runtime.options.is_sensitive(&e.key, false)
+    });
+    let Some((_, entry)) = raw else {
+        return false;
+    };
+    if !set
+        .warned_unhashed
+        .swap(true, std::sync::atomic::Ordering::Relaxed)
+    {
+        tracing::warn!(
+            id = set.record.id,
+            rule = %node.full_key,
+            "runtime limit {} ignored: rule '{}' now hashes the values of {:?} (hash_value: true), which the limit keeps raw; delete it, or add {:?} to hashed_keys and set it again",
+            set.record.id, node.full_key, entry.key, entry.key
+        );
+    }
+    true
+}
+
 /// The limits of one descriptor of a known domain: an operator's runtime limit for exactly it, else the
 /// caller's override, else its rule's.
 fn resolve_one<'a>(
@@ -214,6 +248,7 @@ fn resolve_one<'a>(
         let show = |key: &str, value| r.options.show(key, value, false);
         r.limits.find(&descriptor.entries, r.now_ms, show)
     });
+    let set = set.filter(|set| !keeps_raw_what_the_rule_hashes(domain, descriptor, set, runtime));
     if let Some(set) = set {
         // Counted like an override (no rule): always enforced, in the counter its values make.
         return Ok(Resolved::Limited {

@@ -123,10 +123,12 @@ pub fn id_of(domain: &str, descriptor: &[(String, String)]) -> String {
 }
 
 /// A runtime limit ready to apply.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct Applied {
     pub record: RuntimeLimit,
     pub limit: Limit,
+    /// Whether the warning that the rules now hash a value it keeps raw was logged (once per record).
+    pub warned_unhashed: std::sync::atomic::AtomicBool,
 }
 
 impl Applied {
@@ -256,7 +258,11 @@ impl Table {
                         .limit
                         .compile(&format!("runtime limit {}", record.id), default_algorithm)
                         .map_err(|e| e.to_string())?;
-                    Ok(Applied { record, limit })
+                    Ok(Applied {
+                        record,
+                        limit,
+                        warned_unhashed: Default::default(),
+                    })
                 });
             match applied {
                 Ok(applied) if applied.record.id == *id => table.insert(Arc::new(applied)),

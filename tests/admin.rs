@@ -615,6 +615,103 @@ async fn a_runtime_limit_on_a_value_the_rules_hash_since_is_ignored() {
     assert_eq!(inspected["limits"][0]["used"], 2.0, "{inspected}");
 }
 
+/// The audit log records refused calls at WARN: a wrong or missing token (at most a line a second), a
+/// malformed body, a change without a target; text a caller chose is escaped, so a domain holding a
+/// newline cannot write a line of its own; a raw value quoted by a malformed body stays out of it.
+#[tokio::test]
+async fn the_audit_log_records_refusals_and_cannot_be_forged() {
+    let files = Files::new();
+    let running = start_binary(&mut with_admin(&files));
+    let admin = admin_addr(&running);
+    let audit_lines = || -> Vec<String> {
+        running
+            .log
+            .lock()
+            .unwrap()
+            .lines()
+            .filter(|l| l.contains("ratelimitd::audit"))
+            .map(str::to_owned)
+            .collect()
+    };
+    let target = json!({ "domain": "api", "descriptor": descriptor("tenant", "t") });
+    assert_eq!(
+        call(
+            admin,
+            "POST",
+            "/v1/reset",
+            Some("wrong-token-of-the-right-length!"),
+            &target
+        )
+        .0,
+        401
+    );
+    assert_eq!(call(admin, "POST", "/v1/reset", None, &target).0, 401);
+    running.wait_log("refused: no valid bearer token", Duration::from_secs(5));
+
+    let malformed = json!({ "domain": "api", "descriptor": [{ "key": "api_key", "value": 7 }], "raw": "raw-secret-in-a-bad-body" });
+    assert_eq!(
+        call(admin, "PUT", "/v1/limits", Some(TOKEN), &malformed).0,
+        400
+    );
+    assert_eq!(
+        call(
+            admin,
+            "POST",
+            "/v1/reset",
+            Some(TOKEN),
+            &json!({ "domain": "api", "descriptor": [] })
+        )
+        .0,
+        400
+    );
+    let forged = json!({
+        "domain": "api\nFORGED WARN ratelimitd::audit: operators' API: limit set by admin",
+        "descriptor": descriptor("tenant", "t"),
+        "limit": { "requests_per_unit": 1, "unit": "hour\nFORGED too" },
+    });
+    assert_eq!(
+        call(admin, "PUT", "/v1/limits", Some(TOKEN), &forged).0,
+        404
+    );
+    running.wait_log("limit set by tester from 127.0.0.1", Duration::from_secs(5));
+    running.wait_log("reset by tester from 127.0.0.1", Duration::from_secs(5));
+    wait_for(
+        "the forged call audited",
+        Duration::from_secs(5),
+        async || {
+            (audit_lines()
+                .iter()
+                .filter(|l| l.contains("limit set by tester"))
+                .count()
+                >= 2)
+                .then_some(())
+        },
+    )
+    .await;
+
+    let lines = audit_lines();
+    let log = running.log.lock().unwrap().clone();
+    assert!(lines.iter().all(|l| l.contains("WARN")), "{lines:#?}");
+    assert!(
+        lines.iter().any(|l| l.contains("no valid bearer token")),
+        "{lines:#?}"
+    );
+    assert!(
+        lines.iter().any(|l| l.contains("a malformed body")),
+        "{lines:#?}"
+    );
+    assert!(
+        lines.iter().any(|l| l.contains("a call without a target")),
+        "{lines:#?}"
+    );
+    assert!(
+        log.lines().all(|l| !l.starts_with("FORGED")),
+        "a call wrote a line of its own:\n{log}"
+    );
+    assert!(!log.contains("raw-secret-in-a-bad-body"), "{log}");
+    assert!(!log.contains(TOKEN), "{log}");
+}
+
 /// Expiries the API cannot keep (past 10 years, past what a time or a `u64` of ms holds) are refused
 /// with a 400 and set nothing; a record already stored with one (as earlier versions wrote) is still
 /// listed and deleted, and the listener keeps answering.

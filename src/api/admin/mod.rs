@@ -14,7 +14,8 @@
 //! (`auth`), checked before its body is read; bodies are bounded (`admin.max_body_bytes`). Every change,
 //! and every change refused, is logged on the `ratelimitd::audit` target at WARN: who (the name in the
 //! `X-Operator` header, the client's address and, with mTLS, its certificate's fingerprint), what (the
-//! descriptor with sensitive values hashed, the limit), and the outcome; the log line's time says when.
+//! descriptor with sensitive values hashed, the limit, quoted and escaped), and the outcome; the log
+//! line's time says when. Calls refused for their token are logged there too, at most once a second.
 //! The token is never logged.
 //!
 //! `listen` serves the routes over plaintext or TLS (optionally with client certificates); `client` is
@@ -157,11 +158,8 @@ async fn authorize(State(state): State<AdminState>, request: Request, next: Next
     if presented.is_some_and(|t| state.token.accepts(t.as_bytes())) {
         return next.run(request).await;
     }
-    state.refused.fetch_add(1, Ordering::Relaxed);
-    tracing::debug!(
-        path = request.uri().path(),
-        "operators' API call refused: no valid bearer token"
-    );
+    let refused_total = state.refused.fetch_add(1, Ordering::Relaxed) + 1;
+    audit_refused_token(&request, refused_total);
     let mut refused = error(
         StatusCode::UNAUTHORIZED,
         "a bearer token is needed: Authorization: Bearer <admin.token>",
@@ -171,6 +169,32 @@ async fn authorize(State(state): State<AdminState>, request: Request, next: Next
         header::HeaderValue::from_static("Bearer"),
     );
     refused
+}
+
+/// Logs a call refused for its token on the audit target, at most once a second (a client guessing
+/// tokens must not flood the log): the peer, the path (escaped), and how many were refused so far.
+fn audit_refused_token(request: &Request, refused_total: u64) {
+    static LAST_LOGGED_SECS: AtomicU64 = AtomicU64::new(0);
+    let now_secs = std::time::SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    if LAST_LOGGED_SECS.swap(now_secs, Ordering::Relaxed) == now_secs {
+        return;
+    }
+    let caller = request.extensions().get::<Caller>();
+    let from = caller
+        .and_then(|c| c.peer)
+        .map_or_else(|| "unknown".to_owned(), |p| p.to_string());
+    let certificate = caller
+        .and_then(|c| c.certificate.as_deref())
+        .unwrap_or("none");
+    let path: String = request.uri().path().chars().take(256).collect();
+    tracing::warn!(
+        target: "ratelimitd::audit",
+        from, certificate, refused_total,
+        "operators' API: call from {from} refused: no valid bearer token ({:?} {path:?}; {refused_total} refused so far, at most one line a second)",
+        request.method().as_str()
+    );
 }
 
 /// A descriptor as calls name it.
@@ -210,6 +234,25 @@ fn parse<T: for<'de> Deserialize<'de>>(body: &Bytes) -> Result<T, Refused> {
     serde_json::from_slice(body).map_err(|e| bad_request(format!("not a valid call: {e}")))
 }
 
+/// [`parse`] for a change, whose refusal is audited. The log gets where the body went wrong, not
+/// serde's message, which can quote a value of the body (a raw API key).
+fn parse_change<T: for<'de> Deserialize<'de>>(
+    who: &Who<'_>,
+    action: &str,
+    body: &Bytes,
+) -> Result<T, Refused> {
+    serde_json::from_slice(body).map_err(|e| {
+        let at = format!(
+            "not a valid call ({:?} error at line {}, column {})",
+            e.classify(),
+            e.line(),
+            e.column()
+        );
+        who.audit(action, "a malformed body", Err(&at));
+        bad_request(format!("not a valid call: {e}"))
+    })
+}
+
 /// The operator a call names (`X-Operator`), kept to a short plain name for the log.
 fn operator(headers: &HeaderMap) -> String {
     let named: String = headers
@@ -234,7 +277,9 @@ struct Who<'a> {
 }
 
 impl Who<'_> {
-    /// One line of the audit log: who did what, and how it ended.
+    /// One line of the audit log: who did what, and how it ended. `what` and the outcome hold text the
+    /// caller chose (a domain, keys, a unit): they are written quoted and escaped, so that no call can
+    /// write a line of its own.
     fn audit(&self, action: &str, what: &str, outcome: Result<&str, &str>) {
         let operator = self.operator.as_str();
         let from = self
@@ -246,12 +291,12 @@ impl Who<'_> {
             Ok(done) => tracing::warn!(
                 target: "ratelimitd::audit",
                 action, operator, from, certificate,
-                "operators' API: {action} by {operator} from {from}: {what}: {done}"
+                "operators' API: {action} by {operator} from {from}: {what:?}: {done:?}"
             ),
             Err(refused) => tracing::warn!(
                 target: "ratelimitd::audit",
                 action, operator, from, certificate,
-                "operators' API: {action} by {operator} from {from} refused: {what}: {refused}"
+                "operators' API: {action} by {operator} from {from} refused: {what:?}: {refused:?}"
             ),
         }
     }
@@ -266,13 +311,22 @@ impl Who<'_> {
 /// A descriptor as logs and answers show it (sensitive values hashed already).
 fn shown(domain: &str, descriptor: &[(String, String)]) -> String {
     let entries: Vec<String> = descriptor.iter().map(|(k, v)| format!("{k}={v}")).collect();
-    format!("{domain} [{}]", entries.join(", "))
+    format!("{} [{}]", short(domain), entries.join(", "))
+}
+
+/// A domain as the audit log shows it: at most 128 characters (a call's domain has no other bound but
+/// the body's).
+fn short(domain: &str) -> std::borrow::Cow<'_, str> {
+    match domain.char_indices().nth(128) {
+        Some((end, _)) => format!("{}...", &domain[..end]).into(),
+        None => domain.into(),
+    }
 }
 
 /// A target before the limiter has shown it: keys only, so that no raw value reaches the log.
 fn keys_of(target: &Target) -> String {
     let keys: Vec<&str> = target.entries.iter().map(|e| e.key.as_str()).collect();
-    format!("{} [{}]", target.domain, keys.join(", "))
+    format!("{} [{}]", short(&target.domain), keys.join(", "))
 }
 
 fn entries_json(descriptor: &[(String, String)]) -> Value {
@@ -372,8 +426,9 @@ async fn reset(
         caller: &caller,
         operator: operator(&headers),
     };
-    let call: TargetIn = parse(&body)?;
-    let target = target(call.domain, call.descriptor)?;
+    let call: TargetIn = parse_change(&who, "reset", &body)?;
+    let target = target(call.domain, call.descriptor)
+        .map_err(|refused| who.refuse("reset", "a call without a target", refused))?;
     match state.limiter.reset(&target).await {
         Ok(reset) => {
             let what = shown(&target.domain, &reset.descriptor);
@@ -441,8 +496,9 @@ async fn set_limit(
         caller: &caller,
         operator: operator(&headers),
     };
-    let call: SetIn = parse(&body)?;
-    let target = target(call.domain, call.descriptor)?;
+    let call: SetIn = parse_change(&who, "limit set", &body)?;
+    let target = target(call.domain, call.descriptor)
+        .map_err(|refused| who.refuse("limit set", "a call without a target", refused))?;
     let what = format!("{} to {}", keys_of(&target), limit_text(&call.limit));
     let expires = expiry(call.expires_in.as_deref(), call.expires_at.as_deref())
         .map_err(|refused| who.refuse("limit set", &what, refused))?;
@@ -511,7 +567,7 @@ async fn delete_limit(
         caller: &caller,
         operator: operator(&headers),
     };
-    let call: DeleteIn = parse(&body)?;
+    let call: DeleteIn = parse_change(&who, "limit delete", &body)?;
     let id = match call {
         DeleteIn {
             id: Some(id),
@@ -523,12 +579,18 @@ async fn delete_limit(
             domain: Some(domain),
             descriptor: Some(descriptor),
         } => {
-            let target = target(domain, descriptor)?;
-            state.limiter.runtime_limit_id(&target)?
+            let refuse = |refused| who.refuse("limit delete", "a call without a target", refused);
+            let target = target(domain, descriptor).map_err(refuse)?;
+            state
+                .limiter
+                .runtime_limit_id(&target)
+                .map_err(|err| refuse(err.into()))?
         }
         _ => {
-            return Err(bad_request(
-                "name the runtime limit by its id, or by its domain and descriptor",
+            return Err(who.refuse(
+                "limit delete",
+                "a call without a target",
+                bad_request("name the runtime limit by its id, or by its domain and descriptor"),
             ))
         }
     };

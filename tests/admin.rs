@@ -10,7 +10,6 @@ mod common;
 use std::{
     io::{Read, Write},
     net::{SocketAddr, TcpStream},
-    path::Path,
     process::{Command, Output},
     time::{Duration, Instant},
 };
@@ -917,7 +916,23 @@ fn the_api_needs_a_usable_token_and_stays_off_unless_enabled() {
     assert!(!running.log.lock().unwrap().contains("Operators' API"));
     let out = cli(&files, "http://127.0.0.1:1", &["limits", "list"]);
     assert_eq!(out.status.code(), Some(69), "{out:?}");
-    assert!(Path::new(env!("CARGO_BIN_EXE_ratelimitd")).exists());
+    // No usable token: the settings are unusable (64, as the README says), naming what to fix.
+    let out = Command::new(env!("CARGO_BIN_EXE_ratelimitd"))
+        .env_clear()
+        .args(["admin", "--url", "http://127.0.0.1:1", "--token-file"])
+        .arg(&missing)
+        .args(["limits", "list"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(64), "{err}");
+    assert!(err.contains("token"), "{err}");
+    let out = Command::new(env!("CARGO_BIN_EXE_ratelimitd"))
+        .env_clear()
+        .args(["admin", "--url", "http://127.0.0.1:1", "limits", "list"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(64), "{out:?}");
 }
 
 /// The limit a `/json` request was counted against (`current_limit`): requests per unit and name.

@@ -646,6 +646,16 @@ async fn the_audit_log_records_refusals_and_cannot_be_forged() {
     );
     assert_eq!(call(admin, "POST", "/v1/reset", None, &target).0, 401);
     running.wait_log("refused: no valid bearer token", Duration::from_secs(5));
+    // The scheme is case-insensitive (RFC 7235).
+    let mut stream = TcpStream::connect(admin).unwrap();
+    write!(
+        stream,
+        "GET /v1/limits HTTP/1.1\r\nHost: test\r\nConnection: close\r\nAuthorization: bearer {TOKEN}\r\n\r\n"
+    )
+    .unwrap();
+    let mut answer = String::new();
+    let _ = stream.read_to_string(&mut answer);
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
 
     let malformed = json!({ "domain": "api", "descriptor": [{ "key": "api_key", "value": 7 }], "raw": "raw-secret-in-a-bad-body" });
     assert_eq!(
@@ -909,6 +919,17 @@ fn the_api_needs_a_usable_token_and_stays_off_unless_enabled() {
             ("RATELIMITD_ADMIN__TLS__ENABLED", "true"),
         ],
         "admin.tls.cert",
+    );
+    refuses_to_start(
+        &files,
+        &[
+            ("RATELIMITD_ADMIN__TOKEN", TOKEN),
+            (
+                "RATELIMITD_ADMIN__TOKEN_FILE",
+                files.token().to_str().unwrap(),
+            ),
+        ],
+        "admin.token and admin.token_file: both are set",
     );
     // Off by default: no listener, and the CLI says it cannot reach one.
     let running = start_binary(&mut binary(&files.rules()));

@@ -1,5 +1,6 @@
 //! The bearer token of the operators' API: from `admin.token`, or from `admin.token_file` (re-read when
-//! the file changes, so a rotated Secret applies without a restart). Every call is checked before
+//! the file's modification time or size changes, so a rotated Secret applies without a restart; a file
+//! removed, emptied or too short refuses every call until it holds a usable token again). Every call is checked before
 //! anything else is read of it; the comparison takes the same time whatever the token presented, and
 //! the token itself is kept only as its digest.
 
@@ -25,6 +26,17 @@ pub enum TokenError {
     TooShort { setting: String },
     #[error("invalid setting admin.token_file={}: {reason}", path.display())]
     Unreadable { path: PathBuf, reason: String },
+    #[error("invalid settings admin.token and admin.token_file: both are set; set one (RATELIMITD_ADMIN__TOKEN or RATELIMITD_ADMIN__TOKEN_FILE)")]
+    Both,
+}
+
+/// What says a token file changed: its modification time and its size.
+type Stamp = Option<(Option<SystemTime>, u64)>;
+
+fn stamp(path: &Path) -> Stamp {
+    std::fs::metadata(path)
+        .ok()
+        .map(|m| (m.modified().ok(), m.len()))
 }
 
 /// The token's digest.
@@ -35,7 +47,7 @@ fn digest(token: &[u8]) -> Digested {
 }
 
 /// Reads a token file: its contents, surrounding whitespace ignored.
-fn read_file(path: &Path) -> Result<(Digested, Option<SystemTime>), TokenError> {
+fn read_file(path: &Path) -> Result<(Digested, Stamp), TokenError> {
     let unreadable = |reason: String| TokenError::Unreadable {
         path: path.to_owned(),
         reason,
@@ -47,29 +59,33 @@ fn read_file(path: &Path) -> Result<(Digested, Option<SystemTime>), TokenError> 
             setting: format!("admin.token_file={}", path.display()),
         });
     }
-    let modified = std::fs::metadata(path).and_then(|m| m.modified()).ok();
-    Ok((digest(token.as_bytes()), modified))
+    Ok((digest(token.as_bytes()), stamp(path)))
 }
 
 /// The token every call must carry.
 #[derive(Debug)]
 pub struct Token {
     file: Option<PathBuf>,
-    /// The digest in force, and the file's modification time it was read at.
-    current: Mutex<(Digested, Option<SystemTime>)>,
+    /// The digest in force (`None`: the file holds no usable token, every call is refused), and the
+    /// file's stamp it was read at.
+    current: Mutex<(Option<Digested>, Stamp)>,
 }
 
 impl Token {
     /// The token of the settings; an error when there is none, it is too short, or its file cannot be
     /// read.
     pub fn from_settings(settings: &AdminSettings) -> Result<Self, TokenError> {
+        let token = settings.token.0.trim();
         if let Some(path) = &settings.token_file {
+            if !token.is_empty() {
+                return Err(TokenError::Both);
+            }
+            let (digested, stamp) = read_file(path)?;
             return Ok(Self {
                 file: Some(path.clone()),
-                current: Mutex::new(read_file(path)?),
+                current: Mutex::new((Some(digested), stamp)),
             });
         }
-        let token = settings.token.0.trim();
         if token.is_empty() {
             return Err(TokenError::Missing);
         }
@@ -80,34 +96,39 @@ impl Token {
         }
         Ok(Self {
             file: None,
-            current: Mutex::new((digest(token.as_bytes()), None)),
+            current: Mutex::new((Some(digest(token.as_bytes())), None)),
         })
     }
 
     /// Whether `presented` is the token. A token file that changed is read again first; when the new
-    /// one cannot be used, the previous token stays in force.
+    /// one cannot be used, every call is refused until it can (a revoked token must not stay valid).
     pub fn accepts(&self, presented: &[u8]) -> bool {
         let mut current = self.current.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(path) = &self.file {
-            let modified = std::fs::metadata(path).and_then(|m| m.modified()).ok();
-            if modified != current.1 {
+            let now = stamp(path);
+            if now != current.1 {
                 match read_file(path) {
-                    Ok(read) => {
-                        *current = read;
+                    Ok((digested, read_at)) => {
+                        *current = (Some(digested), read_at);
                         tracing::warn!("admin.token_file changed: the new token is in force");
                     }
                     Err(err) => {
-                        current.1 = modified;
-                        tracing::error!("{err}; the previous token stays in force");
+                        *current = (None, now);
+                        tracing::error!(
+                            "{err}; every call is refused until it holds a usable token"
+                        );
                     }
                 }
             }
         }
+        let Some(token) = current.0 else {
+            return false;
+        };
         let presented = digest(presented);
         // Every byte compared, whatever differs first.
         presented
             .iter()
-            .zip(current.0.iter())
+            .zip(token.iter())
             .fold(0u8, |diff, (a, b)| diff | (a ^ b))
             == 0
     }
@@ -138,7 +159,7 @@ mod tests {
     }
 
     #[test]
-    fn a_token_file_is_read_again_when_it_changes_and_a_bad_one_keeps_the_old() {
+    fn a_token_file_is_read_again_when_it_changes_and_a_bad_one_refuses_every_call() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("token");
         std::fs::write(&path, "first-token-0123456789\n").unwrap();
@@ -166,7 +187,24 @@ mod tests {
             .unwrap()
             .set_modified(later + std::time::Duration::from_secs(10))
             .unwrap();
-        assert!(token.accepts(b"second-token-0123456789"), "kept");
+        assert!(
+            !token.accepts(b"second-token-0123456789"),
+            "a revoked token"
+        );
+        assert!(!token.accepts(b"tiny"));
+        std::fs::remove_file(&path).unwrap();
+        assert!(!token.accepts(b"second-token-0123456789"), "a removed file");
+        // Rewritten within the same modification time: the size tells.
+        std::fs::write(&path, "third-token-0123456789").unwrap();
+        assert!(token.accepts(b"third-token-0123456789"));
+        std::fs::write(&path, "").unwrap();
+        assert!(!token.accepts(b"third-token-0123456789"), "an emptied file");
+        let both = AdminSettings {
+            token: Secret("0123456789abcdef".into()),
+            token_file: Some(path.clone()),
+            ..AdminSettings::default()
+        };
+        assert_eq!(Token::from_settings(&both).unwrap_err(), TokenError::Both);
         let missing = AdminSettings {
             token_file: Some(dir.path().join("none")),
             ..AdminSettings::default()

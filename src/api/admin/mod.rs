@@ -153,8 +153,10 @@ async fn authorize(State(state): State<AdminState>, request: Request, next: Next
         .headers()
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .map(str::trim);
+        .and_then(|v| v.trim_start().split_once(' '))
+        // The scheme is case-insensitive (RFC 7235).
+        .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+        .map(|(_, token)| token.trim());
     if presented.is_some_and(|t| state.token.accepts(t.as_bytes())) {
         return next.run(request).await;
     }

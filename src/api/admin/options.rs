@@ -20,10 +20,11 @@ pub struct AdminSettings {
     /// TCP port (default 8082); 0 picks a free one.
     pub port: u16,
     /// The bearer token every call must carry (`Authorization: Bearer <token>`), at least 16 bytes.
-    /// Never logged. Env `RATELIMITD_ADMIN__TOKEN`; or use `token_file`.
+    /// Never logged. Env `RATELIMITD_ADMIN__TOKEN`; or use `token_file` (not both).
     pub token: Secret,
     /// A file holding the token (a mounted Secret), read at start and again when it changes, so that a
-    /// rotated token applies without a restart. Surrounding whitespace is ignored.
+    /// rotated token applies without a restart; removed, emptied or too short, every call is refused
+    /// until it holds a usable token again. Surrounding whitespace is ignored.
     pub token_file: Option<PathBuf>,
     /// TLS on the listener, and client certificates (mTLS) when `tls.client_ca` is set.
     pub tls: AdminTlsSettings,

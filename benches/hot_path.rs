@@ -96,6 +96,7 @@ fn algorithms(c: &mut Criterion) {
                             limit: 100_000,
                             window_ms: 3_600_000,
                             burst: 100_000,
+                            count_over_limit: false,
                         },
                         cost: 1,
                         role: Role::Enforce,

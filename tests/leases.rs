@@ -36,16 +36,32 @@ descriptors:
     rate_limit: {unit: day, requests_per_unit: 1000000000, algorithm: token_bucket}
 "#;
 
+const ADMIN_TOKEN: &str = "leases-admin-token-0123456789abcdef";
+
 /// Three replicas with the defaults, on one Redis.
 async fn fleet(redis: &RedisProcess) -> Vec<TestServer> {
+    fleet_with_admin(redis, false).await
+}
+
+/// Three replicas on one Redis; with `admin`, the first serves the operators' API.
+async fn fleet_with_admin(redis: &RedisProcess, admin: bool) -> Vec<TestServer> {
     let mut fleet = Vec::new();
-    for _ in 0..3 {
+    for i in 0..3 {
         let url = redis.addr();
         let s = TestServer::start_with_clock(&[("hot.yaml", RULES)], Clock::System, move |s| {
             s.backend = Some(BackendKind::Redis);
             s.redis.url = url;
             s.redis.topology = RedisTopology::Single;
             s.hash_secret = ratelimitd::settings::Secret("leases".into());
+            if admin {
+                // Longer than the refresh interval (500 ms): the replicas see the reset while they
+                // still hold the leases it must end.
+                s.redis.lease_for = Duration::from_secs(3);
+            }
+            if admin && i == 0 {
+                s.admin.enabled = true;
+                s.admin.token = ratelimitd::settings::Secret(ADMIN_TOKEN.into());
+            }
         })
         .await;
         s.wait_serving(Duration::from_secs(20)).await;
@@ -223,6 +239,80 @@ async fn the_fleet_admits_exactly_the_limit_with_leases() {
     }
     eprintln!("{sent} requests, {allowed} admitted, {granted} hits leased");
     assert_eq!(allowed, 6_000, "exactly the limit");
+    assert_eq!(redis.cli(&["GET", key.trim()]), "6000");
+    for s in fleet {
+        s.stop().await;
+    }
+}
+
+/// One call of the operators' API: its status.
+fn admin_call(addr: std::net::SocketAddr, method: &str, path: &str, body: &str) -> u16 {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(addr).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let request = format!(
+        "{method} {path} HTTP/1.1\r\nHost: test\r\nConnection: close\r\nAuthorization: Bearer {ADMIN_TOKEN}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    stream.write_all(request.as_bytes()).unwrap();
+    let mut answer = String::new();
+    let _ = stream.read_to_string(&mut answer);
+    answer
+        .split(' ')
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0)
+}
+
+/// A reset while every replica holds leases on the counter: the leases end without giving their hits
+/// back into the counter that requests create again after the reset, so from the reset on the fleet
+/// admits exactly the limit, never more.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reset_while_leases_are_held_admits_exactly_the_limit_after_it() {
+    inside_one_day().await;
+    let redis = RedisProcess::start(&[]);
+    let fleet = fleet_with_admin(&redis, true).await;
+    // Until every replica leases from the counter, and holds most of what it leased.
+    hammer(&fleet, "global", |sent, _| sent >= 300).await;
+    let mut held = 0.0;
+    for s in &fleet[1..] {
+        held += s.metric("ratelimitd_redis_leases").await.unwrap();
+    }
+    assert!(held > 0.0, "the other replicas hold leases");
+
+    let admin = fleet[0].admin_addr.unwrap();
+    let target = r#"{"domain": "hot", "descriptor": [{"key": "generic_key", "value": "global"}]}"#;
+    assert_eq!(admin_call(admin, "POST", "/v1/reset", target), 200);
+    // Right after the reset, before the other replicas see it: traffic creates the counter again.
+    let mut allowed = 0;
+    let mut client = fleet[0].client().await;
+    let until = std::time::Instant::now() + Duration::from_millis(1_500);
+    while std::time::Instant::now() < until {
+        let r = request("hot", vec![descriptor(&[("generic_key", "global")])]);
+        let answer = client.should_rate_limit(r).await.unwrap().into_inner();
+        if answer.overall_code == Code::Ok as i32 {
+            allowed += 1;
+        }
+    }
+    let (_, more) = hammer(&fleet, "global", |_, denied_in_a_row| denied_in_a_row >= 50).await;
+    allowed += more;
+    for s in &fleet {
+        s.wait_leases_given_back(Duration::from_secs(5)).await;
+    }
+    for s in &fleet {
+        let mut client = s.client().await;
+        for _ in 0..(6_000u64.saturating_sub(allowed)).div_ceil(3) + 5 {
+            let r = request("hot", vec![descriptor(&[("generic_key", "global")])]);
+            let answer = client.should_rate_limit(r).await.unwrap().into_inner();
+            if answer.overall_code == Code::Ok as i32 {
+                allowed += 1;
+            }
+        }
+    }
+    assert_eq!(allowed, 6_000, "exactly the limit after the reset");
+    let key = redis.cli(&["--scan", "--pattern", "hot_generic_key_global_*"]);
     assert_eq!(redis.cli(&["GET", key.trim()]), "6000");
     for s in fleet {
         s.stop().await;

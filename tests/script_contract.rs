@@ -10,7 +10,8 @@ use common::redis::RedisProcess;
 const DECIDE: &str = include_str!("../src/store/redis/decide.lua");
 
 /// One fixed-window request on `key`, as the client lays it out: jitter, 1 key, 1 read group ending at
-/// key 1, 1 spec (fixed window, limit 10, a minute, burst 10, window start, enforce), 1 request (complete)
+/// key 1, 1 spec (fixed window, limit 10, a minute, burst 10, window start, enforce, not counting over
+/// its limit, no debt), 1 request (complete)
 /// with 1 check (key 1, spec 1, cost 1), no leases, no returns.
 fn good_args(window_start: u64) -> Vec<String> {
     [
@@ -24,6 +25,8 @@ fn good_args(window_start: u64) -> Vec<String> {
         60_000,
         10,
         window_start,
+        0,
+        0,
         0,
         1,
         1,
@@ -67,16 +70,18 @@ fn malformed_calls_are_refused_before_anything_is_written() {
         args
     };
     let cases: Vec<(&str, Vec<String>)> = vec![
-        ("a fraction", with(12, "1.5")),
-        ("a negative cost", with(16, "-1")),
+        ("a fraction", with(14, "1.5")),
+        ("a negative cost", with(18, "-1")),
         ("above 2^53", with(6, "1152921504606846976")),
         ("not a number", with(7, "minute")),
         ("an unknown algorithm", with(5, "9")),
         ("an unknown role", with(10, "3")),
-        ("a key index past the keys", with(14, "2")),
-        ("a spec index past the specs", with(15, "2")),
-        ("a request flag out of range", with(12, "3")),
-        ("a count past the call's end", with(13, "1000000")),
+        ("a count-over-limit flag other than 0 or 1", with(11, "2")),
+        ("a negative debt", with(12, "-1")),
+        ("a key index past the keys", with(16, "2")),
+        ("a spec index past the specs", with(17, "2")),
+        ("a request flag out of range", with(14, "3")),
+        ("a count past the call's end", with(15, "1000000")),
         ("arguments left over", {
             let mut args = good.clone();
             args.push("0".into());

@@ -121,6 +121,33 @@ fn algorithm_row(name: &'static str, rate_limit: &str) -> Row {
     )
 }
 
+/// Each algorithm as a budget of 10 fed usage reports of 3 after each response (`count_over_limit`):
+/// the fourth report takes it past its limit, is answered over and counted, and the checks after it
+/// (cost 0 before a request, or 1) are over; a report beside another descriptor is counted even when
+/// that one denies the request, which consumes nothing else.
+fn budget_row(name: &'static str, rate_limit: &str) -> Row {
+    let d = || one(&[("user", "u")]);
+    let check_only = || vec![with_hits(descriptor(&[("user", "u")]), 0)];
+    let beside = |user: &str| pair(&[("user", user)], &[("closed", "c")]);
+    row(
+        name,
+        &format!(
+            "\n  - key: user\n    rate_limit: {rate_limit}\n  - key: closed\n    rate_limit: {{unit: hour, requests_per_unit: 0, name: closed}}\n"
+        ),
+        vec![
+            step(check_only(), "OK: OK 10 left of budget"),
+            step_costing(d(), 3, "OK: OK 7 left of budget"),
+            step_costing(d(), 3, "OK: OK 4 left of budget"),
+            step_costing(d(), 3, "OK: OK 1 left of budget"),
+            step_costing(d(), 3, "OVER: OVER 0 left of budget"),
+            step(check_only(), "OVER: OVER 0 left of budget"),
+            step(d(), "OVER: OVER 0 left of budget"),
+            step_costing(beside("v"), 4, "OVER: OK 6 left of budget, OVER 0 left of closed"),
+            step(vec![with_hits(descriptor(&[("user", "v")]), 0)], "OK: OK 6 left of budget"),
+        ],
+    )
+}
+
 /// A request on a wide limit (10) and a narrow one (1), then one the narrow limit denies (`then[0]`),
 /// then one on the wide limit alone (`then[1]`).
 fn wide_and_narrow_row(name: &'static str, consume_on_deny: bool, then: [&'static str; 2]) -> Row {
@@ -249,6 +276,26 @@ fn algorithm_rows() -> Vec<Row> {
         algorithm_row(
             "gcra_with_a_burst",
             "{unit: day, requests_per_unit: 1, burst: 3, name: three, algorithm: gcra}",
+        ),
+        budget_row(
+            "fixed_window_budget",
+            "{unit: hour, requests_per_unit: 10, name: budget, count_over_limit: true}",
+        ),
+        budget_row(
+            "sliding_window_budget",
+            "{unit: hour, requests_per_unit: 10, name: budget, algorithm: sliding_window, count_over_limit: true}",
+        ),
+        budget_row(
+            "sliding_log_budget",
+            "{unit: hour, requests_per_unit: 10, name: budget, algorithm: sliding_log, count_over_limit: true}",
+        ),
+        budget_row(
+            "token_bucket_budget",
+            "{unit: hour, requests_per_unit: 10, name: budget, algorithm: token_bucket, count_over_limit: true}",
+        ),
+        budget_row(
+            "gcra_budget",
+            "{unit: hour, requests_per_unit: 10, name: budget, algorithm: gcra, count_over_limit: true}",
         ),
     ]
 }

@@ -12,7 +12,7 @@ use common::{
     ALGORITHMS,
 };
 use ratelimitd::{
-    algorithm::{Algorithm, Params},
+    algorithm::{self, Algorithm, Params},
     settings::{RedisSettings, RedisTopology},
     store::{Applied, Batch, Check, CounterStore, Deadline, MemoryStore, RedisStore, Role, Store},
 };
@@ -35,11 +35,19 @@ impl Case<'_> {
                 limit,
                 window_ms: window_secs * 1000,
                 burst: limit,
+                count_over_limit: false,
             },
             cost,
             role,
             per_second: window_secs == 1,
         }
+    }
+
+    /// A check of a limit that counts over its limit (a budget fed the usage reported after a response).
+    fn budget(&self, key: &str, limit: u64, cost: u64, role: Role) -> Check {
+        let mut check = self.check(key, limit, 3600, cost, role);
+        check.params.count_over_limit = true;
+        check
     }
 
     async fn apply(&self, checks: Vec<Check>, consume_on_deny: bool) -> Applied {
@@ -208,6 +216,92 @@ async fn extreme_costs_are_denied_without_changing_anything(c: Case<'_>) {
     );
 }
 
+/// A budget of 10 fed reports of 3: the fourth takes it past its limit and is counted (answered over its
+/// limit), and from then on every check is over, a check-only cost of 0 included.
+async fn a_budget_counts_the_report_past_its_limit(c: Case<'_>) {
+    for left in [7, 4, 1] {
+        let a = c
+            .apply(vec![c.budget("b", 10, 3, Role::Enforce)], false)
+            .await;
+        assert!(!a.denied);
+        assert_eq!(a.outcomes[0].remaining, left);
+    }
+    let fourth = c
+        .apply(vec![c.budget("b", 10, 3, Role::Enforce)], false)
+        .await;
+    assert!(fourth.denied && !fourth.outcomes[0].allowed);
+    for cost in [0, 1] {
+        let a = c
+            .apply(vec![c.budget("b", 10, cost, Role::Enforce)], false)
+            .await;
+        assert!(a.denied, "cost {cost}: 12 of 10 were counted");
+    }
+    // A check of the budget beside another limit denies the request, and the other consumes nothing.
+    let both = vec![
+        c.check("other", 5, 3600, 1, Role::Enforce),
+        c.budget("b", 10, 0, Role::Enforce),
+    ];
+    let a = c.apply(both, false).await;
+    assert!(a.denied && a.outcomes[0].allowed);
+    let a = c
+        .apply(vec![c.check("other", 5, 3600, 1, Role::Enforce)], false)
+        .await;
+    assert_eq!(
+        a.outcomes[0].remaining, 4,
+        "the denied request consumed nothing"
+    );
+}
+
+/// A budget's report is counted also when another check denies the request (on Cluster that check may
+/// live on another node, whose denial makes the budget's node give back what else it consumed, never the
+/// budget's hits); the other checks keep their all-or-nothing.
+async fn a_budget_is_counted_when_another_check_denies(c: Case<'_>) {
+    for _ in 0..2 {
+        let a = c
+            .apply(
+                vec![
+                    c.check("closed", 0, 3600, 1, Role::Enforce),
+                    c.check("open", 10, 3600, 1, Role::Enforce),
+                    c.budget("b", 10, 4, Role::Enforce),
+                ],
+                false,
+            )
+            .await;
+        assert!(a.denied);
+        assert!(!a.outcomes[0].allowed && a.outcomes[1].allowed && a.outcomes[2].allowed);
+    }
+    let a = c
+        .apply(
+            vec![
+                c.check("open", 10, 3600, 0, Role::Enforce),
+                c.budget("b", 10, 0, Role::Enforce),
+            ],
+            false,
+        )
+        .await;
+    assert_eq!(a.outcomes[0].remaining, 10, "open gave back what it took");
+    assert_eq!(a.outcomes[1].remaining, 2, "both reports of 4 were counted");
+    // A report the budget itself cannot fit, beside a check that fits: counted, and the request denied.
+    let a = c
+        .apply(
+            vec![
+                c.check("open", 10, 3600, 1, Role::Enforce),
+                c.budget("b", 10, 3, Role::Enforce),
+            ],
+            false,
+        )
+        .await;
+    assert!(a.denied && a.outcomes[0].allowed && !a.outcomes[1].allowed);
+    let a = c
+        .apply(vec![c.check("open", 10, 3600, 0, Role::Enforce)], false)
+        .await;
+    assert_eq!(a.outcomes[0].remaining, 10);
+    let a = c
+        .apply(vec![c.budget("b", 10, 0, Role::Enforce)], false)
+        .await;
+    assert!(a.denied, "11 of 10 counted");
+}
+
 /// A token bucket that never refills (`requests_per_unit: 0`) admits its burst once, and stays spent:
 /// its state is kept, not forgotten a moment after it is written.
 async fn a_bucket_that_never_refills_stays_spent(store: &Store) {
@@ -218,6 +312,7 @@ async fn a_bucket_that_never_refills_stays_spent(store: &Store) {
             limit: 0,
             window_ms: 1000,
             burst: 2,
+            count_over_limit: false,
         },
         cost: 1,
         role: Role::Enforce,
@@ -304,14 +399,17 @@ async fn run_table(store: &Store) {
         shadow_never_denies_and_quota_denies_only_when_all_are_over,
         the_same_key_twice_counts_twice,
         extreme_costs_are_denied_without_changing_anything,
+        a_budget_counts_the_report_past_its_limit,
+        a_budget_is_counted_when_another_check_denies,
     );
     spent_limits_come_back_with_time(store).await;
     a_bucket_that_never_refills_stays_spent(store).await;
 }
 
 /// Random sequences of requests (keys, costs, roles, consume_on_deny) get the same answers from both
-/// stores. Windows of a day keep time out of the comparison.
-async fn same_answers(memory: &Store, redis: &Store, seed: u64) {
+/// stores; with `over`, two of the three keys count over their limit. Windows of a day keep time out of
+/// the comparison.
+async fn same_answers(memory: &Store, redis: &Store, seed: u64, over: bool) {
     use rand::{rngs::SmallRng, Rng, SeedableRng};
     let mut rng = SmallRng::seed_from_u64(seed);
     let roles = [Role::Enforce, Role::Enforce, Role::Shadow, Role::Quota];
@@ -330,7 +428,8 @@ async fn same_answers(memory: &Store, redis: &Store, seed: u64) {
                     // Mostly small costs; now and then the limit, one above it, or 2^64 - 1.
                     let cost = [0, 1, 1, 2, 2, limit, limit + 1, u64::MAX][rng.random_range(0..8)];
                     let mut check = c.check(key, limit, 86_400, cost, role);
-                    check.key = format!("seed{seed}:{}", check.key);
+                    check.key = format!("seed{seed}:{over}:{}", check.key);
+                    check.params.count_over_limit = over && key != "bb";
                     check
                 })
                 .collect();
@@ -360,6 +459,142 @@ async fn same_answers(memory: &Store, redis: &Store, seed: u64) {
     }
 }
 
+/// On Cluster, a request whose fixed-window key is for another window than the server's (its replica's
+/// clock two hours ahead) goes again with keys for the server's time. A budget on another node, decided
+/// and counted on the first try, is not counted again: the retry only checks it.
+async fn a_budget_is_counted_once_when_its_request_goes_again(url: String) {
+    // A store of its own, which has not learned the servers' clock yet.
+    let store = Store::Redis(redis_store(url, RedisTopology::Cluster).await);
+    let fixed = Check::fixed_window("again:fixed_".into(), 10, 3600, 1, Role::Enforce);
+    let budget = Check {
+        key: "again:budget_".into(),
+        params: Params {
+            algorithm: Algorithm::TokenBucket,
+            limit: 10,
+            window_ms: 3_600_000,
+            burst: 10,
+            count_over_limit: true,
+        },
+        cost: 4,
+        role: Role::Enforce,
+        per_second: false,
+    };
+    let slot = |key: &str| fred::util::redis_keyslot(key.as_bytes());
+    assert_ne!(slot(&fixed.storage_key(now_ms())), slot(&budget.key));
+    let batch = Batch {
+        checks: vec![fixed, budget.clone()],
+        ..Batch::default()
+    };
+    let deadline = || Deadline::within(Duration::from_secs(5));
+    let a = store
+        .apply(&batch, now_ms() + 2 * 3_600_000, deadline())
+        .await
+        .unwrap();
+    assert!(!a.denied);
+    assert_eq!((a.outcomes[0].remaining, a.outcomes[1].remaining), (9, 6));
+    let check = Batch {
+        checks: vec![Check { cost: 0, ..budget }],
+        ..Batch::default()
+    };
+    let a = store.apply(&check, now_ms(), deadline()).await.unwrap();
+    assert_eq!(
+        a.outcomes[0].remaining, 6,
+        "the report of 4 was counted once"
+    );
+    store.close().await;
+}
+
+/// What the operators' API asks of a store: every algorithm's counter read as the requests left it (and
+/// as the memory store reads it), then cleared; runtime limit records written, read back by generation
+/// and deleted.
+async fn operator_calls(store: &Store) {
+    let memory = Store::Memory(MemoryStore::new(100));
+    for algorithm in ALGORITHMS {
+        let c = Case {
+            store,
+            prefix: "operator:",
+            algorithm,
+        };
+        let checks = vec![
+            c.check("a", 10, 3600, 4, Role::Enforce),
+            c.check("b", 10, 3600, 1, Role::Enforce),
+        ];
+        c.apply(checks.clone(), false).await;
+        let m = Case {
+            store: &memory,
+            ..c
+        };
+        m.apply(checks.clone(), false).await;
+        let usage = |read: ratelimitd::store::operator::Read| -> Vec<(f64, u64)> {
+            checks
+                .iter()
+                .zip(&read.states)
+                .map(|(check, state)| {
+                    let u = algorithm::usage(&check.params, state.as_ref(), read.now_ms);
+                    ((u.used * 10.0).round() / 10.0, u.remaining)
+                })
+                .collect()
+        };
+        let read = store.read(&checks, now_ms()).await.unwrap();
+        assert_eq!(usage(read.clone()), [(4.0, 6), (1.0, 9)], "{algorithm:?}");
+        assert_eq!(
+            usage(memory.read(&checks, now_ms()).await.unwrap()),
+            usage(read)
+        );
+        assert_eq!(
+            store.clear(&checks, now_ms()).await.unwrap(),
+            2,
+            "{algorithm:?}"
+        );
+        let read = store.read(&checks, now_ms()).await.unwrap();
+        assert_eq!(read.states, [None, None], "{algorithm:?}");
+        let a = c
+            .apply(vec![c.check("a", 10, 3600, 1, Role::Enforce)], false)
+            .await;
+        assert_eq!(
+            a.outcomes[0].remaining, 9,
+            "{algorithm:?}: counts from zero again"
+        );
+    }
+
+    let keys = ratelimitd::store::operator::RecordKeys::new("operator:");
+    let first = store.records(&keys, None).await.unwrap().unwrap();
+    assert_eq!(first.generation, 0, "nothing set yet");
+    assert!(store.records(&keys, Some(0)).await.unwrap().is_none());
+    store.put_record(&keys, "one", "{\"a\":1}").await.unwrap();
+    store.put_record(&keys, "two", "{}").await.unwrap();
+    let set = store.records(&keys, Some(0)).await.unwrap().unwrap();
+    assert_ne!(set.generation, 0, "the generation moved on");
+    assert_eq!(
+        set.records,
+        [
+            ("one".into(), "{\"a\":1}".into()),
+            ("two".into(), "{}".into())
+        ]
+    );
+    assert!(store
+        .records(&keys, Some(set.generation))
+        .await
+        .unwrap()
+        .is_none());
+    let ids = ["one".to_owned(), "none".to_owned()];
+    assert_eq!(store.delete_records(&keys, &ids).await.unwrap(), 1);
+    let deleted = store
+        .records(&keys, Some(set.generation))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(deleted.records.len(), 1);
+    store.announce(&keys).await.unwrap();
+    let left = store
+        .records(&keys, Some(deleted.generation))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(left.records.len(), 1, "announced: read again, unchanged");
+    assert_ne!(left.generation, deleted.generation);
+}
+
 async fn redis_store(url: String, topology: RedisTopology) -> Arc<RedisStore> {
     let settings = RedisSettings {
         url,
@@ -379,6 +614,7 @@ async fn redis_store(url: String, topology: RedisTopology) -> Arc<RedisStore> {
 #[tokio::test]
 async fn scenarios_on_the_memory_store() {
     run_table(&Store::Memory(MemoryStore::new(10_000))).await;
+    operator_calls(&Store::Memory(MemoryStore::new(10_000))).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -387,9 +623,15 @@ async fn scenarios_on_redis_standalone() {
     let store = redis_store(redis.addr(), RedisTopology::Single).await;
     let redis_store = Store::Redis(store.clone());
     run_table(&redis_store).await;
-    same_answers(&Store::Memory(MemoryStore::new(10_000)), &redis_store, 1).await;
-    // Every key written, whatever its algorithm, has a TTL.
+    operator_calls(&redis_store).await;
+    let memory = Store::Memory(MemoryStore::new(10_000));
+    same_answers(&memory, &redis_store, 1, false).await;
+    same_answers(&memory, &redis_store, 1, true).await;
+    // Every counter written, whatever its algorithm, has a TTL (runtime limits are kept until deleted).
     for key in redis.cli(&["--scan"]).lines() {
+        if key.contains("{ratelimitd}:") {
+            continue;
+        }
         let ttl: i64 = redis.cli(&["TTL", key]).parse().unwrap();
         // -1 is a key without TTL; -2 one that expired since the scan.
         assert!(ttl != -1, "{key} has no TTL");
@@ -403,6 +645,10 @@ async fn scenarios_on_redis_cluster() {
     let store = redis_store(cluster.url(), RedisTopology::Cluster).await;
     let redis_store = Store::Redis(store.clone());
     run_table(&redis_store).await;
-    same_answers(&Store::Memory(MemoryStore::new(10_000)), &redis_store, 2).await;
+    operator_calls(&redis_store).await;
+    let memory = Store::Memory(MemoryStore::new(10_000));
+    same_answers(&memory, &redis_store, 2, false).await;
+    same_answers(&memory, &redis_store, 2, true).await;
     store.close().await;
+    a_budget_is_counted_once_when_its_request_goes_again(cluster.url()).await;
 }

@@ -5,15 +5,22 @@
 //! Times are milliseconds since the Unix epoch. For every algorithm a [`Decision`] says whether the cost
 //! fits, the quota left, the time until the state is fully reset (as if no hit had ever happened), and
 //! the wait before the same cost would fit.
+//!
+//! A limit that counts over its limit ([`Params::count_over_limit`], for usage reported after the fact
+//! such as LLM token counts) counts every cost it is given, also one it denies, up to [`Params::debt`]
+//! past its capacity: fixed and sliding windows count beyond the limit, the sliding log records the hits,
+//! the token bucket goes below zero and GCRA's theoretical arrival time moves ahead. Until time has paid
+//! the excess back, every cost is denied, a check-only cost of 0 included.
 
 pub mod fixed_window;
 
 use std::collections::VecDeque;
 
 /// How a limit counts.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
 pub enum Algorithm {
     /// Epoch-aligned windows, one counter each (the reference service's).
+    #[default]
     FixedWindow,
     /// Current window plus the previous one weighted by how much of it still overlaps the sliding window.
     SlidingWindow,
@@ -89,16 +96,43 @@ pub struct Params {
     pub window_ms: u64,
     /// Bucket capacity (token bucket, GCRA); equals `limit` unless set.
     pub burst: u64,
+    /// Every cost is counted, also one the limit denies (`count_over_limit`: usage reported after the
+    /// fact), up to [`Params::debt`] past the capacity; later costs are denied until it is paid back.
+    pub count_over_limit: bool,
 }
 
+/// How far past its capacity a limit that counts over its limit may go, in capacities: one report,
+/// however large, locks a key for at most this many refills of its bucket (or until its window ends).
+pub const DEBT_CAPACITIES: u64 = 10;
+
 impl Params {
+    /// What the limit holds when full: the burst of a token bucket or GCRA, the limit otherwise.
+    pub fn capacity(&self) -> u64 {
+        if self.algorithm.uses_burst() {
+            self.burst
+        } else {
+            self.limit
+        }
+    }
+
+    /// How far past its capacity the state may go: [`DEBT_CAPACITIES`] x the capacity for a limit that
+    /// counts over its limit, 0 for the others.
+    pub fn debt(&self) -> u64 {
+        if self.count_over_limit {
+            self.capacity().saturating_mul(DEBT_CAPACITIES)
+        } else {
+            0
+        }
+    }
+
     /// The largest cost that can ever be decided differently from a larger one: every algorithm
-    /// denies a cost above its capacity (the limit, or the burst) whatever its state, without changing
-    /// it, and reports the same wait. Costs are bounded by this before any arithmetic or storage, so a
-    /// caller's `hits_addend` of 2^64 - 1 does no more work, and writes no more, than one of
-    /// capacity + 1.
+    /// denies a cost above its capacity (the limit, or the burst) whatever its state and reports the
+    /// same wait; it changes nothing, or (counting over the limit) at most fills the debt. Costs are
+    /// bounded by this before any arithmetic or storage, so a caller's `hits_addend` of 2^64 - 1 does no
+    /// more work, and writes no more, than one of capacity + debt + 1.
     pub fn bounded_cost(&self, cost: u64) -> u64 {
-        cost.min(self.limit.max(self.burst).saturating_add(1))
+        let most = self.limit.max(self.burst).saturating_add(self.debt());
+        cost.min(most.saturating_add(1))
     }
 }
 
@@ -137,7 +171,8 @@ pub struct Decision {
 /// Decides `cost` against `state` at `now_ms`. Returns the decision and, when the cost changes the
 /// state, the state once it is consumed: an allowed cost above 0, or any cost on a fixed window, whose
 /// counter counts every hit it is given (as the reference service does when asked to count denied
-/// requests). `None` leaves the state as it is.
+/// requests), or any cost above 0 of a limit that counts over its limit. `None` leaves the state as it
+/// is.
 pub fn decide(
     p: &Params,
     state: Option<&State>,
@@ -151,8 +186,73 @@ pub fn decide(
         Algorithm::TokenBucket => token_bucket(p, state, now_ms, cost),
         Algorithm::Gcra => gcra(p, state, now_ms, cost),
     };
-    let changes = cost > 0 && (decision.allowed || p.algorithm == Algorithm::FixedWindow);
+    let changes = cost > 0
+        && (decision.allowed || p.algorithm == Algorithm::FixedWindow || p.count_over_limit);
     (decision, changes.then_some(next))
+}
+
+/// What a counter holds at an instant, as an operator reads it: nothing here changes it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Usage {
+    /// Hits the limit counts now: the window's count, the sliding window's estimate, the log's hits in
+    /// the window, the tokens missing from the bucket, or GCRA's arrival time ahead of now in intervals.
+    /// Past the limit (a limit that counts over it), more than the capacity.
+    pub used: f64,
+    /// Hits a request could still take now (0 when over).
+    pub remaining: u64,
+    /// Time until the state is as if no hit had happened.
+    pub reset_ms: u64,
+    /// A check that counts nothing (cost 0) is denied now: the limit is past its capacity.
+    pub over: bool,
+}
+
+/// What `state` holds for the limit `p` at `now_ms`.
+pub fn usage(p: &Params, state: Option<&State>, now_ms: u64) -> Usage {
+    let (checked, _) = decide(p, state, now_ms, 0);
+    let used = match state {
+        None => 0.0,
+        Some(State::FixedWindow { start_ms, count })
+            if *start_ms == fixed_window::window_start(now_ms, p.window_ms) =>
+        {
+            *count as f64
+        }
+        Some(State::FixedWindow { .. }) => 0.0,
+        Some(State::SlidingWindow {
+            start_ms,
+            current,
+            previous,
+        }) => {
+            let start = fixed_window::window_start(now_ms, p.window_ms);
+            let weight = (p.window_ms - (now_ms - start)) as f64 / p.window_ms as f64;
+            if *start_ms == start {
+                *previous as f64 * weight + *current as f64
+            } else if *start_ms + p.window_ms == start {
+                *current as f64 * weight
+            } else {
+                0.0
+            }
+        }
+        Some(State::SlidingLog(entries)) => entries
+            .iter()
+            .filter(|&&(t, _)| t + p.window_ms > now_ms)
+            .map(|&(_, c)| c as f64)
+            .sum(),
+        Some(State::TokenBucket { tokens, last_ms }) => {
+            let refilled =
+                now_ms.saturating_sub(*last_ms) as f64 * p.limit as f64 / p.window_ms as f64;
+            (p.burst as f64 - (tokens + refilled).min(p.burst as f64)).max(0.0)
+        }
+        Some(State::Gcra { tat_us }) => {
+            let interval_us = p.window_ms.saturating_mul(1000).div_ceil(p.limit.max(1)) as f64;
+            ((*tat_us as f64 - now_ms as f64 * 1000.0) / interval_us).max(0.0)
+        }
+    };
+    Usage {
+        used,
+        remaining: checked.remaining,
+        reset_ms: checked.reset_ms,
+        over: !checked.allowed,
+    }
 }
 
 /// When `state` is equivalent to no state at all: the store may forget it then.
@@ -179,6 +279,14 @@ fn fixed(p: &Params, state: Option<&State>, now_ms: u64, cost: u64) -> (Decision
         _ => 0,
     };
     let verdict = fixed_window::check(count, p.limit, cost);
+    // Counting over the limit, the count stops at the debt past it (and never goes down).
+    let counted = if p.count_over_limit {
+        verdict
+            .count_after
+            .min(count.max(p.limit.saturating_add(p.debt())))
+    } else {
+        verdict.count_after
+    };
     let reset_ms = fixed_window::seconds_until_reset(now_ms, p.window_ms);
     let decision = Decision {
         allowed: verdict.allowed,
@@ -194,7 +302,7 @@ fn fixed(p: &Params, state: Option<&State>, now_ms: u64, cost: u64) -> (Decision
         decision,
         State::FixedWindow {
             start_ms,
-            count: verdict.count_after,
+            count: counted,
         },
     )
 }
@@ -222,6 +330,11 @@ fn sliding_window(p: &Params, state: Option<&State>, now_ms: u64, cost: u64) -> 
     let allowed = estimate + cost as f64 <= limit;
     let (after_current, after_estimate) = if allowed {
         (current + cost, estimate + cost as f64)
+    } else if p.count_over_limit {
+        // Counted beyond the limit, up to the debt: the excess weighs on the next window too, through
+        // its previous count.
+        let ceiling = current.max(p.limit.saturating_add(p.debt()));
+        ((current + cost).min(ceiling), estimate)
     } else {
         (current, estimate)
     };
@@ -279,6 +392,11 @@ fn sliding_window_wait(p: &Params, current: u64, previous: u64, elapsed: u64, co
     (left_in_window + t).ceil() as u64
 }
 
+/// Most entries a sliding log that counts over its limit keeps, per hit of its limit: beyond, the
+/// newest entry takes the new hits and moves to now, so memory stays bounded and the hits it holds leave
+/// the window no sooner than they would have on their own.
+pub const SLIDING_LOG_ENTRIES_PER_HIT: u64 = 2;
+
 fn sliding_log(p: &Params, state: Option<&State>, now_ms: u64, cost: u64) -> (Decision, State) {
     let empty = VecDeque::new();
     let entries = match state {
@@ -308,16 +426,26 @@ fn sliding_log(p: &Params, state: Option<&State>, now_ms: u64, cost: u64) -> (De
             })
             .map_or(p.window_ms, |&(t, _)| t + p.window_ms - now_ms)
     };
-    let next = if allowed && cost > 0 {
+    // Hits recorded: the cost when allowed; counting over the limit, as much of it as the debt holds.
+    let added = if allowed {
+        cost
+    } else if p.count_over_limit {
+        cost.min(p.limit.saturating_add(p.debt()).saturating_sub(count))
+    } else {
+        0
+    };
+    let next = if (allowed || p.count_over_limit) && cost > 0 {
         let mut next = VecDeque::with_capacity(entries.len() - gone + 1);
         next.extend(live.clone().copied());
-        next.push_back((now_ms, cost));
+        if added > 0 {
+            record(p, &mut next, now_ms, added);
+        }
         next
     } else {
         // Unused: `decide` keeps the state as it is.
         VecDeque::new()
     };
-    let last = if allowed && cost > 0 {
+    let last = if added > 0 {
         Some(now_ms)
     } else {
         live.clone().next_back().map(|&(t, _)| t)
@@ -334,6 +462,21 @@ fn sliding_log(p: &Params, state: Option<&State>, now_ms: u64, cost: u64) -> (De
     )
 }
 
+/// Records `hits` counted at `now_ms` in a log of live entries. A log that counts over its limit puts
+/// them in its newest entry when that one was counted at this same instant, or when the log already holds
+/// [`SLIDING_LOG_ENTRIES_PER_HIT`] x limit entries (the entry then moves to now); so does the Redis
+/// script, which keeps the same entries.
+fn record(p: &Params, log: &mut VecDeque<(u64, u64)>, now_ms: u64, hits: u64) {
+    let most = p.limit.saturating_mul(SLIDING_LOG_ENTRIES_PER_HIT);
+    let full = log.len() as u64 >= most;
+    match log.back_mut() {
+        Some(newest) if p.count_over_limit && (newest.0 == now_ms || full) => {
+            *newest = (now_ms, newest.1 + hits);
+        }
+        _ => log.push_back((now_ms, hits)),
+    }
+}
+
 fn token_bucket(p: &Params, state: Option<&State>, now_ms: u64, cost: u64) -> (Decision, State) {
     let capacity = p.burst as f64;
     let per_ms = p.limit as f64 / p.window_ms as f64;
@@ -346,7 +489,14 @@ fn token_bucket(p: &Params, state: Option<&State>, now_ms: u64, cost: u64) -> (D
     };
     let cost_f = cost as f64;
     let allowed = cost_f <= tokens;
-    let after = if allowed { tokens - cost_f } else { tokens };
+    let after = if allowed {
+        tokens - cost_f
+    } else if p.count_over_limit {
+        // Into debt, down to the debt bound, repaid at the refill rate.
+        (tokens - cost_f).max((-(p.debt() as f64)).min(tokens))
+    } else {
+        tokens
+    };
     let refill_ms = |missing: f64| {
         if per_ms > 0.0 {
             (missing / per_ms).max(0.0).ceil() as u64
@@ -388,7 +538,15 @@ fn gcra(p: &Params, state: Option<&State>, now_ms: u64, cost: u64) -> (Decision,
     };
     let new_tat = tat + cost as f64 * interval_us;
     let allowed = p.limit > 0 && new_tat - now_us <= capacity_us;
-    let kept = if allowed { new_tat } else { tat };
+    let kept = if allowed {
+        new_tat
+    } else if p.count_over_limit {
+        // Ahead of the capacity by at most the debt.
+        let ceiling = now_us + interval_us * p.burst.saturating_add(p.debt()) as f64;
+        new_tat.min(tat.max(ceiling))
+    } else {
+        tat
+    };
     let remaining = ((capacity_us - (kept - now_us)) / interval_us)
         .floor()
         .max(0.0) as u64;

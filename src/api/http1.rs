@@ -13,12 +13,13 @@
 use std::{convert::Infallible, time::Duration};
 
 use axum::{
-    http::{header, HeaderValue, Request, Response, StatusCode},
+    http::{header, Extensions, HeaderValue, Request, Response, StatusCode},
     response::IntoResponse,
     Router,
 };
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioIo, TokioTimer};
+use tokio::io::{AsyncRead, AsyncWrite};
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 use tower::ServiceExt;
 
@@ -40,38 +41,56 @@ pub async fn serve(
     timeouts: Timeouts,
     stop: CancellationToken,
 ) {
-    let mut builder = hyper::server::conn::http1::Builder::new();
-    builder
-        .timer(TokioTimer::new())
-        .header_read_timeout(timeouts.header_read)
-        .keep_alive(true);
     let connections = TaskTracker::new();
     while let Some((tcp, place)) = acceptor.accept(&stop).await {
-        let router = router.clone();
-        let service = hyper::service::service_fn(move |request: Request<Incoming>| {
-            answer(router.clone(), request, timeouts.request)
-        });
-        let connection = builder.serve_connection(TokioIo::new(place.connection(tcp)), service);
-        let stop = stop.clone();
-        connections.spawn(async move {
-            let mut connection = std::pin::pin!(connection);
-            let served = tokio::select! {
-                served = connection.as_mut() => served,
-                _ = stop.cancelled() => {
-                    connection.as_mut().graceful_shutdown();
-                    connection.await
-                }
-            };
-            if let Err(err) = served {
-                // A client that went away or timed out: its business, not the server's.
-                tracing::debug!("HTTP connection closed: {err}");
-            }
-        });
+        connections.spawn(serve_connection(
+            place.connection(tcp),
+            router.clone(),
+            Extensions::new(),
+            timeouts,
+            stop.clone(),
+        ));
     }
     // Closes the listening socket before the drain: new clients are refused instead of left waiting.
     drop(acceptor);
     connections.close();
     connections.wait().await;
+}
+
+/// Serves `router` on one connection (over TCP, or TLS over it) until the client closes it, or until
+/// `stop`, when it finishes the request it is answering. Every request carries `extensions` (what the
+/// listener knows of the connection) into the router.
+pub async fn serve_connection<IO>(
+    io: IO,
+    router: Router,
+    extensions: Extensions,
+    timeouts: Timeouts,
+    stop: CancellationToken,
+) where
+    IO: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let mut builder = hyper::server::conn::http1::Builder::new();
+    builder
+        .timer(TokioTimer::new())
+        .header_read_timeout(timeouts.header_read)
+        .keep_alive(true);
+    let service = hyper::service::service_fn(move |mut request: Request<Incoming>| {
+        request.extensions_mut().extend(extensions.clone());
+        answer(router.clone(), request, timeouts.request)
+    });
+    let connection = builder.serve_connection(TokioIo::new(io), service);
+    let mut connection = std::pin::pin!(connection);
+    let served = tokio::select! {
+        served = connection.as_mut() => served,
+        _ = stop.cancelled() => {
+            connection.as_mut().graceful_shutdown();
+            connection.await
+        }
+    };
+    if let Err(err) = served {
+        // A client that went away or timed out: its business, not the server's.
+        tracing::debug!("HTTP connection closed: {err}");
+    }
 }
 
 /// The router's answer, or 408 (and the connection closed) when it takes longer than `within`.

@@ -1,7 +1,8 @@
-//! The edge: gRPC (Envoy RLS v3, health, reflection), the HTTP side port, and the xDS client that takes
-//! the rules from a control plane. Wire types are converted to and from the domain types (the
-//! limiter's, the rules') here and nowhere else.
+//! The edge: gRPC (Envoy RLS v3, health, reflection), the HTTP side port, the operators' API (`admin`),
+//! and the xDS client that takes the rules from a control plane. Wire types are converted to and from
+//! the domain types (the limiter's, the rules') here and nowhere else.
 
+pub mod admin;
 pub mod conn;
 pub mod grpc;
 pub mod health;

@@ -48,6 +48,39 @@ impl GrpcTlsSettings {
     /// Builds the configuration once without serving: the files read, parse and go together, so that a
     /// wrong one stops the start before any port is bound.
     pub fn check(&self) -> Result<(), TlsError> {
+        build(&self.files()).map(drop)
+    }
+
+    /// The files, named by the reference's variables, for HTTP/2.
+    pub fn files(&self) -> TlsFiles {
+        TlsFiles {
+            cert: ("GRPC_SERVER_TLS_CERT", self.cert.clone()),
+            key: ("GRPC_SERVER_TLS_KEY", self.key.clone()),
+            client_ca: self
+                .client_ca
+                .clone()
+                .map(|ca| ("GRPC_CLIENT_TLS_CACERT", ca)),
+            client_san: self.client_san.clone(),
+            alpn: b"h2",
+        }
+    }
+}
+
+/// What a TLS listener is built from: each file with the setting that names it (for errors), the DNS
+/// SAN a client certificate must carry (if any), and the one protocol it speaks (ALPN).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TlsFiles {
+    pub cert: (&'static str, PathBuf),
+    pub key: (&'static str, PathBuf),
+    /// Clients must present a certificate these CAs signed (mTLS).
+    pub client_ca: Option<(&'static str, PathBuf)>,
+    pub client_san: Option<String>,
+    pub alpn: &'static [u8],
+}
+
+impl TlsFiles {
+    /// Builds the configuration once without serving, as [`GrpcTlsSettings::check`] does.
+    pub fn check(&self) -> Result<(), TlsError> {
         build(self).map(drop)
     }
 }
@@ -66,7 +99,7 @@ const RELOAD_CHECK: Duration = Duration::from_secs(2);
 
 /// The server's TLS configuration, rebuilt from its files when they change.
 pub struct ReloadingTls {
-    settings: GrpcTlsSettings,
+    files: TlsFiles,
     current: ArcSwap<ServerConfig>,
     /// Modification times of the files the current configuration was built from.
     stamps: std::sync::Mutex<Vec<Option<SystemTime>>>,
@@ -75,8 +108,8 @@ pub struct ReloadingTls {
 impl std::fmt::Debug for ReloadingTls {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ReloadingTls")
-            .field("cert", &self.settings.cert)
-            .field("client_ca", &self.settings.client_ca)
+            .field("cert", &self.files.cert)
+            .field("client_ca", &self.files.client_ca)
             .finish_non_exhaustive()
     }
 }
@@ -85,10 +118,15 @@ impl ReloadingTls {
     /// Reads the files once; an error here stops the start (a server that cannot serve TLS must not
     /// serve at all).
     pub fn load(settings: &GrpcTlsSettings) -> Result<Self, TlsError> {
-        let stamps = stamps(settings);
-        let config = build(settings)?;
+        Self::load_files(settings.files())
+    }
+
+    /// [`ReloadingTls::load`] for any listener's files.
+    pub fn load_files(files: TlsFiles) -> Result<Self, TlsError> {
+        let stamps = stamps(&files);
+        let config = build(&files)?;
         Ok(Self {
-            settings: settings.clone(),
+            files,
             current: ArcSwap::from_pointee(config),
             stamps: std::sync::Mutex::new(stamps),
         })
@@ -97,16 +135,17 @@ impl ReloadingTls {
     /// Rebuilds the configuration if a file changed since the last build. A broken new file keeps the
     /// current configuration serving and says why; it is tried again when it changes again.
     pub fn reload_if_changed(&self) -> Option<Result<(), TlsError>> {
-        let now = stamps(&self.settings);
+        let now = stamps(&self.files);
         let mut seen = self.stamps.lock().unwrap_or_else(|p| p.into_inner());
         if *seen == now {
             return None;
         }
         *seen = now;
-        Some(build(&self.settings).map(|config| self.current.store(Arc::new(config))))
+        Some(build(&self.files).map(|config| self.current.store(Arc::new(config))))
     }
 
-    fn acceptor(&self) -> TlsAcceptor {
+    /// Accepts TLS connections with the configuration current now.
+    pub fn acceptor(&self) -> TlsAcceptor {
         TlsAcceptor::from(self.current.load_full())
     }
 
@@ -146,7 +185,7 @@ impl ReloadingTls {
             let acceptor = acceptor.close_then(closed);
             while let Some((tcp, place)) = acceptor.accept(&stop).await {
                 let tls_acceptor = self.acceptor();
-                let required_san = self.settings.client_san.clone();
+                let required_san = self.files.client_san.clone();
                 let tx = tx.clone();
                 let failures = failures.clone();
                 tokio::spawn(async move {
@@ -179,11 +218,11 @@ impl ReloadingTls {
     }
 }
 
-fn stamps(settings: &GrpcTlsSettings) -> Vec<Option<SystemTime>> {
+fn stamps(files: &TlsFiles) -> Vec<Option<SystemTime>> {
     [
-        Some(&settings.cert),
-        Some(&settings.key),
-        settings.client_ca.as_ref(),
+        Some(&files.cert.1),
+        Some(&files.key.1),
+        files.client_ca.as_ref().map(|(_, ca)| ca),
     ]
     .into_iter()
     .flatten()
@@ -191,15 +230,15 @@ fn stamps(settings: &GrpcTlsSettings) -> Vec<Option<SystemTime>> {
     .collect()
 }
 
-fn build(settings: &GrpcTlsSettings) -> Result<ServerConfig, TlsError> {
-    let chain = certificates("GRPC_SERVER_TLS_CERT", &settings.cert)?;
-    let key = private_key("GRPC_SERVER_TLS_KEY", &settings.key)?;
+fn build(files: &TlsFiles) -> Result<ServerConfig, TlsError> {
+    let chain = certificates(files.cert.0, &files.cert.1)?;
+    let key = private_key(files.key.0, &files.key.1)?;
     let builder = ServerConfig::builder_with_provider(provider())
         .with_safe_default_protocol_versions()
         .map_err(|e| TlsError::Config(e.to_string()))?;
-    let builder = match &settings.client_ca {
-        Some(ca) => {
-            let roots = roots("GRPC_CLIENT_TLS_CACERT", ca)?;
+    let builder = match &files.client_ca {
+        Some((setting, ca)) => {
+            let roots = roots(setting, ca)?;
             let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider())
                 .build()
                 .map_err(|e| TlsError::Config(format!("client verification: {e}")))?;
@@ -209,12 +248,12 @@ fn build(settings: &GrpcTlsSettings) -> Result<ServerConfig, TlsError> {
     };
     let mut config = builder.with_single_cert(chain, key).map_err(|e| {
         TlsFileError::new(
-            "GRPC_SERVER_TLS_KEY",
-            &settings.key,
-            format!("does not go with GRPC_SERVER_TLS_CERT: {e}"),
+            files.key.0,
+            &files.key.1,
+            format!("does not go with {}: {e}", files.cert.0),
         )
     })?;
-    config.alpn_protocols = vec![b"h2".to_vec()];
+    config.alpn_protocols = vec![files.alpn.to_vec()];
     Ok(config)
 }
 

@@ -226,6 +226,7 @@ mod tests {
                 limit,
                 window_ms: 1000,
                 burst,
+                count_over_limit: false,
             },
             cost: 1,
             role: Role::Enforce,

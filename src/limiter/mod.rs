@@ -13,19 +13,25 @@
 //!   (`headers.rs`).
 //! - `record.rs`: the request and per-rule metrics, and `/debug/top`.
 //! - `sensitive.rs`: which values are hashed before anyone sees them.
+//! - `runtime.rs`: the runtime limits operators set, and `operator.rs`: what the operators' API asks of
+//!   the limiter (inspect, reset, runtime limits), off the request path.
 
 mod backend;
 mod headers;
+mod operator;
 mod options;
 mod plan;
 mod record;
+pub mod runtime;
 mod sensitive;
 mod status;
 mod types;
 
 pub use backend::Fallback;
+pub use operator::{Inspected, Inspection, OperatorError, Reset, Target};
 pub use options::{
-    FallbackSettings, HeaderNames, OnBackendError, OverloadSettings, RequestLimits, ResponseHeaders,
+    FallbackSettings, HeaderNames, OnBackendError, OverloadSettings, RequestLimits,
+    ResponseHeaders, RuntimeLimitsSettings,
 };
 pub use sensitive::Sensitive;
 pub use types::{
@@ -49,7 +55,7 @@ use smallvec::{smallvec, SmallVec};
 
 use crate::{
     clock::Clock,
-    rules::Rules,
+    rules::{RuleSet, Rules},
     store::{deny_cache::DenyCached, Batch, Deadline, DenyCache, Store, StoreError},
     telemetry::{Metrics, TopOffenders},
 };
@@ -87,6 +93,10 @@ pub struct Options {
     /// Most `rule` label values a rule may take from request values (`detailed_metric`,
     /// `value_to_metric`); further values share one label, `<rule> (other values)`.
     pub metric_values_per_rule: usize,
+    /// How many runtime limits operators may set.
+    pub runtime_limits: RuntimeLimitsSettings,
+    /// The algorithm of runtime limits that name none (`rules.default_algorithm`).
+    pub default_algorithm: crate::algorithm::Algorithm,
 }
 
 impl Options {
@@ -177,11 +187,16 @@ pub struct Limiter {
     options: Options,
     series: Series,
     in_flight: InFlight,
+    /// The runtime limits operators set, as this replica last read them.
+    runtime: runtime::RuntimeLimits,
+    /// The store itself, for the operators' API (requests go through `store`).
+    shared: Arc<Store>,
 }
 
 impl Limiter {
     pub fn new(rules: Arc<Rules>, store: Arc<Store>, clock: Clock, options: Options) -> Self {
         let series = Series::new(&options.metrics);
+        let shared = store.clone();
         let backend = Backend::new(
             store,
             options.on_backend_error,
@@ -197,6 +212,8 @@ impl Limiter {
             options,
             series,
             in_flight,
+            runtime: runtime::RuntimeLimits::default(),
+            shared,
         }
     }
 
@@ -248,15 +265,37 @@ impl Limiter {
         result
     }
 
-    async fn decide(&self, request: &Request, deadline: Deadline) -> Result<Response, LimitError> {
-        plan::validate(request, &self.options.request_limits)?;
-        let rules = self.rules.current();
+    /// The limits of the request's descriptors in the current rules and runtime limits. Without runtime
+    /// limits in the request's domain, looking for them costs one map lookup in a table, if there is one.
+    /// (Not part of `decide`, so that its locals are no part of every request's future.)
+    fn resolve<'a>(
+        &'a self,
+        request: &Request,
+        rules: &'a Option<Arc<RuleSet>>,
+        runtime: &'a Option<Arc<runtime::Table>>,
+    ) -> Result<Small<Resolved<'a>>, LimitError> {
         let rules = rules.as_deref().ok_or(LimitError::NoRules)?;
         let domain = rules.domains.get(&request.domain);
         if domain.is_none() {
             self.record_unknown_domain();
         }
-        let resolved = plan::resolve(domain, request)?;
+        let lookup = runtime
+            .as_deref()
+            .and_then(|table| table.domain(&request.domain))
+            .map(|limits| plan::RuntimeLookup {
+                limits,
+                options: &self.options,
+                now_ms: self.clock.now_millis(),
+            });
+        plan::resolve(domain, request, lookup.as_ref())
+    }
+
+    async fn decide(&self, request: &Request, deadline: Deadline) -> Result<Response, LimitError> {
+        plan::validate(request, &self.options.request_limits)?;
+        // Both held until the answer: the limits resolved borrow from them.
+        let rules = self.rules.current();
+        let runtime = self.runtime.load();
+        let resolved = self.resolve(request, &rules, &runtime)?;
         let batch = plan::batch(request, &resolved, &self.options);
 
         // The checks the local deny cache answered, for their metrics.

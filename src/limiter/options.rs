@@ -136,3 +136,25 @@ impl Default for HeaderNames {
         }
     }
 }
+
+/// The runtime limits operators set through the operators' API (see `limiter::runtime`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RuntimeLimitsSettings {
+    /// How often each replica reads the store for the runtime limits set or deleted anywhere (default
+    /// `500ms`): a change applies on every replica within this long plus a store round trip. Between
+    /// changes a read is one small command.
+    #[serde(with = "crate::duration")]
+    pub refresh_interval: Duration,
+    /// Most runtime limits at once (default 10 000); setting one more is refused.
+    pub max_limits: usize,
+}
+
+impl Default for RuntimeLimitsSettings {
+    fn default() -> Self {
+        Self {
+            refresh_interval: Duration::from_millis(500),
+            max_limits: 10_000,
+        }
+    }
+}

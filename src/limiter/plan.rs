@@ -1,22 +1,27 @@
 //! Planning a request: its descriptors -> the limits that apply to each -> one batch of checks.
 //!
 //! A descriptor resolves to no limit (unknown domain, no matching rule, an allow-listed rule), to an
-//! unlimited rule, or to the limits of its rule or of the caller's override. `replaces` then drops the
-//! limits that others name, and each remaining limit becomes one check of one counter.
+//! unlimited rule, or to the limits of its rule, of the caller's override, or of an operator's runtime
+//! limit (which wins over both, see `runtime`). `replaces` then drops the limits that others name, and
+//! each remaining limit becomes one check of one counter.
 
 use std::{borrow::Cow, sync::Arc};
 
 use smallvec::{smallvec, SmallVec};
 
-use super::{CurrentLimit, Descriptor, LimitError, Options, Request, RequestLimits, Small};
+use super::{
+    runtime::DomainLimits, CurrentLimit, Descriptor, LimitError, Options, Request, RequestLimits,
+    Small,
+};
 use crate::{
     algorithm::{Algorithm, Params},
     rules::{Domain, Limit, Node, PathStep, Unit},
     store::{keys, Batch, Check, Role},
 };
 
-/// One limit a descriptor is checked against: one of its rule's, borrowed from the rules, or the
-/// caller's override. Small and copied freely; the status's [`CurrentLimit`] is made only for the limit
+/// One limit a descriptor is checked against: one of its rule's, borrowed from the rules (or an
+/// operator's runtime limit, borrowed from this replica's table, as the `rate_limit` of no rule), or the
+/// caller's override. Two variants, so that it takes no more room than its largest (16 bytes). Small and copied freely; the status's [`CurrentLimit`] is made only for the limit
 /// a descriptor is reported under.
 #[derive(Debug, Clone, Copy)]
 pub(super) enum Applicable<'a> {
@@ -41,12 +46,13 @@ impl Applicable<'_> {
                     limit,
                     window_ms: unit.seconds() * 1000,
                     burst: limit,
+                    count_over_limit: false,
                 }
             }
         }
     }
 
-    /// Position of the limit in its rule (0 for `rate_limit` and for overrides).
+    /// Position of the limit in its rule (0 for `rate_limit`, runtime limits and overrides).
     pub fn index(&self) -> usize {
         match *self {
             Applicable::Rule { index, .. } => index,
@@ -70,7 +76,8 @@ impl Applicable<'_> {
         }
     }
 
-    /// The limit's name, which `replaces` refers to (overrides have none).
+    /// The limit's name, which `replaces` refers to (overrides have none; a runtime limit's is only
+    /// reported, see `apply_replaces`).
     pub fn name(&self) -> Option<&Arc<str>> {
         match self {
             Applicable::Rule { limit, .. } => limit.name.as_ref(),
@@ -169,29 +176,90 @@ pub(super) fn validate(request: &Request, limits: &RequestLimits) -> Result<(), 
     Ok(())
 }
 
+/// The runtime limits of a request's domain, and what looking a descriptor up in them needs.
+pub(super) struct RuntimeLookup<'a> {
+    pub limits: &'a DomainLimits,
+    /// How values are shown (hashed) where runtime limits keep them.
+    pub options: &'a Options,
+    pub now_ms: u64,
+}
+
 /// The limits of every descriptor of the request, in order, after `replaces`. Without a domain (one no
 /// rules file declares), nothing is limited.
 pub(super) fn resolve<'a>(
     domain: Option<&'a Domain>,
     request: &Request,
+    runtime: Option<&RuntimeLookup<'a>>,
 ) -> Result<Small<Resolved<'a>>, LimitError> {
     let mut resolved: Small<Resolved<'a>> = Small::new();
     for (index, descriptor) in request.descriptors.iter().enumerate() {
         resolved.push(match domain {
             None => Resolved::NoLimit,
-            Some(domain) => resolve_one(domain, index, descriptor)?,
+            Some(domain) => resolve_one(domain, index, descriptor, runtime)?,
         });
     }
     apply_replaces(&mut resolved);
     Ok(resolved)
 }
 
-/// The limits of one descriptor of a known domain: the caller's override, else its rule's.
+/// Whether the rule the descriptor matches now hashes a value that the runtime limit keeps raw (a rules
+/// reload added `hash_value: true` after the limit was set, which the set refuses): the limit is then
+/// ignored, with one warning, so that the raw value never reaches a counter key.
+fn keeps_raw_what_the_rule_hashes(
+    domain: &Domain,
+    descriptor: &Descriptor,
+    set: &super::runtime::Applied,
+    runtime: Option<&RuntimeLookup<'_>>,
+) -> bool {
+    let (Some(runtime), Some(node)) = (runtime, domain.find(&descriptor.entries)) else {
+        return false;
+    };
+    let raw = node.path.iter().zip(&descriptor.entries).find(|(step, e)| {
+        step.flags.hash_value
+            && runtime.options.is_sensitive(&e.key, true)
+            && !runtime.options.is_sensitive(&e.key, false)
+    });
+    let Some((_, entry)) = raw else {
+        return false;
+    };
+    if !set
+        .warned_unhashed
+        .swap(true, std::sync::atomic::Ordering::Relaxed)
+    {
+        tracing::warn!(
+            id = set.record.id,
+            rule = %node.full_key,
+            "runtime limit {} ignored: rule '{}' now hashes the values of {:?} (hash_value: true), which the limit keeps raw; delete it, or add {:?} to hashed_keys and set it again",
+            set.record.id, node.full_key, entry.key, entry.key
+        );
+    }
+    true
+}
+
+/// The limits of one descriptor of a known domain: an operator's runtime limit for exactly it, else the
+/// caller's override, else its rule's.
 fn resolve_one<'a>(
     domain: &'a Domain,
     index: usize,
     descriptor: &Descriptor,
+    runtime: Option<&RuntimeLookup<'a>>,
 ) -> Result<Resolved<'a>, LimitError> {
+    let set = runtime.and_then(|r| {
+        let show = |key: &str, value| r.options.show(key, value, false);
+        r.limits.find(&descriptor.entries, r.now_ms, show)
+    });
+    let set = set.filter(|set| !keeps_raw_what_the_rule_hashes(domain, descriptor, set, runtime));
+    if let Some(set) = set {
+        // Counted like an override (no rule): always enforced, in the counter its values make.
+        return Ok(Resolved::Limited {
+            limits: smallvec![Applicable::Rule {
+                limit: &set.limit,
+                index: 0
+            }],
+            node: None,
+            role: Role::Enforce,
+        });
+    }
     if let Some(over) = &descriptor.limit {
         let unit = over.unit.ok_or(LimitError::UnknownOverrideUnit { index })?;
         return Ok(Resolved::Limited {
@@ -227,7 +295,8 @@ fn resolve_one<'a>(
 }
 
 /// Drops every matched limit whose name another matched limit of the same request replaces
-/// (unlimited limits replace too). Overrides have no name and are never replaced.
+/// (unlimited limits replace too). Only limits of rules are replaced: not overrides (which have no name)
+/// nor runtime limits (whatever name an operator gave them).
 fn apply_replaces(resolved: &mut [Resolved<'_>]) {
     let rules = || {
         resolved.iter().filter_map(|r| match r {
@@ -250,7 +319,12 @@ fn apply_replaces(resolved: &mut [Resolved<'_>]) {
         return;
     }
     for r in resolved.iter_mut() {
-        if let Resolved::Limited { limits, .. } = r {
+        if let Resolved::Limited {
+            limits,
+            node: Some(_),
+            ..
+        } = r
+        {
             limits.retain(|a| a.name().is_none_or(|n| !replaced.contains(n)));
             if limits.is_empty() {
                 *r = Resolved::NoLimit;

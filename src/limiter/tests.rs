@@ -538,6 +538,163 @@ fn the_store_waits_until_shortly_before_the_answer_is_due() {
     assert_eq!(waits(0), Duration::ZERO);
 }
 
+fn target(entries: &[(&str, &str)]) -> Target {
+    Target {
+        domain: "d".into(),
+        entries: desc(entries).entries,
+    }
+}
+
+fn per_minute(requests_per_unit: u32) -> runtime::LimitSpec {
+    runtime::LimitSpec {
+        requests_per_unit,
+        unit: "minute".into(),
+        unit_multiplier: None,
+        algorithm: None,
+        burst: None,
+        count_over_limit: false,
+        name: Some("runtime".into()),
+    }
+}
+
+fn overridden(entries: &[(&str, &str)], requests_per_unit: u32) -> Descriptor {
+    Descriptor {
+        limit: Some(LimitOverride {
+            requests_per_unit,
+            unit: Some(Unit::Minute),
+        }),
+        ..desc(entries)
+    }
+}
+
+#[tokio::test]
+async fn a_runtime_limit_wins_over_the_override_which_wins_over_the_rules() {
+    let l = limiter();
+    l.set_runtime_limit(&target(&[("k", "tenant")]), per_minute(10), None, "test")
+        .await
+        .unwrap();
+    // The runtime limit, whatever the request's override says.
+    for d in [desc(&[("k", "tenant")]), overridden(&[("k", "tenant")], 5)] {
+        let status = &ask(&l, &req(vec![d])).await.statuses[0];
+        let limit = status.current_limit.as_ref().unwrap();
+        assert_eq!(
+            (limit.requests_per_unit, limit.name.as_deref()),
+            (10, Some("runtime"))
+        );
+    }
+    // Another value: the override, else the rules.
+    let status = &ask(&l, &req(vec![overridden(&[("k", "other")], 5)]))
+        .await
+        .statuses[0];
+    assert_eq!(status.current_limit.as_ref().unwrap().requests_per_unit, 5);
+    let status = &ask(&l, &req(vec![desc(&[("k", "third")])])).await.statuses[0];
+    assert_eq!(status.current_limit.as_ref().unwrap().requests_per_unit, 3);
+    // Deleted: the override, then the rules again, on the counter the runtime limit counted in.
+    let id = l.runtime_limit_id(&target(&[("k", "tenant")])).unwrap();
+    l.delete_runtime_limit(&id).await.unwrap();
+    let status = &ask(&l, &req(vec![overridden(&[("k", "tenant")], 5)]))
+        .await
+        .statuses[0];
+    assert_eq!((status.limit_remaining, status.code), (2, Code::Ok));
+    let status = &ask(&l, &req(vec![desc(&[("k", "tenant")])])).await.statuses[0];
+    assert_eq!(status.code, Code::OverLimit, "4 counted of 3");
+    assert!(matches!(
+        l.delete_runtime_limit(&id).await,
+        Err(OperatorError::NotFound(_))
+    ));
+}
+
+#[tokio::test]
+async fn a_runtime_limit_ends_at_its_expiry_and_is_then_purged() {
+    let l = limiter();
+    let now = l.clock.now_millis();
+    let banned = target(&[("banned", "x")]);
+    l.set_runtime_limit(
+        &banned,
+        per_minute(100),
+        Some(runtime::Expiry::At(Some(now + 10_000))),
+        "test",
+    )
+    .await
+    .unwrap();
+    let r = req(vec![desc(&[("banned", "x")])]);
+    assert_eq!(ask(&l, &r).await.overall_code, Code::Ok, "unblocked");
+    l.clock.advance_millis(9_999);
+    assert_eq!(ask(&l, &r).await.overall_code, Code::Ok);
+    l.clock.advance_millis(1);
+    assert_eq!(ask(&l, &r).await.overall_code, Code::OverLimit, "expired");
+    assert!(l.runtime_limits().await.unwrap().is_empty());
+    assert!(matches!(
+        l.set_runtime_limit(
+            &banned,
+            per_minute(1),
+            Some(runtime::Expiry::At(Some(now))),
+            "test"
+        )
+        .await,
+        Err(OperatorError::Invalid(_))
+    ));
+}
+
+#[tokio::test]
+async fn runtime_limits_keep_sensitive_values_hashed_and_refuse_what_they_cannot_hash() {
+    let options = Options {
+        sensitive: Some(Sensitive::new(&["k".to_owned()], Some(b"secret"))),
+        ..Options::default()
+    };
+    let l = limiter_with(options, Clock::manual(2_222_000));
+    let set = l
+        .set_runtime_limit(&target(&[("k", "raw-key")]), per_minute(7), None, "test")
+        .await
+        .unwrap();
+    assert!(set.descriptor[0].1.starts_with("hmac-"), "{set:?}");
+    assert!(!serde_json::to_string(&set).unwrap().contains("raw-key"));
+    let status = &ask(&l, &req(vec![desc(&[("k", "raw-key")])]))
+        .await
+        .statuses[0];
+    assert_eq!(status.current_limit.as_ref().unwrap().requests_per_unit, 7);
+    // Inspecting shows the hash, never the raw value, and what the counter holds.
+    let seen = l.inspect(&target(&[("k", "raw-key")])).await.unwrap();
+    assert_eq!(seen.descriptor, set.descriptor);
+    let applied: Vec<(bool, f64)> = seen
+        .limits
+        .iter()
+        .map(|i| (i.applies, i.usage.used))
+        .collect();
+    assert_eq!(applied, [(true, 1.0), (false, 1.0)], "one counter, shared");
+    // A domain without rules, a malformed limit, and too many limits are refused.
+    let elsewhere = Target {
+        domain: "none".into(),
+        entries: target(&[("k", "v")]).entries,
+    };
+    assert!(matches!(
+        l.set_runtime_limit(&elsewhere, per_minute(1), None, "t")
+            .await,
+        Err(OperatorError::UnknownDomain(_))
+    ));
+    let mut fortnight = per_minute(1);
+    fortnight.unit = "fortnight".into();
+    let err = l
+        .set_runtime_limit(&target(&[("k", "v")]), fortnight, None, "t")
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("fortnight"), "{err}");
+}
+
+#[tokio::test]
+async fn a_reset_clears_every_counter_of_the_descriptor() {
+    let l = limiter();
+    let r = req(vec![desc(&[("multi", "m")])]);
+    ask(&l, &r).await;
+    ask(&l, &r).await;
+    assert_eq!(ask(&l, &r).await.overall_code, Code::OverLimit);
+    let reset = l.reset(&target(&[("multi", "m")])).await.unwrap();
+    assert_eq!((reset.limits, reset.counters), (2, 2));
+    let seen = l.inspect(&target(&[("multi", "m")])).await.unwrap();
+    assert!(seen.limits.iter().all(|i| i.usage.used == 0.0));
+    assert_eq!(ask(&l, &r).await.overall_code, Code::Ok);
+}
+
 #[tokio::test]
 async fn rule_counters_held_by_the_rules_count_for_each_limiter_and_survive_a_reload() {
     let rules = Arc::new(Rules::default());

@@ -238,6 +238,22 @@ fn compile_limits(
     Ok(limits)
 }
 
+/// A limit written outside a rules file (an operator's runtime limit), validated as the `rate_limit` of
+/// a rule named `rule` would be; an unlimited one is refused, since it would count nothing.
+pub fn compile_runtime_limit(
+    spec: &RateLimitSpec,
+    rule: &str,
+    default_algorithm: Algorithm,
+) -> Result<Limit, RuleError> {
+    if spec.unlimited {
+        return Err(RuleError::UnlimitedInRateLimits {
+            rule: rule.into(),
+            field: LimitField::RateLimit,
+        });
+    }
+    compile_limit(spec, rule, LimitField::RateLimit, default_algorithm)
+}
+
 /// One limit of the rule `rule`, written at `field`.
 fn compile_limit(
     spec: &RateLimitSpec,
@@ -256,6 +272,12 @@ fn compile_limit(
             rule: rule.into(),
             field,
             algorithm,
+        });
+    }
+    if spec.count_over_limit && spec.unlimited {
+        return Err(RuleError::CountOverUnlimited {
+            rule: rule.into(),
+            field,
         });
     }
     let unit_multiplier =
@@ -282,6 +304,7 @@ fn compile_limit(
         unit_multiplier,
         algorithm,
         burst: spec.burst.unwrap_or(u64::from(spec.requests_per_unit)),
+        count_over_limit: spec.count_over_limit,
         unlimited: spec.unlimited,
         name,
         replaces,
@@ -462,6 +485,10 @@ mod tests {
                 "config.f.yaml: rule 'd.a': rate_limit.requests_per_unit: a sliding_log keeps one entry per counted request; use at most 100000, or sliding_window",
             ),
             (
+                "domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unlimited: true, count_over_limit: true}\n",
+                "config.f.yaml: rule 'd.a': rate_limit.count_over_limit: an unlimited limit counts nothing",
+            ),
+            (
                 "domain: d\ndescriptors:\n  - key: a\n    rate_limits: [{unlimited: true}]\n",
                 "config.f.yaml: rule 'd.a': rate_limits[0]: unlimited belongs in rate_limit, not in rate_limits",
             ),
@@ -551,7 +578,8 @@ mod tests {
                 algorithm: Algorithm::TokenBucket,
                 limit: 10,
                 window_ms: 1000,
-                burst: 20
+                burst: 20,
+                count_over_limit: false,
             }
         );
         assert_eq!(limits[1].window_secs(), 300);

@@ -129,6 +129,8 @@ pub enum RuleError {
     },
     #[error("rule '{rule}': {field}.requests_per_unit: a sliding_log keeps one entry per counted request; use at most {SLIDING_LOG_MAX_LIMIT}, or sliding_window")]
     SlidingLogTooLarge { rule: String, field: LimitField },
+    #[error("rule '{rule}': {field}.count_over_limit: an unlimited limit counts nothing")]
+    CountOverUnlimited { rule: String, field: LimitField },
     #[error("rule '{rule}': {field}: unlimited belongs in rate_limit, not in rate_limits")]
     UnlimitedInRateLimits { rule: String, field: LimitField },
     #[error("rule '{rule}': {field}.unit_multiplier: a window of {unit_multiplier} x {unit} ({window_secs} seconds) is longer than the longest a limit may have, 10 years ({MAX_WINDOW_SECS} seconds)")]

@@ -34,13 +34,16 @@ use std::sync::Arc;
 
 use arc_swap::ArcSwapOption;
 
+pub use compile::compile_runtime_limit;
 pub use error::{
     BuildError, LimitField, LoadError, Location, ParseError, RuleError, SyntaxProblem,
 };
 pub use flags::RuleFlags;
 pub use loader::{load, Fingerprint, Loaded};
 pub use matcher::EntryRef;
-pub use model::{Domain, KeyNodes, Level, Limit, Node, PathStep, RuleMap, RuleSet};
+pub use model::{
+    Domain, KeyNodes, Level, Limit, Node, PathStep, RuleMap, RuleSet, MAX_WINDOW_SECS,
+};
 pub use options::{ConfigType, RulesSettings, Source, DEFAULT_MAX_YAML_NODES};
 pub use pattern::{Cidr, CidrError, Wildcard};
 pub use unit::Unit;

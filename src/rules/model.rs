@@ -32,6 +32,9 @@ pub struct Limit {
     pub algorithm: Algorithm,
     /// Capacity of token bucket and GCRA limits (`burst`, default `requests_per_unit`).
     pub burst: u64,
+    /// Every hit is counted, also one past the limit (`count_over_limit`): for usage reported after the
+    /// response, such as an LLM's token count, so that a budget runs out.
+    pub count_over_limit: bool,
     /// Never limited and never counted.
     pub unlimited: bool,
     /// Name reported in `current_limit.name` and targeted by `replaces`.
@@ -160,6 +163,7 @@ impl Limit {
             limit: u64::from(self.requests_per_unit),
             window_ms: self.window_secs() * 1000,
             burst: self.burst,
+            count_over_limit: self.count_over_limit,
         }
     }
 }

@@ -78,6 +78,9 @@ fn limit_line(name: &str, node: &Node, limit: &Limit) -> String {
     if limit.algorithm.uses_burst() {
         let _ = write!(line, ", burst: {}", limit.burst);
     }
+    if limit.count_over_limit {
+        line.push_str(", count_over_limit: true");
+    }
     line
 }
 

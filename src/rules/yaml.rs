@@ -30,6 +30,7 @@ const VALID_KEYS: &[&str] = &[
     "algorithm",
     "burst",
     "unit_multiplier",
+    "count_over_limit",
 ];
 
 /// A rules file as written, after both passes of validation.
@@ -65,6 +66,8 @@ pub struct RateLimitSpec {
     pub burst: Option<u64>,
     /// Written as an integer; `None` when absent.
     pub unit_multiplier: Option<i64>,
+    /// Every hit is counted, also past the limit (usage reported after the fact).
+    pub count_over_limit: bool,
 }
 
 /// Most YAML events aliases (`*name`) may replay in one file, whatever `rules.max_yaml_nodes` allows: an
@@ -291,6 +294,7 @@ fn rate_limit(v: &Yaml) -> Result<RateLimitSpec, ParseError> {
             "algorithm" => spec.algorithm = scalar_string(v, "algorithm")?,
             "burst" => spec.burst = uint32(v, "burst")?.map(u64::from),
             "unit_multiplier" => spec.unit_multiplier = integer(v, "unit_multiplier")?,
+            "count_over_limit" => spec.count_over_limit = boolean(v, "count_over_limit")?,
             "replaces" => spec.replaces = replaces(v)?,
             _ => {}
         }

@@ -89,6 +89,8 @@ pub(super) fn limiter(
             )),
             fallback,
             metric_values_per_rule: settings.metrics.max_values_per_rule,
+            runtime_limits: settings.runtime_limits.clone(),
+            default_algorithm: settings.rules.default_algorithm,
         },
     ));
     Deciding {

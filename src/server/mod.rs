@@ -54,6 +54,8 @@ pub struct Listeners {
     pub http: TcpListener,
     /// The separate Prometheus listener, when `USE_PROMETHEUS` asks for one.
     pub prometheus: Option<TcpListener>,
+    /// The operators' API listener, when `admin.enabled`.
+    pub admin: Option<TcpListener>,
 }
 
 impl Listeners {
@@ -81,10 +83,19 @@ impl Listeners {
         } else {
             None
         };
+        let admin = if settings.admin.enabled {
+            let addr = settings
+                .admin_addr()
+                .map_err(|e| ServerError::Setup(e.to_string()))?;
+            Some(bind("the operators' API", addr).await?)
+        } else {
+            None
+        };
         Ok(Self {
             grpc: bind("gRPC", grpc_addr).await?,
             http: bind("HTTP", http_addr).await?,
             prometheus,
+            admin,
         })
     }
 }
@@ -130,6 +141,7 @@ pub async fn run_with_clock(
     );
     build::register_store_metrics(&metrics, &store);
     start_store_tasks(&settings, &deciding.stores, &health, &clock, &tasks);
+    start_runtime_limits(&settings, &deciding.limiter, &store, &tasks);
     if settings.statsd.enabled {
         let statsd = Statsd::new(&settings.statsd, metrics.clone());
         tasks.spawn(statsd.run(tasks.stopping()));
@@ -185,6 +197,47 @@ fn start_store_tasks(
             }
         });
     }
+}
+
+/// Reads the runtime limits operators set every `runtime_limits.refresh_interval`, on every replica
+/// (whether or not it serves the operators' API), once the store can answer. While it cannot, the limits
+/// read last stay in force; the trouble is logged once, and its end too.
+fn start_runtime_limits(
+    settings: &Settings,
+    limiter: &Arc<crate::limiter::Limiter>,
+    store: &Arc<Store>,
+    tasks: &Tasks,
+) {
+    let (limiter, store, stop) = (limiter.clone(), store.clone(), tasks.stopping());
+    let every = settings.runtime_limits.refresh_interval;
+    tasks.spawn(async move {
+        let mut tick = tokio::time::interval(every);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut failing = false;
+        loop {
+            tokio::select! {
+                _ = stop.cancelled() => break,
+                _ = tick.tick() => {}
+            }
+            if !store.is_ready() {
+                continue;
+            }
+            match limiter.refresh_runtime_limits().await {
+                Ok(_) if failing => {
+                    tracing::warn!("runtime limits read from the store again");
+                    failing = false;
+                }
+                Ok(_) => {}
+                Err(err) if !failing => {
+                    tracing::warn!(
+                        "cannot read the runtime limits, the last ones read stay in force: {err}"
+                    );
+                    failing = true;
+                }
+                Err(_) => {}
+            }
+        }
+    });
 }
 
 /// Ends serving once health is NOT_SERVING: after `shutdown.drain_delay`, the listeners stop accepting

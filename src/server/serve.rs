@@ -16,6 +16,7 @@ use tonic_health::{
 use super::{Listeners, ServerError, Tasks};
 use crate::{
     api::{
+        admin,
         conn::{Acceptor, Bounds, ConnectionAge, TrackCallsLayer},
         grpc::RateLimitApi,
         health::Health,
@@ -84,6 +85,16 @@ impl Serving {
                 stop_accepting.clone(),
             ));
         }
+        if let Some(listener) = listeners.admin {
+            serve_admin(
+                settings,
+                listener,
+                &services,
+                timeouts,
+                &stop_accepting,
+                tasks,
+            )?;
+        }
         let http = tasks.spawn(http1::serve(
             http_acceptor(listeners.http, "HTTP"),
             http::router(services.limiter, services.health, services.metrics),
@@ -134,6 +145,59 @@ impl Serving {
         self.grpc.abort();
         self.http.abort();
     }
+}
+
+/// Serves the operators' API on its own listener until `stop_accepting`, with the token (and TLS) of
+/// the settings.
+fn serve_admin(
+    settings: &Settings,
+    listener: tokio::net::TcpListener,
+    services: &Services,
+    timeouts: http1::Timeouts,
+    stop_accepting: &CancellationToken,
+    tasks: &Tasks,
+) -> Result<(), ServerError> {
+    let admin = &settings.admin;
+    let token =
+        admin::Token::from_settings(admin).map_err(|e| ServerError::Setup(e.to_string()))?;
+    let tls = if admin.tls.enabled {
+        let tls = ReloadingTls::load_files(admin.tls.files())
+            .map_err(|e| ServerError::Setup(format!("admin TLS: {e}")))?;
+        Some(Arc::new(tls))
+    } else {
+        None
+    };
+    let state = admin::AdminState {
+        limiter: services.limiter.clone(),
+        token: Arc::new(token),
+        refused: services.metrics.counter(
+            "ratelimitd_admin_refused_total",
+            "Operators' API calls refused for a missing or wrong bearer token.",
+            Vec::new(),
+        ),
+    };
+    let addr = listener.local_addr().ok();
+    let acceptor = Acceptor::new(listener, admin.max_connections, "admin").bounds(Bounds {
+        handshake: Some(settings.grpc.handshake_timeout),
+        stall: Some(settings.http.idle_timeout),
+        ..Bounds::default()
+    });
+    let secure = tls.is_some();
+    tasks.spawn(admin::serve(
+        acceptor,
+        tls,
+        admin::router(state, admin.max_body_bytes),
+        timeouts,
+        stop_accepting.clone(),
+    ));
+    if let Some(addr) = addr {
+        let scheme = if secure { "https" } else { "http" };
+        tracing::warn!("Operators' API listening on '{addr}' ({scheme})");
+        if !secure && !addr.ip().is_loopback() {
+            tracing::warn!("the operators' API listens beyond this host without TLS: its bearer token crosses the network in the clear; set admin.tls");
+        }
+    }
+    Ok(())
 }
 
 /// The reflection services' builder: the rate limit API and the health service.

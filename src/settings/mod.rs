@@ -29,12 +29,13 @@ use serde::{Deserialize, Serialize};
 // name them all.
 pub use crate::{
     api::{
+        admin::{AdminSettings, AdminTlsSettings},
         tls::GrpcTlsSettings,
         xds::{BackoffSettings, XdsSettings},
     },
     limiter::{
         FallbackSettings, HeaderNames, OnBackendError, OverloadSettings, RequestLimits,
-        ResponseHeaders,
+        ResponseHeaders, RuntimeLimitsSettings,
     },
     rules::{ConfigType, RulesSettings, Source as RulesSource, DEFAULT_MAX_YAML_NODES},
     store::redis::{RedisSettings, RedisTopology, Secret, SocketType},
@@ -154,6 +155,11 @@ pub struct Settings {
     /// same value on every replica. Unset: values are hashed with unkeyed SHA-256 (still never stored raw,
     /// the same on every replica and restart, but a guessed value can be confirmed from the keys).
     pub hash_secret: Secret,
+    /// The runtime limits operators set through the operators' API: how often each replica reads them,
+    /// and how many there may be.
+    pub runtime_limits: RuntimeLimitsSettings,
+    /// The operators' API: off unless enabled, on a listener of its own, every call with a bearer token.
+    pub admin: AdminSettings,
     /// What loading noticed but did not stop for (unknown `RATELIMITD_*` variables), for the caller to log
     /// once logging has started. Not a setting.
     #[serde(skip)]
@@ -194,6 +200,8 @@ impl Default for Settings {
             statsd: StatsdSettings::default(),
             hashed_keys: vec!["api_key".into(), "authorization".into(), "x-api-key".into()],
             hash_secret: Secret::default(),
+            runtime_limits: RuntimeLimitsSettings::default(),
+            admin: AdminSettings::default(),
             warnings: Vec::new(),
         }
     }

@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use super::{BackendKind, ConfigType, Settings, SettingsError};
-use crate::api::{tls::TlsError, xds::XdsError};
+use crate::api::{admin::Token, tls::TlsError, xds::XdsError};
 
 impl Settings {
     /// Checks what types alone cannot, reading nothing.
@@ -29,6 +29,7 @@ impl Settings {
             ));
         }
         self.validate_prometheus()?;
+        self.validate_admin()?;
         if !(self.near_limit_ratio > 0.0 && self.near_limit_ratio <= 1.0) {
             return Err(SettingsError::invalid(
                 "near_limit_ratio",
@@ -45,6 +46,11 @@ impl Settings {
         }
         self.validate_statsd()?;
         at_least_one("memory.max_keys", self.memory.max_keys)?;
+        at_least_one("runtime_limits.max_limits", self.runtime_limits.max_limits)?;
+        longer_than_zero(
+            "runtime_limits.refresh_interval",
+            self.runtime_limits.refresh_interval,
+        )?;
         longer_than_zero("memory.sweep_interval", self.memory.sweep_interval)?;
         self.validate_bounds()?;
         self.validate_header_names()
@@ -73,6 +79,20 @@ impl Settings {
                 } => SettingsError::invalid(name, value, reason),
                 other => SettingsError::Unusable(other.to_string()),
             })?;
+        }
+        if self.admin.enabled {
+            Token::from_settings(&self.admin)
+                .map_err(|e| SettingsError::Unusable(e.to_string()))?;
+            if self.admin.tls.enabled {
+                self.admin.tls.files().check().map_err(|e| {
+                    SettingsError::Unusable(match e {
+                        TlsError::File(file) => format!("invalid setting {file}"),
+                        TlsError::Config(reason) => {
+                            format!("invalid admin TLS settings (admin.tls): {reason}")
+                        }
+                    })
+                })?;
+            }
         }
         if self.backend() == BackendKind::Redis {
             self.redis
@@ -180,6 +200,43 @@ impl Settings {
             ));
         }
         longer_than_zero("STATS_FLUSH_INTERVAL", statsd.flush_interval)
+    }
+
+    fn validate_admin(&self) -> Result<(), SettingsError> {
+        let admin = &self.admin;
+        if !admin.enabled {
+            return Ok(());
+        }
+        self.admin_addr()?;
+        at_least_one("admin.max_connections", admin.max_connections)?;
+        at_least_one("admin.max_body_bytes", admin.max_body_bytes)?;
+        let tls = &admin.tls;
+        if tls.enabled {
+            for (name, path) in [("admin.tls.cert", &tls.cert), ("admin.tls.key", &tls.key)] {
+                if path.as_os_str().is_empty() {
+                    return Err(SettingsError::invalid(
+                        name,
+                        "",
+                        "admin.tls.enabled needs a certificate and its key",
+                    ));
+                }
+            }
+        } else if let Some(ca) = &tls.client_ca {
+            return Err(SettingsError::invalid(
+                "admin.tls.client_ca",
+                ca.display(),
+                "client certificates need admin.tls.enabled",
+            ));
+        }
+        Ok(())
+    }
+
+    /// The operators' API's socket address.
+    pub fn admin_addr(&self) -> Result<std::net::SocketAddr, SettingsError> {
+        let ip: std::net::IpAddr = self.admin.host.parse().map_err(|_| {
+            SettingsError::invalid("admin.host", &self.admin.host, "not an IP address")
+        })?;
+        Ok(std::net::SocketAddr::new(ip, self.admin.port))
     }
 
     fn validate_prometheus(&self) -> Result<(), SettingsError> {

@@ -7,6 +7,8 @@
 //! So the cache never changes a decision. It is keyed by the counter key *and* the limit's parameters (a
 //! request override with another limit misses), holds at most `max_entries`, and is cleared when the rules
 //! change. Under an attack on one key, the store stops seeing that key at all until its wait is over.
+//! Checks of limits that count over their limit are never answered or remembered here: each of their
+//! hits must reach the store to be counted.
 //!
 //! The key is the counter key without the window start fixed windows add in the store: a fixed-window
 //! denial waits for the end of its window, so an entry never outlives the window it was denied in.
@@ -19,7 +21,8 @@ use std::{future::Future, sync::Arc};
 use smallvec::{smallvec, SmallVec};
 
 use super::{
-    sharded::Sharded, Applied, Batch, CounterStore, Deadline, Outcome, Role, Store, StoreError,
+    sharded::Sharded, Applied, Batch, Check, CounterStore, Deadline, Outcome, Role, Store,
+    StoreError,
 };
 use crate::algorithm::Params;
 
@@ -164,9 +167,10 @@ impl<S: CacheableStore> DenyCached<S> {
         let cached: Small<Option<Outcome>> = batch
             .checks
             .iter()
-            .map(|c| match c.role {
-                Role::Enforce => cache.lookup(&c.key, &c.params, c.cost, now_millis),
-                Role::Shadow | Role::Quota => None,
+            .map(|c| {
+                remembered(c)
+                    .then(|| cache.lookup(&c.key, &c.params, c.cost, now_millis))
+                    .flatten()
             })
             .collect();
         if cached.iter().all(Option::is_none) {
@@ -195,7 +199,7 @@ impl<S: CacheableStore> DenyCached<S> {
             .await?;
         if cacheable {
             for (c, outcome) in batch.checks.iter().zip(&applied.outcomes) {
-                if c.role == Role::Enforce && !outcome.allowed {
+                if remembered(c) && !outcome.allowed {
                     cache.insert(&c.key, c.params, c.cost, *outcome, now_millis);
                 }
             }
@@ -249,6 +253,12 @@ impl<S: CacheableStore> CounterStore for DenyCached<S> {
     }
 }
 
+/// Whether the cache answers (and remembers the denials of) a check: an enforced one, unless it counts
+/// over its limit, whose every hit must reach the store to be counted.
+fn remembered(check: &Check) -> bool {
+    check.role == Role::Enforce && !check.params.count_over_limit
+}
+
 /// Whether two checks of the batch count the same key.
 fn counts_a_key_twice(batch: &Batch) -> bool {
     let checks = &batch.checks;
@@ -277,6 +287,7 @@ mod tests {
             limit,
             window_ms: 1000,
             burst: limit,
+            count_over_limit: false,
         }
     }
 
@@ -423,6 +434,23 @@ mod tests {
             assert_eq!(decide(&cached, &one, now_ms).await, (true, vec![false]));
         }
         assert_eq!(cached.store.asked.load(Ordering::Relaxed), 4);
+    }
+
+    #[tokio::test]
+    async fn a_check_that_counts_over_its_limit_always_reaches_the_store() {
+        let cached = cached(true);
+        let mut budget = Check::fixed_window("budget_".into(), 1, 60, 1, Role::Enforce);
+        budget.params.count_over_limit = true;
+        let one = [budget];
+        assert_eq!(decide(&cached, &one, 60_000).await, (false, vec![false]));
+        for now_ms in 60_001..60_004 {
+            assert_eq!(decide(&cached, &one, now_ms).await, (true, vec![false]));
+        }
+        assert_eq!(cached.store.asked.load(Ordering::Relaxed), 4);
+        assert!(
+            cached.cache.as_ref().unwrap().is_empty(),
+            "nothing remembered"
+        );
     }
 
     #[test]

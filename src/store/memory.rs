@@ -2,6 +2,7 @@
 //!
 //! A batch locks the shards its keys live in, in ascending shard order (so concurrent batches cannot
 //! deadlock), decides every check, and consumes only when the request is allowed: atomic per request.
+//! Checks of limits that count over their limit are counted whatever the request's decision.
 //! Counters carry their expiry (end of window); [`MemoryStore::sweep`] reclaims expired ones, so memory
 //! follows the live keys, not the keys ever seen. The number of counters is bounded by `max_keys`: when
 //! full, expired counters are reclaimed first, and if none can be, the batch fails with
@@ -16,6 +17,7 @@ use smallvec::SmallVec;
 use tokio_util::sync::CancellationToken;
 
 use super::{
+    operator::LocalRecords,
     sharded::{Held, Shard, Sharded},
     Applied, Batch, Check, CounterStore, Deadline, Outcome, StoreError, StoreHealth,
 };
@@ -42,6 +44,8 @@ pub struct MemoryStore {
     counters: Sharded<Entry>,
     max_keys: usize,
     len: AtomicUsize,
+    /// The runtime limits set by operators, kept here like the counters (see `store::operator`).
+    pub(super) records: LocalRecords,
 }
 
 impl MemoryStore {
@@ -50,7 +54,24 @@ impl MemoryStore {
             counters: Sharded::new(SHARDS),
             max_keys,
             len: AtomicUsize::new(0),
+            records: LocalRecords::default(),
         }
+    }
+
+    /// The live state of a counter, read without changing it (for the operators' API).
+    pub fn state_of(&self, key: &str, now_ms: u64) -> Option<State> {
+        let key = self.counters.hash(key);
+        live_state(self.counters.lock_of(key).get(key), now_ms).cloned()
+    }
+
+    /// Forgets a counter (an operator's reset); whether there was one.
+    pub fn forget(&self, key: &str) -> bool {
+        let key = self.counters.hash(key);
+        let removed = self.counters.lock_of(key).remove(key).is_some();
+        if removed {
+            self.len.fetch_sub(1, Ordering::Relaxed);
+        }
+        removed
     }
 
     /// Number of counters held, expired or not.
@@ -121,18 +142,27 @@ impl MemoryStore {
         let mut held = self
             .counters
             .lock_keys(checks.iter().map(|c| c.key.as_str()));
-        let mut decided = decide_in_order(checks, &held, now_ms);
+        let mut decided = decide_in_order(checks, &held, now_ms, |_| true);
         let denied = batch.is_denied(|i| decided[i].decision.allowed);
         let consume = !denied || batch.consume_on_deny;
         if consume && decided.iter().any(|d| d.next.is_some()) {
             self.write(checks, &mut decided, &mut held, now_ms)?;
+        } else if !consume
+            && checks
+                .iter()
+                .any(|c| c.params.count_over_limit && c.cost > 0)
+        {
+            // Counted all the same: each decided again on the state as stored (and as its earlier such
+            // checks leave it), as decide.lua does.
+            let mut counted = decide_in_order(checks, &held, now_ms, |c| c.params.count_over_limit);
+            self.write(checks, &mut counted, &mut held, now_ms)?;
         }
         let outcomes = checks
             .iter()
             .zip(&decided)
             .enumerate()
             .map(|(i, (check, decided))| {
-                if consume || !decided.decision.allowed {
+                if consume || !decided.decision.allowed || check.params.count_over_limit {
                     Outcome::from(decided.decision)
                 } else {
                     // Allowed but not consumed: report the quota as it stands (nothing was written).
@@ -191,10 +221,36 @@ struct Decided {
     new_key: bool,
 }
 
-/// Decides every check in order; a key checked twice sees the state the earlier check left.
-fn decide_in_order(checks: &[Check], held: &Held<'_, '_, Entry>, now_ms: u64) -> Small<Decided> {
+impl Decided {
+    /// A check left as it is.
+    fn unchanged() -> Self {
+        Self {
+            decision: Decision {
+                allowed: true,
+                remaining: 0,
+                reset_ms: 0,
+                retry_ms: 0,
+            },
+            next: None,
+            new_key: false,
+        }
+    }
+}
+
+/// Decides every check in order, or only those `deciding` picks (the others change nothing); a key
+/// checked twice sees the state the earlier check left.
+fn decide_in_order(
+    checks: &[Check],
+    held: &Held<'_, '_, Entry>,
+    now_ms: u64,
+    deciding: impl Fn(&Check) -> bool,
+) -> Small<Decided> {
     let mut decided: Small<Decided> = Small::new();
     for (i, check) in checks.iter().enumerate() {
+        if !deciding(check) {
+            decided.push(Decided::unchanged());
+            continue;
+        }
         let earlier = (0..i)
             .rev()
             .find(|&j| decided[j].next.is_some() && held.same_key(i, j));

@@ -2,11 +2,15 @@
 //! atomically, so that a denied request can leave every counter untouched. The same interface carries
 //! the store's lifecycle (readiness, health for the metrics, housekeeping, closing), so that the server
 //! never needs to know which store it runs.
+//!
+//! `operator` adds what the operators' API asks of a store, off the request path: reading and clearing
+//! counters, and keeping the runtime limits every replica applies.
 
 mod breaker;
 pub mod deny_cache;
 pub mod keys;
 pub mod memory;
+pub mod operator;
 pub mod redis;
 mod sharded;
 
@@ -59,6 +63,7 @@ impl Check {
                 limit,
                 window_ms: window_secs * 1000,
                 burst: limit,
+                count_over_limit: false,
             },
             cost,
             role,

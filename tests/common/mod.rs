@@ -46,6 +46,8 @@ pub const ALGORITHMS: [ratelimitd::algorithm::Algorithm; 5] = {
 pub struct TestServer {
     pub grpc_addr: SocketAddr,
     pub http_addr: SocketAddr,
+    /// The operators' API, when the settings enable it.
+    pub admin_addr: Option<SocketAddr>,
     pub clock: Clock,
     pub shutdown: CancellationToken,
     pub handle: JoinHandle<Result<(), server::ServerError>>,
@@ -81,10 +83,17 @@ impl TestServer {
         settings.rules.path = Some(dir.path().to_owned());
         settings.shutdown.grace_period = Duration::from_secs(5);
         tweak(&mut settings);
+        let admin = if settings.admin.enabled {
+            Some(TcpListener::bind("127.0.0.1:0").await.unwrap())
+        } else {
+            None
+        };
+        let admin_addr = admin.as_ref().map(|l| l.local_addr().unwrap());
         let listeners = Listeners {
             grpc: TcpListener::bind("127.0.0.1:0").await.unwrap(),
             http: TcpListener::bind("127.0.0.1:0").await.unwrap(),
             prometheus: None,
+            admin,
         };
         let grpc_addr = listeners.grpc.local_addr().unwrap();
         let http_addr = listeners.http.local_addr().unwrap();
@@ -98,6 +107,7 @@ impl TestServer {
         Self {
             grpc_addr,
             http_addr,
+            admin_addr,
             clock,
             shutdown,
             handle,

@@ -4,6 +4,9 @@
   of a built-in kind validates against the Kubernetes schemas (kubernetes-validate, strict: an unknown or
   misspelled field fails); ServiceMonitor and PrometheusRule are checked against what they must say;
 - the base's rules and PrometheusRule are the same as examples/config and deploy/monitoring/alerts.yaml;
+- deploy/envoy/token-budget.yaml is an Envoy Bootstrap that checks each budget of examples/config/ai.yaml
+  before the request (hits_addend 0) and reports the tokens from dynamic metadata after it
+  (apply_on_stream_done), on rules that count over their limit;
 - the Deployment matches the drain, probe and security expectations of deploy/README.md;
 - deploy/envoy/envoy.yaml parses into Envoy's own Bootstrap message and deploy/istio's patches into the
   filter and virtual host messages (PyPI xds-protos), so a misspelled field fails;
@@ -26,6 +29,7 @@ from google.protobuf import json_format
 # Message types that `@type` fields of the Envoy files name, registered by importing them.
 from envoy.config.bootstrap.v3 import bootstrap_pb2
 from envoy.config.route.v3 import route_components_pb2
+from envoy.extensions.filters.http.lua.v3 import lua_pb2
 from envoy.extensions.filters.http.ratelimit.v3 import rate_limit_pb2 as http_ratelimit_pb2
 from envoy.extensions.filters.http.router.v3 import router_pb2  # noqa: F401
 from envoy.extensions.filters.network.http_connection_manager.v3 import (  # noqa: F401
@@ -156,6 +160,54 @@ def parse(message, value, name):
     return message
 
 
+def token_budget():
+    name = "deploy/envoy/token-budget.yaml"
+    config = yaml.safe_load(open(path(name)))
+    bootstrap = parse(bootstrap_pb2.Bootstrap(), config, f"{name} is an Envoy Bootstrap")
+    if bootstrap is None:
+        return
+    hcm = http_connection_manager_pb2.HttpConnectionManager()
+    bootstrap.static_resources.listeners[0].filter_chains[0].filters[0].typed_config.Unpack(hcm)
+    filters = [f.name for f in hcm.http_filters]
+    check("token budget: Lua writes the usage before the rate limit filter reads it",
+          filters == ["envoy.filters.http.lua", "envoy.filters.http.ratelimit", "envoy.filters.http.router"], str(filters))
+    lua = lua_pb2.Lua()
+    hcm.http_filters[0].typed_config.Unpack(lua)
+    ratelimit = http_ratelimit_pb2.RateLimit()
+    hcm.http_filters[1].typed_config.Unpack(ratelimit)
+    check("token budget: domain ai", ratelimit.domain == "ai")
+
+    def shape(limit):
+        return [a.request_headers.descriptor_key for a in limit.actions]
+
+    limits = hcm.route_config.virtual_hosts[0].routes[0].route.rate_limits
+    checks = [shape(l) for l in limits
+              if not l.apply_on_stream_done and l.hits_addend.HasField("number") and l.hits_addend.number.value == 0]
+    reports = [(shape(l), l.hits_addend.format) for l in limits if l.apply_on_stream_done]
+    check("token budget: a check before the request for every report after it",
+          len(reports) > 0 and sorted(checks) == sorted(s for s, _ in reports), f"{checks} / {reports}")
+    for s, fmt in reports:
+        check(f"token budget: the report of {s} counts the tokens from dynamic metadata",
+              fmt == "%DYNAMIC_METADATA(ratelimitd.usage:total_tokens)%", fmt)
+    check("token budget: the Lua filter writes what the reports read",
+          'dynamicMetadata():set("ratelimitd.usage", "total_tokens"' in lua.default_source_code.inline_string)
+
+    rules = yaml.safe_load(open(path("examples/config/ai.yaml")))
+    check("token budget: the rules are domain ai", rules["domain"] == "ai")
+
+    def rule(nodes, keys):
+        node = next((n for n in nodes if n["key"] == keys[0]), None)
+        if node is None or len(keys) == 1:
+            return node
+        return rule(node.get("descriptors", []), keys[1:])
+
+    for s, _ in reports:
+        node = rule(rules["descriptors"], s)
+        written = ([node["rate_limit"]] if node and "rate_limit" in node else []) + (node or {}).get("rate_limits", [])
+        check(f"token budget: every limit of {s} counts over its limit",
+              len(written) > 0 and all(l.get("count_over_limit") is True for l in written), str(written))
+
+
 def envoy():
     config = yaml.safe_load(open(path("deploy/envoy/envoy.yaml")))
     bootstrap = parse(bootstrap_pb2.Bootstrap(), config, "deploy/envoy/envoy.yaml is an Envoy Bootstrap")
@@ -278,6 +330,7 @@ def dockerfile():
 
 
 kubernetes()
+token_budget()
 envoy()
 envoy_gateway()
 dockerfile()

@@ -10,9 +10,10 @@
 --   K                 distinct keys in the call (KEYS, then the ones at the end of ARGV)
 --   G, G integers     read groups: the index of the last key of each group. Keys are numbered by group,
 --                     and the string keys of one group are read with one MGET (a group is one hash slot)
---   S, 6 per spec     limit specs: algorithm (0 fixed window, 1 sliding window, 2 sliding log,
+--   S, 8 per spec     limit specs: algorithm (0 fixed window, 1 sliding window, 2 sliding log,
 --                     3 token bucket, 4 GCRA), limit, window (ms), burst, fixed-window start (s; 0 for
---                     the others), role of its checks (0 enforce, 1 shadow, 2 quota)
+--                     the others), role of its checks (0 enforce, 1 shadow, 2 quota), counts over its
+--                     limit (1/0), debt (how far past its capacity such a limit's state may go: see below)
 --   R, per request    flags (scope + 4 x consume_on_deny), n checks, then n times: key index, spec index,
 --                     cost
 --                     scope 1: these are all the checks of the request (quota checks may deny); 0: a part
@@ -44,6 +45,15 @@
 -- A sliding-log key is a sorted set of entries `<time>:<seq>:<hits>` scored by their time (members
 -- `<time>:<seq>` of earlier versions count 1 each). One call adds at most one entry per key, holding every
 -- hit the call counted on it at that instant: memory follows calls, never the hits they carry.
+--
+-- A check of a limit that counts over its limit (usage reported after the fact) is counted whatever its
+-- request's decision: also when it is over its limit, and when another check denies the request (it is
+-- then decided again on the state the requests before left, and that is kept). Its state goes past the
+-- limit by at most the spec's debt: fixed and sliding windows count up to limit + debt, a sliding log
+-- records up to limit + debt hits (its new hits go into its newest entry when that one was counted at
+-- the same millisecond or the log holds 2 x limit entries; that entry then moves to now), a token bucket
+-- goes down to -debt tokens, GCRA's arrival time up to (burst + debt) intervals ahead. Such a limit is
+-- never leased: its hits must reach the counter even when its request is denied.
 --
 -- A call is decided in the time Redis is busy with it: the integers are read once, state lives in one
 -- array per kind (not a table per check or key), and each key is read and written once.
@@ -105,12 +115,13 @@ int()
 local groups = {}
 for g = 1, count(1) do groups[g] = int(K, 'key index') end
 -- Specs as parallel arrays; a fixed-window spec is valid only for the window the server is in.
-local alg, limit, win, burst, role, valid = {}, {}, {}, {}, {}, {}
-local specs = count(6)
+local alg, limit, win, burst, role, valid, over, debt = {}, {}, {}, {}, {}, {}, {}, {}
+local specs = count(8)
 for s = 1, specs do
   alg[s], limit[s], win[s], burst[s] = code(5, 'known algorithm'), int(), int(), int()
   local start = int()
   role[s] = code(3, 'role')
+  over[s], debt[s] = code(2, 'flag (0 or 1)') == 1, int()
   valid[s] = alg[s] ~= 0 or (win[s] >= 1000 and now_s - now_s % (win[s] / 1000) == start)
 end
 -- Checks as parallel arrays, requests as ranges of them.
@@ -173,10 +184,12 @@ end
 
 -- The state of each key, as up to three numbers (nil: nothing stored).
 --   fixed window: count | sliding window: window start, count, previous count | sliding log: (the
---   second) hits this call added | token bucket: tokens, time counted | GCRA: theoretical arrival (us)
--- A sliding log's stored entries are kept in logt/logc (times ascending) and never change in the call.
+--   second) hits this call added, (the third) how many of the newest stored entries this call's entry
+--   took in | token bucket: tokens, time counted | GCRA: theoretical arrival (us)
+-- A sliding log's stored entries are kept in logt/logc/logm (times ascending: time, hits, member) and
+-- never change in the call.
 local s1, s2, s3, has = {}, {}, {}, {}
-local base, existed, logt, logc = {}, {}, {}, {}
+local base, existed, logt, logc, logm = {}, {}, {}, {}, {}
 
 -- Read every needed key: string keys one MGET per group, the others one command each.
 local first = 1
@@ -215,12 +228,13 @@ for g = 1, #call.groups do
         if v[1] then has[k] = true; s1[k], s2[k] = tonumber(v[1]), tonumber(v[2]) end
       elseif a == 2 then
         local v = redis.call('ZRANGEBYSCORE', key[k], '-inf', '+inf', 'WITHSCORES')
-        local times, costs = {}, {}
+        local times, costs, members = {}, {}, {}
         for j = 1, #v, 2 do
           times[#times + 1] = tonumber(v[j + 1])
           costs[#costs + 1] = tonumber(string.match(v[j], '^%d+:%d+:(%d+)$')) or 1
+          members[#members + 1] = v[j]
         end
-        logt[k], logc[k] = times, costs
+        logt[k], logc[k], logm[k] = times, costs, members
       end
     end
   end
@@ -247,7 +261,8 @@ local function log_live(k, w)
 end
 
 -- The algorithms, by id: decide(s, k, has, a, b, c, cost) returns allowed, remaining, reset (ms),
--- retry (ms) and the state after (three numbers). `counts_denied`: a denied hit is counted too.
+-- retry (ms) and the state after (three numbers). `counts_denied`: a denied hit is counted too (and
+-- every hit of a limit that counts over its limit).
 local decide = {}
 local counts_denied = { [0] = true }
 
@@ -257,6 +272,8 @@ decide[0] = function(s, k, present, count, _, _, cost)
   if not present then count = 0 end
   local after = count + cost
   local allowed = after <= limit[s]
+  -- Counting over the limit, the count stops at the debt past it (and never goes down).
+  if over[s] then after = min(after, max(count, limit[s] + debt[s])) end
   local reset = w - now % w
   local remaining, retry = 0, reset
   if allowed then remaining = max(limit[s] - after, 0); retry = 0 end
@@ -289,7 +306,8 @@ decide[1] = function(s, k, present, start0, current0, previous0, cost)
   local estimate = previous * weight + current
   local allowed = estimate + cost <= limit[s]
   local after_current, after_estimate = current, estimate
-  if allowed then after_current, after_estimate = current + cost, estimate + cost end
+  if allowed then after_current, after_estimate = current + cost, estimate + cost
+  elseif over[s] then after_current = min(current + cost, max(current, limit[s] + debt[s])) end
   local reset = 0
   if after_current > 0 then reset = start + 2 * w - now
   elseif previous > 0 then reset = start + w - now end
@@ -299,11 +317,12 @@ decide[1] = function(s, k, present, start0, current0, previous0, cost)
   return allowed, remaining, reset, retry, start, after_current, previous
 end
 
--- 2: sliding log. The state is the hits this call added (all at `now`, after every stored entry); the
--- stored entries are read in place.
-decide[2] = function(s, k, _, _, added, _, cost)
+-- 2: sliding log. The state is the hits this call added (all at `now`, after every stored entry) and how
+-- many of the newest stored entries its entry took in; the stored entries are read in place.
+decide[2] = function(s, k, _, _, added, absorbed, cost)
   local w, lim = win[s], limit[s]
   local from, live = log_live(k, w)
+  local times, costs = logt[k], logc[k]
   local count = live + added
   local allowed = count + cost <= lim
   local retry = 0
@@ -311,24 +330,37 @@ decide[2] = function(s, k, _, _, added, _, cost)
     if cost > lim then retry = w
     else
       -- Enough of the oldest hits must leave the window to free `count + cost - limit`; the ones this
-      -- call added leave last, a whole window from now.
+      -- call counted (and the entries it took in) leave last, a whole window from now.
       local must_leave, left = count + cost - lim, 0
       retry = w
-      local times, costs = logt[k], logc[k]
-      for j = from, #times do
+      for j = from, #times - absorbed do
         left = left + costs[j]
         if left >= must_leave then retry = times[j] + w - now; break end
       end
     end
   end
+  -- Hits recorded: the cost when allowed; counting over the limit, as much of it as the debt holds.
+  local hits = 0
+  if allowed then hits = cost
+  elseif over[s] then hits = min(cost, max(lim + debt[s] - count, 0)) end
   local after = added
-  if allowed then after = added + cost end
+  if hits > 0 then
+    if over[s] and added == 0 then
+      -- The newest stored entry takes them in when it was counted at this same instant, or when the log
+      -- holds 2 x limit entries already (algorithm::SLIDING_LOG_ENTRIES_PER_HIT); it moves to now.
+      local stored = #times - from + 1 - absorbed
+      if stored > 0 and (times[#times - absorbed] == now or stored >= 2 * lim) then
+        absorbed = absorbed + 1
+      end
+    end
+    after = added + hits
+  end
   local reset = 0
   if after > 0 then reset = w
-  elseif from <= #logt[k] then reset = logt[k][#logt[k]] + w - now end
+  elseif from <= #times then reset = times[#times] + w - now end
   local remaining = 0
   if allowed then remaining = lim - count - cost end
-  return allowed, remaining, reset, retry, nil, after, nil
+  return allowed, remaining, reset, retry, nil, after, absorbed
 end
 
 -- 3: token bucket. A hash: tokens `t` (a float) and the time they were counted `l`.
@@ -339,7 +371,8 @@ decide[3] = function(s, k, present, tokens0, last0, _, cost)
   if present then tokens = min(tokens0 + max(now - last0, 0) * per_ms, capacity) end
   local allowed = cost <= tokens
   local after = tokens
-  if allowed then after = tokens - cost end
+  if allowed then after = tokens - cost
+  elseif over[s] then after = max(tokens - cost, min(-debt[s], tokens)) end
   local function refill(missing)
     if per_ms > 0 then return ceil0(missing / per_ms) end
     return win[s]
@@ -364,7 +397,8 @@ decide[4] = function(s, k, present, tat0, _, _, cost)
   local new_tat = tat + cost * interval
   local allowed = limit[s] > 0 and new_tat - now_us <= capacity
   local kept = tat
-  if allowed then kept = new_tat end
+  if allowed then kept = new_tat
+  elseif over[s] then kept = min(new_tat, max(tat, now_us + interval * (burst[s] + debt[s]))) end
   local remaining = max(floor((capacity - (kept - now_us)) / interval), 0)
   local retry = 0
   if not allowed then
@@ -377,7 +411,7 @@ end
 
 -- The sliding log's state starts with nothing added by this call, whether or not the key existed.
 for k in pairs(needed) do
-  if kalg[k] == 2 then has[k], s2[k] = true, 0 end
+  if kalg[k] == 2 then has[k], s2[k], s3[k] = true, 0, 0 end
 end
 
 -- Writes a key's state back, with its expiry; `s` is the spec of the last check that changed it.
@@ -393,11 +427,19 @@ local function save(k, s)
     redis.call('HSET', name, 's', s1[k], 'c', s2[k], 'p', s3[k])
     redis.call('PEXPIRE', name, s1[k] + 2 * w - now)
   elseif a == 2 then
-    if #logt[k] > 0 and logt[k][1] + w <= now then
-      redis.call('ZREMRANGEBYSCORE', name, '-inf', now - w)
+    if s2[k] > 0 then
+      if #logt[k] > 0 and logt[k][1] + w <= now then
+        redis.call('ZREMRANGEBYSCORE', name, '-inf', now - w)
+      end
+      -- The stored entries this call's entry took in move into it.
+      local held, last = s2[k], #logt[k]
+      for j = last - s3[k] + 1, last do
+        held = held + logc[k][j]
+        redis.call('ZREM', name, logm[k][j])
+      end
+      redis.call('ZADD', name, now, now .. ':' .. t[2] .. ':' .. held)
+      redis.call('PEXPIRE', name, w)
     end
-    redis.call('ZADD', name, now, now .. ':' .. t[2] .. ':' .. s2[k])
-    redis.call('PEXPIRE', name, w)
   elseif a == 3 then
     -- Until the bucket is full again (as the memory store keeps it): one that never refills
     -- (requests_per_unit 0) keeps its state for burst x window, not for a moment.
@@ -448,7 +490,7 @@ for r = 1, requests do
       else a, b, c3, present = s1[k], s2[k], s3[k], has[k] end
       local ok, rem, res, ret, n1, n2, n3 = decide[alg[s]](s, k, present, a, b, c3, cost)
       allowed[i], remaining[i], reset[i], retry[i] = ok, rem, res, ret
-      if cost > 0 and (ok or counts_denied[alg[s]]) then
+      if cost > 0 and (ok or counts_denied[alg[s]] or over[s]) then
         t1[k], t2[k], t3[k], tr[k] = n1, n2, n3, r
       end
     end
@@ -467,7 +509,7 @@ for r = 1, requests do
     rn = rn + 1; reply[rn] = denied and 1 or 0
     for i = first_check, last_check do
       local k, s = ckey[i], cspec[i]
-      if allowed[i] and not consume then
+      if allowed[i] and not consume and not over[s] then
         -- Allowed but not consumed: the quota as it stands.
         local _, rem, res = decide[alg[s]](s, k, has[k], s1[k], s2[k], s3[k], 0)
         remaining[i], reset[i] = rem, res
@@ -506,6 +548,30 @@ for r = 1, requests do
       end
     else
       for i = first_check, last_check do tr[ckey[i]] = nil end
+      -- Checks that count over their limit are counted all the same: each decided again on the state
+      -- the requests before left (and its earlier such checks in this request), and that is kept.
+      local counted = false
+      for i = first_check, last_check do
+        local k, s, cost = ckey[i], cspec[i], ccost[i]
+        if over[s] and cost > 0 then
+          local a, b, c3, present
+          if tr[k] == r then a, b, c3, present = t1[k], t2[k], t3[k], true
+          else a, b, c3, present = s1[k], s2[k], s3[k], has[k] end
+          local _, _, _, _, n1, n2, n3 = decide[alg[s]](s, k, present, a, b, c3, cost)
+          t1[k], t2[k], t3[k], tr[k] = n1, n2, n3, r
+          counted = true
+        end
+      end
+      if counted then
+        for i = first_check, last_check do
+          local k = ckey[i]
+          if tr[k] == r and over[cspec[i]] then
+            s1[k], s2[k], s3[k], has[k] = t1[k], t2[k], t3[k], true
+            tr[k] = nil
+            dirty[k] = cspec[i]
+          end
+        end
+      end
     end
   end
 end

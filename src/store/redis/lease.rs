@@ -14,7 +14,8 @@
 //!
 //! Only fixed and sliding windows are leased: a hit counted early in those windows counts exactly like
 //! the same hit counted later in the same window. (A bucket refilled in the meantime, or a log whose
-//! entries leave the window by their time, would admit more than the limit.)
+//! entries leave the window by their time, would admit more than the limit.) Nor are limits that count
+//! over their limit: their hits must reach Redis even when the request is denied.
 //!
 //! A check answered from a lease reports the quota this replica last saw, minus what it admitted since:
 //! other replicas' hits since the grant are not in it.
@@ -217,12 +218,14 @@ impl std::fmt::Debug for Leases {
     }
 }
 
-/// Whether a check's counter may be leased.
+/// Whether a check's counter may be leased. Never one that counts over its limit: its hits must be
+/// counted in Redis even when its request is denied, which a lease answered here would not do.
 fn leasable(check: &Check) -> bool {
     matches!(
         check.params.algorithm,
         Algorithm::FixedWindow | Algorithm::SlidingWindow
-    ) && check.bounded_cost() <= check.params.limit
+    ) && !check.params.count_over_limit
+        && check.bounded_cost() <= check.params.limit
 }
 
 impl Leases {
@@ -382,7 +385,7 @@ impl Leases {
             Lease {
                 params: check.params,
                 slot: 0,
-                spec: [0; 6],
+                spec: [0; 8],
                 backend: backend_of(check),
                 left: 0,
                 remaining: 0,
@@ -505,6 +508,22 @@ impl Leases {
         ended
     }
 
+    /// Ends every lease without giving back what it has left: after an operator changed counters (a
+    /// reset deleted them, a runtime limit replaced the limit) those hits would be taken from a counter
+    /// that never counted them. Left in the old one, they are at worst counted twice until it expires,
+    /// which never admits more than a limit.
+    pub fn drop_all(&self) {
+        if self.count.load(Ordering::Relaxed) == 0 {
+            return;
+        }
+        let mut held = self.lock();
+        for lease in held.values() {
+            lease.renewed.notify_waiters();
+        }
+        held.clear();
+        self.count.store(0, Ordering::Relaxed);
+    }
+
     /// How often the sweep looks for ended leases.
     pub fn sweep_every(&self) -> Option<Duration> {
         (self.settings.after > 0).then(|| {
@@ -559,7 +578,7 @@ mod tests {
             remaining: 900,
             reset_ms: 60_000,
         };
-        (0, grant, 0, [0, 1000, 3_600_000, 1000, 3600, 0])
+        (0, grant, 0, [0, 1000, 3_600_000, 1000, 3600, 0, 0, 0])
     }
 
     fn take(leases: &Leases, batch: &Batch) -> Taken {
@@ -688,9 +707,12 @@ mod tests {
         assert_eq!(leases.stats().held, 0);
         let mut bucket = batch.clone();
         bucket.checks[0].params.algorithm = Algorithm::TokenBucket;
+        // Nor a fixed window that counts over its limit: its hits must reach Redis.
+        let mut budget = batch.clone();
+        budget.checks[0].params.count_over_limit = true;
         for _ in 0..50 {
-            let taken = take(&leases, &bucket);
-            assert_eq!(taken.want[0], 0);
+            assert_eq!(take(&leases, &bucket).want[0], 0);
+            assert_eq!(take(&leases, &budget).want[0], 0);
         }
         let off = Leases::new(LeaseSettings {
             after: 0,

@@ -24,13 +24,15 @@
 //! Beside this file: `script` (the calling contract of `decide.lua` and `refund.lua`), `coalesce`,
 //! `lease`, `backend` (one Redis deployment and its connections), `node` (one server's health and
 //! waiting for it), `config` (the client configuration for the settings), `options` (the settings
-//! themselves) and `tls`.
+//! themselves), `tls`, and `operator` (the operators' API: counters read and cleared, runtime limit
+//! records).
 
 mod backend;
 mod coalesce;
 mod config;
 mod lease;
 mod node;
+mod operator;
 mod options;
 mod script;
 mod tls;
@@ -60,7 +62,9 @@ use self::{
     node::Node,
     script::{Grant, Part, PartReply, RefundCall, Return, Spec, DECIDE_LUA, REFUND_LUA},
 };
-use super::{Applied, Batch, Check, CounterStore, Deadline, Outcome, StoreError, StoreHealth};
+use super::{
+    Applied, Batch, Check, CounterStore, Deadline, Outcome, Role, StoreError, StoreHealth,
+};
 use crate::clock::Clock;
 
 /// Counters in Redis.
@@ -171,7 +175,7 @@ impl RedisStore {
 
     async fn decide_now(
         &self,
-        batch: &Batch,
+        first_batch: &Batch,
         local_ms: u64,
         deadline: Deadline,
     ) -> Result<Applied, StoreError> {
@@ -179,7 +183,12 @@ impl RedisStore {
         let estimate = |b: &Backend| local_ms as i64 + b.clock_offset_ms.load(Ordering::Relaxed);
         let mut now_ms = [estimate(&self.main), estimate(self.backend(1))];
         let (mut mismatched, mut waited) = (false, false);
+        // After a window mismatch: the batch that goes again, whose checks counted over their limit on
+        // the first try only check now, and those checks' answers from the first try. Boxed: it is rare,
+        // and this future is part of every request's.
+        let mut again: Option<Box<(Batch, Vec<Option<Outcome>>)>> = None;
         loop {
+            let batch = again.as_deref().map_or(first_batch, |(b, _)| b);
             let server_ms =
                 |c: &Check| u64::try_from(now_ms[self.backend_of(c.per_second)]).unwrap_or(0);
             let keys: Vec<Bytes> = batch
@@ -209,7 +218,9 @@ impl RedisStore {
                 .collect();
             let groups = self.groups(batch, &keys, remote);
             self.admit(&groups)?;
-            let complete = groups.len() == 1 && !leased.taken.any_local();
+            // A batch that goes again is never complete: its checks counted on the first try still weigh
+            // in the decision, which only this side sees whole.
+            let complete = groups.len() == 1 && !leased.taken.any_local() && again.is_none();
             let parts = groups
                 .iter()
                 .map(|group| {
@@ -251,10 +262,16 @@ impl RedisStore {
                     tracing::debug!(local_ms, server_ms, "window moved on the server; retrying");
                     now_ms[backend] = server_ms;
                 }
+                again = Some(Box::new(counted_once(batch, &groups, &slots)));
                 continue;
             }
             let mut outcomes = in_batch_order(batch, &groups, &slots, &leased.taken);
-            let denied = batch.is_denied(|i| outcomes[i].allowed);
+            if let Some((_, first)) = again.as_deref() {
+                for (outcome, first) in outcomes.iter_mut().zip(first) {
+                    *outcome = first.unwrap_or(*outcome);
+                }
+            }
+            let denied = first_batch.is_denied(|i| outcomes[i].allowed);
             let consumed = !denied || batch.consume_on_deny;
             if !consumed && !complete {
                 // Another slot, or a lease, denied what these consumed: give it back.
@@ -493,6 +510,34 @@ impl CounterStore for RedisStore {
     }
 }
 
+/// The batch to send again after a window mismatch, and the answers to keep from this try: the checks
+/// that count over their limit were counted by the parts that were decided, and must not be counted
+/// twice. They go again as checks only that never deny (their first answer is the one that counts, and a
+/// denial among them denies the request), the other checks as they were.
+fn counted_once(
+    batch: &Batch,
+    groups: &[Group],
+    slots: &[PartReply],
+) -> (Batch, Vec<Option<Outcome>>) {
+    let mut again = batch.clone();
+    let mut first = vec![None; batch.checks.len()];
+    for (group, slot) in groups.iter().zip(slots) {
+        if slot.window_mismatch {
+            continue;
+        }
+        for (&i, outcome) in group.checks.iter().zip(&slot.outcomes) {
+            let check = &mut again.checks[i];
+            if check.params.count_over_limit && check.cost > 0 {
+                again.known_denied |= check.role == Role::Enforce && !outcome.allowed;
+                check.cost = 0;
+                check.role = Role::Shadow;
+                first[i] = Some(*outcome);
+            }
+        }
+    }
+    (again, first)
+}
+
 /// The outcomes of every slot and of the leases, in the order of the batch's checks.
 fn in_batch_order(
     batch: &Batch,
@@ -544,7 +589,8 @@ fn give_back_in_report(batch: &Batch, taken: &Taken, outcomes: &mut [Outcome]) {
 }
 
 /// After a refund, reports the quota as it stands, as a denied request does everywhere: each allowed
-/// check gets back what it, and earlier checks of its key in this request, consumed.
+/// check gets back what it, and earlier checks of its key in this request, consumed. A check that counts
+/// over its limit was not given back: it reports what it counted.
 fn report_refunded(
     batch: &Batch,
     keys: &[Bytes],
@@ -561,7 +607,7 @@ fn report_refunded(
         let mut consumed: BTreeMap<&[u8], u64> = BTreeMap::new();
         for &i in &group.checks {
             let c = &batch.checks[i];
-            if outcomes[i].allowed {
+            if outcomes[i].allowed && !c.params.count_over_limit {
                 let given_back = consumed.entry(&keys[i][..]).or_default();
                 *given_back = given_back.saturating_add(c.bounded_cost());
                 outcomes[i].remaining = outcomes[i]

@@ -64,8 +64,8 @@ fn algorithm_id(algorithm: Algorithm) -> i64 {
 }
 
 /// A limit spec as decide.lua numbers it: algorithm, limit, window (ms), burst, fixed-window start (s),
-/// and the role of the checks that name it.
-pub type Spec = [i64; 6];
+/// the role of the checks that name it, counts over its limit (1/0), debt.
+pub type Spec = [i64; 8];
 
 /// One check of a part.
 #[derive(Debug, Clone)]
@@ -155,6 +155,8 @@ pub fn spec(check: &Check, now_ms: u64) -> Result<Spec, StoreError> {
         integer(p.burst, "burst")?,
         integer(check.window_start_secs(now_ms).unwrap_or(0), "window start")?,
         role_code(check.role),
+        i64::from(p.count_over_limit),
+        integer(p.debt(), "debt")?,
     ])
 }
 
@@ -207,7 +209,7 @@ impl DecideCall {
             .count();
         let mut args: Vec<Value> = Vec::with_capacity(
             8 + keys.group_ends.len()
-                + specs.len() * 6
+                + specs.len() * 8
                 + parts.len() * 2
                 + checks * 3
                 + wants * 2
@@ -510,10 +512,13 @@ impl RefundCall {
     }
 }
 
-/// What a check consumed in a part that consumed: its cost when allowed, and every fixed-window hit
-/// (decide.lua's `counts_denied`).
+/// What a check consumed in a part that consumed, to give back: its cost when allowed, and every
+/// fixed-window hit (decide.lua's `counts_denied`); nothing of a limit that counts over its limit, whose
+/// hits stay counted whatever the request's decision.
 fn consumed_hits(check: &Check, outcome: &Outcome) -> u64 {
-    if outcome.allowed || check.params.algorithm == Algorithm::FixedWindow {
+    if check.params.count_over_limit {
+        0
+    } else if outcome.allowed || check.params.algorithm == Algorithm::FixedWindow {
         check.bounded_cost()
     } else {
         0
@@ -546,6 +551,7 @@ mod tests {
                 limit: 10,
                 window_ms: 60_000,
                 burst: 20,
+                count_over_limit: false,
             },
             cost: 3,
             role: Role::Quota,
@@ -596,8 +602,8 @@ mod tests {
             [
                 7, 2, // jitter, keys
                 1, 2, // one read group ending at key 2
-                2, 0, 5, 60_000, 5, 2_220, 1, 3, 10, 60_000, 20, 0,
-                2, // two specs, with roles
+                2, 0, 5, 60_000, 5, 2_220, 1, 0, 0, 3, 10, 60_000, 20, 0, 2, 0,
+                0, // two specs, with roles
                 2, // two requests
                 5, 2, 1, 1, 1, 2, 2, 3, // complete + consume on deny: fw, tb
                 4, 1, 2, 2, 3, // a part: tb again
@@ -636,7 +642,7 @@ mod tests {
         let back = Return {
             key: Bytes::from_static(b"old_2160"),
             slot: 0,
-            spec: [0, 5, 60_000, 5, 2_160, 0],
+            spec: [0, 5, 60_000, 5, 2_160, 0, 0, 0],
             hits: 7,
         };
         let call = DecideCall::new(&[&part], &[back], 0, false);

@@ -1,0 +1,277 @@
+//! The operators' API on Redis (see `store::operator`): counters read and cleared with plain commands,
+//! one per key (each routed to its slot's server on Cluster), at the server's time; runtime limit records
+//! in a hash beside their generation, both under the hash tag `{ratelimitd}`, changed together by
+//! `records.lua`. Each command waits at most `redis.timeout`. Besides what requests use, the API needs
+//! `+hgetall +hdel` of the least-privilege ACL user (SECURITY.md), once a runtime limit has been set
+//! (until then a replica reads only the generation, with GET).
+
+use fred::{
+    prelude::*,
+    types::{ClusterHash, CustomCommand},
+};
+use futures_util::future::try_join_all;
+use std::sync::LazyLock;
+
+use super::{backend::Backend, redis_error, RedisStore};
+use crate::{
+    algorithm::{Algorithm, State},
+    store::{
+        operator::{Read, RecordKeys, Records},
+        Check, StoreError,
+    },
+};
+
+/// Changes the records and their generation together (its header says how).
+static RECORDS_LUA: LazyLock<fred::types::scripts::Script> =
+    LazyLock::new(|| fred::types::scripts::Script::from_lua(include_str!("records.lua")));
+
+/// One command, by name, routed by its first argument (a key), or to any server.
+async fn command(
+    backend: &Backend,
+    name: &'static str,
+    routed: ClusterHash,
+    args: Vec<Value>,
+) -> Result<Value, StoreError> {
+    let client = backend.pool.next_connected();
+    let call = client.custom::<Value, _>(CustomCommand::new_static(name, routed, false), args);
+    match tokio::time::timeout(backend.timeout, call).await {
+        Ok(answer) => answer.map_err(redis_error),
+        Err(_) => Err(StoreError::Timeout(backend.timeout)),
+    }
+}
+
+async fn on_key(
+    backend: &Backend,
+    name: &'static str,
+    key: &str,
+    more: &[&str],
+) -> Result<Value, StoreError> {
+    let args = std::iter::once(key)
+        .chain(more.iter().copied())
+        .map(|a| Value::from(a.to_owned()))
+        .collect();
+    command(backend, name, ClusterHash::FirstKey, args).await
+}
+
+fn unexpected(what: &str, value: &Value) -> StoreError {
+    StoreError::Backend(format!("unexpected reply to {what} from Redis: {value:?}"))
+}
+
+/// A reply's text, if it is one (`None` for nil).
+fn text(value: &Value) -> Option<String> {
+    match value {
+        Value::String(s) => Some(s.to_string()),
+        Value::Bytes(b) => Some(String::from_utf8_lossy(b).into_owned()),
+        Value::Integer(i) => Some(i.to_string()),
+        Value::Double(d) => Some(d.to_string()),
+        _ => None,
+    }
+}
+
+fn number<T: std::str::FromStr>(value: &Value) -> Option<T> {
+    text(value)?.parse().ok()
+}
+
+/// The items of an array reply, pairs of a map reply flattened (RESP3).
+fn items(value: Value) -> Vec<Value> {
+    match value {
+        Value::Array(items) => items
+            .into_iter()
+            .flat_map(|item| match item {
+                Value::Array(pair) => pair,
+                one => vec![one],
+            })
+            .collect(),
+        Value::Map(map) => map
+            .inner()
+            .into_iter()
+            .flat_map(|(k, v)| [Value::from(k), v])
+            .collect(),
+        _ => Vec::new(),
+    }
+}
+
+impl RedisStore {
+    /// The main Redis's time, in milliseconds since the epoch.
+    async fn server_ms(&self) -> Result<u64, StoreError> {
+        let reply = command(&self.main, "TIME", ClusterHash::Random, Vec::new()).await?;
+        let parts = items(reply.clone());
+        match (
+            parts.first().and_then(number::<u64>),
+            parts.get(1).and_then(number::<u64>),
+        ) {
+            (Some(secs), Some(micros)) => Ok(secs * 1000 + micros / 1000),
+            _ => Err(unexpected("TIME", &reply)),
+        }
+    }
+
+    fn backend_for(&self, check: &Check) -> &Backend {
+        self.backend(self.backend_of(check.per_second))
+    }
+
+    /// The state of each check's counter at the server's time.
+    pub(crate) async fn read(&self, checks: &[Check], _local_ms: u64) -> Result<Read, StoreError> {
+        let now_ms = self.server_ms().await?;
+        let states = try_join_all(checks.iter().map(|c| self.state(c, now_ms))).await?;
+        Ok(Read { now_ms, states })
+    }
+
+    async fn state(&self, check: &Check, now_ms: u64) -> Result<Option<State>, StoreError> {
+        let backend = self.backend_for(check);
+        let key = check.storage_key(now_ms);
+        Ok(match check.params.algorithm {
+            Algorithm::FixedWindow => {
+                let count = number::<u64>(&on_key(backend, "GET", &key, &[]).await?);
+                count.map(|count| State::FixedWindow {
+                    start_ms: check.window_start_secs(now_ms).unwrap_or(0) * 1000,
+                    count,
+                })
+            }
+            Algorithm::Gcra => number::<u64>(&on_key(backend, "GET", &key, &[]).await?)
+                .map(|tat_us| State::Gcra { tat_us }),
+            Algorithm::SlidingWindow => {
+                let v = items(on_key(backend, "HMGET", &key, &["s", "c", "p"]).await?);
+                match (v.first(), v.get(1), v.get(2)) {
+                    (Some(s), Some(c), Some(p)) => {
+                        number::<u64>(s).map(|start_ms| State::SlidingWindow {
+                            start_ms,
+                            current: number(c).unwrap_or(0),
+                            previous: number(p).unwrap_or(0),
+                        })
+                    }
+                    _ => None,
+                }
+            }
+            Algorithm::TokenBucket => {
+                let v = items(on_key(backend, "HMGET", &key, &["t", "l"]).await?);
+                match (
+                    v.first().and_then(number::<f64>),
+                    v.get(1).and_then(number::<u64>),
+                ) {
+                    (Some(tokens), Some(last_ms)) => Some(State::TokenBucket { tokens, last_ms }),
+                    _ => None,
+                }
+            }
+            Algorithm::SlidingLog => {
+                let reply = on_key(
+                    backend,
+                    "ZRANGEBYSCORE",
+                    &key,
+                    &["-inf", "+inf", "WITHSCORES"],
+                )
+                .await?;
+                let v = items(reply);
+                let entries: std::collections::VecDeque<(u64, u64)> = v
+                    .chunks_exact(2)
+                    .filter_map(|pair| {
+                        let member = text(&pair[0])?;
+                        let time = number::<f64>(&pair[1])? as u64;
+                        // `<time>:<seq>:<hits>`, or `<time>:<seq>` (1 hit) from earlier versions.
+                        let hits = member.splitn(3, ':').nth(2).and_then(|h| h.parse().ok());
+                        Some((time, hits.unwrap_or(1)))
+                    })
+                    .collect();
+                (!entries.is_empty()).then_some(State::SlidingLog(entries))
+            }
+        })
+    }
+
+    /// Deletes each check's counter (a fixed window's current one); returns how many existed.
+    pub(crate) async fn clear(
+        &self,
+        checks: &[Check],
+        _local_ms: u64,
+    ) -> Result<usize, StoreError> {
+        let now_ms = self.server_ms().await?;
+        let deleted = try_join_all(checks.iter().map(|c| async move {
+            let key = c.storage_key(now_ms);
+            let reply = on_key(self.backend_for(c), "DEL", &key, &[]).await?;
+            Ok::<_, StoreError>(number::<usize>(&reply).unwrap_or(0))
+        }))
+        .await?;
+        Ok(deleted.into_iter().sum())
+    }
+
+    /// The records, unless the generation is still `known`. No generation yet: no record was ever set,
+    /// and the hash is not read.
+    pub(crate) async fn records(
+        &self,
+        keys: &RecordKeys,
+        known: Option<u64>,
+    ) -> Result<Option<Records>, StoreError> {
+        let generation =
+            number::<u64>(&on_key(&self.main, "GET", &keys.generation, &[]).await?).unwrap_or(0);
+        if known == Some(generation) {
+            return Ok(None);
+        }
+        if generation == 0 {
+            return Ok(Some(Records::default()));
+        }
+        let reply = on_key(&self.main, "HGETALL", &keys.records, &[]).await?;
+        let mut records: Vec<(String, String)> = items(reply)
+            .chunks_exact(2)
+            .filter_map(|pair| Some((text(&pair[0])?, text(&pair[1])?)))
+            .collect();
+        records.sort();
+        Ok(Some(Records {
+            generation,
+            records,
+        }))
+    }
+
+    /// One change of the records by `records.lua`, with a new random generation; how many records it
+    /// deleted.
+    async fn change_records(
+        &self,
+        keys: &RecordKeys,
+        change: &str,
+        args: &[&str],
+    ) -> Result<usize, StoreError> {
+        // Never 0 (no generation yet), and below 2^63.
+        let generation = (rand::random::<u64>() >> 1).max(1).to_string();
+        let argv: Vec<String> = [generation.as_str(), change]
+            .into_iter()
+            .chain(args.iter().copied())
+            .map(str::to_owned)
+            .collect();
+        let client = self.main.pool.next_connected();
+        let call = RECORDS_LUA.evalsha_with_reload::<i64, _, _>(
+            client,
+            vec![keys.records.clone(), keys.generation.clone()],
+            argv,
+        );
+        match tokio::time::timeout(self.main.timeout, call).await {
+            Ok(deleted) => Ok(usize::try_from(deleted.map_err(redis_error)?).unwrap_or(0)),
+            Err(_) => Err(StoreError::Timeout(self.main.timeout)),
+        }
+    }
+
+    pub(crate) async fn put_record(
+        &self,
+        keys: &RecordKeys,
+        id: &str,
+        record: &str,
+    ) -> Result<(), StoreError> {
+        self.change_records(keys, "put", &[id, record]).await?;
+        Ok(())
+    }
+
+    pub(crate) async fn delete_records(
+        &self,
+        keys: &RecordKeys,
+        ids: &[String],
+    ) -> Result<usize, StoreError> {
+        let ids: Vec<&str> = ids.iter().map(String::as_str).collect();
+        self.change_records(keys, "delete", &ids).await
+    }
+
+    pub(crate) async fn announce(&self, keys: &RecordKeys) -> Result<(), StoreError> {
+        self.change_records(keys, "announce", &[]).await?;
+        Ok(())
+    }
+
+    /// Ends every quota lease without giving its hits back (see `Leases::drop_all`).
+    pub(crate) fn drop_leases(&self) {
+        self.leases.drop_all();
+    }
+}

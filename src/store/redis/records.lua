@@ -1,0 +1,29 @@
+-- ratelimitd: change the operators' runtime limit records and move their generation on, in one step, so
+-- that no replica sees the records change without the generation moving.
+--
+-- KEYS[1]   the records hash (runtime limit id -> record text).
+-- KEYS[2]   the generation: each change replaces it with a new random number, so that a Redis that lost
+--           it, or a replica promoted before it saw the last changes, never shows a value a ratelimitd
+--           replica already knows beside other records.
+-- ARGV[1]   the new generation (decimal digits).
+-- ARGV[2]   the change: 'put' (ARGV[3] the id, ARGV[4] the record), 'delete' (ARGV[3..] the ids), or
+--           'announce' (no record changes: after a reset, so that replicas forget what they remember).
+--
+-- The generation is written first: a command this Redis user may not run leaves at worst a generation
+-- moved on with the records unchanged, never records that no replica reads.
+-- Reply: how many records were deleted (0 for 'put' and 'announce').
+
+local change = ARGV[2]
+if change ~= 'put' and change ~= 'delete' and change ~= 'announce' then
+  return redis.error_reply('ERR records.lua: unknown change ' .. tostring(change))
+end
+redis.call('SET', KEYS[2], ARGV[1])
+local deleted = 0
+if change == 'put' then
+  redis.call('HSET', KEYS[1], ARGV[3], ARGV[4])
+elseif change == 'delete' then
+  for i = 3, #ARGV do
+    deleted = deleted + redis.call('HDEL', KEYS[1], ARGV[i])
+  end
+end
+return deleted

@@ -13,8 +13,11 @@
 //!   (`headers.rs`).
 //! - `record.rs`: the request and per-rule metrics, and `/debug/top`.
 //! - `sensitive.rs`: which values are hashed before anyone sees them.
+//! - `bucket.rs`: a rate limit quota bucket resolved as a descriptor, to the counters it shares with
+//!   `ShouldRateLimit`.
 
 mod backend;
+mod bucket;
 mod headers;
 mod options;
 mod plan;
@@ -24,6 +27,7 @@ mod status;
 mod types;
 
 pub use backend::Fallback;
+pub use bucket::{BucketLimits, BucketRule};
 pub use options::{
     FallbackSettings, HeaderNames, OnBackendError, OverloadSettings, RequestLimits, ResponseHeaders,
 };

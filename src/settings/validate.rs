@@ -47,7 +47,43 @@ impl Settings {
         at_least_one("memory.max_keys", self.memory.max_keys)?;
         longer_than_zero("memory.sweep_interval", self.memory.sweep_interval)?;
         self.validate_bounds()?;
+        self.validate_rlqs()?;
         self.validate_header_names()
+    }
+
+    /// The rate limit quota service: bounds above zero, and a TTL Envoy can read (whole seconds) that
+    /// outlives two report periods, so that an assignment does not lapse between reports.
+    fn validate_rlqs(&self) -> Result<(), SettingsError> {
+        let rlqs = &self.rlqs;
+        for (name, value) in [
+            ("rlqs.max_streams", rlqs.max_streams),
+            ("rlqs.max_buckets_per_stream", rlqs.max_buckets_per_stream),
+            ("rlqs.max_envoys_per_bucket", rlqs.max_envoys_per_bucket),
+            ("rlqs.max_message_bytes", rlqs.max_message_bytes),
+        ] {
+            at_least_one(name, value)?;
+        }
+        longer_than_zero("rlqs.report_period", rlqs.report_period)?;
+        let ttl = rlqs.assignment_ttl;
+        let shown = humantime::format_duration(ttl);
+        if ttl.subsec_nanos() != 0 || ttl.is_zero() {
+            return Err(SettingsError::invalid(
+                "rlqs.assignment_ttl",
+                shown,
+                "must be a whole number of seconds, at least 1s (Envoy reads only the seconds)",
+            ));
+        }
+        if ttl < 2 * rlqs.report_period {
+            return Err(SettingsError::invalid(
+                "rlqs.assignment_ttl",
+                shown,
+                format!(
+                    "must be at least two report periods (rlqs.report_period is {})",
+                    humantime::format_duration(rlqs.report_period)
+                ),
+            ));
+        }
+        Ok(())
     }
 
     /// Opens what the settings name, without connecting or binding: the gRPC TLS files must read, parse

@@ -1,5 +1,5 @@
-//! The edge: gRPC (Envoy RLS v3, health, reflection), the HTTP side port, and the xDS client that takes
-//! the rules from a control plane. Wire types are converted to and from the domain types (the
+//! The edge: gRPC (Envoy RLS v3, the rate limit quota service, health, reflection), the HTTP side port,
+//! and the xDS client that takes the rules from a control plane. Wire types are converted to and from the domain types (the
 //! limiter's, the rules') here and nowhere else.
 
 pub mod conn;
@@ -9,6 +9,7 @@ pub mod http;
 pub mod http1;
 mod json;
 pub mod method_stats;
+pub mod rlqs;
 pub mod tls;
 pub mod xds;
 

@@ -1,0 +1,495 @@
+//! The rate limit quota service on the gRPC port, over real sockets, as an Envoy meets it: what a
+//! subscription, a report, a rule without limits, a removed rule, a bound and a shutdown get, in the
+//! shapes Envoy's filter reads (explicit `tokens_per_fill`, whole-second intervals and TTLs).
+
+mod common;
+
+use std::{collections::HashMap, path::Path, time::Duration};
+
+use common::{wait_for, TestServer};
+use ratelimitd::{
+    clock::Clock,
+    proto::rlqs::{
+        rate_limit_quota_response::bucket_action::BucketAction as Action,
+        rate_limit_quota_usage_reports::BucketQuotaUsage, rate_limit_strategy::Strategy, BucketId,
+        RateLimitQuotaResponse, RateLimitQuotaServiceClient, RateLimitQuotaUsageReports,
+        TokenBucket,
+    },
+    settings::Settings,
+};
+use tokio::sync::mpsc;
+use tonic::{Code, Streaming};
+
+const RULES: &str = r#"
+domain: edge
+descriptors:
+  - key: generic_key
+    value: shared
+    rate_limit: {unit: second, requests_per_unit: 100}
+  - key: generic_key
+    value: free
+    rate_limit: {unlimited: true}
+  - key: generic_key
+    value: closed
+    rate_limit: {unit: second, requests_per_unit: 0}
+  - key: remote_address
+    descriptors:
+      - key: path
+        value: /login
+        rate_limit: {unit: minute, requests_per_unit: 600}
+  - key: tenant
+"#;
+
+/// Settings for a fast test: a report every 200 ms, assignments of 1 s.
+fn fast(s: &mut Settings) {
+    s.rlqs.report_period = Duration::from_millis(200);
+    s.rlqs.assignment_ttl = Duration::from_secs(1);
+}
+
+async fn start(tweak: impl FnOnce(&mut Settings)) -> TestServer {
+    TestServer::start_with_clock(&[("edge.yaml", RULES)], Clock::System, |s| {
+        fast(s);
+        tweak(s);
+    })
+    .await
+}
+
+/// A bucket id as the tests write it.
+type Entries<'a> = &'a [(&'a str, &'a str)];
+
+/// One bucket of a report: its id, the seconds elapsed, allowed and denied.
+type UsageRow<'a> = (Entries<'a>, i64, u64, u64);
+
+/// What a response says of each bucket: its strategy and TTL, or `None` for an abandon action.
+type Actions = HashMap<Vec<(String, String)>, Option<(Strategy, i64)>>;
+
+/// A stream driven by hand.
+struct Raw {
+    tx: mpsc::UnboundedSender<RateLimitQuotaUsageReports>,
+    rx: Streaming<RateLimitQuotaResponse>,
+}
+
+impl Raw {
+    async fn open(s: &TestServer) -> Result<Self, tonic::Status> {
+        let mut client = RateLimitQuotaServiceClient::new(s.channel().await);
+        let (tx, rx) = mpsc::unbounded_channel();
+        let outbound =
+            futures_util::stream::unfold(
+                rx,
+                |mut rx| async move { rx.recv().await.map(|m| (m, rx)) },
+            );
+        let rx = client
+            .stream_rate_limit_quotas(outbound)
+            .await?
+            .into_inner();
+        Ok(Self { tx, rx })
+    }
+
+    fn report(&self, domain: &str, usages: &[UsageRow<'_>]) {
+        let report = RateLimitQuotaUsageReports {
+            domain: domain.into(),
+            bucket_quota_usages: usages
+                .iter()
+                .map(|(bucket, elapsed, allowed, denied)| BucketQuotaUsage {
+                    bucket_id: Some(id(bucket)),
+                    time_elapsed: Some(prost_types::Duration {
+                        seconds: *elapsed,
+                        nanos: 0,
+                    }),
+                    num_requests_allowed: *allowed,
+                    num_requests_denied: *denied,
+                })
+                .collect(),
+        };
+        self.tx.send(report).unwrap();
+    }
+
+    /// The next response, within 5 s.
+    async fn next(&mut self) -> RateLimitQuotaResponse {
+        match tokio::time::timeout(Duration::from_secs(5), self.rx.message()).await {
+            Ok(Ok(Some(r))) => r,
+            other => panic!("no response: {other:?}"),
+        }
+    }
+
+    /// How the stream ends, within `within`.
+    async fn end(&mut self, within: Duration) -> Option<tonic::Status> {
+        let ended = tokio::time::timeout(within, async {
+            loop {
+                match self.rx.message().await {
+                    Ok(Some(_)) => continue,
+                    Ok(None) => return None,
+                    Err(status) => return Some(status),
+                }
+            }
+        });
+        ended.await.expect("the stream ends in time")
+    }
+}
+
+fn id(bucket: &[(&str, &str)]) -> BucketId {
+    BucketId {
+        bucket: bucket
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect(),
+    }
+}
+
+/// The actions of a response by bucket.
+fn actions(r: &RateLimitQuotaResponse) -> Actions {
+    r.bucket_action
+        .iter()
+        .map(|a| {
+            let mut bucket: Vec<(String, String)> =
+                a.bucket_id.clone().unwrap().bucket.into_iter().collect();
+            bucket.sort();
+            let what = match a.bucket_action.unwrap() {
+                Action::AbandonAction(_) => None,
+                Action::QuotaAssignmentAction(q) => {
+                    let ttl = q.assignment_time_to_live.unwrap();
+                    assert_eq!(ttl.nanos, 0, "whole seconds");
+                    Some((
+                        q.rate_limit_strategy.unwrap().strategy.unwrap(),
+                        ttl.seconds,
+                    ))
+                }
+            };
+            (bucket, what)
+        })
+        .collect()
+}
+
+fn key(bucket: &[(&str, &str)]) -> Vec<(String, String)> {
+    let mut b: Vec<(String, String)> = bucket
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    b.sort();
+    b
+}
+
+fn token_bucket(s: &Strategy) -> TokenBucket {
+    match s {
+        Strategy::TokenBucket(b) => *b,
+        other => panic!("not a token bucket: {other:?}"),
+    }
+}
+
+const SHARED: Entries<'static> = &[("generic_key", "shared")];
+
+#[tokio::test]
+async fn a_subscription_is_answered_at_once_with_a_token_bucket_envoy_can_read() {
+    let s = start(|_| {}).await;
+    s.wait_serving(Duration::from_secs(5)).await;
+    let mut stream = Raw::open(&s).await.unwrap();
+    // Envoy's first report of a bucket: one request, no time elapsed.
+    stream.report("edge", &[(SHARED, 0, 1, 0)]);
+    let response = stream.next().await;
+    let got = actions(&response);
+    let (strategy, ttl) = got[&key(SHARED)].unwrap();
+    assert_eq!(ttl, 1, "the configured TTL, in whole seconds");
+    let b = token_bucket(&strategy);
+    let interval = b.fill_interval.unwrap();
+    assert!(interval.seconds >= 1 && interval.nanos == 0, "{b:?}");
+    let per_fill = b.tokens_per_fill.expect("tokens_per_fill is always sent");
+    // Alone, it gets the whole limit of 100 per second, never more.
+    let rate = f64::from(per_fill) / interval.seconds as f64;
+    assert!((90.0..=100.0).contains(&rate), "{b:?}");
+    assert!(b.max_tokens >= 1 && b.max_tokens <= 100, "{b:?}");
+
+    // Its next report is answered with the same bucket again, which extends it without resetting it.
+    stream.report("edge", &[(SHARED, 0, 20, 0)]);
+    let again = actions(&stream.next().await);
+    assert_eq!(again[&key(SHARED)], Some((strategy, 1)));
+    s.stop().await;
+}
+
+#[tokio::test]
+async fn unlimited_unmatched_and_zero_limits_get_blanket_rules() {
+    let s = start(|_| {}).await;
+    s.wait_serving(Duration::from_secs(5)).await;
+    let mut stream = Raw::open(&s).await.unwrap();
+    let free: Entries<'_> = &[("generic_key", "free")];
+    let closed: Entries<'_> = &[("generic_key", "closed")];
+    let unknown: Entries<'_> = &[("nothing", "here")];
+    let allow_list: Entries<'_> = &[("tenant", "acme")];
+    stream.report(
+        "edge",
+        &[
+            (free, 0, 1, 0),
+            (closed, 0, 1, 0),
+            (unknown, 0, 1, 0),
+            (allow_list, 0, 1, 0),
+        ],
+    );
+    let mut got = HashMap::new();
+    while got.len() < 4 {
+        got.extend(actions(&stream.next().await));
+    }
+    let allow = Some((Strategy::BlanketRule(0), 1));
+    assert_eq!(got[&key(free)], allow, "unlimited");
+    assert_eq!(
+        got[&key(unknown)],
+        allow,
+        "no rule: not limited, as ShouldRateLimit answers"
+    );
+    assert_eq!(got[&key(allow_list)], allow, "a rule without a limit");
+    assert_eq!(
+        got[&key(closed)],
+        Some((Strategy::BlanketRule(1), 1)),
+        "a limit of 0"
+    );
+
+    // A domain without rules is not limited either.
+    let mut other = Raw::open(&s).await.unwrap();
+    other.report("unknown-domain", &[(SHARED, 0, 1, 0)]);
+    assert_eq!(actions(&other.next().await)[&key(SHARED)], allow);
+    s.stop().await;
+}
+
+#[tokio::test]
+async fn bucket_entries_are_matched_in_the_order_the_rules_nest_them() {
+    let s = start(|_| {}).await;
+    s.wait_serving(Duration::from_secs(5)).await;
+    let mut stream = Raw::open(&s).await.unwrap();
+    let login: Entries<'_> = &[("path", "/login"), ("remote_address", "203.0.113.7")];
+    stream.report("edge", &[(login, 0, 1, 0)]);
+    let (strategy, _) = actions(&stream.next().await)[&key(login)].unwrap();
+    // 600 a minute: 10 per second.
+    let b = token_bucket(&strategy);
+    let rate = f64::from(b.tokens_per_fill.unwrap()) / b.fill_interval.unwrap().seconds as f64;
+    assert!((9.0..=10.0).contains(&rate), "{b:?}");
+    s.stop().await;
+}
+
+async fn write(dir: &Path, text: &str) {
+    std::fs::write(dir.join("edge.yaml"), text).unwrap();
+}
+
+#[tokio::test]
+async fn a_bucket_whose_rule_is_removed_is_abandoned_then_allowed() {
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), RULES).await;
+    let root = dir.path().to_path_buf();
+    let s = TestServer::start_with_clock(&[], Clock::System, move |s| {
+        fast(s);
+        s.rules.path = Some(root);
+        s.rules.reload_delay = Duration::from_millis(50);
+    })
+    .await;
+    s.wait_serving(Duration::from_secs(5)).await;
+    let mut stream = Raw::open(&s).await.unwrap();
+    stream.report("edge", &[(SHARED, 0, 1, 0)]);
+    assert!(matches!(
+        actions(&stream.next().await)[&key(SHARED)],
+        Some((Strategy::TokenBucket(_), _))
+    ));
+    write(dir.path(), "domain: edge\ndescriptors:\n  - key: other\n").await;
+    wait_for("the new rules", Duration::from_secs(5), async || {
+        let (_, text) = s.http("GET", "/rlconfig", "").await;
+        (!text.contains("generic_key_shared")).then_some(())
+    })
+    .await;
+    stream.report("edge", &[(SHARED, 1, 5, 0)]);
+    assert_eq!(
+        actions(&stream.next().await)[&key(SHARED)],
+        None,
+        "abandoned"
+    );
+    // Traffic creates the bucket again: not limited any more.
+    stream.report("edge", &[(SHARED, 0, 1, 0)]);
+    assert_eq!(
+        actions(&stream.next().await)[&key(SHARED)],
+        Some((Strategy::BlanketRule(0), 1))
+    );
+    assert_eq!(s.metric("ratelimitd_rlqs_abandoned_total").await, Some(1.0));
+    s.stop().await;
+}
+
+#[tokio::test]
+async fn bounds_leave_buckets_unanswered_and_refuse_streams_and_huge_reports() {
+    let s = start(|s| {
+        s.rlqs.max_buckets_per_stream = 2;
+        s.rlqs.max_streams = 1;
+        s.rlqs.max_message_bytes = 4096;
+    })
+    .await;
+    s.wait_serving(Duration::from_secs(5)).await;
+    let mut stream = Raw::open(&s).await.unwrap();
+    let (a, b, c): (Entries<'_>, Entries<'_>, Entries<'_>) =
+        (&[("tenant", "a")], &[("tenant", "b")], &[("tenant", "c")]);
+    let empty: Entries<'_> = &[];
+    let long = "x".repeat(2000);
+    let too_long: Entries<'_> = &[("tenant", &long)];
+    stream.report(
+        "edge",
+        &[
+            (a, 0, 1, 0),
+            (b, 0, 1, 0),
+            (c, 0, 1, 0),
+            (empty, 0, 1, 0),
+            (too_long, 0, 1, 0),
+        ],
+    );
+    let got = actions(&stream.next().await);
+    assert_eq!(got.len(), 2, "two buckets a stream at most: {got:?}");
+    assert!(got.contains_key(&key(a)) && got.contains_key(&key(b)));
+    assert_eq!(unanswered(&s, "too_many_buckets").await, Some(1.0));
+    assert_eq!(unanswered(&s, "invalid_bucket").await, Some(2.0));
+
+    // One stream at most.
+    let mut second = Raw::open(&s).await;
+    let refused = match &mut second {
+        Err(status) => status.clone(),
+        Ok(raw) => raw.end(Duration::from_secs(5)).await.expect("refused"),
+    };
+    assert_eq!(refused.code(), Code::ResourceExhausted, "{refused:?}");
+    assert!(
+        refused.message().contains("rlqs.max_streams"),
+        "{refused:?}"
+    );
+
+    // A report past rlqs.max_message_bytes ends the stream.
+    let many: Vec<(String, String)> = (0..200)
+        .map(|i| ("tenant".to_string(), format!("t{i}")))
+        .collect();
+    let huge = RateLimitQuotaUsageReports {
+        domain: "edge".into(),
+        bucket_quota_usages: many
+            .iter()
+            .map(|(k, v)| BucketQuotaUsage {
+                bucket_id: Some(id(&[(k.as_str(), v.as_str())])),
+                time_elapsed: None,
+                num_requests_allowed: u64::MAX,
+                num_requests_denied: u64::MAX,
+            })
+            .collect(),
+    };
+    stream.tx.send(huge).unwrap();
+    let ended = stream
+        .end(Duration::from_secs(5))
+        .await
+        .expect("an error status");
+    assert_eq!(ended.code(), Code::ResourceExhausted, "{ended:?}");
+    // The service still answers the next stream.
+    drop(stream);
+    let mut next = wait_for("a stream again", Duration::from_secs(5), async || {
+        Raw::open(&s).await.ok()
+    })
+    .await;
+    next.report("edge", &[(a, 0, 1, 0)]);
+    assert!(actions(&next.next().await).contains_key(&key(a)));
+    s.stop().await;
+}
+
+async fn unanswered(s: &TestServer, reason: &str) -> Option<f64> {
+    let want = format!("ratelimitd_rlqs_unanswered_total{{reason=\"{reason}\"}} ");
+    let (_, text) = s.http("GET", "/metrics", "").await;
+    text.lines()
+        .find_map(|l| l.strip_prefix(&want)?.trim().parse::<f64>().ok())
+}
+
+#[tokio::test]
+async fn a_silent_stream_is_closed_after_ten_report_periods() {
+    let s = start(|_| {}).await;
+    s.wait_serving(Duration::from_secs(5)).await;
+    let mut stream = Raw::open(&s).await.unwrap();
+    let started = std::time::Instant::now();
+    let ended = stream.end(Duration::from_secs(10)).await.expect("a status");
+    assert_eq!(ended.code(), Code::Unavailable, "{ended:?}");
+    let waited = started.elapsed();
+    assert!(waited >= Duration::from_millis(1900), "{waited:?}");
+    s.stop().await;
+}
+
+#[tokio::test]
+async fn shutdown_ends_the_streams_at_once_so_envoys_move_to_another_replica() {
+    let s = start(|s| s.shutdown.grace_period = Duration::from_secs(20)).await;
+    s.wait_serving(Duration::from_secs(5)).await;
+    let mut stream = Raw::open(&s).await.unwrap();
+    stream.report("edge", &[(SHARED, 0, 1, 0)]);
+    stream.next().await;
+    let started = std::time::Instant::now();
+    s.shutdown.cancel();
+    let ended = stream.end(Duration::from_secs(5)).await.expect("a status");
+    assert_eq!(ended.code(), Code::Unavailable, "{ended:?}");
+    s.handle.await.unwrap().unwrap();
+    // Well within the 20 s grace period: the stream did not hold the drain.
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        started.elapsed()
+    );
+}
+
+#[tokio::test]
+async fn metrics_by_domain_and_rule_show_subscribers_assignments_and_usage() {
+    let s = start(|_| {}).await;
+    s.wait_serving(Duration::from_secs(5)).await;
+    let mut stream = Raw::open(&s).await.unwrap();
+    stream.report("edge", &[(SHARED, 0, 1, 0)]);
+    stream.next().await;
+    stream.report("edge", &[(SHARED, 0, 30, 7)]);
+    stream.next().await;
+    let (_, text) = s.http("GET", "/metrics", "").await;
+    let series = |name: &str| {
+        let want = format!("{name}{{domain=\"edge\",rule=\"generic_key_shared\"}} ");
+        text.lines()
+            .find_map(|l| l.strip_prefix(&want)?.trim().parse::<f64>().ok())
+    };
+    assert_eq!(series("ratelimitd_rlqs_subscribers"), Some(1.0), "{text}");
+    assert_eq!(series("ratelimitd_rlqs_allowed_total"), Some(31.0));
+    assert_eq!(series("ratelimitd_rlqs_denied_total"), Some(7.0));
+    let assigned = series("ratelimitd_rlqs_assigned_tokens_per_second").unwrap();
+    assert!(assigned > 0.0 && assigned <= 100.0, "{assigned}");
+    assert!(text.contains("ratelimitd_rlqs_streams 1"), "{text}");
+    drop(stream);
+    wait_for("the stream gone", Duration::from_secs(5), async || {
+        (s.metric("ratelimitd_rlqs_streams").await == Some(0.0)).then_some(())
+    })
+    .await;
+    s.stop().await;
+}
+
+#[tokio::test]
+async fn with_rlqs_off_the_service_is_not_there_and_reflection_lists_it_when_on() {
+    let off = start(|s| s.rlqs.enabled = false).await;
+    off.wait_serving(Duration::from_secs(5)).await;
+    match Raw::open(&off).await {
+        Err(status) => assert_eq!(status.code(), Code::Unimplemented),
+        Ok(mut raw) => assert_eq!(
+            raw.end(Duration::from_secs(5)).await.map(|s| s.code()),
+            Some(Code::Unimplemented)
+        ),
+    }
+    off.stop().await;
+
+    use tonic_reflection::pb::v1::{
+        server_reflection_client::ServerReflectionClient,
+        server_reflection_request::MessageRequest, server_reflection_response::MessageResponse,
+        ServerReflectionRequest,
+    };
+    let on = start(|_| {}).await;
+    let mut reflection = ServerReflectionClient::new(on.channel().await);
+    let request = ServerReflectionRequest {
+        host: String::new(),
+        message_request: Some(MessageRequest::ListServices(String::new())),
+    };
+    let mut replies = reflection
+        .server_reflection_info(futures_util::stream::iter([request]))
+        .await
+        .unwrap()
+        .into_inner();
+    let reply = replies.message().await.unwrap().unwrap();
+    let Some(MessageResponse::ListServicesResponse(list)) = reply.message_response else {
+        panic!("{reply:?}")
+    };
+    assert!(
+        list.service
+            .iter()
+            .any(|s| s.name == "envoy.service.rate_limit_quota.v3.RateLimitQuotaService"),
+        "{list:?}"
+    );
+    on.stop().await;
+}

@@ -33,6 +33,12 @@ impl RateLimitApi {
     }
 }
 
+/// The header Envoy sends its filter timeout in, as the call's deadline.
+const GRPC_TIMEOUT: http::HeaderName = http::HeaderName::from_static("grpc-timeout");
+/// The status and message of an answer that is a status alone (trailers-only).
+const GRPC_STATUS: http::HeaderName = http::HeaderName::from_static("grpc-status");
+const GRPC_MESSAGE: http::HeaderName = http::HeaderName::from_static("grpc-message");
+
 #[tonic::async_trait]
 impl RateLimitService for RateLimitApi {
     async fn should_rate_limit(
@@ -46,7 +52,8 @@ impl RateLimitService for RateLimitApi {
         // Envoy sends its filter timeout as the call's deadline: the answer is due before it.
         let due = request
             .metadata()
-            .get("grpc-timeout")
+            .as_ref()
+            .get(&GRPC_TIMEOUT)
             .and_then(|v| v.to_str().ok())
             .and_then(parse_grpc_timeout)
             .map(|timeout| tokio::time::Instant::now() + timeout);
@@ -59,27 +66,27 @@ impl RateLimitService for RateLimitApi {
             decision = tracing::field::Empty,
         );
         let _ = span.set_parent(parent);
-        let limiter = self.limiter.clone();
-        let decided = span.clone();
-        async move {
-            match limiter.should_rate_limit_by(&request, due).await {
-                Ok(response) => {
-                    let decision = match response.overall_code {
-                        Code::Ok => "OK",
-                        Code::OverLimit => "OVER_LIMIT",
-                    };
-                    decided.record("decision", decision);
-                    Ok(Response::new(to_wire(response)))
-                }
-                Err(err) => {
-                    decided.record("decision", "error");
-                    tracing::debug!(domain = %request.domain, error = %err, "request not decided");
-                    Err(to_status(&err))
-                }
+        let decided = self
+            .limiter
+            .should_rate_limit_by(&request, due)
+            .instrument(span.clone())
+            .await;
+        let _in_span = span.enter();
+        match decided {
+            Ok(response) => {
+                let decision = match response.overall_code {
+                    Code::Ok => "OK",
+                    Code::OverLimit => "OVER_LIMIT",
+                };
+                span.record("decision", decision);
+                Ok(Response::new(to_wire(response)))
+            }
+            Err(err) => {
+                span.record("decision", "error");
+                tracing::debug!(domain = %request.domain, error = %err, "request not decided");
+                Err(to_status(&err))
             }
         }
-        .instrument(span)
-        .await
     }
 }
 
@@ -200,12 +207,12 @@ pub fn refusals_are_invalid_argument(
     mut response: http::Response<tonic::body::Body>,
 ) -> http::Response<tonic::body::Body> {
     let headers = response.headers_mut();
-    let status = headers.get("grpc-status").and_then(|v| v.to_str().ok());
+    let status = headers.get(&GRPC_STATUS).and_then(|v| v.to_str().ok());
     if !matches!(status, Some("11" | "13")) {
         return response;
     }
     let message = headers
-        .get("grpc-message")
+        .get(&GRPC_MESSAGE)
         .map(|v| percent_encoding::percent_decode(v.as_bytes()).decode_utf8_lossy())
         .unwrap_or_default();
     let text = if let Some((_, sizes)) = message.split_once("message length too large: ") {
@@ -227,8 +234,8 @@ pub fn refusals_are_invalid_argument(
         })
         .collect();
     if let Ok(value) = http::HeaderValue::from_str(&text) {
-        headers.insert("grpc-status", http::HeaderValue::from_static("3"));
-        headers.insert("grpc-message", value);
+        headers.insert(GRPC_STATUS, http::HeaderValue::from_static("3"));
+        headers.insert(GRPC_MESSAGE, value);
     }
     response
 }

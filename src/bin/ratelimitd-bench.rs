@@ -3,7 +3,13 @@
 //! Closed loop (`--concurrency` callers, each sending its next request when the last is answered) or
 //! open loop (`--rate` requests per second on a fixed schedule; a request sent late because an earlier
 //! answer was slow is measured from its scheduled time, so a stalled server is not hidden). Keys are drawn uniformly, from a Zipf distribution, or are
-//! one hot key. Reports req/s, latency percentiles and answer counts as text or JSON.
+//! one hot key. Reports req/s, latency percentiles, answer counts and its own CPU time per request as
+//! text or JSON.
+//!
+//! `ratelimitd-bench floor --addr ADDR` serves the bare gRPC floor instead: a tonic server with nothing
+//! but the rate limit service, answering OK to every call with one status per descriptor (no rules, no
+//! counters, no metrics, no layers). Driven by the same load, it shows what this machine's gRPC stack
+//! costs, so that a service's CPU per request can be read against it.
 
 use std::{
     collections::BTreeMap,
@@ -12,12 +18,15 @@ use std::{
     time::{Duration, Instant},
 };
 
-use clap::{Parser, ValueEnum};
+use clap::{Parser, Subcommand, ValueEnum};
 use rand::{rngs::SmallRng, Rng, SeedableRng};
 use ratelimitd::proto::{
-    rate_limit_descriptor::Entry, rate_limit_response::Code, RateLimitDescriptor, RateLimitRequest,
-    RateLimitResponse, RateLimitServiceClient,
+    rate_limit_descriptor::Entry,
+    rate_limit_response::{Code, DescriptorStatus},
+    rate_limit_service_server::{RateLimitService, RateLimitServiceServer},
+    RateLimitDescriptor, RateLimitRequest, RateLimitResponse, RateLimitServiceClient,
 };
+use tokio_stream::StreamExt;
 use tonic::transport::{Channel, Endpoint};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -30,12 +39,31 @@ enum Distribution {
     Hot,
 }
 
-#[derive(Debug, Clone, Parser)]
+#[derive(Debug, Parser)]
 #[command(
     name = "ratelimitd-bench",
     version,
-    about = "Load generator for Envoy rate limit services"
+    about = "Load generator for Envoy rate limit services",
+    args_conflicts_with_subcommands = true
 )]
+struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+    #[command(flatten)]
+    load: Args,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Serve the bare gRPC floor: every call answered OK, one status per descriptor, nothing else.
+    Floor {
+        /// Where to listen.
+        #[arg(long, default_value = "127.0.0.1:8081")]
+        addr: std::net::SocketAddr,
+    },
+}
+
+#[derive(Debug, Clone, clap::Args)]
 struct Args {
     /// Address of the rate limit service.
     #[arg(long, default_value = "127.0.0.1:8081")]
@@ -360,17 +388,23 @@ struct Report {
     latency: [f64; 5],
     /// Latency from send in ms: p50 and p99.
     service: [f64; 2],
+    /// This tool's CPU time per request answered (warm-up included), in µs: what the load itself
+    /// costs the machine it shares with the service.
+    cpu_us_per_request: Option<f64>,
 }
 
 impl Report {
-    fn new(mut total: Tally, duration: Duration) -> Self {
+    fn new(mut total: Tally, duration: Duration, cpu: Option<Duration>) -> Self {
         total.latencies_us.sort_unstable();
         total.service_us.sort_unstable();
         let elapsed = duration.as_secs_f64();
         let sent = total.latencies_us.len();
         let latency = [50.0, 90.0, 99.0, 99.9, 100.0].map(|p| percentile(&total.latencies_us, p));
         let service = [50.0, 99.0].map(|p| percentile(&total.service_us, p));
+        let answered = sent as u64 + total.warmup;
+        let cpu_us_per_request = cpu.map(|cpu| cpu.as_secs_f64() * 1e6 / answered.max(1) as f64);
         Self {
+            cpu_us_per_request,
             errors: total.errors.values().sum(),
             rps: sent as f64 / elapsed,
             total,
@@ -399,6 +433,7 @@ impl Report {
             rps,
             latency: [p50, p90, p99, p999, max],
             service: [service_p50, service_p99],
+            cpu_us_per_request,
         } = self;
         let report = serde_json::json!({
             "label": args.label,
@@ -420,6 +455,7 @@ impl Report {
             "errors_by_code": total.errors,
             "latency_ms": {"p50": p50, "p90": p90, "p99": p99, "p99_9": p999, "max": max},
             "service_latency_ms": {"p50": service_p50, "p99": service_p99},
+            "load_cpu_us_per_request": cpu_us_per_request,
         });
         writeln!(out, "{report}")
     }
@@ -433,6 +469,7 @@ impl Report {
             rps,
             latency: [p50, p90, p99, p999, max],
             service: [service_p50, service_p99],
+            cpu_us_per_request,
         } = self;
         writeln!(
             out,
@@ -460,8 +497,83 @@ impl Report {
             out,
             "answers: OK {}  OVER_LIMIT {}  errors {errors} {:?}",
             total.ok, total.over_limit, total.errors
-        )
+        )?;
+        match cpu_us_per_request {
+            Some(us) => writeln!(out, "this tool's CPU: {us:.1} µs per request"),
+            None => Ok(()),
+        }
     }
+}
+
+/// The bare gRPC floor: the rate limit service alone, answering OK to every call.
+#[derive(Debug, Clone, Copy)]
+struct Floor;
+
+#[tonic::async_trait]
+impl RateLimitService for Floor {
+    async fn should_rate_limit(
+        &self,
+        request: tonic::Request<RateLimitRequest>,
+    ) -> Result<tonic::Response<RateLimitResponse>, tonic::Status> {
+        let ok = Code::Ok as i32;
+        let statuses = request
+            .get_ref()
+            .descriptors
+            .iter()
+            .map(|_| DescriptorStatus {
+                code: ok,
+                ..DescriptorStatus::default()
+            })
+            .collect();
+        Ok(tonic::Response::new(RateLimitResponse {
+            overall_code: ok,
+            statuses,
+            ..RateLimitResponse::default()
+        }))
+    }
+}
+
+/// The floor's gRPC server: tonic's defaults and the one service.
+fn floor_server() -> tonic::transport::server::Router {
+    tonic::transport::Server::builder().add_service(RateLimitServiceServer::new(Floor))
+}
+
+/// Serves the floor on `addr` until interrupted (SIGINT) or terminated.
+async fn serve_floor(addr: std::net::SocketAddr) -> Result<(), Box<dyn std::error::Error>> {
+    let listener = tokio::net::TcpListener::bind(addr).await?;
+    // As ratelimitd's listener does: answers are sent at once, not held back by Nagle.
+    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener).map(|conn| {
+        conn.inspect(|io| {
+            let _ = io.set_nodelay(true);
+        })
+    });
+    floor_server()
+        .serve_with_incoming_shutdown(incoming, async {
+            let _ = tokio::signal::ctrl_c().await;
+        })
+        .await?;
+    Ok(())
+}
+
+/// CPU time this process has used so far (user plus system, every thread), from `/proc/self/stat`;
+/// `None` where there is no such file.
+fn cpu_time() -> Option<Duration> {
+    cpu_of_stat(&std::fs::read_to_string("/proc/self/stat").ok()?)
+}
+
+/// The user plus system time of a `/proc/PID/stat` line.
+fn cpu_of_stat(stat: &str) -> Option<Duration> {
+    // Linux reports both in clock ticks of USER_HZ, 100 per second on every architecture it runs on.
+    const TICKS_PER_SECOND: u64 = 100;
+    // The command name (field 2) is in parentheses and may hold spaces and parentheses: fields are
+    // counted from the last `) `, which starts field 3; utime and stime are fields 14 and 15.
+    let (_, rest) = stat.rsplit_once(") ")?;
+    let mut fields = rest.split_ascii_whitespace().skip(11);
+    let utime: u64 = fields.next()?.parse().ok()?;
+    let stime: u64 = fields.next()?.parse().ok()?;
+    Some(Duration::from_millis(
+        (utime + stime) * 1000 / TICKS_PER_SECOND,
+    ))
 }
 
 /// One HTTP/2 connection per `--connections`, all open before the run starts.
@@ -478,12 +590,20 @@ async fn connect(args: &Args) -> Result<Vec<Channel>, Box<dyn std::error::Error>
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let args = Args::parse();
+    let cli = Cli::parse();
+    if let Some(Command::Floor { addr }) = cli.command {
+        return serve_floor(addr).await;
+    }
+    let args = cli.load;
     args.check()?;
     let channels = connect(&args).await?;
+    let cpu_before = cpu_time();
     let workload = Arc::new(Workload::start(args));
     let total = run(workload.clone(), &channels).await?;
-    let report = Report::new(total, workload.args.duration);
+    let cpu = cpu_before
+        .zip(cpu_time())
+        .map(|(before, after)| after - before);
+    let report = Report::new(total, workload.args.duration, cpu);
     // Write errors are returned, not panicked on (a reader that went away).
     report.write(&workload.args, &mut std::io::stdout().lock())?;
     Ok(())
@@ -507,6 +627,50 @@ mod tests {
         assert!(draws.iter().all(|&k| k < 1000));
         let hot = KeySampler::new(Distribution::Hot, 1000);
         assert!((0..100).all(|_| hot.sample(&mut rng) == 0));
+    }
+
+    #[tokio::test]
+    async fn the_floor_answers_ok_with_one_status_per_descriptor() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(
+            floor_server()
+                .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+        );
+        let mut client = RateLimitServiceClient::connect(format!("http://{addr}"))
+            .await
+            .unwrap();
+        let args = Cli::parse_from(["ratelimitd-bench", "--descriptors", "3"]).load;
+        let sampler = KeySampler::new(args.distribution, args.keys);
+        let mut rng = SmallRng::seed_from_u64(1);
+        let answer = client
+            .should_rate_limit(request(&args, &sampler, &mut rng))
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(answer.overall_code, Code::Ok as i32);
+        assert_eq!(answer.statuses.len(), 3);
+        assert!(answer.statuses.iter().all(|s| s.code == Code::Ok as i32));
+    }
+
+    #[test]
+    fn the_load_and_the_floor_take_their_own_arguments() {
+        let floor = Cli::try_parse_from(["ratelimitd-bench", "floor", "--addr", "127.0.0.1:9"]);
+        assert!(matches!(
+            floor.unwrap().command,
+            Some(Command::Floor { addr }) if addr.port() == 9
+        ));
+        let load = Cli::try_parse_from(["ratelimitd-bench", "--rate", "5"]).unwrap();
+        assert!(load.command.is_none() && load.load.rate == 5);
+        assert!(Cli::try_parse_from(["ratelimitd-bench", "--rate", "5", "floor"]).is_err());
+    }
+
+    #[test]
+    fn cpu_time_is_user_plus_system_whatever_the_command_name() {
+        let stat = "4242 (tokio) (x) S 1 4242 4242 0 -1 4194560 900 0 0 0 250 37 0 0 20 0 3 0 1";
+        assert_eq!(cpu_of_stat(stat), Some(Duration::from_millis(2870)));
+        assert_eq!(cpu_of_stat("4242 (short) S 1"), None);
+        assert!(cpu_time().is_some(), "/proc/self/stat is read on Linux");
     }
 
     #[test]

@@ -7,18 +7,23 @@
 //! same descriptor as `envoy` mode (`"name";r=<remaining>;t=<seconds to reset>`). Whenever headers are
 //! on, an OVER_LIMIT answer also carries `Retry-After`.
 
-use super::{Code, DescriptorStatus, HeaderNames, ResponseHeaders};
+use super::{plan::Resolved, Code, DescriptorStatus, HeaderNames, ResponseHeaders};
 use crate::store::Role;
 
+/// The headers of an answer with these statuses, chosen from `resolved` (each descriptor's limits and
+/// role); `windows` holds the window of each limited descriptor's reported limit, in order.
 pub(super) fn build(
     mode: ResponseHeaders,
     names: &HeaderNames,
     statuses: &[DescriptorStatus],
-    roles: &[Option<Role>],
+    resolved: &[Resolved<'_>],
     windows: &[u64],
     overall: Code,
 ) -> Vec<(String, String)> {
-    let Some((index, status)) = closest(statuses, roles) else {
+    if mode == ResponseHeaders::Off {
+        return Vec::new();
+    }
+    let Some((index, status)) = closest(statuses, resolved) else {
         return Vec::new();
     };
     let (Some(limit), Some(reset)) = (&status.current_limit, status.duration_until_reset) else {
@@ -87,16 +92,16 @@ fn policy_name(name: Option<&str>, index: usize) -> String {
 /// else the first with the least quota left.
 fn closest<'a>(
     statuses: &'a [DescriptorStatus],
-    roles: &[Option<Role>],
+    resolved: &[Resolved<'_>],
 ) -> Option<(usize, &'a DescriptorStatus)> {
     let mut chosen: Option<(usize, &DescriptorStatus)> = None;
     let mut over: Option<(usize, &DescriptorStatus)> = None;
-    for (i, (status, role)) in statuses.iter().zip(roles).enumerate() {
-        let Some(role) = role else { continue };
+    for (i, (status, r)) in statuses.iter().zip(resolved).enumerate() {
+        let Some(role) = r.role() else { continue };
         if chosen.is_none_or(|(_, c)| status.limit_remaining < c.limit_remaining) {
             chosen = Some((i, status));
         }
-        if status.code == Code::OverLimit && *role != Role::Quota {
+        if status.code == Code::OverLimit && role != Role::Quota {
             over = Some((i, status));
         }
     }

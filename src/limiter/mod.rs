@@ -37,7 +37,17 @@ pub use types::{
     Response,
 };
 
-use std::{borrow::Cow, sync::Arc, time::Duration};
+use std::{
+    borrow::Cow,
+    future::{poll_fn, Future},
+    pin::{pin, Pin},
+    sync::{
+        atomic::{AtomicUsize, Ordering},
+        Arc,
+    },
+    task::Poll,
+    time::Duration,
+};
 
 use smallvec::{smallvec, SmallVec};
 
@@ -113,6 +123,54 @@ fn answer_margin(left: Duration) -> Duration {
 /// Per-request bookkeeping, on the stack for requests of up to eight descriptors.
 type Small<T> = SmallVec<[T; 8]>;
 
+/// The requests being decided, bounded by `overload.max_in_flight`. Requests past the bound are refused,
+/// never queued, so a counter is all it takes: no waiters to wake when one ends.
+#[derive(Debug)]
+struct InFlight {
+    count: AtomicUsize,
+    max: usize,
+}
+
+impl InFlight {
+    fn new(max: usize) -> Self {
+        Self {
+            count: AtomicUsize::new(0),
+            max: max.max(1),
+        }
+    }
+
+    /// A place among the requests being decided, held until the guard drops; `None` when all are taken.
+    fn enter(&self) -> Option<InFlightGuard<'_>> {
+        self.count
+            .fetch_update(Ordering::Acquire, Ordering::Relaxed, |n| {
+                (n < self.max).then_some(n + 1)
+            })
+            .ok()
+            .map(|_| InFlightGuard(self))
+    }
+}
+
+/// One request being decided.
+struct InFlightGuard<'a>(&'a InFlight);
+
+impl Drop for InFlightGuard<'_> {
+    fn drop(&mut self) {
+        self.0.count.fetch_sub(1, Ordering::Release);
+    }
+}
+
+/// `future`'s output, unless `deadline` passes first. It is polled once before any timer is armed: a
+/// decision the store answers at once (the memory store) never touches the timer wheel.
+async fn before<F: Future>(
+    deadline: tokio::time::Instant,
+    mut future: Pin<&mut F>,
+) -> Option<F::Output> {
+    if let Poll::Ready(output) = poll_fn(|cx| Poll::Ready(future.as_mut().poll(cx))).await {
+        return Some(output);
+    }
+    tokio::time::timeout_at(deadline, future).await.ok()
+}
+
 /// Decides requests against the current rules and a store.
 #[derive(Debug)]
 pub struct Limiter {
@@ -122,8 +180,7 @@ pub struct Limiter {
     clock: Clock,
     options: Options,
     series: Series,
-    /// One permit per request being decided.
-    in_flight: tokio::sync::Semaphore,
+    in_flight: InFlight,
 }
 
 impl Limiter {
@@ -136,12 +193,7 @@ impl Limiter {
             &options.metrics,
         );
         let store = DenyCached::new(backend, options.deny_cache.clone());
-        let in_flight = tokio::sync::Semaphore::new(
-            options
-                .overload
-                .max_in_flight
-                .clamp(1, tokio::sync::Semaphore::MAX_PERMITS),
-        );
+        let in_flight = InFlight::new(options.overload.max_in_flight);
         Self {
             rules,
             store,
@@ -175,13 +227,13 @@ impl Limiter {
         due: Option<tokio::time::Instant>,
     ) -> Result<Response, LimitError> {
         let started = std::time::Instant::now();
-        let result = match self.in_flight.try_acquire() {
+        let result = match self.in_flight.enter() {
             // Past the bound, answering at once beats queueing: the caller's own deadline would pass
             // anyway, and the queue would only grow.
-            Err(_) => Err(LimitError::Overloaded {
+            None => Err(LimitError::Overloaded {
                 max: self.options.overload.max_in_flight,
             }),
-            Ok(_permit) => {
+            Some(_in_flight) => {
                 let limit = self.options.overload.deadline;
                 let now = tokio::time::Instant::now();
                 let answer_by = due.map_or(now + limit, |due| due.min(now + limit));
@@ -190,7 +242,8 @@ impl Limiter {
                     at: answer_by - answer_margin(left),
                     from_caller: due.is_some(),
                 };
-                tokio::time::timeout(limit, self.decide(request, store_deadline))
+                let decision = pin!(self.decide(request, store_deadline));
+                before(now + limit, decision)
                     .await
                     .unwrap_or(Err(LimitError::Deadline(limit)))
             }
@@ -201,7 +254,8 @@ impl Limiter {
 
     async fn decide(&self, request: &Request, deadline: Deadline) -> Result<Response, LimitError> {
         plan::validate(request, &self.options.request_limits)?;
-        let rules = self.rules.snapshot().ok_or(LimitError::NoRules)?;
+        let rules = self.rules.current();
+        let rules = rules.as_deref().ok_or(LimitError::NoRules)?;
         let domain = rules.domains.get(&request.domain);
         if domain.is_none() {
             self.record_unknown_domain();
@@ -221,15 +275,15 @@ impl Limiter {
                 .await;
             match applied {
                 Ok(applied) => Some(applied),
-                Err(err) => return self.backend_failed(err, resolved, &batch),
+                Err(err) => return self.backend_failed(err, &resolved, &batch),
             }
         };
         let denied = applied.as_ref().is_some_and(|a| a.denied);
         let outcomes = applied.as_ref().map_or(&[][..], |a| &a.outcomes[..]);
 
-        let decided = status::choose(resolved, outcomes, &from_cache);
+        let decided = status::choose(&resolved, outcomes, &from_cache);
         self.record_decision(request, &decided.verdicts, denied);
-        Ok(decided.into_response(&self.options, denied))
+        Ok(decided.into_response(&resolved, &self.options, denied))
     }
 
     /// The answer when the store cannot decide, by the `on_backend_error` policy: the error itself, every
@@ -238,7 +292,7 @@ impl Limiter {
     fn backend_failed(
         &self,
         err: StoreError,
-        resolved: Small<Resolved<'_>>,
+        resolved: &[Resolved<'_>],
         batch: &Batch,
     ) -> Result<Response, LimitError> {
         tracing::debug!(error = %err, policy = ?self.options.on_backend_error, "backend failed");

@@ -11,20 +11,85 @@ use smallvec::{smallvec, SmallVec};
 use super::{CurrentLimit, Descriptor, LimitError, Options, Request, RequestLimits, Small};
 use crate::{
     algorithm::{Algorithm, Params},
-    rules::{Domain, Node, PathStep, Unit},
+    rules::{Domain, Limit, Node, PathStep, Unit},
     store::{keys, Batch, Check, Role},
 };
 
-/// One limit a descriptor is checked against.
-pub(super) struct Applicable {
-    pub limit: CurrentLimit,
-    pub params: Params,
+/// One limit a descriptor is checked against: one of its rule's, borrowed from the rules, or the
+/// caller's override. Small and copied freely; the status's [`CurrentLimit`] is made only for the limit
+/// a descriptor is reported under.
+#[derive(Debug, Clone, Copy)]
+pub(super) enum Applicable<'a> {
+    /// The limit at `index` of the rule's limits (0 for its `rate_limit`).
+    Rule { limit: &'a Limit, index: usize },
+    /// The caller's limit, counted in a fixed window of one unit.
+    Override { requests_per_unit: u32, unit: Unit },
+}
+
+impl Applicable<'_> {
+    /// How the limit counts.
+    pub fn params(&self) -> Params {
+        match *self {
+            Applicable::Rule { limit, .. } => limit.params(),
+            Applicable::Override {
+                requests_per_unit,
+                unit,
+            } => {
+                let limit = u64::from(requests_per_unit);
+                Params {
+                    algorithm: Algorithm::FixedWindow,
+                    limit,
+                    window_ms: unit.seconds() * 1000,
+                    burst: limit,
+                }
+            }
+        }
+    }
+
     /// Position of the limit in its rule (0 for `rate_limit` and for overrides).
-    pub index: usize,
+    pub fn index(&self) -> usize {
+        match *self {
+            Applicable::Rule { index, .. } => index,
+            Applicable::Override { .. } => 0,
+        }
+    }
+
+    pub fn requests_per_unit(&self) -> u32 {
+        match *self {
+            Applicable::Rule { limit, .. } => limit.requests_per_unit,
+            Applicable::Override {
+                requests_per_unit, ..
+            } => requests_per_unit,
+        }
+    }
+
+    pub fn unit(&self) -> Unit {
+        match *self {
+            Applicable::Rule { limit, .. } => limit.unit,
+            Applicable::Override { unit, .. } => unit,
+        }
+    }
+
+    /// The limit's name, which `replaces` refers to (overrides have none).
+    pub fn name(&self) -> Option<&Arc<str>> {
+        match self {
+            Applicable::Rule { limit, .. } => limit.name.as_ref(),
+            Applicable::Override { .. } => None,
+        }
+    }
+
+    /// The limit as a status reports it.
+    pub fn current_limit(&self) -> CurrentLimit {
+        CurrentLimit {
+            requests_per_unit: self.requests_per_unit(),
+            unit: self.unit(),
+            name: self.name().cloned(),
+        }
+    }
 }
 
 /// The limits of one descriptor; most have one or two.
-pub(super) type Limits = SmallVec<[Applicable; 2]>;
+pub(super) type Limits<'a> = SmallVec<[Applicable<'a>; 2]>;
 
 /// What a descriptor resolved to before counting.
 pub(super) enum Resolved<'a> {
@@ -32,7 +97,7 @@ pub(super) enum Resolved<'a> {
     /// An unlimited rule: never counted, but its `replaces` still apply.
     Unlimited(&'a Node),
     Limited {
-        limits: Limits,
+        limits: Limits<'a>,
         /// The rule, when the limits came from one (not from a request override).
         node: Option<&'a Node>,
         role: Role,
@@ -129,21 +194,10 @@ fn resolve_one<'a>(
 ) -> Result<Resolved<'a>, LimitError> {
     if let Some(over) = &descriptor.limit {
         let unit = over.unit.ok_or(LimitError::UnknownOverrideUnit { index })?;
-        let limit = u64::from(over.requests_per_unit);
         return Ok(Resolved::Limited {
-            limits: smallvec![Applicable {
-                limit: CurrentLimit {
-                    requests_per_unit: over.requests_per_unit,
-                    unit,
-                    name: None,
-                },
-                params: Params {
-                    algorithm: Algorithm::FixedWindow,
-                    limit,
-                    window_ms: unit.seconds() * 1000,
-                    burst: limit,
-                },
-                index: 0,
+            limits: smallvec![Applicable::Override {
+                requests_per_unit: over.requests_per_unit,
+                unit,
             }],
             node: None,
             role: Role::Enforce,
@@ -158,15 +212,7 @@ fn resolve_one<'a>(
                 .limits
                 .iter()
                 .enumerate()
-                .map(|(index, limit)| Applicable {
-                    limit: CurrentLimit {
-                        requests_per_unit: limit.requests_per_unit,
-                        unit: limit.unit,
-                        name: limit.name.clone(),
-                    },
-                    params: limit.params(),
-                    index,
-                })
+                .map(|(index, limit)| Applicable::Rule { limit, index })
                 .collect(),
             node: Some(node),
             role: if node.flags.shadow_mode {
@@ -183,15 +229,20 @@ fn resolve_one<'a>(
 /// Drops every matched limit whose name another matched limit of the same request replaces
 /// (unlimited limits replace too). Overrides have no name and are never replaced.
 fn apply_replaces(resolved: &mut [Resolved<'_>]) {
-    let replaced: Vec<Arc<str>> = resolved
-        .iter()
-        .filter_map(|r| match r {
+    let rules = || {
+        resolved.iter().filter_map(|r| match r {
             Resolved::Unlimited(node)
             | Resolved::Limited {
                 node: Some(node), ..
-            } => Some(node),
+            } => Some(*node),
             _ => None,
         })
+    };
+    // Most requests match no limit that replaces another: nothing to gather.
+    if !rules().any(|node| node.limits.iter().any(|l| !l.replaces.is_empty())) {
+        return;
+    }
+    let replaced: Vec<Arc<str>> = rules()
         .flat_map(|node| node.limits.iter())
         .flat_map(|limit| limit.replaces.iter().cloned())
         .collect();
@@ -200,7 +251,7 @@ fn apply_replaces(resolved: &mut [Resolved<'_>]) {
     }
     for r in resolved.iter_mut() {
         if let Resolved::Limited { limits, .. } = r {
-            limits.retain(|a| a.limit.name.as_ref().is_none_or(|n| !replaced.contains(n)));
+            limits.retain(|a| a.name().is_none_or(|n| !replaced.contains(n)));
             if limits.is_empty() {
                 *r = Resolved::NoLimit;
             }
@@ -240,6 +291,7 @@ pub(super) fn batch(request: &Request, resolved: &[Resolved<'_>], options: &Opti
             + 2 * descriptor.entries.len()
             + 48;
         for applicable in limits {
+            let params = applicable.params();
             let mut key = String::with_capacity(key_len);
             keys::limit_key(
                 &mut key,
@@ -250,16 +302,16 @@ pub(super) fn batch(request: &Request, resolved: &[Resolved<'_>], options: &Opti
                     .iter()
                     .zip(&values)
                     .map(|(e, v)| (e.key.as_str(), v.as_ref())),
-                applicable.params.algorithm,
-                applicable.params.window_ms / 1000,
-                applicable.index,
+                params.algorithm,
+                params.window_ms / 1000,
+                applicable.index(),
             );
             batch.checks.push(Check {
                 key,
-                params: applicable.params,
+                params,
                 cost,
                 role: *role,
-                per_second: applicable.limit.unit == Unit::Second,
+                per_second: applicable.unit() == Unit::Second,
             });
         }
     }

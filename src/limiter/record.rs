@@ -19,7 +19,7 @@ use crate::{
     rules::Node,
     store::Role,
     telemetry::{
-        metrics::{Histogram, RuleCounters},
+        metrics::{HeldCounters, Histogram, RuleCounters},
         Metrics,
     },
 };
@@ -32,6 +32,8 @@ thread_local! {
 /// The metric series every request updates, held so that recording them looks nothing up.
 #[derive(Debug)]
 pub(super) struct Series {
+    /// Whose counters the rules hold ([`HeldCounters`]): this limiter's, under its way of naming rules.
+    owner: u64,
     check_duration: Arc<Histogram>,
     requests_ok: Arc<AtomicU64>,
     requests_over_limit: Arc<AtomicU64>,
@@ -48,6 +50,7 @@ impl Series {
             )
         };
         Self {
+            owner: HeldCounters::new_owner(),
             check_duration: metrics.histogram(
                 "rate_limit_check_duration_seconds",
                 "Time to decide one ShouldRateLimit request.",
@@ -112,23 +115,18 @@ impl Limiter {
             if !verdict.outcome.allowed && verdict.role != Role::Shadow {
                 self.record_offender(&request.domain, descriptor, verdict.node);
             }
-            let rule = rule_label(verdict.node, &request.domain, descriptor, &self.options);
-            let counters = match rule.request_values_of {
-                // Request values in the label: at most so many series per rule, then one for the rest.
-                Some(written) => self.options.metrics.rule_within(
-                    &request.domain,
-                    &rule.text,
-                    written,
-                    self.options.metric_values_per_rule,
-                ),
-                None => self.options.metrics.rule(&request.domain, &rule.text),
+            let held = verdict
+                .node
+                .and_then(|node| node.counters.get(self.series.owner));
+            let found;
+            let counters = match held {
+                Some(counters) => counters,
+                None => {
+                    found = self.rule_counters(&request.domain, descriptor, verdict.node);
+                    &*found
+                }
             };
-            self.record_rule(
-                &counters,
-                verdict,
-                plan::hits(request, descriptor),
-                consumed,
-            );
+            self.record_rule(counters, verdict, plan::hits(request, descriptor), consumed);
         }
         if denied && self.options.shadow_mode {
             self.options.metrics.count(
@@ -137,6 +135,34 @@ impl Limiter {
                 Vec::new(),
                 1,
             );
+        }
+    }
+
+    /// The counters of a descriptor's `rule` label, from the metrics. A label that is the rule's own (no
+    /// request values in it) is the same for every request the rule matches: the rule holds its
+    /// counters from then on.
+    fn rule_counters(
+        &self,
+        domain: &str,
+        descriptor: &Descriptor,
+        node: Option<&Node>,
+    ) -> Arc<RuleCounters> {
+        let rule = rule_label(node, domain, descriptor, &self.options);
+        match rule.request_values_of {
+            // Request values in the label: at most so many series per rule, then one for the rest.
+            Some(written) => self.options.metrics.rule_within(
+                domain,
+                &rule.text,
+                written,
+                self.options.metric_values_per_rule,
+            ),
+            None => {
+                let counters = self.options.metrics.rule(domain, &rule.text);
+                if let Some(node) = node {
+                    node.counters.hold(self.series.owner, counters.clone());
+                }
+                counters
+            }
         }
     }
 

@@ -31,8 +31,6 @@ pub(super) struct Verdict<'a> {
 /// Every descriptor's status, and what the headers and the metrics need besides.
 pub(super) struct Decided<'a> {
     statuses: Vec<DescriptorStatus>,
-    /// The role of each descriptor's checks (none when it has none).
-    roles: Small<Option<Role>>,
     /// The window (seconds) of each limited descriptor's reported limit, in order, for the IETF policy
     /// header.
     windows: Small<u64>,
@@ -42,21 +40,24 @@ pub(super) struct Decided<'a> {
 
 /// Reads the outcomes (one per check, in the order of the batch; `from_cache` likewise) into statuses.
 pub(super) fn choose<'a>(
-    resolved: Small<Resolved<'a>>,
+    resolved: &[Resolved<'a>],
     outcomes: &[Outcome],
     from_cache: &[bool],
 ) -> Decided<'a> {
-    let roles = resolved.iter().map(Resolved::role).collect();
     let mut windows = Small::new();
     let mut verdicts = Small::new();
     let mut check = 0;
     let statuses = resolved
-        .into_iter()
+        .iter()
         .enumerate()
-        .map(|(index, r)| match r {
+        .map(|(index, r)| match *r {
             Resolved::NoLimit => DescriptorStatus::no_limit(),
             Resolved::Unlimited(_) => DescriptorStatus::unlimited(),
-            Resolved::Limited { limits, node, role } => {
+            Resolved::Limited {
+                ref limits,
+                node,
+                role,
+            } => {
                 let checks = check..check + limits.len();
                 check = checks.end;
                 let from_cache = from_cache
@@ -67,36 +68,41 @@ pub(super) fn choose<'a>(
                     windows.push(0);
                     return DescriptorStatus::no_limit();
                 };
-                windows.push(applicable.params.window_ms / 1000);
+                windows.push(applicable.params().window_ms / 1000);
                 verdicts.push(Verdict {
                     index,
                     node,
                     role,
-                    limit: u64::from(applicable.limit.requests_per_unit),
+                    limit: u64::from(applicable.requests_per_unit()),
                     outcome,
                     from_cache,
                 });
-                status(applicable.limit, outcome, role)
+                status(applicable.current_limit(), outcome, role)
             }
         })
         .collect();
     Decided {
         statuses,
-        roles,
         windows,
         verdicts,
     }
 }
 
 impl Decided<'_> {
-    /// The answer: the statuses, the overall code and the headers for the caller's response.
-    pub fn into_response(self, options: &Options, denied: bool) -> Response {
+    /// The answer: the statuses, the overall code and the headers for the caller's response
+    /// (`resolved` is what the statuses were chosen from).
+    pub fn into_response(
+        self,
+        resolved: &[Resolved<'_>],
+        options: &Options,
+        denied: bool,
+    ) -> Response {
         let overall_code = overall(denied, options.shadow_mode);
         let response_headers = headers::build(
             options.response_headers,
             &options.header_names,
             &self.statuses,
-            &self.roles,
+            resolved,
             &self.windows,
             overall_code,
         );
@@ -110,9 +116,9 @@ impl Decided<'_> {
 
 /// The descriptor's limit closest to denying, with its outcome: a denying one (the longest wait first),
 /// else the one with the least quota left. `outcomes` are the limits' own, in order.
-fn closest(limits: Limits, outcomes: &[Outcome]) -> Option<(Applicable, Outcome)> {
-    let mut chosen: Option<(Applicable, Outcome)> = None;
-    for (applicable, &outcome) in limits.into_iter().zip(outcomes) {
+fn closest<'a>(limits: &Limits<'a>, outcomes: &[Outcome]) -> Option<(Applicable<'a>, Outcome)> {
+    let mut chosen: Option<(Applicable<'a>, Outcome)> = None;
+    for (&applicable, &outcome) in limits.iter().zip(outcomes) {
         let closer =
             chosen
                 .as_ref()
@@ -153,21 +159,21 @@ pub(super) fn overall(denied: bool, shadow_mode: bool) -> Code {
 /// The statuses when the store could not decide and the policy answers anyway: every enforced (or
 /// quota) descriptor over its first limit when `deny`, else every descriptor without a limit, since
 /// nothing was counted.
-pub(super) fn undecided(resolved: Small<Resolved<'_>>, deny: bool) -> Vec<DescriptorStatus> {
+pub(super) fn undecided(resolved: &[Resolved<'_>], deny: bool) -> Vec<DescriptorStatus> {
     resolved
-        .into_iter()
+        .iter()
         .map(|r| match r {
             Resolved::NoLimit => DescriptorStatus::no_limit(),
             Resolved::Unlimited(_) => DescriptorStatus::unlimited(),
-            Resolved::Limited {
-                mut limits, role, ..
-            } if deny && role != Role::Shadow => DescriptorStatus {
-                code: Code::OverLimit,
-                current_limit: Some(limits.swap_remove(0).limit),
-                limit_remaining: 0,
-                duration_until_reset: None,
-                retry_after: None,
-            },
+            Resolved::Limited { limits, role, .. } if deny && *role != Role::Shadow => {
+                DescriptorStatus {
+                    code: Code::OverLimit,
+                    current_limit: limits.first().map(Applicable::current_limit),
+                    limit_remaining: 0,
+                    duration_until_reset: None,
+                    retry_after: None,
+                }
+            }
             Resolved::Limited { .. } => DescriptorStatus::no_limit(),
         })
         .collect()

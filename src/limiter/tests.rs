@@ -537,3 +537,40 @@ fn the_store_waits_until_shortly_before_the_answer_is_due() {
     assert_eq!(waits(2), Duration::from_millis(1));
     assert_eq!(waits(0), Duration::ZERO);
 }
+
+#[tokio::test]
+async fn rule_counters_held_by_the_rules_count_for_each_limiter_and_survive_a_reload() {
+    let rules = Arc::new(Rules::default());
+    let build = || RuleSet::build(&[("f".into(), parse_file(RULES).unwrap())], false).unwrap();
+    rules.replace(build());
+    let limiter_counting_in = |metrics: &Arc<Metrics>| {
+        Limiter::new(
+            rules.clone(),
+            Arc::new(Store::Memory(MemoryStore::new(1000))),
+            Clock::manual(2_222_000),
+            Options {
+                metrics: metrics.clone(),
+                ..Options::default()
+            },
+        )
+    };
+    let (first, second) = (Arc::new(Metrics::new()), Arc::new(Metrics::new()));
+    let (a, b) = (limiter_counting_in(&first), limiter_counting_in(&second));
+    let r = req(vec![desc(&[("k", "v")])]);
+    let hits = |metrics: &Metrics| {
+        let line = "ratelimit_service_rate_limit_total_hits{domain=\"d\",rule=\"k\"} ";
+        metrics
+            .render()
+            .lines()
+            .find_map(|l| l.strip_prefix(line).map(str::to_owned))
+    };
+    ask(&a, &r).await;
+    ask(&a, &r).await;
+    ask(&b, &r).await;
+    assert_eq!(hits(&first).as_deref(), Some("2"));
+    assert_eq!(hits(&second).as_deref(), Some("1"), "each limiter its own");
+    // A reload builds new rules, which hold nothing yet: the same series goes on counting.
+    rules.replace(build());
+    ask(&a, &r).await;
+    assert_eq!(hits(&first).as_deref(), Some("3"));
+}

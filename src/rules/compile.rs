@@ -159,6 +159,7 @@ fn new_node(
         path: parent_path.iter().cloned().chain([step]).collect(),
         metadata: spec.metadata.clone().map(Arc::new),
         children: Level::default(),
+        counters: Default::default(),
     }
 }
 

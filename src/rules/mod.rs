@@ -40,7 +40,7 @@ pub use error::{
 pub use flags::RuleFlags;
 pub use loader::{load, Fingerprint, Loaded};
 pub use matcher::EntryRef;
-pub use model::{Domain, KeyNodes, Level, Limit, Node, PathStep, RuleSet};
+pub use model::{Domain, KeyNodes, Level, Limit, Node, PathStep, RuleMap, RuleSet};
 pub use options::{ConfigType, RulesSettings, Source, DEFAULT_MAX_YAML_NODES};
 pub use pattern::{Cidr, CidrError, Wildcard};
 pub use unit::Unit;
@@ -57,6 +57,12 @@ impl Rules {
     /// The current snapshot, if any rules were ever loaded.
     pub fn snapshot(&self) -> Option<Arc<RuleSet>> {
         self.current.load_full()
+    }
+
+    /// The current snapshot, borrowed: no reference count is taken while few are borrowed at once on
+    /// a thread (see [`arc_swap::Guard`]), so deciding a request leaves the snapshot's count alone.
+    pub fn current(&self) -> arc_swap::Guard<Option<Arc<RuleSet>>> {
+        self.current.load()
     }
 
     /// Replaces the current snapshot.

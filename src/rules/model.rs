@@ -10,7 +10,14 @@ use super::{
     pattern::{Cidr, Wildcard},
     unit::Unit,
 };
-use crate::algorithm::{Algorithm, Params};
+use crate::{
+    algorithm::{Algorithm, Params},
+    telemetry::metrics::HeldCounters,
+};
+
+/// The maps of the tree, by domain, key and value. Their keys come from the rules files alone (a request
+/// only looks up), so no caller can crowd one chain: a fast hash, seeded per map, serves them.
+pub type RuleMap<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
 
 /// A limit of a rule (`rate_limit`, or an entry of `rate_limits`).
 #[derive(Debug, Clone, PartialEq)]
@@ -60,6 +67,9 @@ pub struct Node {
     pub metadata: Option<Arc<serde_json::Map<String, serde_json::Value>>>,
     /// Nested descriptors.
     pub children: Level,
+    /// The rule's counters in the metrics, held here once found, as the reference keeps a rule's stats
+    /// with the rule: recording a decision under the rule then looks nothing up.
+    pub counters: HeldCounters,
 }
 
 /// One level of a rule's path: the `key` and `value` written there, and that level's flags, which shape
@@ -86,14 +96,14 @@ impl PathStep {
 /// the two contain.
 #[derive(Debug, Clone, Default)]
 pub struct Level {
-    pub keys: HashMap<Box<str>, KeyNodes>,
+    pub keys: RuleMap<Box<str>, KeyNodes>,
 }
 
 /// The nodes of one level that share a `key`, by how their value matches the request's value.
 #[derive(Debug, Clone, Default)]
 pub struct KeyNodes {
     /// Nodes with a plain value, by that value.
-    pub values: HashMap<Box<str>, Node>,
+    pub values: RuleMap<Box<str>, Node>,
     /// `cidr:` nodes, longest prefix first.
     pub cidrs: Vec<(Cidr, Node)>,
     /// Wildcard-valued nodes, in file order; the pattern is matched against the value alone.
@@ -134,7 +144,7 @@ pub struct Domain {
 /// Every loaded domain: an immutable snapshot.
 #[derive(Debug, Clone, Default)]
 pub struct RuleSet {
-    pub domains: HashMap<String, Domain>,
+    pub domains: RuleMap<String, Domain>,
 }
 
 impl Limit {

@@ -56,7 +56,8 @@ impl DenyCache {
 
     /// The remembered denial of this check, if it still holds at `now_ms`.
     pub fn lookup(&self, key: &str, params: &Params, cost: u64, now_ms: u64) -> Option<Outcome> {
-        let mut shard = self.entries.lock_key(key);
+        let key = self.entries.hash(key);
+        let mut shard = self.entries.lock_of(key);
         let entry = shard.get(key)?;
         if now_ms >= entry.until_ms {
             shard.remove(key);
@@ -87,15 +88,16 @@ impl DenyCache {
             outcome,
             since_ms: sent_ms,
         };
-        let mut shard = self.entries.lock_key(key);
-        if shard.len() >= self.per_shard && !shard.contains_key(key) {
-            shard.retain(|_, e| e.until_ms > sent_ms);
+        let key = self.entries.hash(key);
+        let mut shard = self.entries.lock_of(key);
+        if shard.len() >= self.per_shard && shard.get(key).is_none() {
+            shard.retain(|e| e.until_ms > sent_ms);
             if shard.len() >= self.per_shard {
                 // Full of live denials: this one is simply asked of the store again next time.
                 return;
             }
         }
-        shard.insert(key.into(), entry);
+        shard.insert(key, entry);
     }
 
     /// Forgets everything (the rules changed).

@@ -72,7 +72,7 @@ impl MemoryStore {
 
     fn purge(&self, shard: &mut Shard<Entry>, now_ms: u64) -> usize {
         let before = shard.len();
-        shard.retain(|_, e| e.expires_at_ms > now_ms);
+        shard.retain(|e| e.expires_at_ms > now_ms);
         let removed = before - shard.len();
         self.len.fetch_sub(removed, Ordering::Relaxed);
         removed
@@ -82,7 +82,7 @@ impl MemoryStore {
     fn reserve(
         &self,
         new_keys: usize,
-        held: &mut Held<'_, Entry>,
+        held: &mut Held<'_, '_, Entry>,
         now_ms: u64,
     ) -> Result<(), StoreError> {
         if new_keys == 0 {
@@ -117,7 +117,7 @@ impl MemoryStore {
     fn apply_now(&self, batch: &Batch, now_ms: u64) -> Result<Applied, StoreError> {
         let checks = &batch.checks;
         // One entry per counter key: a fixed-window state carries its window start, and a state from
-        // an earlier window has expired.
+        // an earlier window has expired. Each key is hashed once, here.
         let mut held = self
             .counters
             .lock_keys(checks.iter().map(|c| c.key.as_str()));
@@ -136,7 +136,7 @@ impl MemoryStore {
                     Outcome::from(decided.decision)
                 } else {
                     // Allowed but not consumed: report the quota as it stands (nothing was written).
-                    let stored = live_state(held.shard(i), &check.key, now_ms);
+                    let stored = live_state(held.get(i), now_ms);
                     let (as_is, _) = algorithm::decide(&check.params, stored, now_ms, 0);
                     Outcome {
                         allowed: true,
@@ -154,16 +154,12 @@ impl MemoryStore {
         &self,
         checks: &[Check],
         decided: &mut [Decided],
-        held: &mut Held<'_, Entry>,
+        held: &mut Held<'_, '_, Entry>,
         now_ms: u64,
     ) -> Result<(), StoreError> {
-        let new_keys = (0..checks.len())
-            // An expired entry is overwritten in place: only absent keys need room.
-            .filter(|&i| {
-                decided[i].first_write && !held.shard(i).contains_key(checks[i].key.as_str())
-            })
-            .count();
+        let new_keys = decided.iter().filter(|d| d.new_key).count();
         self.reserve(new_keys, held, now_ms)?;
+        let mut added = 0;
         for (i, check) in checks.iter().enumerate() {
             let Some(state) = decided[i].next.take() else {
                 continue;
@@ -172,14 +168,13 @@ impl MemoryStore {
                 expires_at_ms: algorithm::expires_at_ms(&check.params, &state, now_ms),
                 state,
             };
-            let map = held.shard_mut(i);
             // Later checks of the same key overwrite earlier ones, in request order.
-            match map.get_mut(check.key.as_str()) {
-                Some(e) => *e = entry,
-                None => {
-                    map.insert(check.key.as_str().into(), entry);
-                }
-            }
+            added += usize::from(held.insert(i, entry));
+        }
+        // Making room may have reclaimed an expired counter of this very batch, which was then stored
+        // anew: counted here, so that the count stays the number of counters held.
+        if added > new_keys {
+            self.len.fetch_add(added - new_keys, Ordering::Relaxed);
         }
         Ok(())
     }
@@ -190,36 +185,40 @@ struct Decided {
     decision: Decision,
     /// The state to store when the request consumes; none when the check changes nothing.
     next: Option<State>,
-    /// The check writes its key first in the batch (no earlier check of the key changed it).
-    first_write: bool,
+    /// The check stores a key that is not stored yet: it writes the key first in the batch (no earlier
+    /// check of the key changed it) and no entry is there, expired or not (an expired one is
+    /// overwritten in place). Only such keys need room.
+    new_key: bool,
 }
 
 /// Decides every check in order; a key checked twice sees the state the earlier check left.
-fn decide_in_order(checks: &[Check], held: &Held<'_, Entry>, now_ms: u64) -> Small<Decided> {
+fn decide_in_order(checks: &[Check], held: &Held<'_, '_, Entry>, now_ms: u64) -> Small<Decided> {
     let mut decided: Small<Decided> = Small::new();
     for (i, check) in checks.iter().enumerate() {
         let earlier = (0..i)
             .rev()
-            .find(|&j| decided[j].next.is_some() && checks[j].key == check.key);
-        let state = match earlier {
-            Some(j) => decided[j].next.as_ref(),
-            None => live_state(held.shard(i), &check.key, now_ms),
+            .find(|&j| decided[j].next.is_some() && held.same_key(i, j));
+        let (state, stored) = match earlier {
+            Some(j) => (decided[j].next.as_ref(), true),
+            None => {
+                let stored = held.get(i);
+                (live_state(stored, now_ms), stored.is_some())
+            }
         };
         let (decision, next) =
             algorithm::decide(&check.params, state, now_ms, check.bounded_cost());
         decided.push(Decided {
             decision,
-            first_write: earlier.is_none() && next.is_some(),
+            new_key: !stored && next.is_some(),
             next,
         });
     }
     decided
 }
 
-/// The stored state of `key`, unless it has expired.
-fn live_state<'a>(shard: &'a Shard<Entry>, key: &str, now_ms: u64) -> Option<&'a State> {
-    shard
-        .get(key)
+/// The state in a stored entry, unless it has expired.
+fn live_state(stored: Option<&Entry>, now_ms: u64) -> Option<&State> {
+    stored
         .filter(|e| e.expires_at_ms > now_ms)
         .map(|e| &e.state)
 }
@@ -416,6 +415,24 @@ mod tests {
         assert!(!run(&store, &one("c_"), 11).denied);
         assert_eq!(store.len(), 1);
         assert_eq!(store.sweep(12_000), 1);
+        assert!(store.is_empty());
+    }
+
+    #[test]
+    fn a_counter_reclaimed_to_make_room_and_stored_again_is_counted() {
+        let store = MemoryStore::new(2);
+        let one = |k: &str| check(k, 5, 1, 1, Role::Enforce);
+        let batch = |checks: Vec<Check>| Batch {
+            checks,
+            consume_on_deny: false,
+            known_denied: false,
+        };
+        run(&store, &batch(vec![one("a_"), one("b_")]), 10);
+        // Both expired; the store is full, so making room for `c_` reclaims them, `a_` included,
+        // which this request then stores again.
+        run(&store, &batch(vec![one("a_"), one("c_")]), 11);
+        assert_eq!(store.len(), 2, "a_ and c_ are held");
+        assert_eq!(store.sweep(12_000), 2);
         assert!(store.is_empty());
     }
 

@@ -302,7 +302,9 @@ impl CounterStore for Store {
     ) -> Result<Applied, StoreError> {
         match self {
             Store::Memory(store) => store.apply(batch, now_millis, deadline).await,
-            Store::Redis(store) => store.apply(batch, now_millis, deadline).await,
+            // Boxed: a Redis call's state is large, and every future that awaits this one would
+            // carry its size (and copy it as it moves) on the memory store too.
+            Store::Redis(store) => Box::pin(store.apply(batch, now_millis, deadline)).await,
             Store::Noop => Ok(Applied {
                 denied: false,
                 outcomes: batch

@@ -3,22 +3,91 @@
 //! its denials.
 //!
 //! Keys are spread by a hasher seeded at random per map, so that nobody can choose keys that all land in
-//! one shard. A poisoned shard is used as it is: a thread that panicked while holding it left plain values
-//! behind, and the map itself stays consistent.
+//! one shard or one chain of a shard. A key is hashed once per use ([`Hashed`]): the same hash picks its
+//! shard (from its high half) and finds it there (hashbrown's table uses the low bits and the top seven),
+//! and each entry keeps its hash so that growing a shard hashes nothing again. A poisoned shard is used
+//! as it is: a thread that panicked while holding it left plain values behind, and the map itself stays
+//! consistent.
 
 use std::{
-    collections::HashMap,
     hash::{BuildHasher, RandomState},
     sync::{Mutex, MutexGuard},
 };
 
+use hashbrown::{hash_table::Entry, HashTable};
 use smallvec::SmallVec;
 
 /// Per-batch bookkeeping, on the stack for batches of up to eight keys.
 type Small<T> = SmallVec<[T; 8]>;
 
+/// A key with its hash under one map's hasher.
+#[derive(Debug, Clone, Copy)]
+pub struct Hashed<'k> {
+    key: &'k str,
+    hash: u64,
+}
+
+/// One entry: its hash (for growing the table), its key and its value.
+type Slot<V> = (u64, Box<str>, V);
+
 /// One shard: the part of the map behind one lock.
-pub type Shard<V> = HashMap<Box<str>, V>;
+#[derive(Debug)]
+pub struct Shard<V> {
+    table: HashTable<Slot<V>>,
+}
+
+impl<V> Default for Shard<V> {
+    fn default() -> Self {
+        Self {
+            table: HashTable::new(),
+        }
+    }
+}
+
+impl<V> Shard<V> {
+    pub fn len(&self) -> usize {
+        self.table.len()
+    }
+
+    pub fn get(&self, key: Hashed<'_>) -> Option<&V> {
+        self.table
+            .find(key.hash, |(_, k, _)| **k == *key.key)
+            .map(|(_, _, v)| v)
+    }
+
+    /// Stores `value` under `key`, replacing what was there; whether the key is new here.
+    pub fn insert(&mut self, key: Hashed<'_>, value: V) -> bool {
+        match self
+            .table
+            .entry(key.hash, |(_, k, _)| **k == *key.key, |(hash, _, _)| *hash)
+        {
+            Entry::Occupied(mut held) => {
+                held.get_mut().2 = value;
+                false
+            }
+            Entry::Vacant(room) => {
+                room.insert((key.hash, key.key.into(), value));
+                true
+            }
+        }
+    }
+
+    pub fn remove(&mut self, key: Hashed<'_>) -> Option<V> {
+        self.table
+            .find_entry(key.hash, |(_, k, _)| **k == *key.key)
+            .ok()
+            .map(|entry| entry.remove().0 .2)
+    }
+
+    /// Keeps the entries for which `keep` is true.
+    pub fn retain(&mut self, mut keep: impl FnMut(&V) -> bool) {
+        self.table.retain(|(_, _, v)| keep(v));
+    }
+
+    pub fn clear(&mut self) {
+        self.table.clear();
+    }
+}
 
 /// A map split into a fixed number of locked shards.
 #[derive(Debug)]
@@ -32,7 +101,7 @@ impl<V> Sharded<V> {
     pub fn new(shards: usize) -> Self {
         Self {
             shards: (0..shards.max(1))
-                .map(|_| Mutex::new(HashMap::new()))
+                .map(|_| Mutex::new(Shard::default()))
                 .collect(),
             hasher: RandomState::new(),
         }
@@ -43,9 +112,18 @@ impl<V> Sharded<V> {
         self.shards.len()
     }
 
-    /// The index of the shard `key` lives in.
-    pub fn shard_of(&self, key: &str) -> usize {
-        (self.hasher.hash_one(key) as usize) % self.shards.len()
+    /// `key` hashed for this map.
+    pub fn hash<'k>(&self, key: &'k str) -> Hashed<'k> {
+        Hashed {
+            key,
+            hash: self.hasher.hash_one(key),
+        }
+    }
+
+    /// The index of the shard `key` lives in: from the hash's high half, which the shard's own table
+    /// does not use to place it.
+    fn shard_of(&self, key: Hashed<'_>) -> usize {
+        ((key.hash >> 32) as usize) % self.shards.len()
     }
 
     /// Locks the shard of this index, waiting for it.
@@ -56,7 +134,7 @@ impl<V> Sharded<V> {
     }
 
     /// Locks the shard `key` lives in.
-    pub fn lock_key(&self, key: &str) -> MutexGuard<'_, Shard<V>> {
+    pub fn lock_of(&self, key: Hashed<'_>) -> MutexGuard<'_, Shard<V>> {
         self.lock(self.shard_of(key))
     }
 
@@ -71,38 +149,59 @@ impl<V> Sharded<V> {
     }
 
     /// Locks the shards of all these keys at once, each once, in ascending order: two callers locking
-    /// overlapping shards this way cannot deadlock.
-    pub fn lock_keys<'k>(&self, keys: impl Iterator<Item = &'k str>) -> Held<'_, V> {
-        let shards: Small<usize> = keys.map(|key| self.shard_of(key)).collect();
-        let mut held: Small<usize> = shards.clone();
-        held.sort_unstable();
-        held.dedup();
+    /// overlapping shards this way cannot deadlock. Each key is hashed here, once.
+    pub fn lock_keys<'k>(&self, keys: impl Iterator<Item = &'k str>) -> Held<'_, 'k, V> {
+        let mut hashed: Small<(Hashed<'k>, usize)> = Small::new();
+        // The shards to lock, ascending and each once; a request has a handful of keys.
+        let mut shards: Small<usize> = Small::new();
+        for key in keys {
+            let key = self.hash(key);
+            let shard = self.shard_of(key);
+            if let Err(at) = shards.binary_search(&shard) {
+                shards.insert(at, shard);
+            }
+            hashed.push((key, shard));
+        }
         Held {
-            slots: shards
-                .iter()
-                .map(|shard| held.partition_point(|i| i < shard))
-                .collect(),
-            guards: held.iter().map(|&i| (i, self.lock(i))).collect(),
+            guards: shards.iter().map(|&i| (i, self.lock(i))).collect(),
+            keys: hashed,
         }
     }
 }
 
-/// The shards of several keys, locked until this is dropped.
-pub struct Held<'a, V> {
+/// The shards of several keys, locked until this is dropped; keys are named by their position in the
+/// order given.
+pub struct Held<'a, 'k, V> {
     /// Each shard held, with its index, in ascending order.
     guards: Small<(usize, MutexGuard<'a, Shard<V>>)>,
-    /// For each key, in the order given, the position in `guards` of its shard.
-    slots: Small<usize>,
+    /// The keys, hashed, each with the index of its shard.
+    keys: Small<(Hashed<'k>, usize)>,
 }
 
-impl<'a, V> Held<'a, V> {
-    /// The shard of the `key`-th key given.
-    pub fn shard(&self, key: usize) -> &Shard<V> {
-        &self.guards[self.slots[key]].1
+impl<'a, V> Held<'a, '_, V> {
+    /// The shard of the `key`-th key given (found among a handful held).
+    fn shard(&self, key: usize) -> &Shard<V> {
+        let shard = self.keys[key].1;
+        let at = self.guards.partition_point(|(i, _)| *i < shard);
+        &self.guards[at].1
     }
 
-    pub fn shard_mut(&mut self, key: usize) -> &mut Shard<V> {
-        &mut self.guards[self.slots[key]].1
+    /// The value of the `key`-th key given.
+    pub fn get(&self, key: usize) -> Option<&V> {
+        self.shard(key).get(self.keys[key].0)
+    }
+
+    /// Whether the `a`-th and `b`-th keys given are the same key (their hashes tell most apart).
+    pub fn same_key(&self, a: usize, b: usize) -> bool {
+        let (a, b) = (self.keys[a].0, self.keys[b].0);
+        a.hash == b.hash && a.key == b.key
+    }
+
+    /// Stores `value` under the `key`-th key given, replacing what was there; whether the key is new.
+    pub fn insert(&mut self, key: usize, value: V) -> bool {
+        let (hashed, shard) = self.keys[key];
+        let at = self.guards.partition_point(|(i, _)| *i < shard);
+        self.guards[at].1.insert(hashed, value)
     }
 
     /// Whether the shard of this index is among those held.
@@ -125,13 +224,42 @@ mod tests {
         let map: Sharded<u32> = Sharded::new(8);
         for i in 0..100 {
             let key = format!("k{i}");
-            map.lock_key(&key).insert(key.as_str().into(), i);
+            let hashed = map.hash(&key);
+            map.lock_of(hashed).insert(hashed, i);
         }
         for i in 0..100 {
             let key = format!("k{i}");
-            assert_eq!(map.lock(map.shard_of(&key)).get(key.as_str()), Some(&i));
+            let hashed = map.hash(&key);
+            assert_eq!(map.lock_of(hashed).get(hashed), Some(&i));
+            let held = map.lock_keys([key.as_str()].into_iter());
+            assert_eq!(held.get(0), Some(&i), "the same shard through lock_keys");
         }
         assert_eq!(map.each().map(|s| s.len()).sum::<usize>(), 100);
-        assert!(map.each().filter(|s| !s.is_empty()).count() > 1, "spread");
+        assert!(map.each().filter(|s| s.len() > 0).count() > 1, "spread");
+    }
+
+    #[test]
+    fn entries_are_replaced_removed_and_kept_across_growth() {
+        let map: Sharded<u32> = Sharded::new(1);
+        let keys: Vec<String> = (0..1000).map(|i| format!("key {i}")).collect();
+        let mut held = map.lock_keys(keys.iter().map(String::as_str).take(8));
+        held.insert(3, 1);
+        held.insert(3, 2);
+        assert_eq!((held.get(3), held.get(4)), (Some(&2), None));
+        drop(held);
+        let mut shard = map.lock(0);
+        for (i, key) in keys.iter().enumerate() {
+            shard.insert(map.hash(key), i as u32);
+        }
+        assert_eq!(shard.len(), 1000);
+        assert!(keys
+            .iter()
+            .enumerate()
+            .all(|(i, k)| shard.get(map.hash(k)) == Some(&(i as u32))));
+        assert_eq!(shard.remove(map.hash(&keys[7])), Some(7));
+        assert_eq!(shard.remove(map.hash(&keys[7])), None);
+        shard.retain(|v| v % 2 == 0);
+        assert_eq!(shard.len(), 500);
+        assert_eq!(shard.get(map.hash(&keys[10])), Some(&10));
     }
 }

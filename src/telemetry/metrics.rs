@@ -10,7 +10,7 @@ use std::{
     fmt::Write,
     sync::{
         atomic::{AtomicU64, Ordering},
-        Arc, RwLock,
+        Arc, OnceLock, RwLock,
     },
     time::Duration,
 };
@@ -105,6 +105,33 @@ pub struct RuleCounters {
     pub over_limit_with_local_cache: AtomicU64,
     /// Descriptors (not hits) found over the limit: `rate_limit_exceeded_total`.
     pub exceeded: AtomicU64,
+}
+
+/// A rule's counters, held beside the rule once found (the rules tree keeps one per rule), so that
+/// recording under the rule looks nothing up. Each holds them for one owner only, the limiter that found
+/// them (its metrics and its way of naming rules): another owner finds its own.
+#[derive(Debug, Default, Clone)]
+pub struct HeldCounters(OnceLock<(u64, Arc<RuleCounters>)>);
+
+impl HeldCounters {
+    /// A number for an owner of held counters, unique in this process.
+    pub fn new_owner() -> u64 {
+        static OWNERS: AtomicU64 = AtomicU64::new(1);
+        OWNERS.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// The counters held for `owner`, if it has found them.
+    pub fn get(&self, owner: u64) -> Option<&RuleCounters> {
+        self.0
+            .get()
+            .filter(|(held_for, _)| *held_for == owner)
+            .map(|(_, counters)| &**counters)
+    }
+
+    /// Holds `counters` for `owner`, unless some are held already.
+    pub fn hold(&self, owner: u64, counters: Arc<RuleCounters>) {
+        let _ = self.0.set((owner, counters));
+    }
 }
 
 /// Reads one counter of a [`RuleCounters`].

@@ -8,7 +8,7 @@ use std::{
         atomic::{AtomicU64, AtomicUsize, Ordering},
         Arc,
     },
-    task::{Context, Poll},
+    task::{ready, Context, Poll},
     time::Duration,
 };
 
@@ -86,16 +86,13 @@ pub struct TrackCalls<S> {
     inner: S,
 }
 
-type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
-
-impl<S, B> tower::Service<http::Request<B>> for TrackCalls<S>
+impl<S, B, ResBody> tower::Service<http::Request<B>> for TrackCalls<S>
 where
-    S: tower::Service<http::Request<B>, Response = http::Response<tonic::body::Body>>,
-    S::Future: Send + 'static,
+    S: tower::Service<http::Request<B>, Response = http::Response<ResBody>>,
 {
-    type Response = http::Response<tonic::body::Body>;
+    type Response = http::Response<Guarded<ResBody>>;
     type Error = S::Error;
-    type Future = BoxFuture<Result<Self::Response, S::Error>>;
+    type Future = TrackedCall<S::Future>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
         self.inner.poll_ready(cx)
@@ -107,37 +104,60 @@ where
             .get::<ConnectionInfo>()
             .and_then(|info| info.activity.as_ref())
             .map(Activity::begin);
-        let answer = self.inner.call(request);
-        Box::pin(async move {
-            let response = answer.await?;
-            Ok(match guard {
-                Some(guard) => response.map(|body| {
-                    tonic::body::Body::new(Guarded {
-                        body,
-                        _guard: guard,
-                    })
-                }),
-                None => response,
-            })
-        })
+        TrackedCall {
+            answer: self.inner.call(request),
+            guard,
+        }
     }
 }
 
-/// An answer's body that keeps its call in flight until it is sent in full (or dropped).
-struct Guarded {
-    body: tonic::body::Body,
-    _guard: CallGuard,
+pin_project_lite::pin_project! {
+    /// A counted call until its answer's head is ready; the call's guard then moves into the answer's
+    /// body. Dropped before (the caller went away), it ends the call.
+    pub struct TrackedCall<F> {
+        #[pin]
+        answer: F,
+        guard: Option<CallGuard>,
+    }
 }
 
-impl http_body::Body for Guarded {
-    type Data = <tonic::body::Body as http_body::Body>::Data;
-    type Error = <tonic::body::Body as http_body::Body>::Error;
+impl<F, ResBody, E> Future for TrackedCall<F>
+where
+    F: Future<Output = Result<http::Response<ResBody>, E>>,
+{
+    type Output = Result<http::Response<Guarded<ResBody>>, E>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.project();
+        let response = ready!(this.answer.poll(cx))?;
+        let guard = this.guard.take();
+        Poll::Ready(Ok(response.map(|body| Guarded {
+            body,
+            _guard: guard,
+        })))
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// An answer's body that keeps its call in flight until it is sent in full (or dropped); with no
+    /// guard (calls not counted), the body as it is. Wrapped in place: tonic boxes the answer's body
+    /// once whatever its type, so a box of our own would only add an allocation per call.
+    pub struct Guarded<B> {
+        #[pin]
+        body: B,
+        _guard: Option<CallGuard>,
+    }
+}
+
+impl<B: http_body::Body> http_body::Body for Guarded<B> {
+    type Data = B::Data;
+    type Error = B::Error;
 
     fn poll_frame(
-        mut self: Pin<&mut Self>,
+        self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
-        Pin::new(&mut self.body).poll_frame(cx)
+        self.project().body.poll_frame(cx)
     }
 
     fn is_end_stream(&self) -> bool {

@@ -41,5 +41,5 @@ mod preface;
 
 pub use accept::{Acceptor, Closing, Place};
 pub use bounds::{Bounds, ConnectionAge};
-pub use calls::{Activity, CallGuard, TrackCalls, TrackCallsLayer};
+pub use calls::{Activity, CallGuard, Guarded, TrackCalls, TrackCallsLayer, TrackedCall};
 pub use io::{ConnectionInfo, Counted};

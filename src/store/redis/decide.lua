@@ -10,11 +10,11 @@
 --   K                 distinct keys in the call (KEYS, then the ones at the end of ARGV)
 --   G, G integers     read groups: the index of the last key of each group. Keys are numbered by group,
 --                     and the string keys of one group are read with one MGET (a group is one hash slot)
---   S, 5 per spec     limit specs: algorithm (0 fixed window, 1 sliding window, 2 sliding log,
+--   S, 6 per spec     limit specs: algorithm (0 fixed window, 1 sliding window, 2 sliding log,
 --                     3 token bucket, 4 GCRA), limit, window (ms), burst, fixed-window start (s; 0 for
---                     the others)
+--                     the others), role of its checks (0 enforce, 1 shadow, 2 quota)
 --   R, per request    flags (scope + 4 x consume_on_deny), n checks, then n times: key index, spec index,
---                     cost, role (0 enforce, 1 shadow, 2 quota)
+--                     cost
 --                     scope 1: these are all the checks of the request (quota checks may deny); 0: a part
 --                     of them; 2: a part of them, and a check elsewhere already denies the request
 --                     (decide, and consume only what a denied request consumes). consume_on_deny: consume
@@ -45,98 +45,106 @@
 -- `<time>:<seq>` of earlier versions count 1 each). One call adds at most one entry per key, holding every
 -- hit the call counted on it at that instant: memory follows calls, never the hits they carry.
 --
+-- A call is decided in the time Redis is busy with it: the integers are read once, state lives in one
+-- array per kind (not a table per check or key), and each key is read and written once.
+--
 -- The arithmetic mirrors src/algorithm/mod.rs operation for operation, so the memory store and Redis
 -- give the same answers. Time is the Redis server's (TIME, read once per call), so replicas with skewed
 -- clocks agree. The client side of this contract is src/store/redis/script.rs; change both together.
 
-local A = ARGV
-local numbers = #A
+local tonumber, unpack = tonumber, unpack
+local floor, ceil, max, min = math.floor, math.ceil, math.max, math.min
+local A, declared = ARGV, #KEYS
 local K = tonumber(A[2])
-if K == nil then return redis.error_reply('ratelimitd: argument 2 is not a number') end
-numbers = numbers - (K - #KEYS)
-if K < #KEYS or numbers < 7 then return redis.error_reply('ratelimitd: key count does not match the call') end
-local n = {}
-for i = 1, numbers do
-  local v = tonumber(A[i])
-  if v == nil or v < 0 or v > 9007199254740992 or v ~= math.floor(v) then
-    return redis.error_reply('ratelimitd: argument ' .. i .. ' is not a whole number from 0 to 2^53')
-  end
-  n[i] = v
-end
+if K == nil or K < declared then return redis.error_reply('ratelimitd: key count does not match the call') end
+local numbers = #A - (K - declared)
+if numbers < 7 then return redis.error_reply('ratelimitd: the call ends early') end
 
--- A cursor over the integers; any read past them is a malformed call.
-local at = 0
-local function int()
+-- A cursor over the integers, each checked as it is read (`upto`: an index from 1 to upto). The first
+-- fault is kept, and refuses the call once everything is read, before any key is touched.
+local at, fault = 0, nil
+local function int(upto, what)
   at = at + 1
-  local v = n[at]
-  if v == nil then error('ratelimitd: the call ends early at argument ' .. at, 0) end
+  local v = nil
+  if at <= numbers then v = tonumber(A[at]) end
+  if v == nil or v < 0 or v > 9007199254740992 or v % 1 ~= 0 then
+    fault = fault or ('argument ' .. at .. ' is not a whole number from 0 to 2^53')
+    return 0
+  end
+  if upto and (v < 1 or v > upto) then
+    fault = fault or ('argument ' .. at .. ' is not a ' .. what)
+    return 0
+  end
   return v
 end
-local function index(max, what)
+-- A code from 0 to n - 1.
+local function code(n, what)
   local v = int()
-  if v < 1 or v > max then error('ratelimitd: argument ' .. at .. ' is not a ' .. what, 0) end
+  if v >= n then
+    fault = fault or ('argument ' .. at .. ' is not a ' .. what)
+    return 0
+  end
+  return v
+end
+-- A count of what follows, never more than the integers left.
+local function count(per)
+  local v = int()
+  if v * per > numbers - at then
+    fault = fault or ('argument ' .. at .. ' counts more than the call holds')
+    return 0
+  end
   return v
 end
 
 local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local now_s = math.floor(now / 1000)
+local now = tonumber(t[1]) * 1000 + floor(tonumber(t[2]) / 1000)
+local now_s = floor(now / 1000)
+
+local jitter = int()
+int()
+local groups = {}
+for g = 1, count(1) do groups[g] = int(K, 'key index') end
+-- Specs as parallel arrays; a fixed-window spec is valid only for the window the server is in.
+local alg, limit, win, burst, role, valid = {}, {}, {}, {}, {}, {}
+local specs = count(6)
+for s = 1, specs do
+  alg[s], limit[s], win[s], burst[s] = code(5, 'known algorithm'), int(), int(), int()
+  local start = int()
+  role[s] = code(3, 'role')
+  valid[s] = alg[s] ~= 0 or (win[s] >= 1000 and now_s - now_s % (win[s] / 1000) == start)
+end
+-- Checks as parallel arrays, requests as ranges of them.
+local ckey, cspec, ccost = {}, {}, {}
+local rflags, rfirst, rlast = {}, {}, {}
+local requests, c = count(2), 0
+for r = 1, requests do
+  local flags = code(7, 'request flag')
+  if flags % 4 > 2 then fault = fault or ('argument ' .. at .. ' is not a request flag') end
+  rflags[r], rfirst[r] = flags, c + 1
+  for _ = 1, count(3) do
+    c = c + 1
+    ckey[c], cspec[c], ccost[c] = int(K, 'key index'), int(specs, 'spec index'), int()
+  end
+  rlast[r] = c
+end
+local want, wants = {}, {}
+for w = 1, count(2) do
+  local check = int(c, 'check number')
+  wants[w] = check
+  want[check] = int()
+end
+local returns = {}
+for b = 1, count(3) do
+  returns[b] = { int(K, 'key index'), int(specs, 'spec index'), int() }
+end
+if not fault and at ~= numbers then fault = (numbers - at) .. ' arguments left over' end
+if fault then return redis.error_reply('ratelimitd: ' .. fault) end
 
 local key = {}
-for i = 1, #KEYS do key[i] = KEYS[i] end
-for i = #KEYS + 1, K do key[i] = A[numbers + i - #KEYS] end
-
-local ok, err = pcall(function()
-  local jitter = int()
-  int()
-  local groups = {}
-  for g = 1, int() do groups[g] = index(K, 'key index') end
-  -- Specs as parallel arrays.
-  local alg, limit, win, burst, valid = {}, {}, {}, {}, {}
-  for s = 1, int() do
-    alg[s] = int(); limit[s] = int(); win[s] = int(); burst[s] = int()
-    local start = int()
-    if alg[s] > 4 then error('ratelimitd: argument ' .. (at - 4) .. ' is not a known algorithm', 0) end
-    -- A fixed-window spec is valid only for the window the server is in.
-    valid[s] = alg[s] ~= 0 or (win[s] >= 1000 and now_s - now_s % (win[s] / 1000) == start)
-  end
-  local specs = #alg
-  -- Checks as parallel arrays, requests as ranges of them.
-  local ckey, cspec, ccost, crole = {}, {}, {}, {}
-  local rflags, rfirst, rlast = {}, {}, {}
-  local c = 0
-  for r = 1, int() do
-    rflags[r] = int()
-    if rflags[r] % 4 > 2 or rflags[r] > 6 then error('ratelimitd: argument ' .. at .. ' is not a request flag', 0) end
-    rfirst[r] = c + 1
-    for _ = 1, int() do
-      c = c + 1
-      ckey[c] = index(K, 'key index'); cspec[c] = index(specs, 'spec index')
-      ccost[c] = int(); crole[c] = int()
-      if crole[c] > 2 then error('ratelimitd: argument ' .. at .. ' is not a role', 0) end
-    end
-    rlast[r] = c
-  end
-  local want, wants = {}, {}
-  for w = 1, int() do
-    local check = index(c, 'check number')
-    wants[w] = check
-    want[check] = int()
-  end
-  local returns = {}
-  for b = 1, int() do
-    returns[b] = { index(K, 'key index'), index(specs, 'spec index'), int() }
-  end
-  if at ~= numbers then error('ratelimitd: ' .. (numbers - at) .. ' arguments left over', 0) end
-  return { jitter = jitter, groups = groups, alg = alg, limit = limit, win = win, burst = burst,
-    valid = valid, ckey = ckey, cspec = cspec, ccost = ccost, crole = crole, rflags = rflags,
-    rfirst = rfirst, rlast = rlast, want = want, wants = wants, returns = returns }
-end)
-if not ok then return redis.error_reply(tostring(err)) end
-local call = err
-local alg, limit, win, burst = call.alg, call.limit, call.win, call.burst
-local ckey, cspec, ccost, crole = call.ckey, call.cspec, call.ccost, call.crole
-local requests = #call.rflags
+for i = 1, declared do key[i] = KEYS[i] end
+for i = declared + 1, K do key[i] = A[numbers + i - declared] end
+local call = { valid = valid, rflags = rflags, rfirst = rfirst, rlast = rlast, want = want,
+  wants = wants, returns = returns, groups = groups, jitter = jitter }
 
 -- A request is decided only if every fixed-window spec it uses is for this server's window.
 local skipped = {}
@@ -221,7 +229,7 @@ end
 
 local function ceil0(x)
   if x < 0 then return 0 end
-  return math.ceil(x)
+  return ceil(x)
 end
 
 -- The stored sliding-log entries a window of `w` still sees: the first of them and their hits (kept
@@ -251,7 +259,7 @@ decide[0] = function(s, k, present, count, _, _, cost)
   local allowed = after <= limit[s]
   local reset = w - now % w
   local remaining, retry = 0, reset
-  if allowed then remaining = math.max(limit[s] - after, 0); retry = 0 end
+  if allowed then remaining = max(limit[s] - after, 0); retry = 0 end
   return allowed, remaining, reset, retry, after, nil, nil
 end
 
@@ -264,8 +272,8 @@ local function sliding_window_wait(s, current, previous, elapsed, cost)
     return ceil0(left - (lim - current - cost) * w / previous)
   end
   local wait = 0
-  if current > 0 then wait = math.max(w - (lim - cost) * w / current, 0) end
-  return math.ceil(left + wait)
+  if current > 0 then wait = max(w - (lim - cost) * w / current, 0) end
+  return ceil(left + wait)
 end
 
 decide[1] = function(s, k, present, start0, current0, previous0, cost)
@@ -286,7 +294,7 @@ decide[1] = function(s, k, present, start0, current0, previous0, cost)
   if after_current > 0 then reset = start + 2 * w - now
   elseif previous > 0 then reset = start + w - now end
   local remaining, retry = 0, 0
-  if allowed then remaining = math.floor(math.max(limit[s] - after_estimate, 0))
+  if allowed then remaining = floor(max(limit[s] - after_estimate, 0))
   else retry = sliding_window_wait(s, current, previous, elapsed, cost) end
   return allowed, remaining, reset, retry, start, after_current, previous
 end
@@ -328,7 +336,7 @@ decide[3] = function(s, k, present, tokens0, last0, _, cost)
   local capacity = burst[s]
   local per_ms = limit[s] / win[s]
   local tokens = capacity
-  if present then tokens = math.min(tokens0 + math.max(now - last0, 0) * per_ms, capacity) end
+  if present then tokens = min(tokens0 + max(now - last0, 0) * per_ms, capacity) end
   local allowed = cost <= tokens
   local after = tokens
   if allowed then after = tokens - cost end
@@ -341,30 +349,30 @@ decide[3] = function(s, k, present, tokens0, last0, _, cost)
     if cost > capacity then retry = win[s] else retry = refill(cost - tokens) end
   end
   local remaining = 0
-  if allowed then remaining = math.floor(after) end
+  if allowed then remaining = floor(after) end
   return allowed, remaining, refill(capacity - after), retry, after, now, nil
 end
 
 -- 4: GCRA. A string: the theoretical arrival time in microseconds; the emission interval is whole
 -- microseconds, rounded up.
 decide[4] = function(s, k, present, tat0, _, _, cost)
-  local interval = math.ceil(win[s] * 1000 / math.max(limit[s], 1))
+  local interval = ceil(win[s] * 1000 / max(limit[s], 1))
   local capacity = interval * burst[s]
   local now_us = now * 1000.0
   local tat = now_us
-  if present then tat = math.max(tat0, now_us) end
+  if present then tat = max(tat0, now_us) end
   local new_tat = tat + cost * interval
   local allowed = limit[s] > 0 and new_tat - now_us <= capacity
   local kept = tat
   if allowed then kept = new_tat end
-  local remaining = math.max(math.floor((capacity - (kept - now_us)) / interval), 0)
+  local remaining = max(floor((capacity - (kept - now_us)) / interval), 0)
   local retry = 0
   if not allowed then
     if limit[s] == 0 or cost > burst[s] then retry = win[s]
     else retry = ceil0((new_tat - capacity - now_us) / 1000.0) end
     remaining = 0
   end
-  return allowed, remaining, ceil0((kept - now_us) / 1000.0), retry, math.ceil(kept), nil, nil
+  return allowed, remaining, ceil0((kept - now_us) / 1000.0), retry, ceil(kept), nil, nil
 end
 
 -- The sliding log's state starts with nothing added by this call, whether or not the key existed.
@@ -393,7 +401,7 @@ local function save(k, s)
   elseif a == 3 then
     -- Until the bucket is full again (as the memory store keeps it): one that never refills
     -- (requests_per_unit 0) keeps its state for burst x window, not for a moment.
-    local full_in = ceil0((burst[s] - s1[k]) * w / math.max(limit[s], 1)) + 1
+    local full_in = ceil0((burst[s] - s1[k]) * w / max(limit[s], 1)) + 1
     redis.call('HSET', name, 't', string.format('%.17g', s1[k]), 'l', s2[k])
     redis.call('PEXPIRE', name, full_in)
   else
@@ -410,13 +418,13 @@ for b = 1, #call.returns do
   local k, s, hits = call.returns[b][1], call.returns[b][2], call.returns[b][3]
   if has[k] and hits > 0 then
     if alg[s] == 0 then
-      s1[k] = math.max(s1[k] - hits, 0)
+      s1[k] = max(s1[k] - hits, 0)
       dirty[k] = s
     elseif alg[s] == 1 then
       local w = win[s]
       local start = now - now % w
-      if s1[k] == start then s2[k] = math.max(s2[k] - hits, 0); dirty[k] = s
-      elseif s1[k] + w == start then s3[k] = math.max(s3[k] - hits, 0); dirty[k] = s end
+      if s1[k] == start then s2[k] = max(s2[k] - hits, 0); dirty[k] = s
+      elseif s1[k] + w == start then s3[k] = max(s3[k] - hits, 0); dirty[k] = s end
     end
   end
 end
@@ -424,11 +432,11 @@ end
 local t1, t2, t3, tr = {}, {}, {}, {}
 local allowed, remaining, reset, retry = {}, {}, {}, {}
 local granted = {}
-local reply = { now }
+local reply, rn = { now }, 1
 for r = 1, requests do
   if skipped[r] then
-    reply[#reply + 1] = 1
-    reply[#reply + 1] = 0
+    rn = rn + 1; reply[rn] = 1
+    rn = rn + 1; reply[rn] = 0
   else
     local flags = call.rflags[r]
     local scope, consume_on_deny = flags % 4, flags >= 4
@@ -447,16 +455,16 @@ for r = 1, requests do
     local denied = scope == 2
     local quota, quota_over = 0, 0
     for i = first_check, last_check do
-      if crole[i] == 0 and not allowed[i] then denied = true
-      elseif crole[i] == 2 then
+      if role[cspec[i]] == 0 and not allowed[i] then denied = true
+      elseif role[cspec[i]] == 2 then
         quota = quota + 1
         if not allowed[i] then quota_over = quota_over + 1 end
       end
     end
     if scope == 1 and quota > 0 and quota == quota_over then denied = true end
     local consume = consume_on_deny or not denied
-    reply[#reply + 1] = 0
-    reply[#reply + 1] = denied and 1 or 0
+    rn = rn + 1; reply[rn] = 0
+    rn = rn + 1; reply[rn] = denied and 1 or 0
     for i = first_check, last_check do
       local k, s = ckey[i], cspec[i]
       if allowed[i] and not consume then
@@ -464,10 +472,10 @@ for r = 1, requests do
         local _, rem, res = decide[alg[s]](s, k, has[k], s1[k], s2[k], s3[k], 0)
         remaining[i], reset[i] = rem, res
       end
-      reply[#reply + 1] = allowed[i] and 1 or 0
-      reply[#reply + 1] = remaining[i]
-      reply[#reply + 1] = reset[i]
-      reply[#reply + 1] = retry[i]
+      rn = rn + 1; reply[rn] = allowed[i] and 1 or 0
+      rn = rn + 1; reply[rn] = remaining[i]
+      rn = rn + 1; reply[rn] = reset[i]
+      rn = rn + 1; reply[rn] = retry[i]
     end
     if consume then
       for i = first_check, last_check do
@@ -503,5 +511,5 @@ for r = 1, requests do
 end
 
 for k, s in pairs(dirty) do save(k, s) end
-for w = 1, #call.wants do reply[#reply + 1] = granted[call.wants[w]] or 0 end
+for w = 1, #call.wants do rn = rn + 1; reply[rn] = granted[call.wants[w]] or 0 end
 return reply

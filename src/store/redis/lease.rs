@@ -21,7 +21,7 @@
 
 use std::{
     collections::HashMap,
-    hash::{BuildHasher, RandomState},
+    hash::BuildHasher,
     pin::Pin,
     sync::{
         atomic::{AtomicU64, AtomicUsize, Ordering},
@@ -196,7 +196,9 @@ const HEAT_SLOTS: usize = 4096;
 pub struct Leases {
     settings: LeaseSettings,
     heat: Box<[Heat]>,
-    hasher: RandomState,
+    /// Seeded per process: a caller cannot aim keys at one slot of the table without knowing it (and
+    /// at worst would keep a counter from being leased, which costs only the calls leases save).
+    hasher: foldhash::fast::RandomState,
     held: Mutex<HashMap<Bytes, Lease>>,
     /// `held.len()`, read without the lock.
     count: AtomicUsize,
@@ -228,7 +230,7 @@ impl Leases {
         Self {
             settings,
             heat: (0..HEAT_SLOTS).map(|_| Heat::default()).collect(),
-            hasher: RandomState::new(),
+            hasher: foldhash::fast::RandomState::default(),
             held: Mutex::new(HashMap::new()),
             count: AtomicUsize::new(0),
             epoch: Instant::now(),
@@ -380,7 +382,7 @@ impl Leases {
             Lease {
                 params: check.params,
                 slot: 0,
-                spec: [0; 5],
+                spec: [0; 6],
                 backend: backend_of(check),
                 left: 0,
                 remaining: 0,
@@ -557,7 +559,7 @@ mod tests {
             remaining: 900,
             reset_ms: 60_000,
         };
-        (0, grant, 0, [0, 1000, 3_600_000, 1000, 3600])
+        (0, grant, 0, [0, 1000, 3_600_000, 1000, 3600, 0])
     }
 
     fn take(leases: &Leases, batch: &Batch) -> Taken {

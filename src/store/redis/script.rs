@@ -63,8 +63,9 @@ fn algorithm_id(algorithm: Algorithm) -> i64 {
     }
 }
 
-/// A limit spec as decide.lua numbers it: algorithm, limit, window (ms), burst, fixed-window start (s).
-pub type Spec = [i64; 5];
+/// A limit spec as decide.lua numbers it: algorithm, limit, window (ms), burst, fixed-window start (s),
+/// and the role of the checks that name it.
+pub type Spec = [i64; 6];
 
 /// One check of a part.
 #[derive(Debug, Clone)]
@@ -75,7 +76,6 @@ pub struct PartCheck {
     pub slot: u16,
     pub spec: Spec,
     cost: i64,
-    role: i64,
     /// Hits wanted in a quota lease beyond the cost (0: none).
     want: i64,
 }
@@ -121,7 +121,6 @@ impl Part {
                     slot: slot_of(&keys[i]),
                     spec: spec(c, now_ms)?,
                     cost: integer(c.bounded_cost(), "cost")?,
-                    role: role_code(c.role),
                     want: integer(wants.get(i).copied().unwrap_or(0), "lease")?,
                 })
             })
@@ -155,6 +154,7 @@ pub fn spec(check: &Check, now_ms: u64) -> Result<Spec, StoreError> {
         integer(p.window_ms, "window")?,
         integer(p.burst, "burst")?,
         integer(check.window_start_secs(now_ms).unwrap_or(0), "window start")?,
+        role_code(check.role),
     ])
 }
 
@@ -207,9 +207,9 @@ impl DecideCall {
             .count();
         let mut args: Vec<Value> = Vec::with_capacity(
             8 + keys.group_ends.len()
-                + specs.len() * 5
+                + specs.len() * 6
                 + parts.len() * 2
-                + checks * 4
+                + checks * 3
                 + wants * 2
                 + returns.len() * 3
                 + keys.distinct.len(),
@@ -231,7 +231,6 @@ impl DecideCall {
                 push(&mut args, keys.number(&check.key));
                 push(&mut args, spec_number(&check.spec));
                 args.push(Value::Integer(check.cost));
-                args.push(Value::Integer(check.role));
             }
         }
         push(&mut args, wants);
@@ -597,10 +596,11 @@ mod tests {
             [
                 7, 2, // jitter, keys
                 1, 2, // one read group ending at key 2
-                2, 0, 5, 60_000, 5, 2_220, 3, 10, 60_000, 20, 0, // two specs
+                2, 0, 5, 60_000, 5, 2_220, 1, 3, 10, 60_000, 20, 0,
+                2, // two specs, with roles
                 2, // two requests
-                5, 2, 1, 1, 1, 1, 2, 2, 3, 2, // complete + consume on deny: fw, tb
-                4, 1, 2, 2, 3, 2, // a part: tb again
+                5, 2, 1, 1, 1, 2, 2, 3, // complete + consume on deny: fw, tb
+                4, 1, 2, 2, 3, // a part: tb again
                 0, 0, // no leases wanted or given back
             ]
         );
@@ -636,7 +636,7 @@ mod tests {
         let back = Return {
             key: Bytes::from_static(b"old_2160"),
             slot: 0,
-            spec: [0, 5, 60_000, 5, 2_160],
+            spec: [0, 5, 60_000, 5, 2_160, 0],
             hits: 7,
         };
         let call = DecideCall::new(&[&part], &[back], 0, false);

@@ -263,6 +263,46 @@ async fn bucket_entries_are_matched_in_the_order_the_rules_nest_them() {
     s.stop().await;
 }
 
+/// The buckets deploy/envoy/rlqs.yaml builds (`path=/search`, `api_key=<header>`, `generic_key=global`)
+/// meet the rules of examples/config/edge.yaml and are assigned their limits, shared by one Envoy alone.
+#[tokio::test]
+async fn the_buckets_of_the_envoy_example_meet_the_example_rules() {
+    let edge = include_str!("../examples/config/edge.yaml");
+    let s = TestServer::start_with_clock(&[("edge.yaml", edge)], Clock::System, fast).await;
+    s.wait_serving(Duration::from_secs(5)).await;
+    let mut stream = Raw::open(&s).await.unwrap();
+    let search: Entries<'_> = &[("path", "/search")];
+    let api_key: Entries<'_> = &[("api_key", "k-123")];
+    let global: Entries<'_> = &[("generic_key", "global")];
+    stream.report(
+        "edge",
+        &[(search, 0, 1, 0), (api_key, 0, 1, 0), (global, 0, 1, 0)],
+    );
+    let mut got = HashMap::new();
+    while got.len() < 3 {
+        got.extend(actions(&stream.next().await));
+    }
+    let rate = |bucket: Entries<'_>| {
+        let (strategy, _) = got[&key(bucket)].unwrap();
+        let b = token_bucket(&strategy);
+        f64::from(b.tokens_per_fill.unwrap()) / b.fill_interval.unwrap().seconds as f64
+    };
+    // search: 50 per second; per_api_key: 1 000 per hour; global: 10 000 per second.
+    assert!((45.0..=50.0).contains(&rate(search)), "{}", rate(search));
+    let per_key = 1_000.0 / 3_600.0;
+    assert!(
+        (per_key * 0.9..=per_key).contains(&rate(api_key)),
+        "{}",
+        rate(api_key)
+    );
+    assert!(
+        (9_000.0..=10_000.0).contains(&rate(global)),
+        "{}",
+        rate(global)
+    );
+    s.stop().await;
+}
+
 async fn write(dir: &Path, text: &str) {
     std::fs::write(dir.join("edge.yaml"), text).unwrap();
 }

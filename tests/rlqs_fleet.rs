@@ -6,7 +6,8 @@
 //!
 //! What is asserted, as a user of the limit would notice it:
 //! - the fleet's assignments never add up to more than the limit, and what it admits over the whole run
-//!   stays within the limit's rate plus the bursts its new token buckets started with;
+//!   (a minute, with demand moving all along, in one test) stays within the limit's rate plus the bursts
+//!   its new token buckets started with;
 //! - each Envoy gets its fair share by demand (an idle one does not hold what a busy one needs);
 //! - an Envoy whose demand rises gets most of the limit within a few report periods;
 //! - an Envoy that disappears keeps its share until its assignment's TTL, and then the others get it;
@@ -190,6 +191,57 @@ async fn fair_shares_hold_the_limit_on_one_replica_on_redis() {
 #[tokio::test]
 async fn fair_shares_hold_the_limit_on_two_replicas_on_redis() {
     fair_shares_hold_the_limit(Backend::Redis { replicas: 2 }).await;
+}
+
+/// A minute of moving demand: 4 Envoys on 2 replicas on Redis, one of them asking 400 a second and the
+/// others 20, the busy one changing every 5 s (25 report periods), so that shares keep moving all minute.
+/// What the fleet admits over the minute stays within the limit's rate times the minute plus the tokens
+/// the changed token buckets started with (each change may admit its `max_tokens` at once), and the
+/// assigned rates never add up to more than the limit.
+#[tokio::test]
+async fn over_a_minute_of_moving_demand_the_fleet_admits_the_limit_plus_the_bursts() {
+    let fleet = Fleet::start(Backend::Redis { replicas: 2 }).await;
+    let b = shared();
+    let envoys: Vec<Arc<Envoy>> = (0..4).map(|i| fleet.envoy(&format!("e{i}"), i)).collect();
+    let rates: Vec<Arc<Rate>> = (0..4).map(|_| Rate::new(20.0)).collect();
+    rates[0].set(400.0);
+    let start = Instant::now();
+    for (envoy, rate) in envoys.iter().zip(&rates) {
+        envoy.drive(b.clone(), rate.clone());
+    }
+    let minute = Duration::from_secs(60);
+    let mut largest: f64 = 0.0;
+    for turn in 1..12 {
+        largest =
+            largest.max(largest_sum(&envoys, &b, start + Duration::from_secs(5 * turn)).await);
+        let busy = turn as usize % 4;
+        for (i, rate) in rates.iter().enumerate() {
+            rate.set(if i == busy { 400.0 } else { 20.0 });
+        }
+    }
+    largest = largest.max(largest_sum(&envoys, &b, start + minute).await);
+    let end = start + minute;
+    let total: u64 = envoys.iter().map(|e| e.admitted(&b, start, end)).sum();
+    let fresh: f64 = envoys.iter().map(|e| e.fresh_tokens()).sum();
+    let allowed = LIMIT * minute.as_secs_f64();
+    eprintln!(
+        "a minute, 2 replicas on Redis, the busy Envoy changing every 5 s: admitted {total} \
+         (limit x minute = {allowed:.0}, {:+.2} %); tokens new token buckets started with {fresh:.0} \
+         ({:.2} % of the limit x minute); largest sum of assigned rates {largest:.1}",
+        (total as f64 - allowed) * 100.0 / allowed,
+        fresh * 100.0 / allowed,
+    );
+    assert!(
+        largest <= LIMIT * (1.0 + 1e-9),
+        "assignments above the limit: {largest}"
+    );
+    assert!(
+        total as f64 <= allowed + fresh + LIMIT * 0.05,
+        "over-admitted: {total} > {allowed} + {fresh}"
+    );
+    // And the fleet uses the limit while it asks for more.
+    assert!(total as f64 >= allowed * 0.8, "{total} of {allowed}");
+    fleet.stop().await;
 }
 
 /// When the busy Envoy goes quiet and an idle one gets busy, the newly busy one gets most of the limit

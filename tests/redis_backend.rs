@@ -589,6 +589,10 @@ fn sentinels_with_a_password_of_their_own_need_redis_sentinel_auth() {
         log.contains("Sentinel Error: NOAUTH Authentication required"),
         "{log}"
     );
+    assert!(
+        log.contains("the Sentinels want a password of their own: set REDIS_SENTINEL_AUTH"),
+        "no hint of the setting in the log: {log}"
+    );
     for secret in [MASTER_PASSWORD, SENTINEL_PASSWORD] {
         assert!(!log.contains(secret), "{secret} in the log: {log}");
     }

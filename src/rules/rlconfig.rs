@@ -32,6 +32,7 @@ fn describe_level(domain: &str, level: &Level, show: ShowValue<'_>, out: &mut Ve
     let nodes = level.keys.values().flat_map(|k| {
         k.values
             .values()
+            .chain(k.cidrs.iter().map(|(_, n)| n))
             .chain(k.wildcards.iter().map(|(_, n)| n))
             .chain(k.default.iter())
     });
@@ -98,6 +99,31 @@ mod tests {
             vec![
                 "d.a_b.c: unit=HOUR requests_per_unit=7, shadow_mode: true, quota_mode: false",
                 "d.a_b: unit=MINUTE requests_per_unit=5, shadow_mode: false, quota_mode: false",
+            ]
+        );
+    }
+
+    #[test]
+    fn rlconfig_lists_cidr_and_wildcard_rules_too() {
+        let set = build(
+            r#"domain: d
+descriptors:
+  - key: ip
+    value: "cidr:10.0.0.0/8"
+    rate_limit: {unit: second, requests_per_unit: 3}
+  - key: ip
+    value: "192.*"
+    rate_limit: {unit: second, requests_per_unit: 4}
+  - key: ip
+    rate_limit: {unit: second, requests_per_unit: 5}
+"#,
+        );
+        assert_eq!(
+            set.describe(),
+            vec![
+                "d.ip: unit=SECOND requests_per_unit=5, shadow_mode: false, quota_mode: false",
+                "d.ip_192.*: unit=SECOND requests_per_unit=4, shadow_mode: false, quota_mode: false",
+                "d.ip_cidr:10.0.0.0/8: unit=SECOND requests_per_unit=3, shadow_mode: false, quota_mode: false",
             ]
         );
     }

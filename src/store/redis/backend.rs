@@ -74,6 +74,23 @@ impl std::fmt::Debug for Backend {
     }
 }
 
+/// What to set when a server refuses the connection's credentials: which password a refusal asks for is
+/// not in Redis's message, and a Sentinel set has two (the servers' and the Sentinels' own).
+fn auth_hint(message: &str, topology: RedisTopology) -> &'static str {
+    let refused = message.contains("WRONGPASS") || message.contains("invalid username-password");
+    match (message.contains("NOAUTH"), refused, topology) {
+        (true, _, RedisTopology::Sentinel) if message.contains("Sentinel") => {
+            " (the Sentinels want a password of their own: set REDIS_SENTINEL_AUTH, or redis.sentinel_auth)"
+        }
+        (true, _, _) => " (the server wants a password: set REDIS_AUTH, or redis.auth)",
+        (false, true, RedisTopology::Sentinel) => {
+            " (check REDIS_AUTH for the Redis servers and REDIS_SENTINEL_AUTH for the Sentinels)"
+        }
+        (false, true, _) => " (check REDIS_AUTH)",
+        (false, false, _) => "",
+    }
+}
+
 impl Backend {
     /// Builds the pool and starts connecting in the background; it does not wait for Redis. Commands
     /// still unanswered after `command_timeout` are abandoned by the client, never replayed after a
@@ -168,9 +185,15 @@ impl Backend {
                     async { Ok(()) }
                 });
             }
+            let topology = settings.topology;
             client.on_error(move |(err, server)| async move {
                 let server = server.map(|s| s.to_string()).unwrap_or_default();
-                tracing::warn!(server, backend = name, "Redis connection error: {err}");
+                let hint = auth_hint(&err.to_string(), topology);
+                tracing::warn!(
+                    server,
+                    backend = name,
+                    "Redis connection error: {err}{hint}"
+                );
                 Ok(())
             });
         }
@@ -243,4 +266,28 @@ impl Backend {
 
 fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{auth_hint, RedisTopology};
+
+    #[test]
+    fn a_refused_login_names_the_setting_to_set() {
+        let sentinel = "Sentinel Error: NOAUTH Authentication required.";
+        assert!(auth_hint(sentinel, RedisTopology::Sentinel).contains("REDIS_SENTINEL_AUTH"));
+        let master = "Auth Error: NOAUTH Authentication required.";
+        assert!(auth_hint(master, RedisTopology::Sentinel).contains("set REDIS_AUTH"));
+        assert!(auth_hint(master, RedisTopology::Single).contains("set REDIS_AUTH"));
+        let wrong = "Auth Error: WRONGPASS invalid username-password pair or user is disabled.";
+        assert_eq!(
+            auth_hint(wrong, RedisTopology::Cluster),
+            " (check REDIS_AUTH)"
+        );
+        assert!(auth_hint(wrong, RedisTopology::Sentinel).contains("REDIS_SENTINEL_AUTH"));
+        assert_eq!(
+            auth_hint("IO Error: connection refused", RedisTopology::Single),
+            ""
+        );
+    }
 }

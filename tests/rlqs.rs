@@ -6,7 +6,7 @@ mod common;
 
 use std::{collections::HashMap, path::Path, time::Duration};
 
-use common::{wait_for, TestServer};
+use common::{ask, descriptor, request, wait_for, TestServer};
 use ratelimitd::{
     clock::Clock,
     proto::rlqs::{
@@ -420,6 +420,64 @@ async fn bounds_leave_buckets_unanswered_and_refuse_streams_and_huge_reports() {
     .await;
     next.report("edge", &[(a, 0, 1, 0)]);
     assert!(actions(&next.next().await).contains_key(&key(a)));
+    s.stop().await;
+}
+
+/// A report is charged no more than the Envoy's token bucket can have admitted: a stream claiming
+/// 2^64 - 1 requests for someone's bucket does not spend that descriptor's limit for its
+/// `ShouldRateLimit` callers, and the usage counters do not wrap.
+#[tokio::test]
+async fn a_report_of_more_than_the_envoy_could_admit_is_not_charged_in_full() {
+    let s = start(|_| {}).await;
+    s.wait_serving(Duration::from_secs(5)).await;
+    let mut stream = Raw::open(&s).await.unwrap();
+    // 600 a minute: the Envoy is sent about 10 per second.
+    let login: Entries<'_> = &[("path", "/login"), ("remote_address", "203.0.113.7")];
+    stream.report("edge", &[(login, 0, 1, 0)]);
+    assert!(matches!(
+        actions(&stream.next().await)[&key(login)],
+        Some((Strategy::TokenBucket(_), _))
+    ));
+    for _ in 0..2 {
+        stream.report("edge", &[(login, 1, u64::MAX, u64::MAX)]);
+        stream.next().await;
+    }
+    let mut client = s.client().await;
+    let answer = ask(
+        &mut client,
+        request(
+            "edge",
+            vec![descriptor(&[
+                ("remote_address", "203.0.113.7"),
+                ("path", "/login"),
+            ])],
+        ),
+    )
+    .await;
+    let status = &answer.statuses[0];
+    assert_eq!(
+        answer.overall_code,
+        ratelimitd::proto::rate_limit_response::Code::Ok as i32,
+        "{answer:?}"
+    );
+    // Two reports, each at most a token bucket's fill and burst and the time since the last.
+    assert!(status.limit_remaining >= 500, "{answer:?}");
+    let (_, text) = s.http("GET", "/metrics", "").await;
+    let series = |name: &str| {
+        let want = format!("{name}{{domain=\"edge\",rule=\"remote_address.path_/login\"}} ");
+        text.lines()
+            .find_map(|l| l.strip_prefix(&want)?.trim().parse::<f64>().ok())
+    };
+    // What the Envoy said, saturated: a counter that wrapped would read as a reset.
+    assert_eq!(
+        series("ratelimitd_rlqs_allowed_total"),
+        Some(u64::MAX as f64),
+        "{text}"
+    );
+    assert_eq!(
+        series("ratelimitd_rlqs_denied_total"),
+        Some(u64::MAX as f64)
+    );
     s.stop().await;
 }
 

@@ -298,12 +298,15 @@ impl Quota {
             BucketRule::Limited(limits) => limits,
         };
         let rule_stats = self.stats.rule(domain, &limits.rule);
-        rule_stats
-            .allowed
-            .fetch_add(usage.allowed, Ordering::Relaxed);
-        rule_stats.denied.fetch_add(usage.denied, Ordering::Relaxed);
+        add_saturating(&rule_stats.allowed, usage.allowed);
+        add_saturating(&rule_stats.denied, usage.denied);
+        // A report is charged no more than the Envoy can have admitted: a buggy or hostile stream must
+        // not spend the counters of `ShouldRateLimit` callers (or other Envoys) for them.
+        let allowed = usage
+            .admissible
+            .map_or(usage.allowed, |most| usage.allowed.min(most));
 
-        let outcomes = match self.charge(&limits, usage.allowed).await {
+        let outcomes = match self.charge(&limits, allowed).await {
             Ok(outcomes) => outcomes,
             Err(err) => {
                 tracing::debug!(error = %err, "rate limit quota usage not counted");
@@ -317,7 +320,7 @@ impl Quota {
         let uses = limit_uses(
             &limits,
             &outcomes,
-            usage.allowed,
+            allowed,
             self.parts.clock.now_millis(),
             self.parts.settings.report_period,
         );
@@ -373,7 +376,8 @@ impl Quota {
     }
 
     /// Adds `allowed` admitted hits to every counter of the rule, as `ShouldRateLimit` would have for
-    /// requests it allowed, and reads what is left.
+    /// requests it allowed (at most each one's limit: more were not admitted under it), and reads what
+    /// is left.
     async fn charge(
         &self,
         limits: &BucketLimits,
@@ -385,7 +389,7 @@ impl Quota {
                 .iter()
                 .map(|c| {
                     let mut check = c.clone();
-                    check.cost = allowed;
+                    check.cost = allowed.min(capacity(&check.params));
                     check.role = Role::Enforce;
                     check
                 })
@@ -450,7 +454,7 @@ pub fn limit_uses(
                     WindowUse {
                         start_ms,
                         used: params.limit.saturating_sub(outcome.remaining) as f64,
-                        added: params.bounded_cost(added) as f64,
+                        added: added.min(capacity(params)) as f64,
                         window_ms,
                         elapsed_ms: now_ms.saturating_sub(start_ms),
                         floor_ms: duration_ms(report_period).min(window_ms).max(1),
@@ -459,6 +463,20 @@ pub fn limit_uses(
             LimitUse { rate, window }
         })
         .collect()
+}
+
+/// The most hits one report charges a limit: its capacity (the limit, or a token bucket's burst). A
+/// charge of more would deny `ShouldRateLimit` callers for nothing the Envoys can have admitted.
+fn capacity(params: &crate::algorithm::Params) -> u64 {
+    params.limit.max(params.burst)
+}
+
+/// Adds to a counter that stops at its largest value rather than wrap (a counter that went backwards
+/// would read as a reset).
+fn add_saturating(counter: &AtomicU64, n: u64) {
+    let _ = counter.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| {
+        Some(v.saturating_add(n))
+    });
 }
 
 fn duration_ms(d: Duration) -> u64 {

@@ -69,6 +69,53 @@ struct Tracked {
     sent: Option<(Strategy, f64)>,
     /// Version of the last assignment sent: an older one is never sent after it.
     sent_version: u64,
+    /// What the Envoy can have admitted since its last report, by the token buckets it was sent; `None`
+    /// while nothing bounds it (no token bucket sent on this stream yet, or ALLOW_ALL).
+    admissible: Option<Admissible>,
+}
+
+/// The token buckets an Envoy enforced since its last report, as a bound on what it can have admitted:
+/// each new bucket starts full (`burst`), and refills at most at the highest rate sent, a fill at a time.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+struct Admissible {
+    /// Tokens per second, the highest of the buckets sent.
+    rate: f64,
+    /// Tokens of the largest fill sent: a fill arrives whole.
+    fill: f64,
+    /// Tokens the buckets held when the period started or were sent with: each starts full.
+    burst: f64,
+}
+
+impl Admissible {
+    /// What one strategy lets an Envoy admit beyond its rate, as sent; `None` for ALLOW_ALL.
+    fn of(strategy: &Strategy) -> Option<Self> {
+        match strategy {
+            Strategy::AllowAll => None,
+            Strategy::DenyAll => Some(Self::default()),
+            Strategy::TokenBucket(b) => Some(Self {
+                rate: b.rate(),
+                fill: f64::from(b.tokens_per_fill),
+                burst: f64::from(b.max_tokens),
+            }),
+        }
+    }
+
+    /// Another strategy sent in the same period: it starts full.
+    fn and(self, strategy: &Strategy) -> Option<Self> {
+        let other = Self::of(strategy)?;
+        Some(Self {
+            rate: self.rate.max(other.rate),
+            fill: self.fill.max(other.fill),
+            burst: self.burst + other.burst,
+        })
+    }
+
+    /// Most requests the Envoy can have admitted over `elapsed`.
+    fn requests(&self, elapsed: Duration) -> u64 {
+        let most = self.rate * elapsed.as_secs_f64() + self.fill + self.burst;
+        // A float cast saturates; the ceiling keeps an honest Envoy's last token.
+        most.ceil() as u64
+    }
 }
 
 #[derive(Debug)]
@@ -82,7 +129,11 @@ struct TrackedRule {
 #[derive(Debug)]
 pub(super) struct TrackedUsage {
     pub slot: BucketSlot,
+    /// Requests the Envoy reported allowed.
     pub allowed: u64,
+    /// The most of them its token buckets let it admit since its last report (`None`: nothing bounds
+    /// it but the rule's limits); what the counters are charged is capped by it.
+    pub admissible: Option<u64>,
     pub denied: u64,
     pub demand: DemandUpdate,
 }
@@ -122,6 +173,13 @@ impl Stream {
             let mut state = lock(&self.inner.state);
             for (slot, action) in decided {
                 if let Some(action) = action {
+                    if let (Action::Assign { strategy, .. }, Some(tracked)) =
+                        (&action, state.buckets.get_mut(&slot))
+                    {
+                        if Admissible::of(strategy).is_none() {
+                            tracked.admissible = None;
+                        }
+                    }
                     state.queue(slot, action);
                     queued = true;
                 }
@@ -170,6 +228,7 @@ impl Stream {
                         rule: None,
                         sent: None,
                         sent_version: 0,
+                        admissible: None,
                     },
                 );
             }
@@ -177,11 +236,24 @@ impl Stream {
                 continue;
             };
             let requests = usage.allowed.saturating_add(usage.denied) as f64;
-            let elapsed = match tracked.reported_at {
-                Some(at) => Some(now.saturating_duration_since(at)),
+            let since = tracked
+                .reported_at
+                .map(|at| now.saturating_duration_since(at));
+            let elapsed = match since {
+                Some(since) => Some(since),
                 None => Some(usage.elapsed).filter(|e| !e.is_zero()),
             };
             tracked.reported_at = Some(now);
+            // An assignment that expired at the Envoy left it to its own fallback: unbounded.
+            let admissible = match (tracked.admissible, since) {
+                (Some(a), Some(since)) if since <= settings.assignment_ttl => {
+                    Some(a.requests(since))
+                }
+                _ => None,
+            };
+            // From now on, what it holds is what it was last sent (a bucket holds at most its
+            // `max_tokens`).
+            tracked.admissible = tracked.sent.as_ref().and_then(|(s, _)| Admissible::of(s));
             let demand = match elapsed {
                 None => DemandUpdate::Unknown,
                 Some(elapsed) => {
@@ -192,6 +264,7 @@ impl Stream {
             out.push(TrackedUsage {
                 slot,
                 allowed: usage.allowed,
+                admissible,
                 denied: usage.denied,
                 demand,
             });
@@ -423,6 +496,14 @@ fn assignment(
         Some((strategy, sent)) if *sent == grant => *strategy,
         previous => strategy::for_grant(grant, quota.burst, previous.as_ref().map(|(s, _)| s)),
     };
+    // A strategy the Envoy does not hold yet starts full; the same one again keeps its tokens. The first
+    // token bucket of a stream bounds the Envoy from then on.
+    if tracked.sent.as_ref().map(|(s, _)| s) != Some(&strategy) {
+        tracked.admissible = match tracked.admissible {
+            Some(a) => a.and(&strategy),
+            None => Admissible::of(&strategy),
+        };
+    }
     let before = tracked.sent.map_or(0.0, |(_, g)| g);
     if let Some(rule) = &tracked.rule {
         rule.stats.subscribe(0, grant - before);

@@ -481,6 +481,79 @@ async fn a_report_of_more_than_the_envoy_could_admit_is_not_charged_in_full() {
     s.stop().await;
 }
 
+/// A stream keeps the domain of its first report, and a domain is no longer than a descriptor key: one
+/// client cannot make a replica hold a new copy of a megabyte-long domain for each of its buckets.
+#[tokio::test]
+async fn a_stream_keeps_one_domain_of_bounded_length() {
+    let s = start(|_| {}).await;
+    s.wait_serving(Duration::from_secs(5)).await;
+    let mut stream = Raw::open(&s).await.unwrap();
+    stream.report("edge", &[(SHARED, 0, 1, 0)]);
+    stream.next().await;
+    stream.report("other", &[(SHARED, 0, 1, 0)]);
+    let ended = stream.end(Duration::from_secs(5)).await.expect("a status");
+    assert_eq!(ended.code(), Code::InvalidArgument, "{ended:?}");
+    assert!(
+        ended.message().contains("\"other\"") && ended.message().contains("\"edge\""),
+        "{ended:?}"
+    );
+
+    let mut long = Raw::open(&s).await.unwrap();
+    long.report(&"d".repeat(1025), &[(SHARED, 0, 1, 0)]);
+    let ended = long.end(Duration::from_secs(5)).await.expect("a status");
+    assert_eq!(ended.code(), Code::InvalidArgument, "{ended:?}");
+    assert!(
+        ended.message().contains("request_limits.max_key_bytes"),
+        "{ended:?}"
+    );
+    s.stop().await;
+}
+
+/// `rlqs.max_buckets` bounds the buckets of all streams together, and a bucket an Envoy stopped
+/// reporting gives its place back after the assignment TTL.
+#[tokio::test]
+async fn the_replica_tracks_at_most_max_buckets_and_forgets_idle_ones() {
+    let s = start(|s| s.rlqs.max_buckets = 2).await;
+    s.wait_serving(Duration::from_secs(5)).await;
+    let (a, b, c): (Entries<'_>, Entries<'_>, Entries<'_>) =
+        (&[("tenant", "a")], &[("tenant", "b")], &[("tenant", "c")]);
+    let mut first = Raw::open(&s).await.unwrap();
+    first.report("edge", &[(a, 0, 1, 0), (b, 0, 1, 0)]);
+    let mut got = HashMap::new();
+    while got.len() < 2 {
+        got.extend(actions(&first.next().await));
+    }
+    let b_reported = std::time::Instant::now();
+    let mut second = Raw::open(&s).await.unwrap();
+    second.report("edge", &[(c, 0, 1, 0)]);
+    wait_for("c refused", Duration::from_secs(5), async || {
+        (unanswered(&s, "too_many_buckets").await == Some(1.0)).then_some(())
+    })
+    .await;
+    // The first Envoy goes on with `a` alone; `b` is forgotten one TTL (1 s) after its last report.
+    let answered = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            first.report("edge", &[(a, 1, 1, 0)]);
+            first.next().await;
+            second.report("edge", &[(c, 0, 1, 0)]);
+            if let Ok(Ok(Some(r))) =
+                tokio::time::timeout(Duration::from_millis(200), second.rx.message()).await
+            {
+                return r;
+            }
+        }
+    })
+    .await
+    .expect("c answered once b is forgotten");
+    assert!(actions(&answered).contains_key(&key(c)));
+    assert!(
+        b_reported.elapsed() >= Duration::from_secs(1),
+        "{:?}",
+        b_reported.elapsed()
+    );
+    s.stop().await;
+}
+
 async fn unanswered(s: &TestServer, reason: &str) -> Option<f64> {
     let want = format!("ratelimitd_rlqs_unanswered_total{{reason=\"{reason}\"}} ");
     let (_, text) = s.http("GET", "/metrics", "").await;

@@ -86,7 +86,11 @@ impl RateLimitQuotaService for RateLimitQuotaApi {
                             "no usage report for {}: open a new stream",
                             humantime::format_duration(idle)
                         ))),
-                        Ok(Ok(Some(reports))) => stream.report(from_wire(reports)).await,
+                        Ok(Ok(Some(reports))) => {
+                            if let Err(refused) = stream.report(from_wire(reports)).await {
+                                break Some(Status::invalid_argument(refused.to_string()));
+                            }
+                        }
                         Ok(Ok(None)) => break None,
                         Ok(Err(status)) => break Some(refusal(status)),
                     },

@@ -105,6 +105,15 @@ pub enum QuotaError {
     TooManyStreams { max: usize },
 }
 
+/// Why a usage report ends its stream.
+#[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
+pub enum ReportError {
+    #[error("usage report domain of {len} bytes: at most {max} (request_limits.max_key_bytes)")]
+    DomainTooLong { len: usize, max: usize },
+    #[error("usage report for domain {got:?} on a stream of domain {first:?}: open one stream per domain")]
+    DomainChanged { first: String, got: String },
+}
+
 /// A share counts for its TTL and this much more: Envoy starts the TTL when the assignment arrives.
 const TTL_MARGIN: Duration = Duration::from_secs(1);
 
@@ -131,6 +140,8 @@ pub struct Quota {
     replica: String,
     next_stream: AtomicU64,
     open_streams: AtomicUsize,
+    /// Buckets tracked over all streams, bounded by `rlqs.max_buckets`.
+    tracked_buckets: AtomicUsize,
     /// The streams of this replica by the buckets they report: whom a recomputation can push to.
     local: Mutex<HashMap<String, Vec<LocalMember>>>,
     /// Seconds of its grant a token bucket holds: a tenth of the report period, from 100 ms (so that
@@ -154,6 +165,7 @@ impl Quota {
             replica: format!("{:08x}", rand::random::<u32>()),
             next_stream: AtomicU64::new(1),
             open_streams: AtomicUsize::new(0),
+            tracked_buckets: AtomicUsize::new(0),
             local: Mutex::new(HashMap::new()),
             burst: (parts.settings.report_period.as_secs_f64() / 10.0).clamp(0.1, 1.0),
             stats,
@@ -196,6 +208,21 @@ impl Quota {
                 () = tokio::time::sleep(every) => self.parts.shares.sweep(),
             }
         }
+    }
+
+    /// Takes one of the replica's `rlqs.max_buckets` for a stream's new bucket; false when none is left.
+    fn take_bucket(&self) -> bool {
+        let max = self.parts.settings.max_buckets;
+        let before = self.tracked_buckets.fetch_add(1, Ordering::AcqRel);
+        if before >= max {
+            self.tracked_buckets.fetch_sub(1, Ordering::AcqRel);
+            return false;
+        }
+        true
+    }
+
+    fn give_back_buckets(&self, n: usize) {
+        self.tracked_buckets.fetch_sub(n, Ordering::AcqRel);
     }
 
     fn register_local(&self, key: &str, member: LocalMember) {

@@ -28,6 +28,10 @@ pub struct RlqsSettings {
     /// Most buckets one stream may report (default 1 000); the buckets past it are not answered, and
     /// Envoy applies its own `no_assignment_behavior` to them.
     pub max_buckets_per_stream: usize,
+    /// Most buckets this replica tracks over all its streams (default 100 000); a stream's new bucket past
+    /// it is not answered (as above). Bounds the memory many streams can hold together; a bucket a
+    /// stream has not reported for the assignment TTL is forgotten.
+    pub max_buckets: usize,
     /// Most Envoys sharing one bucket (default 1 000); an Envoy past it is not answered (as above). The
     /// cost of recomputing a bucket grows with its Envoys.
     pub max_envoys_per_bucket: usize,
@@ -44,6 +48,7 @@ impl Default for RlqsSettings {
             assignment_ttl: Duration::from_secs(15),
             max_streams: 10_000,
             max_buckets_per_stream: 1_000,
+            max_buckets: 100_000,
             max_envoys_per_bucket: 1_000,
             max_message_bytes: 1 << 20,
         }

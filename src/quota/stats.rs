@@ -23,7 +23,8 @@ pub(super) enum Unanswered {
     Store,
     /// The bucket already has `rlqs.max_envoys_per_bucket` Envoys.
     BucketFull,
-    /// The stream already reports `rlqs.max_buckets_per_stream` buckets.
+    /// The stream already reports `rlqs.max_buckets_per_stream` buckets, or the replica tracks
+    /// `rlqs.max_buckets`.
     TooManyBuckets,
     /// The bucket id is empty or larger than `request_limits` allow for a descriptor.
     InvalidBucket,

@@ -19,7 +19,8 @@ use super::{
     lock,
     share::DemandUpdate,
     stats::{RuleStat, Unanswered},
-    strategy, Action, BucketAction, BucketId, LocalMember, Quota, Report, Strategy, Usage,
+    strategy, Action, BucketAction, BucketId, LocalMember, Quota, Report, ReportError, Strategy,
+    Usage,
 };
 use crate::limiter::{BucketLimits, RequestLimits};
 
@@ -48,6 +49,8 @@ pub(super) struct StreamInner {
 
 #[derive(Debug, Default)]
 struct StreamState {
+    /// The domain of its first report: Envoy opens one stream per domain, and a stream keeps one.
+    domain: Option<Arc<str>>,
     buckets: HashMap<BucketSlot, Tracked>,
     /// Actions not sent yet, the latest per bucket, in the order they were first queued.
     pending: Vec<(BucketSlot, Action)>,
@@ -151,12 +154,14 @@ impl Stream {
     }
 
     /// Decides every bucket of `report` and queues the answers; buckets past the stream's bounds, or
-    /// that cannot be decided, are not answered.
-    pub async fn report(&self, report: Report) {
+    /// that cannot be decided, are not answered. A domain longer than a descriptor key may be, or other
+    /// than the stream's first report's, is refused: the stream ends.
+    pub async fn report(&self, report: Report) -> Result<(), ReportError> {
         let quota = &self.quota;
         quota.stats.reports.fetch_add(1, Ordering::Relaxed);
-        let domain: Arc<str> = report.domain.into();
         let limits = quota.parts.limiter.request_limits().clone();
+        let domain = self.domain(report.domain, &limits)?;
+        self.evict_idle();
         let usages = self.track(&domain, report.usages, &limits);
         let (inner, domain) = (&self.inner, &domain);
         let decided: Vec<(BucketSlot, Option<Action>)> = futures_util::stream::iter(usages)
@@ -188,6 +193,53 @@ impl Stream {
         if queued {
             self.inner.ready.notify_one();
         }
+        Ok(())
+    }
+
+    /// The stream's domain: set by its first report, the same in every other.
+    fn domain(&self, domain: String, limits: &RequestLimits) -> Result<Arc<str>, ReportError> {
+        if domain.len() > limits.max_key_bytes {
+            return Err(ReportError::DomainTooLong {
+                len: domain.len(),
+                max: limits.max_key_bytes,
+            });
+        }
+        let mut state = lock(&self.inner.state);
+        match &state.domain {
+            Some(first) if **first == *domain => Ok(first.clone()),
+            Some(first) => Err(ReportError::DomainChanged {
+                first: first.to_string(),
+                got: domain,
+            }),
+            None => {
+                let domain: Arc<str> = domain.into();
+                state.domain = Some(domain.clone());
+                Ok(domain)
+            }
+        }
+    }
+
+    /// Forgets the buckets not reported for an assignment's TTL: Envoy reports every bucket it has on
+    /// each period, so it no longer has them (or traffic will create them again).
+    fn evict_idle(&self) {
+        let idle = self.quota.parts.settings.assignment_ttl;
+        let now = Instant::now();
+        let evicted: Vec<Tracked> = {
+            let mut state = lock(&self.inner.state);
+            let gone: Vec<BucketSlot> = state
+                .buckets
+                .iter()
+                .filter(|(_, t)| {
+                    t.reported_at
+                        .is_some_and(|at| now.saturating_duration_since(at) > idle)
+                })
+                .map(|(slot, _)| slot.clone())
+                .collect();
+            gone.iter()
+                .filter_map(|slot| state.buckets.remove(slot))
+                .collect()
+        };
+        self.inner.release(evicted, &self.quota);
     }
 
     /// The buckets of a report this stream takes, with their demand.
@@ -214,7 +266,9 @@ impl Stream {
             }
             let slot: BucketSlot = (domain.clone(), bucket.clone());
             if !state.buckets.contains_key(&slot) {
-                if state.buckets.len() >= settings.max_buckets_per_stream {
+                if state.buckets.len() >= settings.max_buckets_per_stream
+                    || !self.quota.take_bucket()
+                {
                     self.quota.stats.unanswered(Unanswered::TooManyBuckets);
                     continue;
                 }
@@ -463,14 +517,20 @@ impl StreamInner {
             state.closed = true;
             std::mem::take(&mut state.buckets)
         };
-        for (_, tracked) in buckets {
+        self.release(buckets.into_values().collect(), quota);
+        self.ready.notify_one();
+    }
+
+    /// Buckets the stream no longer tracks leave this replica's metrics, pushes and bucket count.
+    fn release(&self, buckets: Vec<Tracked>, quota: &Quota) {
+        quota.give_back_buckets(buckets.len());
+        for tracked in buckets {
             if let Some(rule) = tracked.rule {
                 let grant = tracked.sent.map_or(0.0, |(_, g)| g);
                 rule.stats.subscribe(-1, -grant);
                 quota.unregister_local(&rule.shares_key, &tracked.member);
             }
         }
-        self.ready.notify_one();
     }
 }
 

@@ -58,6 +58,7 @@ impl Settings {
         for (name, value) in [
             ("rlqs.max_streams", rlqs.max_streams),
             ("rlqs.max_buckets_per_stream", rlqs.max_buckets_per_stream),
+            ("rlqs.max_buckets", rlqs.max_buckets),
             ("rlqs.max_envoys_per_bucket", rlqs.max_envoys_per_bucket),
             ("rlqs.max_message_bytes", rlqs.max_message_bytes),
         ] {

@@ -70,7 +70,11 @@ impl RateLimitQuotaService for RateLimitQuotaApi {
         let actions = stream.actions();
         // Why the stream ended, for the response's status; set before the stream is dropped.
         let ending: Arc<Mutex<Option<Status>>> = Arc::default();
-        let idle = self.quota.settings().report_period * IDLE_PERIODS;
+        let idle = self
+            .quota
+            .settings()
+            .report_period
+            .saturating_mul(IDLE_PERIODS);
         let (stop, end) = (self.stop.clone(), ending.clone());
         let mut inbound = request.into_inner();
         self.tasks.spawn(async move {

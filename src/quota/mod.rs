@@ -365,7 +365,12 @@ impl Quota {
         }));
         let call = Call {
             limits: uses,
-            counts_for_ms: duration_ms(self.parts.settings.assignment_ttl + TTL_MARGIN),
+            counts_for_ms: duration_ms(
+                self.parts
+                    .settings
+                    .assignment_ttl
+                    .saturating_add(TTL_MARGIN),
+            ),
             max_members: self.parts.settings.max_envoys_per_bucket,
             members: listed,
         };

@@ -283,7 +283,7 @@ pub fn apply(bucket: &mut Bucket, now_ms: u64, call: &Call) -> Reply {
                 Member {
                     demand,
                     grant: 0.0,
-                    expires_ms: now_ms + call.counts_for_ms,
+                    expires_ms: now_ms.saturating_add(call.counts_for_ms),
                     version: 0,
                 },
             );
@@ -330,7 +330,7 @@ pub fn apply(bucket: &mut Bucket, now_ms: u64, call: &Call) -> Reply {
         member.grant = grants[i];
         if listed.listing == Listing::Reported || changed {
             member.version += 1;
-            member.expires_ms = now_ms + call.counts_for_ms;
+            member.expires_ms = now_ms.saturating_add(call.counts_for_ms);
         }
         *slot = Given::Share {
             grant: grants[i],
@@ -554,6 +554,17 @@ mod tests {
                 ..
             }
         ));
+    }
+
+    #[test]
+    fn an_assignment_that_counts_for_ever_does_not_wrap_to_expire_at_once() {
+        let mut m = Bucket::default();
+        let mut c = call(100.0, &[("a", Rate(10.0), Reported)]);
+        c.counts_for_ms = u64::MAX;
+        apply(&mut m, 1_000, &c);
+        let r = apply(&mut m, 2_000, &call(100.0, &[("b", Rate(10.0), Reported)]));
+        assert_eq!(r.members, 2, "a still counts");
+        assert_eq!(m.members["a"].expires_ms, u64::MAX);
     }
 
     proptest! {

@@ -65,7 +65,9 @@ impl Settings {
             at_least_one(name, value)?;
         }
         longer_than_zero("rlqs.report_period", rlqs.report_period)?;
+        at_most("rlqs.report_period", rlqs.report_period, MAX_REPORT_PERIOD)?;
         let ttl = rlqs.assignment_ttl;
+        at_most("rlqs.assignment_ttl", ttl, MAX_ASSIGNMENT_TTL)?;
         let shown = humantime::format_duration(ttl);
         if ttl.subsec_nanos() != 0 || ttl.is_zero() {
             return Err(SettingsError::invalid(
@@ -74,7 +76,7 @@ impl Settings {
                 "must be a whole number of seconds, at least 1s (Envoy reads only the seconds)",
             ));
         }
-        if ttl < 2 * rlqs.report_period {
+        if ttl < rlqs.report_period.saturating_mul(2) {
             return Err(SettingsError::invalid(
                 "rlqs.assignment_ttl",
                 shown,
@@ -288,6 +290,23 @@ impl Settings {
         }
         Ok(())
     }
+}
+
+/// The longest `rlqs.report_period`: a stream is closed after ten silent periods, and Envoy's is 5 s.
+const MAX_REPORT_PERIOD: Duration = Duration::from_secs(60);
+
+/// The longest `rlqs.assignment_ttl`: a share held by a vanished Envoy comes back only after it.
+const MAX_ASSIGNMENT_TTL: Duration = Duration::from_secs(3_600);
+
+fn at_most(name: &str, value: Duration, most: Duration) -> Result<(), SettingsError> {
+    if value > most {
+        return Err(SettingsError::invalid(
+            name,
+            humantime::format_duration(value),
+            format!("must be at most {}", humantime::format_duration(most)),
+        ));
+    }
+    Ok(())
 }
 
 fn at_least_one(name: &str, value: usize) -> Result<(), SettingsError> {

@@ -554,6 +554,35 @@ async fn the_replica_tracks_at_most_max_buckets_and_forgets_idle_ones() {
     s.stop().await;
 }
 
+/// When Redis loses a bucket's shares (a restart, FLUSHALL, eviction, an outage longer than the TTL), the
+/// Envoy keeps being answered: the member is created again above the version its stream last sent,
+/// rather than from 0 (which the stream would drop as older, for as many reports as it had had).
+#[tokio::test]
+async fn a_bucket_whose_shares_redis_lost_is_answered_on_its_next_report() {
+    let redis = common::redis::RedisProcess::start(&[]);
+    let url = redis.addr();
+    let s = start(move |s| s.redis.url = url).await;
+    s.wait_serving(Duration::from_secs(10)).await;
+    let mut stream = Raw::open(&s).await.unwrap();
+    stream.report("edge", &[(SHARED, 0, 1, 0)]);
+    stream.next().await;
+    // Nothing allowed: the counter stays empty, so the pool stays whole once the shares are gone.
+    for _ in 0..4 {
+        stream.report("edge", &[(SHARED, 1, 0, 0)]);
+        stream.next().await;
+    }
+    let keys = redis.cli(&["KEYS", "*:rlqs"]);
+    let shares = keys.lines().next().expect("the bucket's shares in Redis");
+    assert_eq!(redis.cli(&["DEL", shares]).trim(), "1");
+    stream.report("edge", &[(SHARED, 1, 0, 0)]);
+    let got = actions(&stream.next().await);
+    assert!(
+        matches!(got[&key(SHARED)], Some((Strategy::TokenBucket(_), _))),
+        "{got:?}"
+    );
+    s.stop().await;
+}
+
 async fn unanswered(s: &TestServer, reason: &str) -> Option<f64> {
     let want = format!("ratelimitd_rlqs_unanswered_total{{reason=\"{reason}\"}} ");
     let (_, text) = s.http("GET", "/metrics", "").await;

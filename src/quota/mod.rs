@@ -357,11 +357,13 @@ impl Quota {
             id: member.to_string(),
             demand: usage.demand,
             listing: Listing::Reported,
+            sent_version: stream.sent_version(&usage.slot),
         }];
         listed.extend(locals.iter().map(|m| Listed {
             id: m.member.to_string(),
             demand: DemandUpdate::Keep,
             listing: Listing::Pushed,
+            sent_version: m.stream.sent_version(&m.slot),
         }));
         let call = Call {
             limits: uses,

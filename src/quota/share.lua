@@ -13,8 +13,9 @@
 -- ARGV[3]   n: the rule's limits, then seven values each: its rate (tokens per second); for a fixed
 --           window its start (ms), the hits its counter holds, the hits this report added, its length,
 --           the time it has run and the least time a rate is measured over (ms), else six empty strings
--- then      three per listed member: its id; its demand ("" keeps it, "-" unknown, else requests per
---           second); its listing ("r": it reported and is answered now, "p": pushed if its grant changes)
+-- then      four per listed member: its id; its demand ("" keeps it, "-" unknown, else requests per
+--           second); its listing ("r": it reported and is answered now, "p": pushed if its grant changes);
+--           the version its stream last sent it (a member lost with the key starts above it)
 -- Returns   { members, granted, pool, then one per listed member: "full" | "gone" |
 --           "<grant> <target> <changed 0|1> <version>" } (numbers as text: Redis would cut a Lua number
 --           to an integer)
@@ -92,8 +93,8 @@ end
 
 -- The listed members' reports; newcomers join while there is room.
 local listed = {}
-for a = first_listed, #ARGV, 3 do
-  local id, demand, listing = ARGV[a], ARGV[a + 1], ARGV[a + 2]
+for a = first_listed, #ARGV, 4 do
+  local id, demand, listing, sent = ARGV[a], ARGV[a + 1], ARGV[a + 2], tonumber(ARGV[a + 3])
   local m = members[id]
   local slot = 'gone'
   if m then
@@ -102,6 +103,7 @@ for a = first_listed, #ARGV, 3 do
     elseif demand ~= '' then
       m[1] = tonumber(demand)
     end
+    m[4] = math.max(m[4], sent)
     slot = 'share'
   elseif listing == 'r' then
     if count >= max_members then
@@ -111,7 +113,7 @@ for a = first_listed, #ARGV, 3 do
       if demand ~= '' and demand ~= '-' then
         d = tonumber(demand)
       end
-      members[id] = { d, 0, now + counts_for, 0 }
+      members[id] = { d, 0, now + counts_for, sent }
       count = count + 1
       slot = 'share'
     end

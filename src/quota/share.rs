@@ -44,7 +44,7 @@ pub struct Member {
     /// a margin. After it, the member is forgotten.
     pub expires_ms: u64,
     /// Bumped at every assignment computed for it, so that a stream never sends an older one after a
-    /// newer.
+    /// newer; never below what its stream says it sent (see [`Listed::sent_version`]).
     pub version: u64,
 }
 
@@ -74,6 +74,10 @@ pub struct Listed {
     pub id: String,
     pub demand: DemandUpdate,
     pub listing: Listing,
+    /// The version its stream last sent it (0 for none). A member the store lost (a Redis restart,
+    /// flush or eviction) is created again above it, or the stream would drop its answers until the
+    /// new versions caught up.
+    pub sent_version: u64,
 }
 
 /// The state of one bucket: its members, and what reports added to each fixed window of its limits.
@@ -263,6 +267,7 @@ pub fn apply(bucket: &mut Bucket, now_ms: u64, call: &Call) -> Reply {
                 DemandUpdate::Unknown => member.demand = None,
                 DemandUpdate::Rate(rate) => member.demand = Some(rate),
             }
+            member.version = member.version.max(listed.sent_version);
             *slot = Given::Share {
                 grant: 0.0,
                 target: 0.0,
@@ -284,7 +289,7 @@ pub fn apply(bucket: &mut Bucket, now_ms: u64, call: &Call) -> Reply {
                     demand,
                     grant: 0.0,
                     expires_ms: now_ms.saturating_add(call.counts_for_ms),
-                    version: 0,
+                    version: listed.sent_version,
                 },
             );
             *slot = Given::Share {
@@ -329,7 +334,7 @@ pub fn apply(bucket: &mut Bucket, now_ms: u64, call: &Call) -> Reply {
         };
         member.grant = grants[i];
         if listed.listing == Listing::Reported || changed {
-            member.version += 1;
+            member.version = member.version.saturating_add(1);
             member.expires_ms = now_ms.saturating_add(call.counts_for_ms);
         }
         *slot = Given::Share {
@@ -404,6 +409,7 @@ mod tests {
                     id: id.to_string(),
                     demand: *demand,
                     listing: *listing,
+                    sent_version: 0,
                 })
                 .collect(),
         }
@@ -567,6 +573,26 @@ mod tests {
         assert_eq!(m.members["a"].expires_ms, u64::MAX);
     }
 
+    #[test]
+    fn a_member_the_store_lost_comes_back_above_the_version_its_stream_sent() {
+        let mut m = Bucket::default();
+        let mut c = call(100.0, &[("a", Rate(10.0), Reported)]);
+        c.members[0].sent_version = 41;
+        let r = apply(&mut m, 0, &c);
+        assert!(
+            matches!(r.given[0], Given::Share { version: 42, .. }),
+            "{r:?}"
+        );
+        // A stored version behind the stream's (a store that lost part of its state) moves up too.
+        m.members.get_mut("a").unwrap().version = 3;
+        c.members[0].sent_version = 42;
+        let r = apply(&mut m, 1, &c);
+        assert!(
+            matches!(r.given[0], Given::Share { version: 43, .. }),
+            "{r:?}"
+        );
+    }
+
     proptest! {
         /// Whatever the reports, pushes, expiries and pool changes, the grants never add up to more than
         /// the largest pool of the calls that set them.
@@ -595,7 +621,7 @@ mod tests {
                     max_members: 4,
                     members: members
                         .into_iter()
-                        .map(|(id, demand, listing)| Listed { id, demand, listing })
+                        .map(|(id, demand, listing)| Listed { id, demand, listing, sent_version: 0 })
                         .collect(),
                 };
                 let r = apply(&mut m, now, &c);

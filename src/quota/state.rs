@@ -141,7 +141,7 @@ impl RedisShares {
 
     async fn share(&self, key: &str, call: &Call) -> Result<Reply, StoreError> {
         let mut args: Vec<String> =
-            Vec::with_capacity(3 + 7 * call.limits.len() + 3 * call.members.len());
+            Vec::with_capacity(3 + 7 * call.limits.len() + 4 * call.members.len());
         args.push(call.counts_for_ms.to_string());
         args.push(call.max_members.to_string());
         args.push(call.limits.len().to_string());
@@ -173,6 +173,7 @@ impl RedisShares {
                 }
                 .into(),
             );
+            args.push(listed.sent_version.to_string());
         }
         let pool = self.store.pool();
         let reply: Vec<Value> = self

@@ -444,6 +444,14 @@ impl StreamInner {
         member
     }
 
+    /// The version of the last assignment sent for the bucket (0 for none).
+    pub(super) fn sent_version(&self, slot: &BucketSlot) -> u64 {
+        lock(&self.state)
+            .buckets
+            .get(slot)
+            .map_or(0, |t| t.sent_version)
+    }
+
     /// Stops counting the bucket's rule; true when it had one (its rule is gone).
     pub(super) fn forget_rule(&self, slot: &BucketSlot, quota: &Quota) -> bool {
         let (member, rule, grant) = {

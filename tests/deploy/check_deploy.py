@@ -239,6 +239,12 @@ def envoy_rlqs():
         check(f"rlqs: bucket {action.name} has keys of the edge rules", keys and keys <= top, f"{keys} not in {top}")
         check(f"rlqs: bucket {action.name} behaves before its first assignment",
               settings.no_assignment_behavior.HasField("fallback_rate_limit"))
+        # A newcomer may wait a report period or two for a share while the pool is handed out: its
+        # fallback must limit it, not admit everything.
+        fallback = settings.no_assignment_behavior.fallback_rate_limit
+        check(f"rlqs: bucket {action.name} falls back to a token bucket, not ALLOW_ALL",
+              fallback.HasField("token_bucket") and fallback.token_bucket.HasField("tokens_per_fill")
+              and fallback.token_bucket.fill_interval.ToSeconds() >= 1, str(fallback))
         check(f"rlqs: bucket {action.name} behaves when its assignment expires",
               settings.HasField("expired_assignment_behavior"))
         check(f"rlqs: bucket {action.name} reports every 5 s (the period Envoy uses)",

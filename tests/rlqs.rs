@@ -583,6 +583,41 @@ async fn a_bucket_whose_shares_redis_lost_is_answered_on_its_next_report() {
     s.stop().await;
 }
 
+/// A report covering more than a fixed window charges that window only its part of the report, not all
+/// of it: a 5 s report of a per-second rule would otherwise fill that second's counter and deny its
+/// `ShouldRateLimit` callers for the rest of it.
+#[tokio::test]
+async fn a_report_longer_than_a_window_charges_the_window_its_part() {
+    let s = start(|s| {
+        s.rlqs.report_period = Duration::from_millis(500);
+        s.rlqs.assignment_ttl = Duration::from_secs(3);
+    })
+    .await;
+    s.wait_serving(Duration::from_secs(5)).await;
+    let mut stream = Raw::open(&s).await.unwrap();
+    stream.report("edge", &[(SHARED, 0, 1, 0)]);
+    stream.next().await;
+    // The Envoy's next report comes 2.5 s later (the time this test stands for Envoy's 5 s): 100
+    // requests admitted over it, 40 a second on a rule of 100 a second.
+    tokio::time::sleep(Duration::from_millis(2_500)).await;
+    stream.report("edge", &[(SHARED, 2, 100, 0)]);
+    stream.next().await;
+    let mut client = s.client().await;
+    let answer = ask(
+        &mut client,
+        request("edge", vec![descriptor(&[("generic_key", "shared")])]),
+    )
+    .await;
+    assert_eq!(
+        answer.overall_code,
+        ratelimitd::proto::rate_limit_response::Code::Ok as i32,
+        "{answer:?}"
+    );
+    // The window's part of 100 over 2.5 s is 40 (or nothing, had the window turned since).
+    assert!(answer.statuses[0].limit_remaining >= 55, "{answer:?}");
+    s.stop().await;
+}
+
 async fn unanswered(s: &TestServer, reason: &str) -> Option<f64> {
     let want = format!("ratelimitd_rlqs_unanswered_total{{reason=\"{reason}\"}} ");
     let (_, text) = s.http("GET", "/metrics", "").await;

@@ -333,7 +333,7 @@ impl Quota {
             .admissible
             .map_or(usage.allowed, |most| usage.allowed.min(most));
 
-        let outcomes = match self.charge(&limits, allowed).await {
+        let outcomes = match self.charge(&limits, allowed, usage.covers).await {
             Ok(outcomes) => outcomes,
             Err(err) => {
                 tracing::debug!(error = %err, "rate limit quota usage not counted");
@@ -348,6 +348,7 @@ impl Quota {
             &limits,
             &outcomes,
             allowed,
+            usage.covers,
             self.parts.clock.now_millis(),
             self.parts.settings.report_period,
         );
@@ -410,12 +411,12 @@ impl Quota {
     }
 
     /// Adds `allowed` admitted hits to every counter of the rule, as `ShouldRateLimit` would have for
-    /// requests it allowed (at most each one's limit: more were not admitted under it), and reads what
-    /// is left.
+    /// requests it allowed (see [`charged`]), and reads what is left.
     async fn charge(
         &self,
         limits: &BucketLimits,
         allowed: u64,
+        covers: Option<Duration>,
     ) -> Result<Vec<Outcome>, StoreError> {
         let batch = Batch {
             checks: limits
@@ -423,7 +424,7 @@ impl Quota {
                 .iter()
                 .map(|c| {
                     let mut check = c.clone();
-                    check.cost = allowed.min(capacity(&check.params));
+                    check.cost = charged(allowed, &check.params, covers);
                     check.role = Role::Enforce;
                     check
                 })
@@ -469,6 +470,7 @@ pub fn limit_uses(
     limits: &BucketLimits,
     outcomes: &[Outcome],
     added: u64,
+    covers: Option<Duration>,
     now_ms: u64,
     report_period: Duration,
 ) -> Vec<LimitUse> {
@@ -488,7 +490,7 @@ pub fn limit_uses(
                     WindowUse {
                         start_ms,
                         used: params.limit.saturating_sub(outcome.remaining) as f64,
-                        added: added.min(capacity(params)) as f64,
+                        added: charged(added, params, covers) as f64,
                         window_ms,
                         elapsed_ms: now_ms.saturating_sub(start_ms),
                         floor_ms: duration_ms(report_period).min(window_ms).max(1),
@@ -497,6 +499,24 @@ pub fn limit_uses(
             LimitUse { rate, window }
         })
         .collect()
+}
+
+/// What a report of `allowed` requests over `covers` charges one limit: for a fixed window shorter
+/// than the time the report covers, only the part that falls in the current window (the requests
+/// spread evenly over the report), so that a 5 s report does not fill a per-second window and deny its
+/// `ShouldRateLimit` callers for the rest of it; and never more than the limit's capacity.
+fn charged(allowed: u64, params: &crate::algorithm::Params, covers: Option<Duration>) -> u64 {
+    let mut cost = allowed;
+    if params.algorithm == Algorithm::FixedWindow {
+        let window = u128::from(params.window_ms.max(1));
+        let covered = covers.map_or(0, |c| c.as_millis());
+        if covered > window {
+            // Rounded up: an honest Envoy's last request still counts.
+            let part = (u128::from(allowed) * window).div_ceil(covered);
+            cost = u64::try_from(part).unwrap_or(u64::MAX);
+        }
+    }
+    cost.min(capacity(params))
 }
 
 /// The most hits one report charges a limit: its capacity (the limit, or a token bucket's burst). A

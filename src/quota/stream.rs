@@ -137,6 +137,9 @@ pub(super) struct TrackedUsage {
     /// The most of them its token buckets let it admit since its last report (`None`: nothing bounds
     /// it but the rule's limits); what the counters are charged is capped by it.
     pub admissible: Option<u64>,
+    /// The time the report covers: since the stream's last report of the bucket, or as the Envoy says
+    /// in its first (`None` when it covers none).
+    pub covers: Option<Duration>,
     pub denied: u64,
     pub demand: DemandUpdate,
 }
@@ -319,6 +322,7 @@ impl Stream {
                 slot,
                 allowed: usage.allowed,
                 admissible,
+                covers: elapsed,
                 denied: usage.denied,
                 demand,
             });

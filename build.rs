@@ -1,7 +1,8 @@
 //! Compiles the wire API in `proto/` with protox (no system `protoc`) and writes the encoded descriptor
 //! set that server reflection serves.
 //!
-//! Two sets: the rate limit service, which ratelimitd serves and reflection describes; and the xDS
+//! Two sets: the services ratelimitd serves (the rate limit service and the rate limit quota service),
+//! which reflection describes; and the xDS
 //! discovery service with the rules it carries, which ratelimitd only calls (its server side is
 //! generated for the tests' control plane), so reflection does not list it.
 
@@ -11,7 +12,10 @@ use anyhow::Context;
 use prost::Message;
 
 /// What ratelimitd serves.
-const SERVED: &[&str] = &["envoy/service/ratelimit/v3/rls.proto"];
+const SERVED: &[&str] = &[
+    "envoy/service/ratelimit/v3/rls.proto",
+    "envoy/service/rate_limit_quota/v3/rlqs.proto",
+];
 
 /// What ratelimitd calls: rules over xDS.
 const CALLED: &[&str] = &[

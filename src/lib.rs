@@ -5,7 +5,7 @@
 //!
 //! ```text
 //! api (gRPC RLS, /json, health)  ->  limiter  ->  store  ->  algorithm (pure arithmetic)
-//!                                       |     (memory | redis, with the deny cache in front)
+//!     (gRPC RLQS) -> quota --------^    |     (memory | redis, with the deny cache in front)
 //!                                       +-->  rules (compiled tree, swapped whole on reload)
 //! ```
 //!
@@ -22,6 +22,9 @@
 //! - [`limiter`] — decides a request as steps: `plan` (descriptors to checks), the store call
 //!   (`backend`: timing, traces, the local fallback), `status` (verdicts to statuses and headers),
 //!   `record` (metrics and offenders). Its options are in `limiter::options`.
+//! - [`quota`] — the rate limit quota service (RLQS): buckets resolved as descriptors by the limiter,
+//!   Envoys' reported usage counted on the rules' counters, each bucket's limit shared fairly among the
+//!   Envoys reporting it (`share`, mirrored by `share.lua`), the shares kept in the store (`state`).
 //! - [`rules`] — the reference rules format: `yaml` reads, `compile` validates and builds the tree of
 //!   `model`, `matcher` walks it per request, `rlconfig` prints it; `loader` and `watcher` read the folder.
 //! - [`store`] — where counters live, behind [`store::CounterStore`], which also carries a store's
@@ -44,6 +47,7 @@ pub mod clock;
 mod duration;
 pub mod limiter;
 pub mod proto;
+pub mod quota;
 pub mod rules;
 pub mod server;
 pub mod settings;

@@ -1,5 +1,6 @@
-//! Code generated from `proto/`: the Envoy rate limit service v3 and the messages it uses, and the xDS
-//! discovery service with the rule sets a control plane sends over it.
+//! Code generated from `proto/`: the Envoy rate limit service v3 and the messages it uses, the rate limit
+//! quota service (RLQS) v3 with the strategies it assigns, and the xDS discovery service with the rule
+//! sets a control plane sends over it.
 #![allow(clippy::all, missing_docs)]
 
 pub mod envoy {
@@ -12,6 +13,11 @@ pub mod envoy {
         pub mod discovery {
             pub mod v3 {
                 tonic::include_proto!("envoy.service.discovery.v3");
+            }
+        }
+        pub mod rate_limit_quota {
+            pub mod v3 {
+                tonic::include_proto!("envoy.service.rate_limit_quota.v3");
             }
         }
     }
@@ -55,7 +61,8 @@ pub mod ratelimit {
     }
 }
 
-/// The encoded descriptor set of the rate limit service (with its imports), served by reflection.
+/// The encoded descriptor set of the served services (the rate limit service and the rate limit quota
+/// service, with their imports), served by reflection.
 pub const FILE_DESCRIPTOR_SET: &[u8] =
     include_bytes!(concat!(env!("OUT_DIR"), "/rls_descriptor.bin"));
 
@@ -85,4 +92,17 @@ pub mod xds {
     /// The type URL of [`RateLimitConfig`] resources, the one type ratelimitd subscribes to.
     pub const RATE_LIMIT_CONFIG_TYPE: &str =
         "type.googleapis.com/ratelimit.config.ratelimit.v3.RateLimitConfig";
+}
+
+/// The rate limit quota service (RLQS): usage reports in, bucket actions out, on one stream per Envoy.
+pub mod rlqs {
+    pub use super::envoy::{
+        r#type::v3::{rate_limit_strategy, RateLimitStrategy, TokenBucket},
+        service::rate_limit_quota::v3::{
+            rate_limit_quota_response,
+            rate_limit_quota_service_client::RateLimitQuotaServiceClient,
+            rate_limit_quota_service_server, rate_limit_quota_usage_reports, BucketId,
+            RateLimitQuotaResponse, RateLimitQuotaUsageReports,
+        },
+    };
 }

@@ -108,6 +108,51 @@ fn check_config_refuses_a_window_longer_than_ten_years_naming_the_rule() {
     );
 }
 
+/// Quota settings too long to be meant (and long enough to overflow time arithmetic) are refused before
+/// a port is bound, not a panic at start or at the first stream.
+#[test]
+fn rlqs_periods_past_their_bounds_exit_64_naming_them() {
+    let dir = tempfile::tempdir().unwrap();
+    for (name, setting, value) in [
+        (
+            "RATELIMITD_RLQS__REPORT_PERIOD",
+            "rlqs.report_period",
+            "10000000000000000000s",
+        ),
+        ("RATELIMITD_RLQS__REPORT_PERIOD", "rlqs.report_period", "2m"),
+        (
+            "RATELIMITD_RLQS__ASSIGNMENT_TTL",
+            "rlqs.assignment_ttl",
+            "2h",
+        ),
+    ] {
+        let mut child = ratelimitd(&[], &[(name, value)], dir.path())
+            .envs(common::LOOPBACK)
+            .stderr(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        let status = loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                break Some(status);
+            }
+            if std::time::Instant::now() > deadline {
+                child.kill().unwrap();
+                child.wait().unwrap();
+                break None;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        };
+        let mut err = String::new();
+        std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+        let status = status.unwrap_or_else(|| panic!("{name}={value}: still running: {err}"));
+        assert_eq!(status.code(), Some(64), "{name}={value}: {err}");
+        assert!(err.contains(setting), "{name}={value}: {err}");
+        assert!(err.contains("at most"), "{name}={value}: {err}");
+    }
+}
+
 #[test]
 fn a_wrong_setting_exits_64_naming_it() {
     let dir = tempfile::tempdir().unwrap();

@@ -1,6 +1,6 @@
-//! The edge: gRPC (Envoy RLS v3, health, reflection), the HTTP side port, the operators' API (`admin`),
-//! and the xDS client that takes the rules from a control plane. Wire types are converted to and from
-//! the domain types (the limiter's, the rules') here and nowhere else.
+//! The edge: gRPC (Envoy RLS v3, the rate limit quota service, health, reflection), the HTTP side port,
+//! the operators' API (`admin`), and the xDS client that takes the rules from a control plane. Wire types
+//! are converted to and from the domain types (the limiter's, the rules') here and nowhere else.
 
 pub mod admin;
 pub mod conn;
@@ -10,6 +10,7 @@ pub mod http;
 pub mod http1;
 mod json;
 pub mod method_stats;
+pub mod rlqs;
 pub mod tls;
 pub mod xds;
 

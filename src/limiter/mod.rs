@@ -15,8 +15,11 @@
 //! - `sensitive.rs`: which values are hashed before anyone sees them.
 //! - `runtime.rs`: the runtime limits operators set, and `operator.rs`: what the operators' API asks of
 //!   the limiter (inspect, reset, runtime limits), off the request path.
+//! - `bucket.rs`: a rate limit quota bucket resolved as a descriptor, to the counters it shares with
+//!   `ShouldRateLimit`.
 
 mod backend;
+mod bucket;
 mod headers;
 mod operator;
 mod options;
@@ -28,6 +31,7 @@ mod status;
 mod types;
 
 pub use backend::Fallback;
+pub use bucket::{BucketLimits, BucketRule};
 pub use operator::{Inspected, Inspection, OperatorError, Reset, Target};
 pub use options::{
     FallbackSettings, HeaderNames, OnBackendError, OverloadSettings, RequestLimits,

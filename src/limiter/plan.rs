@@ -394,7 +394,7 @@ pub(super) fn batch(request: &Request, resolved: &[Resolved<'_>], options: &Opti
 
 /// A descriptor's values as they go into counter keys: the rule's shared pattern where it shares one
 /// counter among values, the hash of sensitive values, the others as they are.
-fn key_values<'a>(
+pub(super) fn key_values<'a>(
     descriptor: &'a Descriptor,
     node: Option<&'a Node>,
     options: &Options,

@@ -10,6 +10,10 @@ use crate::{
     api::{health::Health, xds},
     clock::Clock,
     limiter::{self, Limiter},
+    quota::{
+        state::{MemoryShares, RedisShares},
+        Quota, QuotaParts, Shares,
+    },
     rules::{self, Rules},
     settings::{BackendKind, ConfigType, OnBackendError, Settings},
     store::{CounterStore, DenyCache, MemoryStore, RedisStore, Store, StoreHealth},
@@ -98,6 +102,35 @@ pub(super) fn limiter(
         deny_cache,
         stores,
     }
+}
+
+/// The rate limit quota service, unless `rlqs.enabled` is off: its buckets count on `store`, the counters
+/// `ShouldRateLimit` counts on, and their shares live beside them (in Redis for the Redis store, so that
+/// every replica shares them; in this process otherwise).
+pub(super) fn quota(
+    settings: &Settings,
+    limiter: &Arc<Limiter>,
+    store: &Arc<Store>,
+    clock: &Clock,
+    metrics: &Arc<Metrics>,
+) -> Option<Arc<Quota>> {
+    if !settings.rlqs.enabled {
+        return None;
+    }
+    let shares = match &**store {
+        Store::Redis(redis) => Shares::Redis(RedisShares::new(redis.clone())),
+        Store::Memory(_) | Store::Noop => Shares::Memory(MemoryShares::new(clock.clone())),
+    };
+    Some(Quota::new(QuotaParts {
+        limiter: limiter.clone(),
+        store: store.clone(),
+        shares,
+        settings: settings.rlqs.clone(),
+        on_backend_error: settings.on_backend_error,
+        store_wait: settings.overload.deadline,
+        clock: clock.clone(),
+        metrics: metrics.clone(),
+    }))
 }
 
 /// The hasher of sensitive values: HMAC-SHA256 under `hash_secret`, or unkeyed SHA-256 without one. Either

@@ -1,7 +1,7 @@
 //! Wiring: builds the parts from settings, serves gRPC and HTTP, and owns the one shutdown path.
 //!
-//! - `build` makes the parts: the store, the limiter (deny cache, fallback, hasher), the rules and
-//!   their watcher or xDS client, the metrics read at scrape time.
+//! - `build` makes the parts: the store, the limiter (deny cache, fallback, hasher), the rate limit
+//!   quota service, the rules and their watcher or xDS client, the metrics read at scrape time.
 //! - `serve` runs the listeners and drains them.
 //! - [`run_with_clock`] is the sequence: build, start the background work, serve, shut down.
 //!
@@ -139,6 +139,11 @@ pub async fn run_with_clock(
         &metrics,
         &tasks,
     );
+    let quota = build::quota(&settings, &deciding.limiter, &store, &clock, &metrics);
+    if let Some(quota) = &quota {
+        let (quota, stop) = (quota.clone(), tasks.stopping());
+        tasks.spawn(async move { quota.maintain(stop).await });
+    }
     build::register_store_metrics(&metrics, &store);
     start_store_tasks(&settings, &deciding.stores, &health, &clock, &tasks);
     start_runtime_limits(&settings, &deciding.limiter, &store, &tasks);
@@ -149,6 +154,7 @@ pub async fn run_with_clock(
 
     let services = Services {
         limiter: deciding.limiter,
+        quota,
         health: health.clone(),
         reporter,
         metrics,

@@ -1,4 +1,5 @@
-//! Running the listeners: gRPC (the rate limit service, health and reflection, plaintext or TLS), HTTP,
+//! Running the listeners: gRPC (the rate limit service, the rate limit quota service, health and
+//! reflection, plaintext or TLS), HTTP,
 //! and the separate Prometheus port; and draining them at shutdown.
 //!
 //! Every listener runs as a task of the server's `Tasks`; all stop accepting on one token, so that
@@ -22,10 +23,12 @@ use crate::{
         health::Health,
         http, http1,
         method_stats::MethodStatsLayer,
+        rlqs::RateLimitQuotaApi,
         tls::ReloadingTls,
     },
     limiter::Limiter,
     proto,
+    quota::Quota,
     settings::Settings,
     telemetry::Metrics,
 };
@@ -33,6 +36,8 @@ use crate::{
 /// What the listeners serve.
 pub(super) struct Services {
     pub limiter: Arc<Limiter>,
+    /// The rate limit quota service, unless `rlqs.enabled` is off.
+    pub quota: Option<Arc<Quota>>,
     pub health: Arc<Health>,
     /// The reporter `health` publishes to, served as the gRPC health service.
     pub reporter: HealthReporter,
@@ -242,7 +247,12 @@ fn serve_grpc(
             RateLimitApi::new(services.limiter.clone())
                 .into_server()
                 .max_decoding_message_size(settings.request_limits.max_message_bytes),
-        );
+        )
+        // Its streams end when the drain begins, so that Envoys move to another replica at once.
+        .add_optional_service(services.quota.clone().map(|quota| {
+            RateLimitQuotaApi::new(quota, tasks.tracker.clone(), stop_accepting.clone())
+                .into_server()
+        }));
     let acceptor =
         Acceptor::new(listener, settings.overload.max_connections, "gRPC").bounds(Bounds {
             handshake: Some(settings.grpc.handshake_timeout),

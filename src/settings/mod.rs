@@ -37,6 +37,7 @@ pub use crate::{
         FallbackSettings, HeaderNames, OnBackendError, OverloadSettings, RequestLimits,
         ResponseHeaders, RuntimeLimitsSettings,
     },
+    quota::RlqsSettings,
     rules::{ConfigType, RulesSettings, Source as RulesSource, DEFAULT_MAX_YAML_NODES},
     store::redis::{RedisSettings, RedisTopology, Secret, SocketType},
     telemetry::{
@@ -151,6 +152,8 @@ pub struct Settings {
     pub prometheus: PrometheusSettings,
     /// The statsd (or DogStatsD) stream of the reference's stat names, beside Prometheus.
     pub statsd: StatsdSettings,
+    /// The rate limit quota service (RLQS) on the gRPC port: report period, assignment TTL, bounds.
+    pub rlqs: RlqsSettings,
     /// Secret of the HMAC-SHA256 that hashes sensitive values. Env `RATELIMITD_HASH_SECRET`; set it to the
     /// same value on every replica. Unset: values are hashed with unkeyed SHA-256 (still never stored raw,
     /// the same on every replica and restart, but a guessed value can be confirmed from the keys).
@@ -198,6 +201,7 @@ impl Default for Settings {
             tracing: TracingSettings::default(),
             prometheus: PrometheusSettings::default(),
             statsd: StatsdSettings::default(),
+            rlqs: RlqsSettings::default(),
             hashed_keys: vec!["api_key".into(), "authorization".into(), "x-api-key".into()],
             hash_secret: Secret::default(),
             runtime_limits: RuntimeLimitsSettings::default(),

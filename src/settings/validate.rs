@@ -53,7 +53,46 @@ impl Settings {
         )?;
         longer_than_zero("memory.sweep_interval", self.memory.sweep_interval)?;
         self.validate_bounds()?;
+        self.validate_rlqs()?;
         self.validate_header_names()
+    }
+
+    /// The rate limit quota service: bounds above zero, and a TTL Envoy can read (whole seconds) that
+    /// outlives two report periods, so that an assignment does not lapse between reports.
+    fn validate_rlqs(&self) -> Result<(), SettingsError> {
+        let rlqs = &self.rlqs;
+        for (name, value) in [
+            ("rlqs.max_streams", rlqs.max_streams),
+            ("rlqs.max_buckets_per_stream", rlqs.max_buckets_per_stream),
+            ("rlqs.max_buckets", rlqs.max_buckets),
+            ("rlqs.max_envoys_per_bucket", rlqs.max_envoys_per_bucket),
+            ("rlqs.max_message_bytes", rlqs.max_message_bytes),
+        ] {
+            at_least_one(name, value)?;
+        }
+        longer_than_zero("rlqs.report_period", rlqs.report_period)?;
+        at_most("rlqs.report_period", rlqs.report_period, MAX_REPORT_PERIOD)?;
+        let ttl = rlqs.assignment_ttl;
+        at_most("rlqs.assignment_ttl", ttl, MAX_ASSIGNMENT_TTL)?;
+        let shown = humantime::format_duration(ttl);
+        if ttl.subsec_nanos() != 0 || ttl.is_zero() {
+            return Err(SettingsError::invalid(
+                "rlqs.assignment_ttl",
+                shown,
+                "must be a whole number of seconds, at least 1s (Envoy reads only the seconds)",
+            ));
+        }
+        if ttl < rlqs.report_period.saturating_mul(2) {
+            return Err(SettingsError::invalid(
+                "rlqs.assignment_ttl",
+                shown,
+                format!(
+                    "must be at least two report periods (rlqs.report_period is {})",
+                    humantime::format_duration(rlqs.report_period)
+                ),
+            ));
+        }
+        Ok(())
     }
 
     /// Opens what the settings name, without connecting or binding: the gRPC TLS files must read, parse
@@ -308,6 +347,23 @@ impl Settings {
         }
         Ok(())
     }
+}
+
+/// The longest `rlqs.report_period`: a stream is closed after ten silent periods, and Envoy's is 5 s.
+const MAX_REPORT_PERIOD: Duration = Duration::from_secs(60);
+
+/// The longest `rlqs.assignment_ttl`: a share held by a vanished Envoy comes back only after it.
+const MAX_ASSIGNMENT_TTL: Duration = Duration::from_secs(3_600);
+
+fn at_most(name: &str, value: Duration, most: Duration) -> Result<(), SettingsError> {
+    if value > most {
+        return Err(SettingsError::invalid(
+            name,
+            humantime::format_duration(value),
+            format!("must be at most {}", humantime::format_duration(most)),
+        ));
+    }
+    Ok(())
 }
 
 fn at_least_one(name: &str, value: usize) -> Result<(), SettingsError> {

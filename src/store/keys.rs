@@ -13,6 +13,9 @@
 //! open or close the hash tag, which is therefore always the whole descriptor: all limits of one
 //! descriptor (and nothing else by accident) share a Cluster slot. Parts without those characters read
 //! as written (`{edge_path_/login_}`).
+//!
+//! The rate limit quota service keeps each bucket's shares under the same hash tag, with `:rlqs` after
+//! it (`{edge_path_/login_}:rlqs`).
 
 use crate::algorithm::Algorithm;
 
@@ -99,6 +102,22 @@ pub fn limit_key<'a>(
     out.push('{');
     push_descriptor(out, domain, entries, push_escaped);
     let _ = write!(out, "}}:{}:{window_secs}:{index}", algorithm.name());
+}
+
+/// Builds the key of a rate limit quota bucket's shares into `out`: the descriptor the bucket matched,
+/// escaped and hash-tagged as the counters of the other algorithms are (so they share its Cluster slot),
+/// then `:rlqs`: `<prefix>{<domain>_<key>_<value>_...}:rlqs`.
+pub fn bucket_key<'a>(
+    out: &mut String,
+    prefix: &str,
+    domain: &str,
+    entries: impl IntoIterator<Item = (&'a str, &'a str)>,
+) {
+    out.clear();
+    out.push_str(prefix);
+    out.push('{');
+    push_descriptor(out, domain, entries, push_escaped);
+    out.push_str("}:rlqs");
 }
 
 /// Appends the window start to a key built by [`counter_key`].

@@ -4,6 +4,7 @@
 
 pub mod certs;
 pub mod redis;
+pub mod rlqs;
 pub mod statsd;
 pub mod xds;
 

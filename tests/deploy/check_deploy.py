@@ -10,6 +10,9 @@
 - the Deployment matches the drain, probe and security expectations of deploy/README.md;
 - deploy/envoy/envoy.yaml parses into Envoy's own Bootstrap message and deploy/istio's patches into the
   filter and virtual host messages (PyPI xds-protos), so a misspelled field fails;
+- deploy/envoy/rlqs.yaml parses into a Bootstrap with the rate limit quota filter and its bucket matchers,
+  points at the ratelimitd cluster over HTTP/2, and every bucket it builds names a key the edge rules have at
+  their top level (so ratelimitd matches it to a rule), with a behaviour before and after an assignment;
 - deploy/envoy-gateway: the built-in objects validate, Envoy Gateway's configuration (in the ConfigMap and in
   the Helm values) names an image and the Redis that redis.yaml serves, and the BackendTrafficPolicy is a
   global limit Envoy Gateway accepts;
@@ -31,11 +34,13 @@ from envoy.config.bootstrap.v3 import bootstrap_pb2
 from envoy.config.route.v3 import route_components_pb2
 from envoy.extensions.filters.http.lua.v3 import lua_pb2
 from envoy.extensions.filters.http.ratelimit.v3 import rate_limit_pb2 as http_ratelimit_pb2
+from envoy.extensions.filters.http.rate_limit_quota.v3 import rate_limit_quota_pb2
 from envoy.extensions.filters.http.router.v3 import router_pb2  # noqa: F401
 from envoy.extensions.filters.network.http_connection_manager.v3 import (  # noqa: F401
     http_connection_manager_pb2,
 )
-from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2  # noqa: F401
+from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
+from envoy.type.matcher.v3 import http_inputs_pb2  # noqa: F401
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from tally import Tally  # noqa: E402
@@ -248,6 +253,57 @@ def envoy():
                 check(name, False, f"unexpected applyTo {patch['applyTo']}")
 
 
+def envoy_rlqs():
+    name = "deploy/envoy/rlqs.yaml"
+    bootstrap = parse(bootstrap_pb2.Bootstrap(), yaml.safe_load(open(path(name))), f"{name} is an Envoy Bootstrap")
+    if bootstrap is None:
+        return
+    hcm = http_connection_manager_pb2.HttpConnectionManager()
+    bootstrap.static_resources.listeners[0].filter_chains[0].filters[0].typed_config.Unpack(hcm)
+    quota = rate_limit_quota_pb2.RateLimitQuotaFilterConfig()
+    check("rlqs: the first filter is the rate limit quota filter",
+          hcm.http_filters[0].typed_config.Unpack(quota), hcm.http_filters[0].typed_config.type_url)
+    check("rlqs: router last", hcm.http_filters[-1].name == "envoy.filters.http.router")
+    check("rlqs: domain edge", quota.domain == "edge")
+    clusters = {c.name: c for c in bootstrap.static_resources.clusters}
+    cluster = quota.rlqs_server.envoy_grpc.cluster_name
+    check("rlqs: the quota server's cluster exists", cluster in clusters, cluster)
+    if cluster in clusters:
+        options = http_protocol_options_pb2.HttpProtocolOptions()
+        typed = clusters[cluster].typed_extension_protocol_options["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]
+        check("rlqs: HTTP/2 to ratelimitd", typed.Unpack(options) and options.explicit_http_config.HasField("http2_protocol_options"))
+        port = clusters[cluster].load_assignment.endpoints[0].lb_endpoints[0].endpoint.address.socket_address.port_value
+        check("rlqs: ratelimitd's gRPC port", port == 8081, str(port))
+
+    matchers = quota.bucket_matchers
+    actions = [m.on_match.action for m in matchers.matcher_list.matchers] + [matchers.on_no_match.action]
+    edge = yaml.safe_load(open(path("examples/config/edge.yaml")))
+    top = {d["key"] for d in edge["descriptors"]}
+    built = set()
+    for action in actions:
+        settings = rate_limit_quota_pb2.RateLimitQuotaBucketSettings()
+        unpacked = action.typed_config.Unpack(settings)
+        check(f"rlqs: bucket {action.name} has bucket settings", unpacked, action.typed_config.type_url)
+        if not unpacked:
+            continue
+        keys = set(settings.bucket_id_builder.bucket_id_builder)
+        built |= keys
+        check(f"rlqs: bucket {action.name} has keys of the edge rules", keys and keys <= top, f"{keys} not in {top}")
+        check(f"rlqs: bucket {action.name} behaves before its first assignment",
+              settings.no_assignment_behavior.HasField("fallback_rate_limit"))
+        # A newcomer may wait a report period or two for a share while the pool is handed out: its
+        # fallback must limit it, not admit everything.
+        fallback = settings.no_assignment_behavior.fallback_rate_limit
+        check(f"rlqs: bucket {action.name} falls back to a token bucket, not ALLOW_ALL",
+              fallback.HasField("token_bucket") and fallback.token_bucket.HasField("tokens_per_fill")
+              and fallback.token_bucket.fill_interval.ToSeconds() >= 1, str(fallback))
+        check(f"rlqs: bucket {action.name} behaves when its assignment expires",
+              settings.HasField("expired_assignment_behavior"))
+        check(f"rlqs: bucket {action.name} reports every 5 s (the period Envoy uses)",
+              settings.reporting_interval.ToSeconds() == 5, str(settings.reporting_interval))
+    check("rlqs: buckets for the global, search and API key rules", built >= {"generic_key", "path", "api_key"}, str(built))
+
+
 def validate(o, name):
     try:
         kubernetes_validate.validate(o, KUBERNETES_VERSION, strict=True)
@@ -332,6 +388,7 @@ def dockerfile():
 kubernetes()
 token_budget()
 envoy()
+envoy_rlqs()
 envoy_gateway()
 dockerfile()
 sys.exit(check.finish())

@@ -133,6 +133,12 @@ impl RedisStore {
         }))
     }
 
+    /// The connections of the main deployment, for state kept beside the counters (the rate limit
+    /// quota service's buckets).
+    pub fn pool(&self) -> &Pool {
+        &self.main.pool
+    }
+
     fn backends(&self) -> impl Iterator<Item = &Arc<Backend>> {
         std::iter::once(&self.main).chain(&self.per_second)
     }

@@ -1,0 +1,542 @@
+//! The rate limit quota service (RLQS): Envoys report how many requests each bucket allowed and denied,
+//! and are assigned a quota per bucket that they enforce themselves, with no call on the request path.
+//! One rule's limit is shared by every Envoy reporting a bucket of it, fairly by their recent demand, and
+//! counted on the same counters `ShouldRateLimit` counts on.
+//!
+//! For each bucket of a report:
+//! 1. the bucket is resolved as a descriptor against the rules (`limiter::bucket`): not limited (ALLOW_ALL),
+//!    unlimited (ALLOW_ALL), a rule gone since the last report (abandon), or the rule's limits;
+//! 2. the requests the Envoy allowed are added to the rule's counters, as admitted hits (what
+//!    `ShouldRateLimit` callers of the same descriptor then see), and the counters say what is left;
+//! 3. the bucket is recomputed in the store ([`share`], atomically: `share.lua` on Redis): the **pool**,
+//!    the tokens per second its Envoys may share (the rule's rate `limit / window`, less the rate at which
+//!    `ShouldRateLimit` callers spend a fixed window), and the members' grants, the reporting Envoy and
+//!    every other Envoy this replica streams to for the bucket listed, so that a share freed by one is
+//!    pushed to another at once;
+//! 4. each listed Envoy whose assignment changed, and the reporter always, is sent its grant as a token
+//!    bucket ([`strategy`]) with the TTL, on its stream.
+//!
+//! Every stream, bucket and member is bounded by [`RlqsSettings`]; a stream's work is its own task, and
+//! all end when the server drains.
+//!
+//! # Layout
+//! - `share`: the arithmetic of one bucket (pool, targets, grants), pure; `share.lua` mirrors it.
+//! - `state`: where the buckets live, in this process or in Redis.
+//! - `strategy`: a grant as the token bucket Envoy enforces.
+//! - `stream`: one Envoy's stream: its buckets, their demand, what was sent, the queue of actions.
+//! - `stats`: the metrics by domain and rule, and why buckets went unanswered.
+//! - `options`: the `rlqs.*` settings.
+
+mod options;
+pub mod share;
+pub mod state;
+mod stats;
+pub mod strategy;
+mod stream;
+
+pub use options::RlqsSettings;
+pub use state::Shares;
+pub use strategy::{Strategy, TokenBucket};
+pub use stream::{Actions, Stream};
+
+use std::{
+    collections::HashMap,
+    sync::{
+        atomic::{AtomicU64, AtomicUsize, Ordering},
+        Arc, Mutex,
+    },
+    time::Duration,
+};
+
+use self::{
+    share::{Call, DemandUpdate, Given, LimitUse, Listed, Listing, WindowUse},
+    stats::{labels, Stats, Unanswered},
+    stream::{BucketSlot, StreamInner, TrackedUsage},
+};
+use crate::{
+    algorithm::Algorithm,
+    clock::Clock,
+    limiter::{BucketLimits, BucketRule, Limiter, OnBackendError},
+    store::{Batch, CounterStore, Deadline, Outcome, Role, Store, StoreError},
+    telemetry::Metrics,
+};
+
+/// A bucket's identity: its entries sorted by key (the order of a bucket id's map carries no meaning).
+pub type BucketId = Vec<(String, String)>;
+
+/// One bucket of a usage report.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Usage {
+    pub bucket: BucketId,
+    /// The time the usage covers, as the Envoy says (whole seconds; zero in the report that creates the
+    /// bucket).
+    pub elapsed: Duration,
+    pub allowed: u64,
+    pub denied: u64,
+}
+
+/// One usage report of a stream.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Report {
+    pub domain: String,
+    pub usages: Vec<Usage>,
+}
+
+/// What an Envoy is told about one bucket.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Action {
+    /// Enforce `strategy` for `ttl_secs` seconds (unless told otherwise before).
+    Assign { strategy: Strategy, ttl_secs: u64 },
+    /// Forget the bucket: its rule is gone.
+    Abandon,
+}
+
+/// One bucket's action, as a response carries it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BucketAction {
+    pub bucket: BucketId,
+    pub action: Action,
+}
+
+/// Why a stream could not be opened.
+#[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
+pub enum QuotaError {
+    #[error("too many rate limit quota streams: {max} open (rlqs.max_streams)")]
+    TooManyStreams { max: usize },
+}
+
+/// Why a usage report ends its stream.
+#[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
+pub enum ReportError {
+    #[error("usage report domain of {len} bytes: at most {max} (request_limits.max_key_bytes)")]
+    DomainTooLong { len: usize, max: usize },
+    #[error("usage report for domain {got:?} on a stream of domain {first:?}: open one stream per domain")]
+    DomainChanged { first: String, got: String },
+}
+
+/// A share counts for its TTL and this much more: Envoy starts the TTL when the assignment arrives.
+const TTL_MARGIN: Duration = Duration::from_secs(1);
+
+/// What the quota service needs from the rest of the server.
+#[derive(Debug)]
+pub struct QuotaParts {
+    pub limiter: Arc<Limiter>,
+    /// The counters, shared with `ShouldRateLimit`.
+    pub store: Arc<Store>,
+    pub shares: Shares,
+    pub settings: RlqsSettings,
+    pub on_backend_error: OnBackendError,
+    /// Longest wait for the store.
+    pub store_wait: Duration,
+    pub clock: Clock,
+    pub metrics: Arc<Metrics>,
+}
+
+/// The rate limit quota service of this replica.
+#[derive(Debug)]
+pub struct Quota {
+    parts: QuotaParts,
+    /// Random per process: member ids of different replicas never meet.
+    replica: String,
+    next_stream: AtomicU64,
+    open_streams: AtomicUsize,
+    /// Buckets tracked over all streams, bounded by `rlqs.max_buckets`.
+    tracked_buckets: AtomicUsize,
+    /// The streams of this replica by the buckets they report: whom a recomputation can push to.
+    local: Mutex<HashMap<String, Vec<LocalMember>>>,
+    /// Seconds of its grant a token bucket holds: a tenth of the report period, from 100 ms (so that
+    /// requests that arrive unevenly are not denied for it) to a second.
+    burst: f64,
+    stats: Stats,
+}
+
+/// A bucket member this replica streams to.
+#[derive(Debug, Clone)]
+struct LocalMember {
+    member: Arc<str>,
+    stream: Arc<StreamInner>,
+    slot: BucketSlot,
+}
+
+impl Quota {
+    pub fn new(parts: QuotaParts) -> Arc<Self> {
+        let stats = Stats::new(&parts.metrics);
+        let quota = Arc::new(Self {
+            replica: format!("{:08x}", rand::random::<u32>()),
+            next_stream: AtomicU64::new(1),
+            open_streams: AtomicUsize::new(0),
+            tracked_buckets: AtomicUsize::new(0),
+            local: Mutex::new(HashMap::new()),
+            burst: (parts.settings.report_period.as_secs_f64() / 10.0).clamp(0.1, 1.0),
+            stats,
+            parts,
+        });
+        quota.register_metrics();
+        quota
+    }
+
+    /// The settings it runs with.
+    pub fn settings(&self) -> &RlqsSettings {
+        &self.parts.settings
+    }
+
+    /// Opens a stream for one Envoy; refused past `rlqs.max_streams`.
+    pub fn open(self: &Arc<Self>) -> Result<Stream, QuotaError> {
+        let max = self.parts.settings.max_streams;
+        let before = self.open_streams.fetch_add(1, Ordering::AcqRel);
+        if before >= max {
+            self.open_streams.fetch_sub(1, Ordering::AcqRel);
+            return Err(QuotaError::TooManyStreams { max });
+        }
+        let id = self.next_stream.fetch_add(1, Ordering::Relaxed);
+        Ok(Stream::new(
+            self.clone(),
+            format!("{}-{id:x}", self.replica),
+        ))
+    }
+
+    /// Housekeeping until `stop`: forgets buckets whose members have all expired (memory store).
+    pub async fn maintain(&self, stop: tokio_util::sync::CancellationToken) {
+        let every = self
+            .parts
+            .settings
+            .report_period
+            .max(Duration::from_millis(100));
+        loop {
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                () = tokio::time::sleep(every) => self.parts.shares.sweep(),
+            }
+        }
+    }
+
+    /// Takes one of the replica's `rlqs.max_buckets` for a stream's new bucket; false when none is left.
+    fn take_bucket(&self) -> bool {
+        let max = self.parts.settings.max_buckets;
+        let before = self.tracked_buckets.fetch_add(1, Ordering::AcqRel);
+        if before >= max {
+            self.tracked_buckets.fetch_sub(1, Ordering::AcqRel);
+            return false;
+        }
+        true
+    }
+
+    fn give_back_buckets(&self, n: usize) {
+        self.tracked_buckets.fetch_sub(n, Ordering::AcqRel);
+    }
+
+    fn register_local(&self, key: &str, member: LocalMember) {
+        let mut local = lock(&self.local);
+        let members = local.entry(key.to_owned()).or_default();
+        if !members
+            .iter()
+            .any(|m| m.member == member.member && Arc::ptr_eq(&m.stream, &member.stream))
+        {
+            members.push(member);
+        }
+    }
+
+    fn unregister_local(&self, key: &str, member: &str) {
+        let mut local = lock(&self.local);
+        if let Some(members) = local.get_mut(key) {
+            members.retain(|m| &*m.member != member);
+            if members.is_empty() {
+                local.remove(key);
+            }
+        }
+    }
+
+    /// The other members of `key` this replica streams to.
+    fn locals(&self, key: &str, except: &str) -> Vec<LocalMember> {
+        lock(&self.local)
+            .get(key)
+            .map(|members| {
+                members
+                    .iter()
+                    .filter(|m| &*m.member != except)
+                    .cloned()
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    fn register_metrics(self: &Arc<Self>) {
+        let metrics = &self.parts.metrics;
+        let open = Arc::downgrade(self);
+        metrics.gauge_fn(
+            "ratelimitd_rlqs_streams",
+            "Rate limit quota streams open on this replica (one per Envoy and domain).",
+            Box::new(move || {
+                let n = open
+                    .upgrade()
+                    .map_or(0, |q| q.open_streams.load(Ordering::Relaxed));
+                vec![(Vec::new(), n as f64)]
+            }),
+        );
+        let rules = self.stats.rules.clone();
+        metrics.gauge_fn(
+            "ratelimitd_rlqs_subscribers",
+            "Envoys this replica streams to that report a bucket of the rule.",
+            Box::new(move || {
+                lock(&rules)
+                    .iter()
+                    .map(|((domain, rule), s)| (labels(domain, rule), lock(&s.live).0 as f64))
+                    .collect()
+            }),
+        );
+        let rules = self.stats.rules.clone();
+        metrics.gauge_fn(
+            "ratelimitd_rlqs_assigned_tokens_per_second",
+            "Tokens per second assigned to the Envoys this replica streams to, by rule (sum over replicas: the fleet's).",
+            Box::new(move || {
+                lock(&rules)
+                    .iter()
+                    .map(|((domain, rule), s)| (labels(domain, rule), lock(&s.live).1.max(0.0)))
+                    .collect()
+            }),
+        );
+    }
+
+    /// Decides one bucket of a report.
+    async fn decide(
+        &self,
+        stream: &Arc<StreamInner>,
+        domain: &Arc<str>,
+        usage: TrackedUsage,
+    ) -> Option<Action> {
+        let rule = self.parts.limiter.resolve_bucket(domain, &usage.slot.1);
+        let limits = match rule {
+            BucketRule::NoRules => {
+                self.stats.unanswered(Unanswered::NoRules);
+                return None;
+            }
+            BucketRule::Unmatched => {
+                return Some(if stream.forget_rule(&usage.slot, self) {
+                    self.stats.abandoned.fetch_add(1, Ordering::Relaxed);
+                    Action::Abandon
+                } else {
+                    self.allow_all()
+                });
+            }
+            BucketRule::Unlimited { .. } => {
+                stream.forget_rule(&usage.slot, self);
+                return Some(self.allow_all());
+            }
+            BucketRule::Limited(limits) => limits,
+        };
+        let rule_stats = self.stats.rule(domain, &limits.rule);
+        add_saturating(&rule_stats.allowed, usage.allowed);
+        add_saturating(&rule_stats.denied, usage.denied);
+        // A report is charged no more than the Envoy can have admitted: a buggy or hostile stream must
+        // not spend the counters of `ShouldRateLimit` callers (or other Envoys) for them.
+        let allowed = usage
+            .admissible
+            .map_or(usage.allowed, |most| usage.allowed.min(most));
+
+        let outcomes = match self.charge(&limits, allowed, usage.covers).await {
+            Ok(outcomes) => outcomes,
+            Err(err) => {
+                tracing::debug!(error = %err, "rate limit quota usage not counted");
+                return self.store_failed();
+            }
+        };
+        if limits.shadow {
+            stream.forget_rule(&usage.slot, self);
+            return Some(self.allow_all());
+        }
+        let uses = limit_uses(
+            &limits,
+            &outcomes,
+            allowed,
+            usage.covers,
+            self.parts.clock.now_millis(),
+            self.parts.settings.report_period,
+        );
+        let member = stream.track_rule(&usage.slot, &limits, &rule_stats, self);
+        let locals = self.locals(&limits.shares_key, &member);
+        let mut listed = vec![Listed {
+            id: member.to_string(),
+            demand: usage.demand,
+            listing: Listing::Reported,
+            sent_version: stream.sent_version(&usage.slot),
+        }];
+        listed.extend(locals.iter().map(|m| Listed {
+            id: m.member.to_string(),
+            demand: DemandUpdate::Keep,
+            listing: Listing::Pushed,
+            sent_version: m.stream.sent_version(&m.slot),
+        }));
+        let call = Call {
+            limits: uses,
+            counts_for_ms: duration_ms(
+                self.parts
+                    .settings
+                    .assignment_ttl
+                    .saturating_add(TTL_MARGIN),
+            ),
+            max_members: self.parts.settings.max_envoys_per_bucket,
+            members: listed,
+        };
+        let reply = match self.parts.shares.share(&limits.shares_key, &call).await {
+            Ok(reply) => reply,
+            Err(err) => {
+                tracing::debug!(error = %err, "rate limit quota shares not recomputed");
+                return self.store_failed();
+            }
+        };
+        for (given, local) in reply.given[1..].iter().zip(&locals) {
+            if let Given::Share {
+                changed: true,
+                grant,
+                target,
+                version,
+            } = *given
+            {
+                local.stream.push(&local.slot, grant, target, version, self);
+            }
+        }
+        match reply.given[0] {
+            Given::Share {
+                grant,
+                target,
+                version,
+                ..
+            } => stream.answer(&usage.slot, grant, target, version, self),
+            Given::Full => {
+                self.stats.unanswered(Unanswered::BucketFull);
+                None
+            }
+            Given::Gone => None,
+        }
+    }
+
+    /// Adds `allowed` admitted hits to every counter of the rule, as `ShouldRateLimit` would have for
+    /// requests it allowed (see [`charged`]), and reads what is left.
+    async fn charge(
+        &self,
+        limits: &BucketLimits,
+        allowed: u64,
+        covers: Option<Duration>,
+    ) -> Result<Vec<Outcome>, StoreError> {
+        let batch = Batch {
+            checks: limits
+                .checks
+                .iter()
+                .map(|c| {
+                    let mut check = c.clone();
+                    check.cost = charged(allowed, &check.params, covers);
+                    check.role = Role::Enforce;
+                    check
+                })
+                .collect(),
+            // The requests were admitted already: they count whatever the counters say.
+            consume_on_deny: true,
+            known_denied: false,
+        };
+        let now = self.parts.clock.now_millis();
+        let deadline = Deadline::within(self.parts.store_wait);
+        let applied = self.parts.store.apply(&batch, now, deadline).await?;
+        Ok(applied.outcomes)
+    }
+
+    /// The answer while the store cannot count or share, by `on_backend_error`.
+    fn store_failed(&self) -> Option<Action> {
+        match self.parts.on_backend_error {
+            OnBackendError::Allow => Some(self.allow_all()),
+            OnBackendError::Deny => Some(self.assign(Strategy::DenyAll)),
+            OnBackendError::Error | OnBackendError::Local => {
+                self.stats.unanswered(Unanswered::Store);
+                None
+            }
+        }
+    }
+
+    fn allow_all(&self) -> Action {
+        self.assign(Strategy::AllowAll)
+    }
+
+    fn assign(&self, strategy: Strategy) -> Action {
+        Action::Assign {
+            strategy,
+            ttl_secs: self.parts.settings.ttl_secs(),
+        }
+    }
+}
+
+/// The rule's limits as a share call takes them: each one's rate, `limit / window`, and for a fixed
+/// window what its counter holds after this report added `added`, and how long the window has run. The
+/// pool follows from them (see [`share::pool`]).
+pub fn limit_uses(
+    limits: &BucketLimits,
+    outcomes: &[Outcome],
+    added: u64,
+    covers: Option<Duration>,
+    now_ms: u64,
+    report_period: Duration,
+) -> Vec<LimitUse> {
+    limits
+        .checks
+        .iter()
+        .zip(&limits.params)
+        .zip(outcomes)
+        .map(|((check, params), outcome)| {
+            let window_ms = params.window_ms.max(1);
+            let rate = params.limit as f64 * 1000.0 / window_ms as f64;
+            let window = (params.algorithm == Algorithm::FixedWindow)
+                .then(|| check.window_start_secs(now_ms))
+                .flatten()
+                .map(|start| {
+                    let start_ms = start.saturating_mul(1000);
+                    WindowUse {
+                        start_ms,
+                        used: params.limit.saturating_sub(outcome.remaining) as f64,
+                        added: charged(added, params, covers) as f64,
+                        window_ms,
+                        elapsed_ms: now_ms.saturating_sub(start_ms),
+                        floor_ms: duration_ms(report_period).min(window_ms).max(1),
+                    }
+                });
+            LimitUse { rate, window }
+        })
+        .collect()
+}
+
+/// What a report of `allowed` requests over `covers` charges one limit: for a fixed window shorter
+/// than the time the report covers, only the part that falls in the current window (the requests
+/// spread evenly over the report), so that a 5 s report does not fill a per-second window and deny its
+/// `ShouldRateLimit` callers for the rest of it; and never more than the limit's capacity.
+fn charged(allowed: u64, params: &crate::algorithm::Params, covers: Option<Duration>) -> u64 {
+    let mut cost = allowed;
+    if params.algorithm == Algorithm::FixedWindow {
+        let window = u128::from(params.window_ms.max(1));
+        let covered = covers.map_or(0, |c| c.as_millis());
+        if covered > window {
+            // Rounded up: an honest Envoy's last request still counts.
+            let part = (u128::from(allowed) * window).div_ceil(covered);
+            cost = u64::try_from(part).unwrap_or(u64::MAX);
+        }
+    }
+    cost.min(capacity(params))
+}
+
+/// The most hits one report charges a limit: its capacity (the limit, or a token bucket's burst). A
+/// charge of more would deny `ShouldRateLimit` callers for nothing the Envoys can have admitted.
+fn capacity(params: &crate::algorithm::Params) -> u64 {
+    params.limit.max(params.burst)
+}
+
+/// Adds to a counter that stops at its largest value rather than wrap (a counter that went backwards
+/// would read as a reset).
+fn add_saturating(counter: &AtomicU64, n: u64) {
+    let _ = counter.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| {
+        Some(v.saturating_add(n))
+    });
+}
+
+fn duration_ms(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|p| p.into_inner())
+}

@@ -1,0 +1,640 @@
+//! Dividing one bucket's pool (the tokens per second its rule allows the fleet) among the Envoys that
+//! report it: pure arithmetic on the bucket's state, no I/O and no clock. The Redis script `share.lua`
+//! mirrors [`apply`] operation for operation, members in the same (id) order; the tests of
+//! `tests/rlqs_shares.rs` run one table of calls on both.
+//!
+//! The **pool** is, for each limit of the bucket's rule, its rate `limit / window`, less, for a fixed
+//! window, the rate `ρ` at which others (`ShouldRateLimit` callers) spend it: the hits its counter holds
+//! that the Envoys' reports did not add, over the time the window has run (at least a report period).
+//! Early in a window a few hits say little, so over its first quarter `ρ` moves from the previous
+//! window's rate to this one's: `ρ = w·current + (1 − w)·previous`, `w = min(1, elapsed / (window / 4))`.
+//! The bucket keeps, per window, what reports added and the rates. The smallest over the limits.
+//!
+//! Two numbers per member:
+//! - its **target**, the max-min fair share of the pool by demand: when the members together ask for no
+//!   more than the pool, each gets its demand plus an equal part of what is left (one part more stays
+//!   unassigned, for an Envoy that subscribes next); when they ask for more, a level `λ` is found with
+//!   `Σ min(demandᵢ, λ) = pool` and each gets `min(demand, λ)`. An Envoy that asks for little holds
+//!   little; one that claims more than it needs (its denials count as demand) gets at most `λ`, what
+//!   every busy Envoy gets.
+//! - its **grant**, the tokens per second it was last sent, which it enforces until its assignment
+//!   expires. Grants move towards targets only in ways that keep `Σ grants ≤ pool`: a listed member
+//!   above its target comes down first, then a listed member below its target goes up by at most what
+//!   no member holds. A member not listed keeps its grant until its own report, or until it expires.
+//!
+//! Grants change only by more than an eighth (or to or from zero): every changed token bucket starts
+//! full at the Envoy, so small changes would cost a burst each for little. One exception: while members
+//! lack more than an eighth of their target and what no one holds cannot make it up, every listed member
+//! above its target comes down to it, however little, so that the need is met once they have reported.
+//! When the pool shrinks by less than an eighth (others spend a little more of a window), the grants may
+//! stay above it; they never go above the largest pool they were granted from, and so never above the
+//! rule's rate.
+
+use std::collections::BTreeMap;
+
+/// What one Envoy of a bucket reported and was given, as the bucket's state keeps it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Member {
+    /// Requests per second it reported (allowed + denied since its previous report); `None` until a
+    /// report covers some time (its first report, the subscription, covers none).
+    pub demand: Option<f64>,
+    /// Tokens per second it was last assigned.
+    pub grant: f64,
+    /// Milliseconds since the epoch until which its grant counts: the TTL of its last assignment, plus
+    /// a margin. After it, the member is forgotten.
+    pub expires_ms: u64,
+    /// Bumped at every assignment computed for it, so that a stream never sends an older one after a
+    /// newer; never below what its stream says it sent (see [`Listed::sent_version`]).
+    pub version: u64,
+}
+
+/// How a member's demand changes in a call.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum DemandUpdate {
+    /// No report from it: a member listed to be pushed a better share.
+    Keep,
+    /// A report that covers no time: a subscription.
+    Unknown,
+    /// Requests per second over the time its report covers.
+    Rate(f64),
+}
+
+/// Why a member is listed in a call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Listing {
+    /// It reported: it is answered now, so its assignment's TTL starts again.
+    Reported,
+    /// It did not report, but its stream is at hand: it is sent a new assignment if its grant changes.
+    Pushed,
+}
+
+/// One member of a call.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Listed {
+    pub id: String,
+    pub demand: DemandUpdate,
+    pub listing: Listing,
+    /// The version its stream last sent it (0 for none). A member the store lost (a Redis restart,
+    /// flush or eviction) is created again above it, or the stream would drop its answers until the
+    /// new versions caught up.
+    pub sent_version: u64,
+}
+
+/// The state of one bucket: its members, and what reports added to each fixed window of its limits.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Bucket {
+    /// By member id.
+    pub members: BTreeMap<String, Member>,
+    /// For each limit (by its position in the rule), the window reports last added to.
+    pub windows: BTreeMap<usize, Window>,
+}
+
+/// What a bucket knows of one fixed window of a limit.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Window {
+    /// Its start, ms since the epoch.
+    pub start_ms: u64,
+    /// Hits the Envoys' reports added to it.
+    pub added: f64,
+    /// The rate others spend it at, as last estimated.
+    pub rate: f64,
+    /// The rate others spent the previous window at.
+    pub previous: f64,
+}
+
+/// One limit of the bucket's rule, as a call sees it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LimitUse {
+    /// Its rate: tokens per second (`limit / window`).
+    pub rate: f64,
+    /// For a fixed window, what its counter says now.
+    pub window: Option<WindowUse>,
+}
+
+/// A fixed window's counter after a report was added to it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct WindowUse {
+    /// The window's start, ms since the epoch.
+    pub start_ms: u64,
+    /// Hits the counter holds (the limit less what it has left), this report's included.
+    pub used: f64,
+    /// Hits this report added.
+    pub added: f64,
+    /// The window's length, in ms.
+    pub window_ms: u64,
+    /// Time the window has run, in ms.
+    pub elapsed_ms: u64,
+    /// Least time a rate is measured over: a report period (at most the window), in ms.
+    pub floor_ms: u64,
+}
+
+/// One recomputation of a bucket.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Call {
+    /// The limits of the bucket's rule: the pool follows from them.
+    pub limits: Vec<LimitUse>,
+    /// How long an assignment sent now counts, in milliseconds: its TTL plus a margin.
+    pub counts_for_ms: u64,
+    /// Most members a bucket keeps; a newcomer past it is refused.
+    pub max_members: usize,
+    pub members: Vec<Listed>,
+}
+
+/// What a listed member is given.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Given {
+    /// Its grant (tokens per second) and target, whether the grant changed in this call, and the version
+    /// of this assignment.
+    Share {
+        grant: f64,
+        target: f64,
+        changed: bool,
+        version: u64,
+    },
+    /// A newcomer to a bucket that already has `max_members` members.
+    Full,
+    /// A pushed member the bucket no longer has (it expired).
+    Gone,
+}
+
+/// The outcome of a call.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Reply {
+    /// One per listed member, in order.
+    pub given: Vec<Given>,
+    /// Tokens per second the members share.
+    pub pool: f64,
+    /// Members the bucket has after the call.
+    pub members: usize,
+    /// Sum of their grants.
+    pub granted: f64,
+}
+
+/// A grant changes only by more than an eighth, or to or from zero.
+pub fn significant(old: f64, new: f64) -> bool {
+    new != old && (old == 0.0 || new == 0.0 || (new - old).abs() * 8.0 > old)
+}
+
+/// The max-min fair targets of `demands` in a pool of `pool` (see the module documentation).
+pub fn targets(pool: f64, demands: &[f64]) -> Vec<f64> {
+    let n = demands.len();
+    let mut out = vec![0.0; n];
+    if n == 0 {
+        return out;
+    }
+    let mut asked = 0.0;
+    for d in demands {
+        asked += d;
+    }
+    if asked <= pool {
+        let extra = (pool - asked) / (n as f64 + 1.0);
+        for (t, d) in out.iter_mut().zip(demands) {
+            *t = d + extra;
+        }
+        return out;
+    }
+    // Smallest demands first: each gets its demand while that is below an equal part of what is left.
+    let mut order: Vec<usize> = (0..n).collect();
+    order.sort_by(|&a, &b| demands[a].total_cmp(&demands[b]).then(a.cmp(&b)));
+    let mut left = pool;
+    let mut count = n as f64;
+    let mut level = None;
+    for &i in &order {
+        let share = match level {
+            Some(level) => level,
+            None => left / count,
+        };
+        if level.is_none() && demands[i] <= share {
+            out[i] = demands[i];
+            left -= demands[i];
+            count -= 1.0;
+        } else {
+            level = Some(share);
+            out[i] = share;
+        }
+    }
+    out
+}
+
+/// The pool of a call (see the module documentation), recording what this report added to each window.
+pub fn pool(windows: &mut BTreeMap<usize, Window>, limits: &[LimitUse]) -> f64 {
+    let mut pool = f64::INFINITY;
+    for (k, limit) in limits.iter().enumerate() {
+        let mut rate = limit.rate;
+        if let Some(w) = limit.window {
+            let known = windows.get(&k).copied().unwrap_or_default();
+            let (added, previous) = if known.start_ms == w.start_ms {
+                (known.added + w.added, known.previous)
+            } else {
+                (w.added, known.rate)
+            };
+            let others = (w.used - added).max(0.0);
+            let current = others * 1000.0 / w.elapsed_ms.max(w.floor_ms).max(1) as f64;
+            let weight = (w.elapsed_ms as f64 / (w.window_ms as f64 / 4.0).max(1.0)).min(1.0);
+            let spent = weight * current + (1.0 - weight) * previous;
+            windows.insert(
+                k,
+                Window {
+                    start_ms: w.start_ms,
+                    added,
+                    rate: spent,
+                    previous,
+                },
+            );
+            rate = (rate - spent).max(0.0);
+        }
+        pool = pool.min(rate);
+    }
+    if pool == f64::INFINITY {
+        0.0
+    } else {
+        pool
+    }
+}
+
+/// Recomputes a bucket at `now_ms`: forgets expired members, takes the listed members' reports,
+/// computes the pool, every target, and moves the listed members' grants (see the module
+/// documentation).
+pub fn apply(bucket: &mut Bucket, now_ms: u64, call: &Call) -> Reply {
+    let pool = pool(&mut bucket.windows, &call.limits);
+    let members = &mut bucket.members;
+    members.retain(|_, m| m.expires_ms > now_ms);
+    let mut given = vec![Given::Gone; call.members.len()];
+    for (slot, listed) in given.iter_mut().zip(&call.members) {
+        if let Some(member) = members.get_mut(&listed.id) {
+            match listed.demand {
+                DemandUpdate::Keep => {}
+                DemandUpdate::Unknown => member.demand = None,
+                DemandUpdate::Rate(rate) => member.demand = Some(rate),
+            }
+            member.version = member.version.max(listed.sent_version);
+            *slot = Given::Share {
+                grant: 0.0,
+                target: 0.0,
+                changed: false,
+                version: 0,
+            };
+        } else if listed.listing == Listing::Reported {
+            if members.len() >= call.max_members {
+                *slot = Given::Full;
+                continue;
+            }
+            let demand = match listed.demand {
+                DemandUpdate::Rate(rate) => Some(rate),
+                DemandUpdate::Keep | DemandUpdate::Unknown => None,
+            };
+            members.insert(
+                listed.id.clone(),
+                Member {
+                    demand,
+                    grant: 0.0,
+                    expires_ms: now_ms.saturating_add(call.counts_for_ms),
+                    version: listed.sent_version,
+                },
+            );
+            *slot = Given::Share {
+                grant: 0.0,
+                target: 0.0,
+                changed: false,
+                version: 0,
+            };
+        }
+    }
+
+    // Members in id order: the script sums and sorts in the same order.
+    let ids: Vec<&String> = members.keys().collect();
+    let estimate = pool / ids.len().max(1) as f64;
+    let demands: Vec<f64> = members
+        .values()
+        .map(|m| m.demand.unwrap_or(estimate))
+        .collect();
+    let targets = targets(pool, &demands);
+    let mut grants: Vec<f64> = members.values().map(|m| m.grant).collect();
+    let index: Vec<Option<usize>> = call
+        .members
+        .iter()
+        .map(|l| ids.iter().position(|id| **id == l.id))
+        .collect();
+    let listed: Vec<usize> = index
+        .iter()
+        .zip(&given)
+        .filter_map(|(i, g)| i.filter(|_| matches!(g, Given::Share { .. })))
+        .collect();
+    let before = grants.clone();
+    regrant(pool, &mut grants, &targets, &listed);
+
+    let ids: Vec<String> = ids.into_iter().cloned().collect();
+    for (slot, (listed, i)) in given.iter_mut().zip(call.members.iter().zip(&index)) {
+        let (Given::Share { .. }, Some(i)) = (*slot, *i) else {
+            continue;
+        };
+        let changed = grants[i] != before[i];
+        let Some(member) = members.get_mut(&ids[i]) else {
+            continue;
+        };
+        member.grant = grants[i];
+        if listed.listing == Listing::Reported || changed {
+            member.version = member.version.saturating_add(1);
+            member.expires_ms = now_ms.saturating_add(call.counts_for_ms);
+        }
+        *slot = Given::Share {
+            grant: grants[i],
+            target: targets[i],
+            changed,
+            version: member.version,
+        };
+    }
+    let mut granted = 0.0;
+    for g in &grants {
+        granted += g;
+    }
+    Reply {
+        given,
+        pool,
+        members: members.len(),
+        granted,
+    }
+}
+
+/// Moves the grants of the `listed` members towards their targets without the sum of all grants going
+/// above `pool`: decreases first, then increases out of what no member holds.
+pub fn regrant(pool: f64, grants: &mut [f64], targets: &[f64], listed: &[usize]) {
+    let mut total = 0.0;
+    let mut need = 0.0;
+    for (g, t) in grants.iter().zip(targets) {
+        total += g;
+        if t > g && significant(*g, *t) {
+            need += t - g;
+        }
+    }
+    let short = need > 0.0 && need > pool - total;
+    for &j in listed {
+        if targets[j] < grants[j] && (short || significant(grants[j], targets[j])) {
+            total -= grants[j] - targets[j];
+            grants[j] = targets[j];
+        }
+    }
+    for &j in listed {
+        if targets[j] > grants[j] {
+            let free = pool - total;
+            if free <= 0.0 {
+                continue;
+            }
+            let new = targets[j].min(grants[j] + free);
+            if significant(grants[j], new) {
+                total += new - grants[j];
+                grants[j] = new;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    fn call(pool: f64, members: &[(&str, DemandUpdate, Listing)]) -> Call {
+        Call {
+            limits: vec![LimitUse {
+                rate: pool,
+                window: None,
+            }],
+            counts_for_ms: 10_000,
+            max_members: 100,
+            members: members
+                .iter()
+                .map(|(id, demand, listing)| Listed {
+                    id: id.to_string(),
+                    demand: *demand,
+                    listing: *listing,
+                    sent_version: 0,
+                })
+                .collect(),
+        }
+    }
+
+    fn grant(reply: &Reply, i: usize) -> f64 {
+        match reply.given[i] {
+            Given::Share { grant, .. } => grant,
+            other => panic!("no share: {other:?}"),
+        }
+    }
+
+    use DemandUpdate::{Keep, Rate, Unknown};
+    use Listing::{Pushed, Reported};
+
+    #[test]
+    fn demand_below_the_pool_is_met_and_the_rest_spread_with_one_part_kept_free() {
+        // 100 per second, demands 10 and 30: 60 left, a third each, a third unassigned.
+        assert_eq!(targets(100.0, &[10.0, 30.0]), vec![30.0, 50.0]);
+    }
+
+    #[test]
+    fn demand_above_the_pool_is_cut_at_one_level_for_the_busy_ones() {
+        // 90 per second: the one asking 10 gets 10, the two busy ones 40 each.
+        assert_eq!(targets(90.0, &[10.0, 100.0, 60.0]), vec![10.0, 40.0, 40.0]);
+        // An Envoy claiming a huge demand gets no more than the other busy one.
+        assert_eq!(targets(100.0, &[1e12, 80.0]), vec![50.0, 50.0]);
+    }
+
+    #[test]
+    fn what_others_spend_of_a_fixed_window_comes_off_the_pool_and_reports_do_not() {
+        let mut windows = BTreeMap::new();
+        // 800 per 8 s windows.
+        let at = |start_ms: u64, used: f64, added: f64, elapsed_ms: u64| LimitUse {
+            rate: 100.0,
+            window: Some(WindowUse {
+                start_ms,
+                used,
+                added,
+                window_ms: 8_000,
+                elapsed_ms,
+                floor_ms: 200,
+            }),
+        };
+        let window = |used, added, elapsed| at(56_000, used, added, elapsed);
+        // Reports added 300 of the 300 counted after 3 s: the whole rate is the Envoys'.
+        assert_eq!(pool(&mut windows, &[window(300.0, 300.0, 3_000)]), 100.0);
+        // 90 more counted by 4 s, of which reports added 30: others spend 60 in 4 s.
+        assert_eq!(pool(&mut windows, &[window(390.0, 30.0, 4_000)]), 85.0);
+        // A new window: half-way through its first quarter, half of the previous window's 15 a second
+        // still counts.
+        let next = at(64_000, 5.0, 5.0, 1_000);
+        assert_eq!(pool(&mut windows, &[next]), 92.5);
+        // The smallest of the limits, never below zero.
+        let other = LimitUse {
+            rate: 10.0,
+            window: None,
+        };
+        assert_eq!(pool(&mut windows, &[next, other]), 10.0);
+        assert_eq!(pool(&mut windows, &[window(10_000.0, 0.0, 1_000)]), 0.0);
+        assert_eq!(pool(&mut windows, &[]), 0.0);
+    }
+
+    #[test]
+    fn a_subscriber_is_served_at_once_from_what_no_one_holds() {
+        let mut m = Bucket::default();
+        let r = apply(&mut m, 0, &call(100.0, &[("a", Unknown, Reported)]));
+        // Alone, its demand is estimated as the whole pool: it gets all of it.
+        assert_eq!(grant(&r, 0), 100.0);
+        // A second subscriber: the pool is all held, so it gets nothing until `a` reports.
+        let r = apply(&mut m, 1, &call(100.0, &[("b", Unknown, Reported)]));
+        assert_eq!(grant(&r, 0), 0.0);
+        // `a` reports 10 per second: it comes down, `b` (listed for a push) gets what it freed.
+        let r = apply(
+            &mut m,
+            2,
+            &call(100.0, &[("a", Rate(10.0), Reported), ("b", Keep, Pushed)]),
+        );
+        let (a, b) = (grant(&r, 0), grant(&r, 1));
+        assert!(a + b <= 100.0);
+        // Targets: a = 10 + 40/3, b = 50 + 40/3 (its demand estimated as half the pool).
+        assert!((a - (10.0 + 40.0 / 3.0)).abs() < 1e-9, "{a}");
+        assert!((b - (50.0 + 40.0 / 3.0)).abs() < 1e-9, "{b}");
+    }
+
+    #[test]
+    fn a_rising_envoy_takes_only_what_the_others_have_given_back() {
+        let mut m = Bucket::default();
+        apply(&mut m, 0, &call(100.0, &[("a", Rate(50.0), Reported)]));
+        apply(&mut m, 0, &call(100.0, &[("b", Rate(40.0), Reported)]));
+        apply(&mut m, 0, &call(100.0, &[("a", Rate(50.0), Reported)]));
+        // b rises to 200: its target is 50, but a holds more than its own 50 until it reports.
+        let r = apply(&mut m, 1, &call(100.0, &[("b", Rate(200.0), Reported)]));
+        let held: f64 = m.members.values().map(|x| x.grant).sum();
+        assert!(held <= 100.0, "{held}");
+        assert!(grant(&r, 0) < 50.0);
+        // a reports less: it comes down, and b (pushed) takes the rest up to its target.
+        let r = apply(
+            &mut m,
+            2,
+            &call(100.0, &[("a", Rate(30.0), Reported), ("b", Keep, Pushed)]),
+        );
+        assert_eq!((grant(&r, 0), grant(&r, 1)), (30.0, 70.0));
+    }
+
+    #[test]
+    fn an_expired_member_gives_its_grant_back() {
+        let mut m = Bucket::default();
+        apply(&mut m, 0, &call(100.0, &[("a", Rate(80.0), Reported)]));
+        apply(&mut m, 5_000, &call(100.0, &[("b", Rate(80.0), Reported)]));
+        let r = apply(&mut m, 10_000, &call(100.0, &[("b", Rate(80.0), Reported)]));
+        assert_eq!(r.members, 1);
+        // a expired at 10 000 ms: b has the whole demand it asks for.
+        assert!(grant(&r, 0) >= 80.0);
+    }
+
+    #[test]
+    fn a_full_bucket_refuses_newcomers_and_pushes_to_the_forgotten_are_gone() {
+        let mut m = Bucket::default();
+        let mut c = call(10.0, &[("a", Rate(1.0), Reported)]);
+        c.max_members = 1;
+        apply(&mut m, 0, &c);
+        c.members[0].id = "b".into();
+        assert_eq!(apply(&mut m, 0, &c).given, vec![Given::Full]);
+        let r = apply(&mut m, 0, &call(10.0, &[("z", Keep, Pushed)]));
+        assert_eq!(r.given, vec![Given::Gone]);
+    }
+
+    #[test]
+    fn small_changes_keep_the_grant_and_its_version_moves_only_when_sent() {
+        let mut m = Bucket::default();
+        apply(&mut m, 0, &call(100.0, &[("a", Rate(100.0), Reported)]));
+        let r = apply(&mut m, 0, &call(100.0, &[("a", Rate(200.0), Reported)]));
+        let Given::Share {
+            changed, version, ..
+        } = r.given[0]
+        else {
+            panic!()
+        };
+        assert!(!changed);
+        assert_eq!(version, 2, "answered twice");
+        let r = apply(&mut m, 0, &call(100.0, &[("a", Keep, Pushed)]));
+        assert!(matches!(
+            r.given[0],
+            Given::Share {
+                changed: false,
+                version: 2,
+                ..
+            }
+        ));
+    }
+
+    #[test]
+    fn an_assignment_that_counts_for_ever_does_not_wrap_to_expire_at_once() {
+        let mut m = Bucket::default();
+        let mut c = call(100.0, &[("a", Rate(10.0), Reported)]);
+        c.counts_for_ms = u64::MAX;
+        apply(&mut m, 1_000, &c);
+        let r = apply(&mut m, 2_000, &call(100.0, &[("b", Rate(10.0), Reported)]));
+        assert_eq!(r.members, 2, "a still counts");
+        assert_eq!(m.members["a"].expires_ms, u64::MAX);
+    }
+
+    #[test]
+    fn a_member_the_store_lost_comes_back_above_the_version_its_stream_sent() {
+        let mut m = Bucket::default();
+        let mut c = call(100.0, &[("a", Rate(10.0), Reported)]);
+        c.members[0].sent_version = 41;
+        let r = apply(&mut m, 0, &c);
+        assert!(
+            matches!(r.given[0], Given::Share { version: 42, .. }),
+            "{r:?}"
+        );
+        // A stored version behind the stream's (a store that lost part of its state) moves up too.
+        m.members.get_mut("a").unwrap().version = 3;
+        c.members[0].sent_version = 42;
+        let r = apply(&mut m, 1, &c);
+        assert!(
+            matches!(r.given[0], Given::Share { version: 43, .. }),
+            "{r:?}"
+        );
+    }
+
+    proptest! {
+        /// Whatever the reports, pushes, expiries and pool changes, the grants never add up to more than
+        /// the largest pool of the calls that set them.
+        #[test]
+        fn grants_never_exceed_the_pool(
+            steps in proptest::collection::vec(
+                (0usize..6, 0u8..3, 0.0f64..500.0, prop::bool::ANY, 0u64..3_000),
+                1..80,
+            ),
+            pool in 1.0f64..1_000.0,
+        ) {
+            let mut m = Bucket::default();
+            let mut now = 0;
+            for (who, kind, rate, push_all, dt) in steps {
+                now += dt;
+                let demand = match kind { 0 => Unknown, 1 => Rate(rate), _ => Rate(rate * 10.0) };
+                let mut members = vec![(format!("m{who}"), demand, Reported)];
+                if push_all {
+                    for other in (0..6).filter(|o| *o != who) {
+                        members.push((format!("m{other}"), Keep, Pushed));
+                    }
+                }
+                let c = Call {
+                    limits: vec![LimitUse { rate: pool, window: None }],
+                    counts_for_ms: 5_000,
+                    max_members: 4,
+                    members: members
+                        .into_iter()
+                        .map(|(id, demand, listing)| Listed { id, demand, listing, sent_version: 0 })
+                        .collect(),
+                };
+                let r = apply(&mut m, now, &c);
+                let live: f64 = m
+                    .members
+                    .values()
+                    .filter(|x| x.expires_ms > now)
+                    .map(|x| x.grant)
+                    .sum();
+                prop_assert!(live <= pool * (1.0 + 1e-12), "{live} > {pool}");
+                prop_assert!(r.granted <= pool * (1.0 + 1e-12));
+                prop_assert!(m.members.len() <= 4);
+            }
+        }
+    }
+}

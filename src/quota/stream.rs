@@ -1,0 +1,604 @@
+//! One Envoy's stream: the buckets it reports, the demand measured between its reports, what it was
+//! last sent for each (so that an unchanged assignment goes out identical, and an older one never after a
+//! newer), and the queue of actions its response stream sends: the answers to its reports and the shares
+//! other streams' reports freed for it, the latest per bucket.
+//!
+//! Locks: a stream's state is locked briefly and never across an await, and never while the quota
+//! service's registry of local members is locked.
+
+use std::{
+    collections::{HashMap, HashSet},
+    sync::{atomic::Ordering, Arc, Mutex},
+    time::Duration,
+};
+
+use futures_util::StreamExt;
+use tokio::{sync::Notify, time::Instant};
+
+use super::{
+    lock,
+    share::DemandUpdate,
+    stats::{RuleStat, Unanswered},
+    strategy, Action, BucketAction, BucketId, LocalMember, Quota, Report, ReportError, Strategy,
+    Usage,
+};
+use crate::limiter::{BucketLimits, RequestLimits};
+
+/// Buckets of one report recomputed at once.
+const CONCURRENT_BUCKETS: usize = 16;
+
+/// A bucket within a stream: its domain and id.
+pub(super) type BucketSlot = (Arc<str>, Arc<BucketId>);
+
+/// One Envoy's stream, as the API layer holds it: reports go in, actions come out.
+#[derive(Debug)]
+pub struct Stream {
+    quota: Arc<Quota>,
+    inner: Arc<StreamInner>,
+}
+
+/// A stream's state, shared with the recomputations of other streams that push to it.
+#[derive(Debug)]
+pub(super) struct StreamInner {
+    /// `<replica>-<n>`; each bucket's member id adds the bucket's number in the stream.
+    id: String,
+    state: Mutex<StreamState>,
+    /// Woken when actions are pending or the stream ends.
+    ready: Notify,
+}
+
+#[derive(Debug, Default)]
+struct StreamState {
+    /// The domain of its first report: Envoy opens one stream per domain, and a stream keeps one.
+    domain: Option<Arc<str>>,
+    buckets: HashMap<BucketSlot, Tracked>,
+    /// Actions not sent yet, the latest per bucket, in the order they were first queued.
+    pending: Vec<(BucketSlot, Action)>,
+    next_bucket: u64,
+    /// No more actions: the stream ended.
+    closed: bool,
+}
+
+/// What a stream knows of one of its buckets.
+#[derive(Debug)]
+struct Tracked {
+    /// The member id of this bucket of this stream.
+    member: Arc<str>,
+    /// When its last report arrived: demand is measured over the time since.
+    reported_at: Option<Instant>,
+    /// Its rule and shares, while it has a rule with limits.
+    rule: Option<TrackedRule>,
+    /// The last strategy sent with a grant, and that grant.
+    sent: Option<(Strategy, f64)>,
+    /// Version of the last assignment sent: an older one is never sent after it.
+    sent_version: u64,
+    /// What the Envoy can have admitted since its last report, by the token buckets it was sent; `None`
+    /// while nothing bounds it (no token bucket sent on this stream yet, or ALLOW_ALL).
+    admissible: Option<Admissible>,
+}
+
+/// The token buckets an Envoy enforced since its last report, as a bound on what it can have admitted:
+/// each new bucket starts full (`burst`), and refills at most at the highest rate sent, a fill at a time.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+struct Admissible {
+    /// Tokens per second, the highest of the buckets sent.
+    rate: f64,
+    /// Tokens of the largest fill sent: a fill arrives whole.
+    fill: f64,
+    /// Tokens the buckets held when the period started or were sent with: each starts full.
+    burst: f64,
+}
+
+impl Admissible {
+    /// What one strategy lets an Envoy admit beyond its rate, as sent; `None` for ALLOW_ALL.
+    fn of(strategy: &Strategy) -> Option<Self> {
+        match strategy {
+            Strategy::AllowAll => None,
+            Strategy::DenyAll => Some(Self::default()),
+            Strategy::TokenBucket(b) => Some(Self {
+                rate: b.rate(),
+                fill: f64::from(b.tokens_per_fill),
+                burst: f64::from(b.max_tokens),
+            }),
+        }
+    }
+
+    /// Another strategy sent in the same period: it starts full.
+    fn and(self, strategy: &Strategy) -> Option<Self> {
+        let other = Self::of(strategy)?;
+        Some(Self {
+            rate: self.rate.max(other.rate),
+            fill: self.fill.max(other.fill),
+            burst: self.burst + other.burst,
+        })
+    }
+
+    /// Most requests the Envoy can have admitted over `elapsed`.
+    fn requests(&self, elapsed: Duration) -> u64 {
+        let most = self.rate * elapsed.as_secs_f64() + self.fill + self.burst;
+        // A float cast saturates; the ceiling keeps an honest Envoy's last token.
+        most.ceil() as u64
+    }
+}
+
+#[derive(Debug)]
+struct TrackedRule {
+    shares_key: String,
+    /// Its rule's series, where the bucket counts as a subscriber.
+    stats: Arc<RuleStat>,
+}
+
+/// A report's usage of one bucket, with the demand the stream measured.
+#[derive(Debug)]
+pub(super) struct TrackedUsage {
+    pub slot: BucketSlot,
+    /// Requests the Envoy reported allowed.
+    pub allowed: u64,
+    /// The most of them its token buckets let it admit since its last report (`None`: nothing bounds
+    /// it but the rule's limits); what the counters are charged is capped by it.
+    pub admissible: Option<u64>,
+    /// The time the report covers: since the stream's last report of the bucket, or as the Envoy says
+    /// in its first (`None` when it covers none).
+    pub covers: Option<Duration>,
+    pub denied: u64,
+    pub demand: DemandUpdate,
+}
+
+impl Stream {
+    pub(super) fn new(quota: Arc<Quota>, id: String) -> Self {
+        Self {
+            quota,
+            inner: Arc::new(StreamInner {
+                id,
+                state: Mutex::new(StreamState::default()),
+                ready: Notify::new(),
+            }),
+        }
+    }
+
+    /// Decides every bucket of `report` and queues the answers; buckets past the stream's bounds, or
+    /// that cannot be decided, are not answered. A domain longer than a descriptor key may be, or other
+    /// than the stream's first report's, is refused: the stream ends.
+    pub async fn report(&self, report: Report) -> Result<(), ReportError> {
+        let quota = &self.quota;
+        quota.stats.reports.fetch_add(1, Ordering::Relaxed);
+        let limits = quota.parts.limiter.request_limits().clone();
+        let domain = self.domain(report.domain, &limits)?;
+        self.evict_idle();
+        let usages = self.track(&domain, report.usages, &limits);
+        let (inner, domain) = (&self.inner, &domain);
+        let decided: Vec<(BucketSlot, Option<Action>)> = futures_util::stream::iter(usages)
+            .map(|usage| async move {
+                let slot = usage.slot.clone();
+                let action = quota.decide(inner, domain, usage).await;
+                (slot, action)
+            })
+            .buffer_unordered(CONCURRENT_BUCKETS)
+            .collect()
+            .await;
+        let mut queued = false;
+        {
+            let mut state = lock(&self.inner.state);
+            for (slot, action) in decided {
+                if let Some(action) = action {
+                    if let (Action::Assign { strategy, .. }, Some(tracked)) =
+                        (&action, state.buckets.get_mut(&slot))
+                    {
+                        if Admissible::of(strategy).is_none() {
+                            tracked.admissible = None;
+                        }
+                    }
+                    state.queue(slot, action);
+                    queued = true;
+                }
+            }
+        }
+        if queued {
+            self.inner.ready.notify_one();
+        }
+        Ok(())
+    }
+
+    /// The stream's domain: set by its first report, the same in every other.
+    fn domain(&self, domain: String, limits: &RequestLimits) -> Result<Arc<str>, ReportError> {
+        if domain.len() > limits.max_key_bytes {
+            return Err(ReportError::DomainTooLong {
+                len: domain.len(),
+                max: limits.max_key_bytes,
+            });
+        }
+        let mut state = lock(&self.inner.state);
+        match &state.domain {
+            Some(first) if **first == *domain => Ok(first.clone()),
+            Some(first) => Err(ReportError::DomainChanged {
+                first: first.to_string(),
+                got: domain,
+            }),
+            None => {
+                let domain: Arc<str> = domain.into();
+                state.domain = Some(domain.clone());
+                Ok(domain)
+            }
+        }
+    }
+
+    /// Forgets the buckets not reported for an assignment's TTL: Envoy reports every bucket it has on
+    /// each period, so it no longer has them (or traffic will create them again).
+    fn evict_idle(&self) {
+        let idle = self.quota.parts.settings.assignment_ttl;
+        let now = Instant::now();
+        let evicted: Vec<Tracked> = {
+            let mut state = lock(&self.inner.state);
+            let gone: Vec<BucketSlot> = state
+                .buckets
+                .iter()
+                .filter(|(_, t)| {
+                    t.reported_at
+                        .is_some_and(|at| now.saturating_duration_since(at) > idle)
+                })
+                .map(|(slot, _)| slot.clone())
+                .collect();
+            gone.iter()
+                .filter_map(|slot| state.buckets.remove(slot))
+                .collect()
+        };
+        self.inner.release(evicted, &self.quota);
+    }
+
+    /// The buckets of a report this stream takes, with their demand.
+    fn track(
+        &self,
+        domain: &Arc<str>,
+        usages: Vec<Usage>,
+        limits: &RequestLimits,
+    ) -> Vec<TrackedUsage> {
+        let settings = &self.quota.parts.settings;
+        let floor = (settings.report_period / 10).max(Duration::from_millis(1));
+        let now = Instant::now();
+        let mut state = lock(&self.inner.state);
+        let mut seen: HashSet<Arc<BucketId>> = HashSet::new();
+        let mut out = Vec::new();
+        for usage in usages {
+            if !valid_bucket(&usage.bucket, limits) {
+                self.quota.stats.unanswered(Unanswered::InvalidBucket);
+                continue;
+            }
+            let bucket = Arc::new(usage.bucket);
+            if !seen.insert(bucket.clone()) {
+                continue;
+            }
+            let slot: BucketSlot = (domain.clone(), bucket.clone());
+            if !state.buckets.contains_key(&slot) {
+                if state.buckets.len() >= settings.max_buckets_per_stream
+                    || !self.quota.take_bucket()
+                {
+                    self.quota.stats.unanswered(Unanswered::TooManyBuckets);
+                    continue;
+                }
+                state.next_bucket += 1;
+                let member = format!("{}-{:x}", self.inner.id, state.next_bucket).into();
+                state.buckets.insert(
+                    slot.clone(),
+                    Tracked {
+                        member,
+                        reported_at: None,
+                        rule: None,
+                        sent: None,
+                        sent_version: 0,
+                        admissible: None,
+                    },
+                );
+            }
+            let Some(tracked) = state.buckets.get_mut(&slot) else {
+                continue;
+            };
+            let requests = usage.allowed.saturating_add(usage.denied) as f64;
+            let since = tracked
+                .reported_at
+                .map(|at| now.saturating_duration_since(at));
+            let elapsed = match since {
+                Some(since) => Some(since),
+                None => Some(usage.elapsed).filter(|e| !e.is_zero()),
+            };
+            tracked.reported_at = Some(now);
+            // An assignment that expired at the Envoy left it to its own fallback: unbounded.
+            let admissible = match (tracked.admissible, since) {
+                (Some(a), Some(since)) if since <= settings.assignment_ttl => {
+                    Some(a.requests(since))
+                }
+                _ => None,
+            };
+            // From now on, what it holds is what it was last sent (a bucket holds at most its
+            // `max_tokens`).
+            tracked.admissible = tracked.sent.as_ref().and_then(|(s, _)| Admissible::of(s));
+            let demand = match elapsed {
+                None => DemandUpdate::Unknown,
+                Some(elapsed) => {
+                    let secs = elapsed.max(floor).as_secs_f64();
+                    DemandUpdate::Rate(demand(requests, secs))
+                }
+            };
+            out.push(TrackedUsage {
+                slot,
+                allowed: usage.allowed,
+                admissible,
+                covers: elapsed,
+                denied: usage.denied,
+                demand,
+            });
+        }
+        out
+    }
+
+    /// A handle on the stream's actions, for the API layer's response stream.
+    pub fn actions(&self) -> Actions {
+        Actions(self.inner.clone())
+    }
+
+    /// Ends the stream: no more actions, and its buckets leave this replica's metrics and pushes. Their
+    /// shares stay counted until their assignments expire: the Envoy enforces them until then.
+    pub fn end(&self) {
+        self.inner.end(&self.quota);
+    }
+}
+
+impl Drop for Stream {
+    fn drop(&mut self) {
+        self.inner.end(&self.quota);
+        self.quota.open_streams.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// The actions of a stream, for the response stream the API layer returns.
+#[derive(Debug, Clone)]
+pub struct Actions(Arc<StreamInner>);
+
+impl Actions {
+    /// The next actions to send; `None` once the stream ended.
+    pub async fn next(&self) -> Option<Vec<BucketAction>> {
+        self.0.next_actions().await
+    }
+}
+
+impl StreamState {
+    /// Queues `action`, replacing one not sent yet for the same bucket.
+    fn queue(&mut self, slot: BucketSlot, action: Action) {
+        if self.closed {
+            return;
+        }
+        match self.pending.iter_mut().find(|(s, _)| *s == slot) {
+            Some(entry) => entry.1 = action,
+            None => self.pending.push((slot, action)),
+        }
+    }
+}
+
+impl StreamInner {
+    async fn next_actions(&self) -> Option<Vec<BucketAction>> {
+        loop {
+            let notified = self.ready.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            {
+                let mut state = lock(&self.state);
+                if !state.pending.is_empty() {
+                    let pending = std::mem::take(&mut state.pending);
+                    return Some(
+                        pending
+                            .into_iter()
+                            .map(|((_, bucket), action)| BucketAction {
+                                bucket: (*bucket).clone(),
+                                action,
+                            })
+                            .collect(),
+                    );
+                }
+                if state.closed {
+                    return None;
+                }
+            }
+            notified.await;
+        }
+    }
+
+    /// Starts counting the bucket's rule: registers it for pushes under its shares key and in its rule's
+    /// subscribers (leaving the rule or key it had before). Returns the bucket's member id.
+    pub(super) fn track_rule(
+        self: &Arc<Self>,
+        slot: &BucketSlot,
+        limits: &BucketLimits,
+        stats: &Arc<RuleStat>,
+        quota: &Quota,
+    ) -> Arc<str> {
+        let (member, previous) = {
+            let mut state = lock(&self.state);
+            let Some(tracked) = state.buckets.get_mut(slot) else {
+                return Arc::from("");
+            };
+            let unchanged = tracked
+                .rule
+                .as_ref()
+                .is_some_and(|r| r.shares_key == limits.shares_key && Arc::ptr_eq(&r.stats, stats));
+            if unchanged {
+                return tracked.member.clone();
+            }
+            stats.subscribe(1, 0.0);
+            let previous = tracked.rule.replace(TrackedRule {
+                shares_key: limits.shares_key.clone(),
+                stats: stats.clone(),
+            });
+            // What was sent belongs to the rule or key it had before.
+            let sent = tracked.sent.take().map_or(0.0, |(_, grant)| grant);
+            if let Some(old) = &previous {
+                old.stats.subscribe(-1, -sent);
+            }
+            (tracked.member.clone(), previous)
+        };
+        if let Some(old) = previous {
+            quota.unregister_local(&old.shares_key, &member);
+        }
+        quota.register_local(
+            &limits.shares_key,
+            LocalMember {
+                member: member.clone(),
+                stream: self.clone(),
+                slot: slot.clone(),
+            },
+        );
+        member
+    }
+
+    /// The version of the last assignment sent for the bucket (0 for none).
+    pub(super) fn sent_version(&self, slot: &BucketSlot) -> u64 {
+        lock(&self.state)
+            .buckets
+            .get(slot)
+            .map_or(0, |t| t.sent_version)
+    }
+
+    /// Stops counting the bucket's rule; true when it had one (its rule is gone).
+    pub(super) fn forget_rule(&self, slot: &BucketSlot, quota: &Quota) -> bool {
+        let (member, rule, grant) = {
+            let mut state = lock(&self.state);
+            let Some(tracked) = state.buckets.get_mut(slot) else {
+                return false;
+            };
+            let Some(rule) = tracked.rule.take() else {
+                return false;
+            };
+            let grant = tracked.sent.take().map_or(0.0, |(_, g)| g);
+            (tracked.member.clone(), rule, grant)
+        };
+        rule.stats.subscribe(-1, -grant);
+        quota.unregister_local(&rule.shares_key, &member);
+        true
+    }
+
+    /// The answer to a report of the bucket: its grant as a strategy, unless a newer one went out
+    /// already, or the bucket waits for a share the others still hold.
+    pub(super) fn answer(
+        &self,
+        slot: &BucketSlot,
+        grant: f64,
+        target: f64,
+        version: u64,
+        quota: &Quota,
+    ) -> Option<Action> {
+        let mut state = lock(&self.state);
+        let tracked = state.buckets.get_mut(slot)?;
+        let action = assignment(tracked, grant, target, version, quota);
+        if action.is_none() && grant <= 0.0 && target > 0.0 {
+            quota.stats.unanswered(Unanswered::Waiting);
+        }
+        action
+    }
+
+    /// A grant another stream's recomputation changed: queued unless a newer one went out already.
+    pub(super) fn push(
+        &self,
+        slot: &BucketSlot,
+        grant: f64,
+        target: f64,
+        version: u64,
+        quota: &Quota,
+    ) {
+        let queued = {
+            let mut state = lock(&self.state);
+            let Some(tracked) = state.buckets.get_mut(slot) else {
+                return;
+            };
+            match assignment(tracked, grant, target, version, quota) {
+                Some(action) => {
+                    state.queue(slot.clone(), action);
+                    true
+                }
+                None => false,
+            }
+        };
+        if queued {
+            self.ready.notify_one();
+        }
+    }
+
+    fn end(&self, quota: &Quota) {
+        let buckets = {
+            let mut state = lock(&self.state);
+            if state.closed {
+                return;
+            }
+            state.closed = true;
+            std::mem::take(&mut state.buckets)
+        };
+        self.release(buckets.into_values().collect(), quota);
+        self.ready.notify_one();
+    }
+
+    /// Buckets the stream no longer tracks leave this replica's metrics, pushes and bucket count.
+    fn release(&self, buckets: Vec<Tracked>, quota: &Quota) {
+        quota.give_back_buckets(buckets.len());
+        for tracked in buckets {
+            if let Some(rule) = tracked.rule {
+                let grant = tracked.sent.map_or(0.0, |(_, g)| g);
+                rule.stats.subscribe(-1, -grant);
+                quota.unregister_local(&rule.shares_key, &tracked.member);
+            }
+        }
+    }
+}
+
+/// The assignment of `grant` for a tracked bucket, recording it as sent: the same strategy again when
+/// the grant did not change (Envoy then keeps its bucket's tokens), a new one when it did. `None` when a
+/// newer version went out already, or when the grant is zero while the target is not: the share is
+/// still held by others, and the Envoy is better off with what it has (an assignment it got on an
+/// earlier stream still counts in the store until it expires).
+fn assignment(
+    tracked: &mut Tracked,
+    grant: f64,
+    target: f64,
+    version: u64,
+    quota: &Quota,
+) -> Option<Action> {
+    if version <= tracked.sent_version {
+        return None;
+    }
+    if grant <= 0.0 && target > 0.0 {
+        return None;
+    }
+    let strategy = match &tracked.sent {
+        Some((strategy, sent)) if *sent == grant => *strategy,
+        previous => strategy::for_grant(grant, quota.burst, previous.as_ref().map(|(s, _)| s)),
+    };
+    // A strategy the Envoy does not hold yet starts full; the same one again keeps its tokens. The first
+    // token bucket of a stream bounds the Envoy from then on.
+    if tracked.sent.as_ref().map(|(s, _)| s) != Some(&strategy) {
+        tracked.admissible = match tracked.admissible {
+            Some(a) => a.and(&strategy),
+            None => Admissible::of(&strategy),
+        };
+    }
+    let before = tracked.sent.map_or(0.0, |(_, g)| g);
+    if let Some(rule) = &tracked.rule {
+        rule.stats.subscribe(0, grant - before);
+    }
+    tracked.sent = Some((strategy, grant));
+    tracked.sent_version = version;
+    Some(quota.assign(strategy))
+}
+
+/// The demand a share is sized for: the requests per second reported (allowed and denied), plus a quarter
+/// and one request per report, so that an Envoy whose traffic grows a little, or whose requests fall
+/// either side of a report, is not denied for it. Bounded, so that no report reaches arithmetic as a
+/// number it cannot hold.
+fn demand(requests: f64, secs: f64) -> f64 {
+    let rate = requests / secs;
+    (rate + rate / 4.0 + 1.0 / secs).clamp(0.0, 1e12)
+}
+
+/// A bucket id a descriptor could carry: at least one entry, and within `request_limits`.
+fn valid_bucket(bucket: &BucketId, limits: &RequestLimits) -> bool {
+    !bucket.is_empty()
+        && bucket.len() <= limits.max_entries
+        && bucket
+            .iter()
+            .all(|(k, v)| k.len() <= limits.max_key_bytes && v.len() <= limits.max_value_bytes)
+}

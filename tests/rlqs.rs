@@ -1,0 +1,730 @@
+//! The rate limit quota service on the gRPC port, over real sockets, as an Envoy meets it: what a
+//! subscription, a report, a rule without limits, a removed rule, a bound and a shutdown get, in the
+//! shapes Envoy's filter reads (explicit `tokens_per_fill`, whole-second intervals and TTLs).
+
+mod common;
+
+use std::{collections::HashMap, path::Path, time::Duration};
+
+use common::{ask, descriptor, request, wait_for, TestServer};
+use ratelimitd::{
+    clock::Clock,
+    proto::rlqs::{
+        rate_limit_quota_response::bucket_action::BucketAction as Action,
+        rate_limit_quota_usage_reports::BucketQuotaUsage, rate_limit_strategy::Strategy, BucketId,
+        RateLimitQuotaResponse, RateLimitQuotaServiceClient, RateLimitQuotaUsageReports,
+        TokenBucket,
+    },
+    settings::Settings,
+};
+use tokio::sync::mpsc;
+use tonic::{Code, Streaming};
+
+const RULES: &str = r#"
+domain: edge
+descriptors:
+  - key: generic_key
+    value: shared
+    rate_limit: {unit: second, requests_per_unit: 100}
+  - key: generic_key
+    value: free
+    rate_limit: {unlimited: true}
+  - key: generic_key
+    value: closed
+    rate_limit: {unit: second, requests_per_unit: 0}
+  - key: remote_address
+    descriptors:
+      - key: path
+        value: /login
+        rate_limit: {unit: minute, requests_per_unit: 600}
+  - key: tenant
+"#;
+
+/// Settings for a fast test: a report every 200 ms, assignments of 1 s.
+fn fast(s: &mut Settings) {
+    s.rlqs.report_period = Duration::from_millis(200);
+    s.rlqs.assignment_ttl = Duration::from_secs(1);
+}
+
+async fn start(tweak: impl FnOnce(&mut Settings)) -> TestServer {
+    TestServer::start_with_clock(&[("edge.yaml", RULES)], Clock::System, |s| {
+        fast(s);
+        tweak(s);
+    })
+    .await
+}
+
+/// A bucket id as the tests write it.
+type Entries<'a> = &'a [(&'a str, &'a str)];
+
+/// One bucket of a report: its id, the seconds elapsed, allowed and denied.
+type UsageRow<'a> = (Entries<'a>, i64, u64, u64);
+
+/// What a response says of each bucket: its strategy and TTL, or `None` for an abandon action.
+type Actions = HashMap<Vec<(String, String)>, Option<(Strategy, i64)>>;
+
+/// A stream driven by hand.
+struct Raw {
+    tx: mpsc::UnboundedSender<RateLimitQuotaUsageReports>,
+    rx: Streaming<RateLimitQuotaResponse>,
+}
+
+impl Raw {
+    async fn open(s: &TestServer) -> Result<Self, tonic::Status> {
+        let mut client = RateLimitQuotaServiceClient::new(s.channel().await);
+        let (tx, rx) = mpsc::unbounded_channel();
+        let outbound =
+            futures_util::stream::unfold(
+                rx,
+                |mut rx| async move { rx.recv().await.map(|m| (m, rx)) },
+            );
+        let rx = client
+            .stream_rate_limit_quotas(outbound)
+            .await?
+            .into_inner();
+        Ok(Self { tx, rx })
+    }
+
+    fn report(&self, domain: &str, usages: &[UsageRow<'_>]) {
+        let report = RateLimitQuotaUsageReports {
+            domain: domain.into(),
+            bucket_quota_usages: usages
+                .iter()
+                .map(|(bucket, elapsed, allowed, denied)| BucketQuotaUsage {
+                    bucket_id: Some(id(bucket)),
+                    time_elapsed: Some(prost_types::Duration {
+                        seconds: *elapsed,
+                        nanos: 0,
+                    }),
+                    num_requests_allowed: *allowed,
+                    num_requests_denied: *denied,
+                })
+                .collect(),
+        };
+        self.tx.send(report).unwrap();
+    }
+
+    /// The next response, within 5 s.
+    async fn next(&mut self) -> RateLimitQuotaResponse {
+        match tokio::time::timeout(Duration::from_secs(5), self.rx.message()).await {
+            Ok(Ok(Some(r))) => r,
+            other => panic!("no response: {other:?}"),
+        }
+    }
+
+    /// How the stream ends, within `within`.
+    async fn end(&mut self, within: Duration) -> Option<tonic::Status> {
+        let ended = tokio::time::timeout(within, async {
+            loop {
+                match self.rx.message().await {
+                    Ok(Some(_)) => continue,
+                    Ok(None) => return None,
+                    Err(status) => return Some(status),
+                }
+            }
+        });
+        ended.await.expect("the stream ends in time")
+    }
+}
+
+fn id(bucket: &[(&str, &str)]) -> BucketId {
+    BucketId {
+        bucket: bucket
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect(),
+    }
+}
+
+/// The actions of a response by bucket.
+fn actions(r: &RateLimitQuotaResponse) -> Actions {
+    r.bucket_action
+        .iter()
+        .map(|a| {
+            let mut bucket: Vec<(String, String)> =
+                a.bucket_id.clone().unwrap().bucket.into_iter().collect();
+            bucket.sort();
+            let what = match a.bucket_action.unwrap() {
+                Action::AbandonAction(_) => None,
+                Action::QuotaAssignmentAction(q) => {
+                    let ttl = q.assignment_time_to_live.unwrap();
+                    assert_eq!(ttl.nanos, 0, "whole seconds");
+                    Some((
+                        q.rate_limit_strategy.unwrap().strategy.unwrap(),
+                        ttl.seconds,
+                    ))
+                }
+            };
+            (bucket, what)
+        })
+        .collect()
+}
+
+fn key(bucket: &[(&str, &str)]) -> Vec<(String, String)> {
+    let mut b: Vec<(String, String)> = bucket
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    b.sort();
+    b
+}
+
+fn token_bucket(s: &Strategy) -> TokenBucket {
+    match s {
+        Strategy::TokenBucket(b) => *b,
+        other => panic!("not a token bucket: {other:?}"),
+    }
+}
+
+const SHARED: Entries<'static> = &[("generic_key", "shared")];
+
+#[tokio::test]
+async fn a_subscription_is_answered_at_once_with_a_token_bucket_envoy_can_read() {
+    let s = start(|_| {}).await;
+    s.wait_serving(Duration::from_secs(5)).await;
+    let mut stream = Raw::open(&s).await.unwrap();
+    // Envoy's first report of a bucket: one request, no time elapsed.
+    stream.report("edge", &[(SHARED, 0, 1, 0)]);
+    let response = stream.next().await;
+    let got = actions(&response);
+    let (strategy, ttl) = got[&key(SHARED)].unwrap();
+    assert_eq!(ttl, 1, "the configured TTL, in whole seconds");
+    let b = token_bucket(&strategy);
+    let interval = b.fill_interval.unwrap();
+    assert!(interval.seconds >= 1 && interval.nanos == 0, "{b:?}");
+    let per_fill = b.tokens_per_fill.expect("tokens_per_fill is always sent");
+    // Alone, it gets the whole limit of 100 per second, never more.
+    let rate = f64::from(per_fill) / interval.seconds as f64;
+    assert!((90.0..=100.0).contains(&rate), "{b:?}");
+    assert!(b.max_tokens >= 1 && b.max_tokens <= 100, "{b:?}");
+
+    // Its next report is answered with the same bucket again, which extends it without resetting it.
+    stream.report("edge", &[(SHARED, 0, 20, 0)]);
+    let again = actions(&stream.next().await);
+    assert_eq!(again[&key(SHARED)], Some((strategy, 1)));
+    s.stop().await;
+}
+
+#[tokio::test]
+async fn unlimited_unmatched_and_zero_limits_get_blanket_rules() {
+    let s = start(|_| {}).await;
+    s.wait_serving(Duration::from_secs(5)).await;
+    let mut stream = Raw::open(&s).await.unwrap();
+    let free: Entries<'_> = &[("generic_key", "free")];
+    let closed: Entries<'_> = &[("generic_key", "closed")];
+    let unknown: Entries<'_> = &[("nothing", "here")];
+    let allow_list: Entries<'_> = &[("tenant", "acme")];
+    stream.report(
+        "edge",
+        &[
+            (free, 0, 1, 0),
+            (closed, 0, 1, 0),
+            (unknown, 0, 1, 0),
+            (allow_list, 0, 1, 0),
+        ],
+    );
+    let mut got = HashMap::new();
+    while got.len() < 4 {
+        got.extend(actions(&stream.next().await));
+    }
+    let allow = Some((Strategy::BlanketRule(0), 1));
+    assert_eq!(got[&key(free)], allow, "unlimited");
+    assert_eq!(
+        got[&key(unknown)],
+        allow,
+        "no rule: not limited, as ShouldRateLimit answers"
+    );
+    assert_eq!(got[&key(allow_list)], allow, "a rule without a limit");
+    assert_eq!(
+        got[&key(closed)],
+        Some((Strategy::BlanketRule(1), 1)),
+        "a limit of 0"
+    );
+
+    // A domain without rules is not limited either.
+    let mut other = Raw::open(&s).await.unwrap();
+    other.report("unknown-domain", &[(SHARED, 0, 1, 0)]);
+    assert_eq!(actions(&other.next().await)[&key(SHARED)], allow);
+    s.stop().await;
+}
+
+#[tokio::test]
+async fn bucket_entries_are_matched_in_the_order_the_rules_nest_them() {
+    let s = start(|_| {}).await;
+    s.wait_serving(Duration::from_secs(5)).await;
+    let mut stream = Raw::open(&s).await.unwrap();
+    let login: Entries<'_> = &[("path", "/login"), ("remote_address", "203.0.113.7")];
+    stream.report("edge", &[(login, 0, 1, 0)]);
+    let (strategy, _) = actions(&stream.next().await)[&key(login)].unwrap();
+    // 600 a minute: 10 per second.
+    let b = token_bucket(&strategy);
+    let rate = f64::from(b.tokens_per_fill.unwrap()) / b.fill_interval.unwrap().seconds as f64;
+    assert!((9.0..=10.0).contains(&rate), "{b:?}");
+    s.stop().await;
+}
+
+/// The buckets deploy/envoy/rlqs.yaml builds (`path=/search`, `api_key=<header>`, `generic_key=global`)
+/// meet the rules of examples/config/edge.yaml and are assigned their limits, shared by one Envoy alone.
+#[tokio::test]
+async fn the_buckets_of_the_envoy_example_meet_the_example_rules() {
+    let edge = include_str!("../examples/config/edge.yaml");
+    let s = TestServer::start_with_clock(&[("edge.yaml", edge)], Clock::System, fast).await;
+    s.wait_serving(Duration::from_secs(5)).await;
+    let mut stream = Raw::open(&s).await.unwrap();
+    let search: Entries<'_> = &[("path", "/search")];
+    let api_key: Entries<'_> = &[("api_key", "k-123")];
+    let global: Entries<'_> = &[("generic_key", "global")];
+    stream.report(
+        "edge",
+        &[(search, 0, 1, 0), (api_key, 0, 1, 0), (global, 0, 1, 0)],
+    );
+    let mut got = HashMap::new();
+    while got.len() < 3 {
+        got.extend(actions(&stream.next().await));
+    }
+    let rate = |bucket: Entries<'_>| {
+        let (strategy, _) = got[&key(bucket)].unwrap();
+        let b = token_bucket(&strategy);
+        f64::from(b.tokens_per_fill.unwrap()) / b.fill_interval.unwrap().seconds as f64
+    };
+    // search: 50 per second; per_api_key: 1 000 per hour; global: 10 000 per second.
+    assert!((45.0..=50.0).contains(&rate(search)), "{}", rate(search));
+    let per_key = 1_000.0 / 3_600.0;
+    assert!(
+        (per_key * 0.9..=per_key).contains(&rate(api_key)),
+        "{}",
+        rate(api_key)
+    );
+    assert!(
+        (9_000.0..=10_000.0).contains(&rate(global)),
+        "{}",
+        rate(global)
+    );
+    s.stop().await;
+}
+
+async fn write(dir: &Path, text: &str) {
+    std::fs::write(dir.join("edge.yaml"), text).unwrap();
+}
+
+#[tokio::test]
+async fn a_bucket_whose_rule_is_removed_is_abandoned_then_allowed() {
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), RULES).await;
+    let root = dir.path().to_path_buf();
+    let s = TestServer::start_with_clock(&[], Clock::System, move |s| {
+        fast(s);
+        s.rules.path = Some(root);
+        s.rules.reload_delay = Duration::from_millis(50);
+    })
+    .await;
+    s.wait_serving(Duration::from_secs(5)).await;
+    let mut stream = Raw::open(&s).await.unwrap();
+    stream.report("edge", &[(SHARED, 0, 1, 0)]);
+    assert!(matches!(
+        actions(&stream.next().await)[&key(SHARED)],
+        Some((Strategy::TokenBucket(_), _))
+    ));
+    write(dir.path(), "domain: edge\ndescriptors:\n  - key: other\n").await;
+    wait_for("the new rules", Duration::from_secs(5), async || {
+        let (_, text) = s.http("GET", "/rlconfig", "").await;
+        (!text.contains("generic_key_shared")).then_some(())
+    })
+    .await;
+    stream.report("edge", &[(SHARED, 1, 5, 0)]);
+    assert_eq!(
+        actions(&stream.next().await)[&key(SHARED)],
+        None,
+        "abandoned"
+    );
+    // Traffic creates the bucket again: not limited any more.
+    stream.report("edge", &[(SHARED, 0, 1, 0)]);
+    assert_eq!(
+        actions(&stream.next().await)[&key(SHARED)],
+        Some((Strategy::BlanketRule(0), 1))
+    );
+    assert_eq!(s.metric("ratelimitd_rlqs_abandoned_total").await, Some(1.0));
+    s.stop().await;
+}
+
+#[tokio::test]
+async fn bounds_leave_buckets_unanswered_and_refuse_streams_and_huge_reports() {
+    let s = start(|s| {
+        s.rlqs.max_buckets_per_stream = 2;
+        s.rlqs.max_streams = 1;
+        s.rlqs.max_message_bytes = 4096;
+    })
+    .await;
+    s.wait_serving(Duration::from_secs(5)).await;
+    let mut stream = Raw::open(&s).await.unwrap();
+    let (a, b, c): (Entries<'_>, Entries<'_>, Entries<'_>) =
+        (&[("tenant", "a")], &[("tenant", "b")], &[("tenant", "c")]);
+    let empty: Entries<'_> = &[];
+    let long = "x".repeat(2000);
+    let too_long: Entries<'_> = &[("tenant", &long)];
+    stream.report(
+        "edge",
+        &[
+            (a, 0, 1, 0),
+            (b, 0, 1, 0),
+            (c, 0, 1, 0),
+            (empty, 0, 1, 0),
+            (too_long, 0, 1, 0),
+        ],
+    );
+    let got = actions(&stream.next().await);
+    assert_eq!(got.len(), 2, "two buckets a stream at most: {got:?}");
+    assert!(got.contains_key(&key(a)) && got.contains_key(&key(b)));
+    assert_eq!(unanswered(&s, "too_many_buckets").await, Some(1.0));
+    assert_eq!(unanswered(&s, "invalid_bucket").await, Some(2.0));
+
+    // One stream at most.
+    let mut second = Raw::open(&s).await;
+    let refused = match &mut second {
+        Err(status) => status.clone(),
+        Ok(raw) => raw.end(Duration::from_secs(5)).await.expect("refused"),
+    };
+    assert_eq!(refused.code(), Code::ResourceExhausted, "{refused:?}");
+    assert!(
+        refused.message().contains("rlqs.max_streams"),
+        "{refused:?}"
+    );
+
+    // A report past rlqs.max_message_bytes ends the stream.
+    let many: Vec<(String, String)> = (0..200)
+        .map(|i| ("tenant".to_string(), format!("t{i}")))
+        .collect();
+    let huge = RateLimitQuotaUsageReports {
+        domain: "edge".into(),
+        bucket_quota_usages: many
+            .iter()
+            .map(|(k, v)| BucketQuotaUsage {
+                bucket_id: Some(id(&[(k.as_str(), v.as_str())])),
+                time_elapsed: None,
+                num_requests_allowed: u64::MAX,
+                num_requests_denied: u64::MAX,
+            })
+            .collect(),
+    };
+    stream.tx.send(huge).unwrap();
+    let ended = stream
+        .end(Duration::from_secs(5))
+        .await
+        .expect("an error status");
+    assert_eq!(ended.code(), Code::ResourceExhausted, "{ended:?}");
+    // The service still answers the next stream.
+    drop(stream);
+    let mut next = wait_for("a stream again", Duration::from_secs(5), async || {
+        Raw::open(&s).await.ok()
+    })
+    .await;
+    next.report("edge", &[(a, 0, 1, 0)]);
+    assert!(actions(&next.next().await).contains_key(&key(a)));
+    s.stop().await;
+}
+
+/// A report is charged no more than the Envoy's token bucket can have admitted: a stream claiming
+/// 2^64 - 1 requests for someone's bucket does not spend that descriptor's limit for its
+/// `ShouldRateLimit` callers, and the usage counters do not wrap.
+#[tokio::test]
+async fn a_report_of_more_than_the_envoy_could_admit_is_not_charged_in_full() {
+    let s = start(|_| {}).await;
+    s.wait_serving(Duration::from_secs(5)).await;
+    let mut stream = Raw::open(&s).await.unwrap();
+    // 600 a minute: the Envoy is sent about 10 per second.
+    let login: Entries<'_> = &[("path", "/login"), ("remote_address", "203.0.113.7")];
+    stream.report("edge", &[(login, 0, 1, 0)]);
+    assert!(matches!(
+        actions(&stream.next().await)[&key(login)],
+        Some((Strategy::TokenBucket(_), _))
+    ));
+    for _ in 0..2 {
+        stream.report("edge", &[(login, 1, u64::MAX, u64::MAX)]);
+        stream.next().await;
+    }
+    let mut client = s.client().await;
+    let answer = ask(
+        &mut client,
+        request(
+            "edge",
+            vec![descriptor(&[
+                ("remote_address", "203.0.113.7"),
+                ("path", "/login"),
+            ])],
+        ),
+    )
+    .await;
+    let status = &answer.statuses[0];
+    assert_eq!(
+        answer.overall_code,
+        ratelimitd::proto::rate_limit_response::Code::Ok as i32,
+        "{answer:?}"
+    );
+    // Two reports, each at most a token bucket's fill and burst and the time since the last.
+    assert!(status.limit_remaining >= 500, "{answer:?}");
+    let (_, text) = s.http("GET", "/metrics", "").await;
+    let series = |name: &str| {
+        let want = format!("{name}{{domain=\"edge\",rule=\"remote_address.path_/login\"}} ");
+        text.lines()
+            .find_map(|l| l.strip_prefix(&want)?.trim().parse::<f64>().ok())
+    };
+    // What the Envoy said, saturated: a counter that wrapped would read as a reset.
+    assert_eq!(
+        series("ratelimitd_rlqs_allowed_total"),
+        Some(u64::MAX as f64),
+        "{text}"
+    );
+    assert_eq!(
+        series("ratelimitd_rlqs_denied_total"),
+        Some(u64::MAX as f64)
+    );
+    s.stop().await;
+}
+
+/// A stream keeps the domain of its first report, and a domain is no longer than a descriptor key: one
+/// client cannot make a replica hold a new copy of a megabyte-long domain for each of its buckets.
+#[tokio::test]
+async fn a_stream_keeps_one_domain_of_bounded_length() {
+    let s = start(|_| {}).await;
+    s.wait_serving(Duration::from_secs(5)).await;
+    let mut stream = Raw::open(&s).await.unwrap();
+    stream.report("edge", &[(SHARED, 0, 1, 0)]);
+    stream.next().await;
+    stream.report("other", &[(SHARED, 0, 1, 0)]);
+    let ended = stream.end(Duration::from_secs(5)).await.expect("a status");
+    assert_eq!(ended.code(), Code::InvalidArgument, "{ended:?}");
+    assert!(
+        ended.message().contains("\"other\"") && ended.message().contains("\"edge\""),
+        "{ended:?}"
+    );
+
+    let mut long = Raw::open(&s).await.unwrap();
+    long.report(&"d".repeat(1025), &[(SHARED, 0, 1, 0)]);
+    let ended = long.end(Duration::from_secs(5)).await.expect("a status");
+    assert_eq!(ended.code(), Code::InvalidArgument, "{ended:?}");
+    assert!(
+        ended.message().contains("request_limits.max_key_bytes"),
+        "{ended:?}"
+    );
+    s.stop().await;
+}
+
+/// `rlqs.max_buckets` bounds the buckets of all streams together, and a bucket an Envoy stopped
+/// reporting gives its place back after the assignment TTL.
+#[tokio::test]
+async fn the_replica_tracks_at_most_max_buckets_and_forgets_idle_ones() {
+    let s = start(|s| s.rlqs.max_buckets = 2).await;
+    s.wait_serving(Duration::from_secs(5)).await;
+    let (a, b, c): (Entries<'_>, Entries<'_>, Entries<'_>) =
+        (&[("tenant", "a")], &[("tenant", "b")], &[("tenant", "c")]);
+    let mut first = Raw::open(&s).await.unwrap();
+    first.report("edge", &[(a, 0, 1, 0), (b, 0, 1, 0)]);
+    let mut got = HashMap::new();
+    while got.len() < 2 {
+        got.extend(actions(&first.next().await));
+    }
+    let b_reported = std::time::Instant::now();
+    let mut second = Raw::open(&s).await.unwrap();
+    second.report("edge", &[(c, 0, 1, 0)]);
+    wait_for("c refused", Duration::from_secs(5), async || {
+        (unanswered(&s, "too_many_buckets").await == Some(1.0)).then_some(())
+    })
+    .await;
+    // The first Envoy goes on with `a` alone; `b` is forgotten one TTL (1 s) after its last report.
+    let answered = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            first.report("edge", &[(a, 1, 1, 0)]);
+            first.next().await;
+            second.report("edge", &[(c, 0, 1, 0)]);
+            if let Ok(Ok(Some(r))) =
+                tokio::time::timeout(Duration::from_millis(200), second.rx.message()).await
+            {
+                return r;
+            }
+        }
+    })
+    .await
+    .expect("c answered once b is forgotten");
+    assert!(actions(&answered).contains_key(&key(c)));
+    assert!(
+        b_reported.elapsed() >= Duration::from_secs(1),
+        "{:?}",
+        b_reported.elapsed()
+    );
+    s.stop().await;
+}
+
+/// When Redis loses a bucket's shares (a restart, FLUSHALL, eviction, an outage longer than the TTL), the
+/// Envoy keeps being answered: the member is created again above the version its stream last sent,
+/// rather than from 0 (which the stream would drop as older, for as many reports as it had had).
+#[tokio::test]
+async fn a_bucket_whose_shares_redis_lost_is_answered_on_its_next_report() {
+    let redis = common::redis::RedisProcess::start(&[]);
+    let url = redis.addr();
+    let s = start(move |s| s.redis.url = url).await;
+    s.wait_serving(Duration::from_secs(10)).await;
+    let mut stream = Raw::open(&s).await.unwrap();
+    stream.report("edge", &[(SHARED, 0, 1, 0)]);
+    stream.next().await;
+    // Nothing allowed: the counter stays empty, so the pool stays whole once the shares are gone.
+    for _ in 0..4 {
+        stream.report("edge", &[(SHARED, 1, 0, 0)]);
+        stream.next().await;
+    }
+    let keys = redis.cli(&["KEYS", "*:rlqs"]);
+    let shares = keys.lines().next().expect("the bucket's shares in Redis");
+    assert_eq!(redis.cli(&["DEL", shares]).trim(), "1");
+    stream.report("edge", &[(SHARED, 1, 0, 0)]);
+    let got = actions(&stream.next().await);
+    assert!(
+        matches!(got[&key(SHARED)], Some((Strategy::TokenBucket(_), _))),
+        "{got:?}"
+    );
+    s.stop().await;
+}
+
+/// A report covering more than a fixed window charges that window only its part of the report, not all
+/// of it: a 5 s report of a per-second rule would otherwise fill that second's counter and deny its
+/// `ShouldRateLimit` callers for the rest of it.
+#[tokio::test]
+async fn a_report_longer_than_a_window_charges_the_window_its_part() {
+    let s = start(|s| {
+        s.rlqs.report_period = Duration::from_millis(500);
+        s.rlqs.assignment_ttl = Duration::from_secs(3);
+    })
+    .await;
+    s.wait_serving(Duration::from_secs(5)).await;
+    let mut stream = Raw::open(&s).await.unwrap();
+    stream.report("edge", &[(SHARED, 0, 1, 0)]);
+    stream.next().await;
+    // The Envoy's next report comes 2.5 s later (the time this test stands for Envoy's 5 s): 100
+    // requests admitted over it, 40 a second on a rule of 100 a second.
+    tokio::time::sleep(Duration::from_millis(2_500)).await;
+    stream.report("edge", &[(SHARED, 2, 100, 0)]);
+    stream.next().await;
+    let mut client = s.client().await;
+    let answer = ask(
+        &mut client,
+        request("edge", vec![descriptor(&[("generic_key", "shared")])]),
+    )
+    .await;
+    assert_eq!(
+        answer.overall_code,
+        ratelimitd::proto::rate_limit_response::Code::Ok as i32,
+        "{answer:?}"
+    );
+    // The window's part of 100 over 2.5 s is 40 (or nothing, had the window turned since).
+    assert!(answer.statuses[0].limit_remaining >= 55, "{answer:?}");
+    s.stop().await;
+}
+
+async fn unanswered(s: &TestServer, reason: &str) -> Option<f64> {
+    let want = format!("ratelimitd_rlqs_unanswered_total{{reason=\"{reason}\"}} ");
+    let (_, text) = s.http("GET", "/metrics", "").await;
+    text.lines()
+        .find_map(|l| l.strip_prefix(&want)?.trim().parse::<f64>().ok())
+}
+
+#[tokio::test]
+async fn a_silent_stream_is_closed_after_ten_report_periods() {
+    let s = start(|_| {}).await;
+    s.wait_serving(Duration::from_secs(5)).await;
+    let mut stream = Raw::open(&s).await.unwrap();
+    let started = std::time::Instant::now();
+    let ended = stream.end(Duration::from_secs(10)).await.expect("a status");
+    assert_eq!(ended.code(), Code::Unavailable, "{ended:?}");
+    let waited = started.elapsed();
+    assert!(waited >= Duration::from_millis(1900), "{waited:?}");
+    s.stop().await;
+}
+
+#[tokio::test]
+async fn shutdown_ends_the_streams_at_once_so_envoys_move_to_another_replica() {
+    let s = start(|s| s.shutdown.grace_period = Duration::from_secs(20)).await;
+    s.wait_serving(Duration::from_secs(5)).await;
+    let mut stream = Raw::open(&s).await.unwrap();
+    stream.report("edge", &[(SHARED, 0, 1, 0)]);
+    stream.next().await;
+    let started = std::time::Instant::now();
+    s.shutdown.cancel();
+    let ended = stream.end(Duration::from_secs(5)).await.expect("a status");
+    assert_eq!(ended.code(), Code::Unavailable, "{ended:?}");
+    s.handle.await.unwrap().unwrap();
+    // Well within the 20 s grace period: the stream did not hold the drain.
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        started.elapsed()
+    );
+}
+
+#[tokio::test]
+async fn metrics_by_domain_and_rule_show_subscribers_assignments_and_usage() {
+    let s = start(|_| {}).await;
+    s.wait_serving(Duration::from_secs(5)).await;
+    let mut stream = Raw::open(&s).await.unwrap();
+    stream.report("edge", &[(SHARED, 0, 1, 0)]);
+    stream.next().await;
+    stream.report("edge", &[(SHARED, 0, 30, 7)]);
+    stream.next().await;
+    let (_, text) = s.http("GET", "/metrics", "").await;
+    let series = |name: &str| {
+        let want = format!("{name}{{domain=\"edge\",rule=\"generic_key_shared\"}} ");
+        text.lines()
+            .find_map(|l| l.strip_prefix(&want)?.trim().parse::<f64>().ok())
+    };
+    assert_eq!(series("ratelimitd_rlqs_subscribers"), Some(1.0), "{text}");
+    assert_eq!(series("ratelimitd_rlqs_allowed_total"), Some(31.0));
+    assert_eq!(series("ratelimitd_rlqs_denied_total"), Some(7.0));
+    let assigned = series("ratelimitd_rlqs_assigned_tokens_per_second").unwrap();
+    assert!(assigned > 0.0 && assigned <= 100.0, "{assigned}");
+    assert!(text.contains("ratelimitd_rlqs_streams 1"), "{text}");
+    drop(stream);
+    wait_for("the stream gone", Duration::from_secs(5), async || {
+        (s.metric("ratelimitd_rlqs_streams").await == Some(0.0)).then_some(())
+    })
+    .await;
+    s.stop().await;
+}
+
+#[tokio::test]
+async fn with_rlqs_off_the_service_is_not_there_and_reflection_lists_it_when_on() {
+    let off = start(|s| s.rlqs.enabled = false).await;
+    off.wait_serving(Duration::from_secs(5)).await;
+    match Raw::open(&off).await {
+        Err(status) => assert_eq!(status.code(), Code::Unimplemented),
+        Ok(mut raw) => assert_eq!(
+            raw.end(Duration::from_secs(5)).await.map(|s| s.code()),
+            Some(Code::Unimplemented)
+        ),
+    }
+    off.stop().await;
+
+    use tonic_reflection::pb::v1::{
+        server_reflection_client::ServerReflectionClient,
+        server_reflection_request::MessageRequest, server_reflection_response::MessageResponse,
+        ServerReflectionRequest,
+    };
+    let on = start(|_| {}).await;
+    let mut reflection = ServerReflectionClient::new(on.channel().await);
+    let request = ServerReflectionRequest {
+        host: String::new(),
+        message_request: Some(MessageRequest::ListServices(String::new())),
+    };
+    let mut replies = reflection
+        .server_reflection_info(futures_util::stream::iter([request]))
+        .await
+        .unwrap()
+        .into_inner();
+    let reply = replies.message().await.unwrap().unwrap();
+    let Some(MessageResponse::ListServicesResponse(list)) = reply.message_response else {
+        panic!("{reply:?}")
+    };
+    assert!(
+        list.service
+            .iter()
+            .any(|s| s.name == "envoy.service.rate_limit_quota.v3.RateLimitQuotaService"),
+        "{list:?}"
+    );
+    on.stop().await;
+}

@@ -1,0 +1,203 @@
+//! One table of recomputations run on the memory store's shares (Rust, `share::apply`) and on a real
+//! redis-server (`share.lua`): every grant, target, version, pool and sum must be the same, so that one
+//! replica on memory and a fleet on Redis share a limit alike. Random sequences of subscriptions,
+//! reports, pushes, refusals and fixed windows spent by others; then expiry on the server's clock.
+
+mod common;
+
+use std::{sync::Arc, time::Duration};
+
+use common::redis::RedisProcess;
+use proptest::{prelude::*, test_runner::TestRunner};
+use ratelimitd::{
+    clock::Clock,
+    quota::{
+        share::{Call, DemandUpdate, Given, LimitUse, Listed, Listing, Reply, WindowUse},
+        state::{MemoryShares, RedisShares},
+        Shares,
+    },
+    store::{redis::RedisSettings, RedisStore},
+};
+
+async fn redis_shares(redis: &RedisProcess) -> Shares {
+    let settings = RedisSettings {
+        url: redis.addr(),
+        ..RedisSettings::default()
+    };
+    let store = RedisStore::connect(&settings, None, 0, Duration::from_secs(1)).unwrap();
+    store.ready().await.unwrap();
+    Shares::Redis(RedisShares::new(store))
+}
+
+/// One step of a table: who reports (or is pushed), what, and the rule's limits.
+#[derive(Debug, Clone)]
+struct Step {
+    reporter: usize,
+    demand: Option<f64>,
+    pushed: Vec<usize>,
+    rate: f64,
+    window: Option<(u64, f64, f64, u64)>,
+}
+
+fn step() -> impl Strategy<Value = Step> {
+    (
+        0usize..6,
+        prop::option::weighted(0.8, 0.0f64..400.0),
+        prop::collection::vec(0usize..6, 0..4),
+        prop::sample::select(vec![50.0, 100.0, 250.5]),
+        prop::option::of((0u64..3, 0.0f64..500.0, 0.0f64..50.0, 0u64..4_000)),
+    )
+        .prop_map(|(reporter, demand, pushed, rate, window)| Step {
+            reporter,
+            demand,
+            pushed,
+            rate,
+            window,
+        })
+}
+
+fn call(step: &Step) -> Call {
+    let mut members = vec![Listed {
+        id: format!("m{}", step.reporter),
+        demand: match step.demand {
+            Some(rate) => DemandUpdate::Rate(rate),
+            None => DemandUpdate::Unknown,
+        },
+        listing: Listing::Reported,
+        // Now and then above what the bucket holds, as after the store lost it.
+        sent_version: step.pushed.len() as u64 * 4,
+    }];
+    members.extend(
+        step.pushed
+            .iter()
+            .filter(|p| **p != step.reporter)
+            .map(|p| Listed {
+                id: format!("m{p}"),
+                demand: DemandUpdate::Keep,
+                listing: Listing::Pushed,
+                sent_version: 0,
+            }),
+    );
+    Call {
+        limits: vec![LimitUse {
+            rate: step.rate,
+            window: step.window.map(|(w, used, added, elapsed)| WindowUse {
+                start_ms: 1_000_000 + w * 8_000,
+                used: used.floor(),
+                added: added.floor(),
+                window_ms: 8_000,
+                elapsed_ms: elapsed,
+                floor_ms: 200,
+            }),
+        }],
+        counts_for_ms: 600_000,
+        max_members: 5,
+        members,
+    }
+}
+
+fn same(a: &Reply, b: &Reply) -> Result<(), String> {
+    let close = |x: f64, y: f64| (x - y).abs() <= 1e-9 * x.abs().max(y.abs()).max(1.0);
+    if a.members != b.members || !close(a.pool, b.pool) || !close(a.granted, b.granted) {
+        return Err(format!("{a:?} != {b:?}"));
+    }
+    for (x, y) in a.given.iter().zip(&b.given) {
+        let equal = match (x, y) {
+            (
+                Given::Share {
+                    grant: g1,
+                    target: t1,
+                    changed: c1,
+                    version: v1,
+                },
+                Given::Share {
+                    grant: g2,
+                    target: t2,
+                    changed: c2,
+                    version: v2,
+                },
+            ) => close(*g1, *g2) && close(*t1, *t2) && c1 == c2 && v1 == v2,
+            (x, y) => x == y,
+        };
+        if !equal {
+            return Err(format!("{x:?} != {y:?} in {a:?} / {b:?}"));
+        }
+    }
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_script_and_the_memory_store_share_alike() {
+    let redis = RedisProcess::start(&[]);
+    let shares = Arc::new(redis_shares(&redis).await);
+    let mut runner = TestRunner::new(ProptestConfig {
+        cases: 48,
+        ..ProptestConfig::default()
+    });
+    let handle = tokio::runtime::Handle::current();
+    let steps = prop::collection::vec(step(), 1..40);
+    let case = std::sync::atomic::AtomicU32::new(0);
+    let result = tokio::task::block_in_place(|| {
+        runner.run(&steps, |steps| {
+            let n = case.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let key = format!("{{table_{n}}}:rlqs");
+            let memory = Shares::Memory(MemoryShares::new(Clock::manual(1_000_000)));
+            for (i, step) in steps.iter().enumerate() {
+                let c = call(step);
+                let (m, r) = handle.block_on(async {
+                    (
+                        memory.share(&key, &c).await.unwrap(),
+                        shares.share(&key, &c).await.unwrap(),
+                    )
+                });
+                same(&m, &r).map_err(|e| TestCaseError::fail(format!("step {i} {step:?}: {e}")))?;
+            }
+            Ok(())
+        })
+    });
+    result.unwrap();
+}
+
+#[tokio::test]
+async fn members_expire_on_the_servers_clock_and_their_grant_goes_back() {
+    let redis = RedisProcess::start(&[]);
+    let shares = redis_shares(&redis).await;
+    let report = |id: &str, rate: f64, counts_for_ms: u64| Call {
+        limits: vec![LimitUse {
+            rate: 100.0,
+            window: None,
+        }],
+        counts_for_ms,
+        max_members: 10,
+        members: vec![Listed {
+            id: id.into(),
+            demand: DemandUpdate::Rate(rate),
+            listing: Listing::Reported,
+            sent_version: 0,
+        }],
+    };
+    let key = "{expiry}:rlqs";
+    shares.share(key, &report("a", 500.0, 300)).await.unwrap();
+    let b = shares
+        .share(key, &report("b", 500.0, 60_000))
+        .await
+        .unwrap();
+    assert_eq!(b.members, 2);
+    let Given::Share { grant, .. } = b.given[0] else {
+        panic!("{b:?}")
+    };
+    assert_eq!(grant, 0.0, "a holds the whole pool");
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let b = shares
+        .share(key, &report("b", 500.0, 60_000))
+        .await
+        .unwrap();
+    assert_eq!(b.members, 1, "a expired");
+    assert!(
+        matches!(b.given[0], Given::Share { grant, .. } if grant == 100.0),
+        "{b:?}"
+    );
+    // The key expires with its last member.
+    let ttl: i64 = redis.cli(&["PTTL", key]).parse().unwrap();
+    assert!(ttl > 50_000 && ttl <= 60_000, "{ttl}");
+}

@@ -268,16 +268,7 @@ impl Limiter {
         if let Some(node) = domain.find(&target.entries) {
             self.refuse_unhashed(node, target)?;
         }
-        let descriptor: Vec<(String, String)> = target
-            .entries
-            .iter()
-            .map(|e| {
-                (
-                    e.key.clone(),
-                    self.options.show(&e.key, &e.value, false).into_owned(),
-                )
-            })
-            .collect();
+        let descriptor = self.stored_descriptor(target);
         let id = id_of(&target.domain, &descriptor);
         spec.compile(
             &format!("runtime limit {id}"),
@@ -345,17 +336,19 @@ impl Limiter {
 
     /// The id a descriptor's runtime limit has (or would have).
     pub fn runtime_limit_id(&self, target: &Target) -> Result<String, OperatorError> {
-        let descriptor: Vec<(String, String)> = target
+        Ok(id_of(&target.domain, &self.stored_descriptor(target)))
+    }
+
+    /// A target's entries as a runtime limit keeps them: sensitive values hashed as the settings say.
+    fn stored_descriptor(&self, target: &Target) -> Vec<(String, String)> {
+        target
             .entries
             .iter()
             .map(|e| {
-                (
-                    e.key.clone(),
-                    self.options.show(&e.key, &e.value, false).into_owned(),
-                )
+                let value = self.options.show(&e.key, &e.value, false).into_owned();
+                (e.key.clone(), value)
             })
-            .collect();
-        Ok(id_of(&target.domain, &descriptor))
+            .collect()
     }
 
     /// The runtime limits in force, by id; expired ones are deleted from the store.

@@ -130,10 +130,60 @@ pub fn with_window(key: &str, window_start: u64) -> String {
     out
 }
 
+/// The name of the mark an operator's reset leaves beside a counter that quota leases may hold hits
+/// of (see `decide.lua`, which builds the same name): in the counter's Cluster slot, so one script call
+/// reads both, and starting with the counter's key, so with `CACHE_KEY_PREFIX` (an ACL user limited to
+/// `~<prefix>*` may write it). A key with a hash tag keeps it (`<key>:reset`); one without gets itself
+/// as the tag (`<key>{<key>}:reset`). `None` for a key without a tag that holds a `{` or a `}`, which
+/// no such name shares a slot with for certain: its counter is not leased.
+pub fn reset_mark(key: &[u8]) -> Option<Vec<u8>> {
+    let tagged = key.iter().position(|&b| b == b'{').is_some_and(|open| {
+        key[open + 1..]
+            .iter()
+            .position(|&b| b == b'}')
+            .is_some_and(|len| len > 0)
+    });
+    let mut mark = Vec::with_capacity(key.len() * 2 + 8);
+    mark.extend_from_slice(key);
+    if !tagged {
+        if key.is_empty() || key.iter().any(|&b| b == b'{' || b == b'}') {
+            return None;
+        }
+        mark.push(b'{');
+        mark.extend_from_slice(key);
+        mark.push(b'}');
+    }
+    mark.extend_from_slice(b":reset");
+    Some(mark)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    #[test]
+    fn a_reset_mark_shares_its_counters_cluster_slot() {
+        let slot = |k: &[u8]| fred::util::redis_keyslot(k);
+        for key in [
+            &b"edge_user_alice_1733000000"[..],
+            b"{edge_path_/login_}:sliding_window:60:0",
+            b"edge_path_/a/{id}_1733000000",
+        ] {
+            let mark = reset_mark(key).expect("a mark");
+            assert_eq!(slot(&mark), slot(key), "{}", String::from_utf8_lossy(key));
+            assert!(mark.starts_with(key) && mark.ends_with(b":reset"));
+        }
+        // Redis hashes these whole (an empty tag does not count), and no longer name shares their slot
+        // for certain.
+        for key in [
+            &b"edge_path_/a}_60"[..],
+            b"edge_path_/a/{}/{id}_60",
+            b"p{}q",
+        ] {
+            assert_eq!(reset_mark(key), None);
+        }
+    }
 
     #[test]
     fn keys_match_the_reference_layout() {

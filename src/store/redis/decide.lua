@@ -22,9 +22,11 @@
 --                     every allowed check (and count every fixed-window hit) even when denied.
 --   W, 2 per want     quota leases wanted (fixed and sliding window): a check's number in the call (from
 --                     1, in order), and the hits it wants beyond its cost when its request consumes
---   B, 3 per return   leased hits given back before any request is decided: key index, spec index, hits
---                     (a sliding window takes them off its current window, or its previous one once the
---                     window has moved on)
+--   B, 4 per return   leased hits given back before any request is decided: key index, spec index, hits,
+--                     the server time (ms) of the grant they came from (a sliding window takes them off
+--                     its current window, or its previous one once the window has moved on). A counter
+--                     an operator reset since that grant takes nothing back: the reset's mark (a key
+--                     in the counter's slot, see reset_mark below and src/store/keys.rs) holds when.
 --   then K - #KEYS key names
 --
 -- Reply: { server time (ms), then per request: status, denied (1/0), and when decided, per check:
@@ -145,8 +147,8 @@ for w = 1, count(2) do
   want[check] = int()
 end
 local returns = {}
-for b = 1, count(3) do
-  returns[b] = { int(K, 'key index'), int(specs, 'spec index'), int() }
+for b = 1, count(4) do
+  returns[b] = { int(K, 'key index'), int(specs, 'spec index'), int(), int() }
 end
 if not fault and at ~= numbers then fault = (numbers - at) .. ' arguments left over' end
 if fault then return redis.error_reply('ratelimitd: ' .. fault) end
@@ -455,9 +457,27 @@ end
 -- `tr`) until it is known to consume; a key checked twice in one request sees the earlier check's cost.
 -- Leased hits given back (fixed and sliding window), before any request is decided; state that has
 -- expired or moved on is left alone.
+-- The mark an operator's reset leaves beside a counter, in its Cluster slot: the key with its hash
+-- tag, or the key followed by itself as the tag (nil for a key without a tag that holds a brace, which
+-- is never leased).
+local function reset_mark(name)
+  local open = string.find(name, '{', 1, true)
+  if open then
+    local close = string.find(name, '}', open + 1, true)
+    if close and close > open + 1 then return name .. ':reset' end
+  end
+  if name == '' or string.find(name, '[{}]') then return nil end
+  return name .. '{' .. name .. '}:reset'
+end
+
 local dirty = {}
 for b = 1, #call.returns do
   local k, s, hits = call.returns[b][1], call.returns[b][2], call.returns[b][3]
+  if has[k] and hits > 0 then
+    local mark = reset_mark(key[k])
+    local reset_at = mark and tonumber(redis.call('GET', mark))
+    if mark == nil or (reset_at and reset_at >= call.returns[b][4]) then hits = 0 end
+  end
   if has[k] and hits > 0 then
     if alg[s] == 0 then
       s1[k] = max(s1[k] - hits, 0)

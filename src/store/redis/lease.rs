@@ -41,7 +41,7 @@ use tokio::{
 use super::script::{Grant, Return, Spec};
 use crate::{
     algorithm::{Algorithm, Params},
-    store::{Batch, Check, Outcome},
+    store::{keys, Batch, Check, Outcome},
 };
 
 /// When leases are taken and for how long.
@@ -112,6 +112,9 @@ struct Lease {
     ends_at: Instant,
     /// Hits of the last grant: half of it left asks for more.
     last_grant: u64,
+    /// The server time (ms) of the earliest grant whose hits may still be held: what is given back
+    /// says it, so that a counter reset since then takes none of it.
+    granted_ms: u64,
     /// A request on its way to Redis asks for more.
     renewing: bool,
     /// Redis refused the last ask (too little left): no new ask before then.
@@ -220,12 +223,15 @@ impl std::fmt::Debug for Leases {
 
 /// Whether a check's counter may be leased. Never one that counts over its limit: its hits must be
 /// counted in Redis even when its request is denied, which a lease answered here would not do.
+/// Nor one whose key cannot have a reset mark in its slot (see [`keys::reset_mark`]): what it gave back
+/// after a reset would go into the new counter.
 fn leasable(check: &Check) -> bool {
     matches!(
         check.params.algorithm,
         Algorithm::FixedWindow | Algorithm::SlidingWindow
     ) && !check.params.count_over_limit
         && check.bounded_cost() <= check.params.limit
+        && keys::reset_mark(check.key.as_bytes()).is_some()
 }
 
 impl Leases {
@@ -393,6 +399,7 @@ impl Leases {
                 window_ends: now,
                 ends_at: now + self.settings.lease_for,
                 last_grant: 0,
+                granted_ms: 0,
                 renewing: true,
                 ask_after: now,
                 renewed: Arc::new(Notify::new()),
@@ -461,6 +468,9 @@ impl Leases {
                 _ => Some(reset_at),
             }
             .unwrap_or(now);
+            if lease.left == 0 {
+                lease.granted_ms = grant.server_ms;
+            }
             lease.left += grant.hits;
             lease.remaining = grant.remaining;
             lease.reset_at = reset_at;
@@ -499,6 +509,7 @@ impl Leases {
                         slot: lease.slot,
                         spec: lease.spec,
                         hits: lease.left,
+                        granted_ms: lease.granted_ms,
                     },
                 });
             }
@@ -577,6 +588,7 @@ mod tests {
             hits,
             remaining: 900,
             reset_ms: 60_000,
+            server_ms: 1_000,
         };
         (0, grant, 0, [0, 1000, 3_600_000, 1000, 3600, 0, 0, 0])
     }

@@ -16,6 +16,7 @@ use super::{backend::Backend, redis_error, RedisStore};
 use crate::{
     algorithm::{Algorithm, State},
     store::{
+        keys,
         operator::{Read, RecordKeys, Records},
         Check, StoreError,
     },
@@ -24,6 +25,14 @@ use crate::{
 /// Changes the records and their generation together (its header says how).
 static RECORDS_LUA: LazyLock<fred::types::scripts::Script> =
     LazyLock::new(|| fred::types::scripts::Script::from_lua(include_str!("records.lua")));
+
+/// Clears a counter that leases may hold hits of, and leaves its reset mark (its header says how).
+static RESET_LUA: LazyLock<fred::types::scripts::Script> =
+    LazyLock::new(|| fred::types::scripts::Script::from_lua(include_str!("reset.lua")));
+
+/// How long a reset mark outlives the window of its counter: leases granted before the reset end with
+/// their window, and what they have left reaches Redis within the sweep and its call's deadline.
+const RESET_MARK_MARGIN_MS: u64 = 60_000;
 
 /// One command, by name, routed by its first argument (a key), or to any server.
 async fn command(
@@ -176,7 +185,9 @@ impl RedisStore {
         })
     }
 
-    /// Deletes each check's counter (a fixed window's current one); returns how many existed.
+    /// Deletes each check's counter (a fixed window's current one); returns how many existed. A fixed
+    /// or sliding window's counter is deleted with its reset mark set, so that hits replicas still hold
+    /// in leases of it are never given to the counter that takes its place.
     pub(crate) async fn clear(
         &self,
         checks: &[Check],
@@ -185,8 +196,26 @@ impl RedisStore {
         let now_ms = self.server_ms().await?;
         let deleted = try_join_all(checks.iter().map(|c| async move {
             let key = c.storage_key(now_ms);
-            let reply = on_key(self.backend_for(c), "DEL", &key, &[]).await?;
-            Ok::<_, StoreError>(number::<usize>(&reply).unwrap_or(0))
+            let backend = self.backend_for(c);
+            let leased = matches!(
+                c.params.algorithm,
+                Algorithm::FixedWindow | Algorithm::SlidingWindow
+            );
+            let mark = keys::reset_mark(key.as_bytes()).filter(|_| leased);
+            let Some(mark) = mark else {
+                let reply = on_key(backend, "DEL", &key, &[]).await?;
+                return Ok::<_, StoreError>(number::<usize>(&reply).unwrap_or(0));
+            };
+            let lasts = c.params.window_ms.saturating_add(RESET_MARK_MARGIN_MS);
+            let call = RESET_LUA.evalsha_with_reload::<i64, _, _>(
+                backend.pool.next_connected(),
+                vec![Key::from(key), Key::from(bytes::Bytes::from(mark))],
+                vec![Value::from(lasts.min(i64::MAX as u64) as i64)],
+            );
+            match tokio::time::timeout(backend.timeout, call).await {
+                Ok(deleted) => Ok(usize::try_from(deleted.map_err(redis_error)?).unwrap_or(0)),
+                Err(_) => Err(StoreError::Timeout(backend.timeout)),
+            }
         }))
         .await?;
         Ok(deleted.into_iter().sum())

@@ -143,6 +143,9 @@ pub struct Return {
     /// The spec of the limit that leased them.
     pub spec: Spec,
     pub hits: u64,
+    /// The server time (ms) of the earliest grant they came from: a reset of the counter since then
+    /// (its mark says when) left them out of the counter, which then takes nothing back.
+    pub granted_ms: u64,
 }
 
 /// The spec of a check whose fixed-window key was computed for `now_ms` (server time).
@@ -213,7 +216,7 @@ impl DecideCall {
                 + parts.len() * 2
                 + checks * 3
                 + wants * 2
-                + returns.len() * 3
+                + returns.len() * 4
                 + keys.distinct.len(),
         );
         let push = |args: &mut Vec<Value>, v: usize| args.push(Value::Integer(v as i64));
@@ -246,6 +249,7 @@ impl DecideCall {
             push(&mut args, keys.number(&r.key));
             push(&mut args, spec_number(&r.spec));
             args_hits(&mut args, r.hits);
+            args.push(Value::Integer(r.granted_ms.min(MAX_INTEGER) as i64));
         }
         let declared = keys.declared();
         let mut call_keys = Vec::with_capacity(declared);
@@ -383,6 +387,8 @@ pub struct Grant {
     /// The check's own answer: what was left after it (leased hits included) and its reset (ms).
     pub remaining: u64,
     pub reset_ms: u64,
+    /// The server time (ms) of the call that granted it.
+    pub server_ms: u64,
 }
 
 impl PartReply {
@@ -423,6 +429,7 @@ impl PartReply {
                             hits: 0,
                             remaining: non_negative(ints[1]),
                             reset_ms: non_negative(ints[2]),
+                            server_ms: non_negative(server_ms),
                         })
                         .collect();
                     replies.push(Self {
@@ -644,11 +651,13 @@ mod tests {
             slot: 0,
             spec: [0, 5, 60_000, 5, 2_160, 0, 0, 0],
             hits: 7,
+            granted_ms: 2_160_500,
         };
         let call = DecideCall::new(&[&part], &[back], 0, false);
         let args = ints(&call.args[..call.args.len()]);
-        // After the request: one lease wanted (check 2, 40 hits), one return (key 3, spec 3, 7 hits).
-        assert_eq!(&args[args.len() - 7..], [1, 2, 40, 1, 3, 3, 7]);
+        // After the request: one lease wanted (check 2, 40 hits), one return (key 3, spec 3, 7 hits
+        // granted at 2 160 500 ms).
+        assert_eq!(&args[args.len() - 8..], [1, 2, 40, 1, 3, 3, 7, 2_160_500]);
         assert_eq!(call.keys.len(), 3);
         // The reply: the part's two checks, then the grant.
         let reply = [5, 0, 0, 1, 4, 1000, 0, 1, 9, 2000, 0, 40];
@@ -659,7 +668,8 @@ mod tests {
                 check: 1,
                 hits: 40,
                 remaining: 9,
-                reset_ms: 2000
+                reset_ms: 2000,
+                server_ms: 5,
             }]
         );
         assert!(PartReply::parse_all(&reply[..reply.len() - 1], &[&part]).is_err());

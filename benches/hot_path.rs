@@ -101,6 +101,7 @@ fn algorithms(c: &mut Criterion) {
                         cost: 1,
                         role: Role::Enforce,
                         per_second: false,
+                        reported: false,
                     }],
                     consume_on_deny: false,
                     known_denied: false,

@@ -84,6 +84,7 @@ fn trace(seed: u64, algorithm: Algorithm, requests: usize, max_checks: usize) ->
                         cost,
                         role: roles[rng.random_range(0..4)],
                         per_second: false,
+                        reported: false,
                     }
                 })
                 .collect(),

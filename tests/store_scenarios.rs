@@ -40,6 +40,7 @@ impl Case<'_> {
             cost,
             role,
             per_second: window_secs == 1,
+            reported: false,
         }
     }
 
@@ -317,6 +318,7 @@ async fn a_bucket_that_never_refills_stays_spent(store: &Store) {
         cost: 1,
         role: Role::Enforce,
         per_second: false,
+        reported: false,
     };
     let batch = Batch {
         checks: vec![check],
@@ -478,6 +480,7 @@ async fn a_budget_is_counted_once_when_its_request_goes_again(url: String) {
         cost: 4,
         role: Role::Enforce,
         per_second: false,
+        reported: false,
     };
     let slot = |key: &str| fred::util::redis_keyslot(key.as_bytes());
     assert_ne!(slot(&fixed.storage_key(now_ms())), slot(&budget.key));

@@ -231,6 +231,7 @@ mod tests {
             cost: 1,
             role: Role::Enforce,
             per_second: false,
+            reported: false,
         };
         let batch = Batch {
             checks: vec![check(10, 20), check(1, 1), check(0, 0)],

@@ -386,6 +386,7 @@ pub(super) fn batch(request: &Request, resolved: &[Resolved<'_>], options: &Opti
                 cost,
                 role: *role,
                 per_second: applicable.unit() == Unit::Second,
+                reported: false,
             });
         }
     }

@@ -426,6 +426,7 @@ impl Quota {
                     let mut check = c.clone();
                     check.cost = charged(allowed, &check.params, covers);
                     check.role = Role::Enforce;
+                    check.reported = true;
                     check
                 })
                 .collect(),

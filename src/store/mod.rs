@@ -51,6 +51,10 @@ pub struct Check {
     pub role: Role,
     /// The limit's unit is SECOND: with a per-second Redis (`REDIS_PERSECOND`), counted there.
     pub per_second: bool,
+    /// Hits reported after they were admitted (a rate limit quota report), not a request asking: the
+    /// store counts them itself, and they never make a counter hot nor are answered from a quota lease
+    /// (whose view of what is left would be this replica's, not the store's).
+    pub reported: bool,
 }
 
 impl Check {
@@ -68,6 +72,7 @@ impl Check {
             cost,
             role,
             per_second: window_secs == 1,
+            reported: false,
         }
     }
 

@@ -222,7 +222,8 @@ impl std::fmt::Debug for Leases {
 }
 
 /// Whether a check's counter may be leased. Never one that counts over its limit: its hits must be
-/// counted in Redis even when its request is denied, which a lease answered here would not do.
+/// counted in Redis even when its request is denied, which a lease answered here would not do. Nor hits
+/// reported after the fact: they are counted in Redis, and their counter's heat is its requests'.
 /// Nor one whose key cannot have a reset mark in its slot (see [`keys::reset_mark`]): what it gave back
 /// after a reset would go into the new counter.
 fn leasable(check: &Check) -> bool {
@@ -231,6 +232,7 @@ fn leasable(check: &Check) -> bool {
         Algorithm::FixedWindow | Algorithm::SlidingWindow
     ) && !check.params.count_over_limit
         && check.bounded_cost() <= check.params.limit
+        && !check.reported
         && keys::reset_mark(check.key.as_bytes()).is_some()
 }
 
@@ -635,6 +637,29 @@ mod tests {
         let renewing = take(&leases, &batch);
         assert!(!renewing.any_local() && renewing.want[0] > 0);
         assert!(take(&leases, &batch).local[0].is_some());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn reported_hits_never_heat_a_counter_nor_spend_its_lease() {
+        let (leases, batch) = (leases(), batch(100_000, 1));
+        let mut report = batch.clone();
+        report.checks[0].reported = true;
+        report.checks[0].cost = 500;
+        // A report of 500 hits is no sign of a hot counter (500 requests in a second would be).
+        let taken = take(&leases, &report);
+        assert!(!taken.any_local() && taken.want[0] == 0);
+        warm(&leases, &batch, 1);
+        assert_eq!(take(&leases, &batch).want[0], 0, "one request: still cold");
+        // A counter its requests made hot: a report goes to Redis, and leaves the lease alone.
+        let leases = super::tests::leases();
+        warm(&leases, &batch, 9);
+        let asking = take(&leases, &batch);
+        Settling::new(&leases, &batch, &keys(), asking).finish(true, &[grant(10)]);
+        report.checks[0].cost = 1;
+        let taken = take(&leases, &report);
+        assert!(!taken.any_local() && taken.want[0] == 0);
+        Settling::new(&leases, &report, &keys(), taken).finish(true, &[]);
+        assert_eq!(leases.lock()[&keys()[0]].left, 10);
     }
 
     #[tokio::test(start_paused = true)]

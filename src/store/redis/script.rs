@@ -563,6 +563,7 @@ mod tests {
             cost: 3,
             role: Role::Quota,
             per_second: false,
+            reported: false,
         };
         Batch {
             checks: vec![

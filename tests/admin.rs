@@ -367,6 +367,16 @@ async fn runtime_limits_set_on_one_replica_apply_on_all_of_one_redis() {
     let third = start_binary(&mut cmd);
     assert!(third.serving_within(Duration::from_secs(20)));
     until_each(&[&third], "acme", 200, Duration::from_secs(3)).await;
+    // A replica that starts now (reading the store once a minute from then on) applies it from its
+    // first answer: it reads the runtime limits before it reports SERVING.
+    let mut late = binary(&files.rules());
+    on_redis(&mut late, &redis);
+    late.env("RATELIMITD_HASH_SECRET", "hash-secret-for-tests")
+        .env("RATELIMITD_RUNTIME_LIMITS__REFRESH_INTERVAL", "60s");
+    let mut late = start_binary(&mut late);
+    assert!(late.serving_within(Duration::from_secs(20)));
+    assert_eq!(ask(&late, "tenant", "acme"), 200, "applied from the start");
+    late.terminate(Duration::from_secs(10)).await;
     succeeded(&cli(
         &files,
         &url,

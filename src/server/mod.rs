@@ -145,7 +145,14 @@ pub async fn run_with_clock(
         tasks.spawn(async move { quota.maintain(stop).await });
     }
     build::register_store_metrics(&metrics, &store);
-    start_store_tasks(&settings, &deciding.stores, &health, &clock, &tasks);
+    start_store_tasks(
+        &settings,
+        &deciding.stores,
+        &deciding.limiter,
+        &health,
+        &clock,
+        &tasks,
+    );
     start_runtime_limits(&settings, &deciding.limiter, &store, &tasks);
     if settings.statsd.enabled {
         let statsd = Statsd::new(&settings.statsd, metrics.clone());
@@ -182,9 +189,13 @@ pub async fn run_with_clock(
 
 /// The background work of the stores (the configured one first): their maintenance, and waiting for the
 /// configured one to be ready, which `health` then reports.
+/// Starts each store's upkeep, and, for a store that is not ready yet (Redis connecting), waits for it
+/// and reads the runtime limits once before health says SERVING: a new replica never answers without
+/// the limits operators set (a tenant banned, or raised) while the fleet applies them.
 fn start_store_tasks(
     settings: &Settings,
     stores: &[Arc<Store>],
+    limiter: &Arc<crate::limiter::Limiter>,
     health: &Arc<Health>,
     clock: &Clock,
     tasks: &Tasks,
@@ -196,10 +207,18 @@ fn start_store_tasks(
     }
     if let Some(store) = stores.first().filter(|s| !s.is_ready()) {
         let (store, health, stop) = (store.clone(), health.clone(), tasks.stopping());
+        let limiter = limiter.clone();
         tasks.spawn(async move {
             tokio::select! {
                 _ = stop.cancelled() => {}
-                () = store.until_ready() => health.backend_ready().await,
+                () = store.until_ready() => {
+                    // A store that cannot give them (an ACL user without `+hgetall`, say) does not
+                    // keep the replica out of service: the refresh keeps trying, and says so.
+                    if let Err(err) = limiter.refresh_runtime_limits().await {
+                        tracing::warn!("serving before the runtime limits could be read: {err}");
+                    }
+                    health.backend_ready().await;
+                }
             }
         });
     }

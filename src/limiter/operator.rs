@@ -11,7 +11,7 @@
 
 use super::{
     plan::{self, Resolved, RuntimeLookup},
-    runtime::{id_of, Expiry, LimitSpec, RuntimeLimit, Table, MAX_EXPIRY_MS},
+    runtime::{id_of, Expiry, LimitSpec, RuntimeLimit, Table, MAX_EXPIRY_MS, MAX_NAME_BYTES},
     Descriptor, Entry, LimitError, Limiter, Request,
 };
 use crate::{
@@ -270,6 +270,14 @@ impl Limiter {
         }
         let descriptor = self.stored_descriptor(target);
         let id = id_of(&target.domain, &descriptor);
+        if spec.name.as_ref().is_some_and(|n| n.len() > MAX_NAME_BYTES) {
+            return Err(OperatorError::Invalid(format!(
+                "the name is longer than {MAX_NAME_BYTES} bytes"
+            )));
+        }
+        // Kept as resolved here: every replica counts it the same way, whatever its own default.
+        let mut spec = spec;
+        spec.algorithm = spec.algorithm.or(Some(self.options.default_algorithm));
         spec.compile(
             &format!("runtime limit {id}"),
             self.options.default_algorithm,
@@ -279,7 +287,13 @@ impl Limiter {
         let expires_at_ms = expiry.map(|e| expires_at(e, now_ms)).transpose()?;
         self.refresh_runtime_limits().await?;
         let table = self.runtime.current();
-        let held = table.as_deref().map_or(0, |t| t.all().len());
+        // Expired records are purged after the set: they do not count.
+        let held = table.as_deref().map_or(0, |t| {
+            t.all()
+                .iter()
+                .filter(|a| a.record.expires_at_ms.is_none_or(|at| at > now_ms))
+                .count()
+        });
         let max = self.options.runtime_limits.max_limits;
         if held >= max && table.as_deref().and_then(|t| t.get(&id)).is_none() {
             return Err(OperatorError::TooMany { max });

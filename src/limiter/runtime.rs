@@ -40,6 +40,10 @@ use crate::{
 /// keeps every expiry a time that can be added to, compared and written as RFC 3339.
 pub const MAX_EXPIRY_MS: u64 = MAX_WINDOW_SECS * 1000;
 
+/// The longest name a runtime limit may carry (answered in `current_limit.name`): every replica holds
+/// every record, and reads them all again after each change.
+pub const MAX_NAME_BYTES: usize = 256;
+
 /// When a runtime limit being set ends, as the operator wrote it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Expiry {

@@ -731,3 +731,44 @@ async fn rule_counters_held_by_the_rules_count_for_each_limiter_and_survive_a_re
     ask(&a, &r).await;
     assert_eq!(hits(&first).as_deref(), Some("3"));
 }
+
+#[tokio::test]
+async fn expired_runtime_limits_leave_room_and_records_are_bounded_and_resolved() {
+    let mut options = Options::default();
+    options.runtime_limits.max_limits = 2;
+    let l = limiter_with(options, Clock::manual(2_222_000));
+    let soon = Some(runtime::Expiry::In(std::time::Duration::from_secs(1)));
+    for tenant in ["a", "b"] {
+        l.set_runtime_limit(&target(&[("k", tenant)]), per_minute(10), soon, "test")
+            .await
+            .unwrap();
+    }
+    assert!(matches!(
+        l.set_runtime_limit(&target(&[("k", "c")]), per_minute(10), None, "test")
+            .await,
+        Err(OperatorError::TooMany { max: 2 })
+    ));
+    // Both expired: room for two again, though their records are purged only after the set.
+    l.clock.advance_millis(1_000);
+    for tenant in ["c", "d"] {
+        l.set_runtime_limit(&target(&[("k", tenant)]), per_minute(10), None, "test")
+            .await
+            .unwrap();
+    }
+    // Stored with the algorithm this replica resolved, so replicas with another default agree.
+    let listed = l.runtime_limits().await.unwrap();
+    assert_eq!(listed.len(), 2);
+    assert!(listed
+        .iter()
+        .all(|r| r.limit.algorithm == Some(crate::algorithm::Algorithm::FixedWindow)));
+    // A name is answered in every status: bounded.
+    let mut named = per_minute(10);
+    named.name = Some("n".repeat(257));
+    let refused = l
+        .set_runtime_limit(&target(&[("k", "c")]), named, None, "test")
+        .await;
+    assert!(
+        matches!(&refused, Err(OperatorError::Invalid(m)) if m.contains("256 bytes")),
+        "{refused:?}"
+    );
+}

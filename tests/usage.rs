@@ -164,9 +164,11 @@ async fn on_redis_the_debt_is_repaid_by_the_real_clock() {
         (code(&r) == Code::Ok).then(Instant::now)
     })
     .await;
+    // `spend` saw at most 500 tokens refill during the reports, so the debt is at least 1 500 tokens
+    // (1.5 s) at the fourth; the check after it, on a busy machine, may take a little of that.
     let waited = free - counted;
     assert!(
-        waited >= Duration::from_millis(1_500),
+        waited >= Duration::from_millis(1_200),
         "free after {waited:?}"
     );
     server.stop().await;

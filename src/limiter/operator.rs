@@ -89,7 +89,7 @@ pub struct Reset {
 }
 
 impl Limiter {
-    fn record_keys(&self) -> RecordKeys {
+    pub(super) fn record_keys(&self) -> RecordKeys {
         RecordKeys::new(&self.options.key_prefix)
     }
 
@@ -330,8 +330,12 @@ impl Limiter {
         Ok(())
     }
 
-    /// Deletes a runtime limit by id; returns it as it was.
-    pub async fn delete_runtime_limit(&self, id: &str) -> Result<RuntimeLimit, OperatorError> {
+    /// Deletes a runtime limit by id; returns it as it was (`None`: a record that no longer read as a
+    /// runtime limit, left out of force and logged as such, which is deleted all the same).
+    pub async fn delete_runtime_limit(
+        &self,
+        id: &str,
+    ) -> Result<Option<RuntimeLimit>, OperatorError> {
         self.refresh_runtime_limits().await?;
         let known = self
             .runtime
@@ -342,9 +346,9 @@ impl Limiter {
             .delete_records(&self.record_keys(), &[id.to_owned()])
             .await?;
         self.refresh_runtime_limits().await?;
-        match known {
-            Some(record) if deleted > 0 => Ok(record),
-            _ => Err(OperatorError::NotFound(id.to_owned())),
+        match deleted {
+            0 => Err(OperatorError::NotFound(id.to_owned())),
+            _ => Ok(known),
         }
     }
 

@@ -591,7 +591,7 @@ async fn a_runtime_limit_wins_over_the_override_which_wins_over_the_rules() {
     assert_eq!(status.current_limit.as_ref().unwrap().requests_per_unit, 3);
     // Deleted: the override, then the rules again, on the counter the runtime limit counted in.
     let id = l.runtime_limit_id(&target(&[("k", "tenant")])).unwrap();
-    l.delete_runtime_limit(&id).await.unwrap();
+    assert!(l.delete_runtime_limit(&id).await.unwrap().is_some());
     let status = &ask(&l, &req(vec![overridden(&[("k", "tenant")], 5)]))
         .await
         .statuses[0];
@@ -771,4 +771,23 @@ async fn expired_runtime_limits_leave_room_and_records_are_bounded_and_resolved(
         matches!(&refused, Err(OperatorError::Invalid(m)) if m.contains("256 bytes")),
         "{refused:?}"
     );
+}
+
+#[tokio::test]
+async fn a_record_that_no_longer_reads_is_deleted_by_its_id() {
+    let l = limiter();
+    l.shared
+        .put_record(&l.record_keys(), "0123456789abcdef", "not a runtime limit")
+        .await
+        .unwrap();
+    l.refresh_runtime_limits().await.unwrap();
+    assert!(l.runtime_limits().await.unwrap().is_empty(), "left out");
+    assert!(matches!(
+        l.delete_runtime_limit("0123456789abcdef").await,
+        Ok(None)
+    ));
+    assert!(matches!(
+        l.delete_runtime_limit("0123456789abcdef").await,
+        Err(OperatorError::NotFound(_))
+    ));
 }

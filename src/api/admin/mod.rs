@@ -602,6 +602,15 @@ async fn delete_limit(
         .delete_runtime_limit(&id)
         .await
         .map_err(|err| who.refuse("limit delete", &what, err.into()))?;
+    let Some(record) = record else {
+        // A record that no longer read as a runtime limit (it was logged when left out).
+        who.audit(
+            "limit delete",
+            &what,
+            Ok(&format!("id {id} deleted (unreadable)")),
+        );
+        return Ok(ok(json!({ "deleted": { "id": id } })));
+    };
     let what = format!(
         "{} ({})",
         shown(&record.domain, &record.descriptor),

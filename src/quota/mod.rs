@@ -333,8 +333,10 @@ impl Quota {
             .admissible
             .map_or(usage.allowed, |most| usage.allowed.min(most));
 
-        let outcomes = match self.charge(&limits, allowed, usage.covers).await {
-            Ok(outcomes) => outcomes,
+        // One deadline for the report's counters and shares: a bucket is answered within it, or not.
+        let deadline = Deadline::within(self.parts.store_wait);
+        let (outcomes, clocks) = match self.charge(&limits, allowed, usage.covers, deadline).await {
+            Ok(charged) => charged,
             Err(err) => {
                 tracing::debug!(error = %err, "rate limit quota usage not counted");
                 return self.store_failed();
@@ -347,9 +349,9 @@ impl Quota {
         let uses = limit_uses(
             &limits,
             &outcomes,
+            &clocks,
             allowed,
             usage.covers,
-            self.parts.clock.now_millis(),
             self.parts.settings.report_period,
         );
         let member = stream.track_rule(&usage.slot, &limits, &rule_stats, self);
@@ -377,7 +379,12 @@ impl Quota {
             max_members: self.parts.settings.max_envoys_per_bucket,
             members: listed,
         };
-        let reply = match self.parts.shares.share(&limits.shares_key, &call).await {
+        let shared = self
+            .parts
+            .shares
+            .share_by(&limits.shares_key, &call, Some(deadline))
+            .await;
+        let reply = match shared {
             Ok(reply) => reply,
             Err(err) => {
                 tracing::debug!(error = %err, "rate limit quota shares not recomputed");
@@ -411,13 +418,16 @@ impl Quota {
     }
 
     /// Adds `allowed` admitted hits to every counter of the rule, as `ShouldRateLimit` would have for
-    /// requests it allowed (see [`charged`]), and reads what is left.
+    /// requests it allowed (see [`charged`]), and reads what is left; with, for each counter, the time
+    /// it was read at on the store's clock (the Redis server's: fixed windows start and run on it, so
+    /// that replicas with skewed clocks see the same window).
     async fn charge(
         &self,
         limits: &BucketLimits,
         allowed: u64,
         covers: Option<Duration>,
-    ) -> Result<Vec<Outcome>, StoreError> {
+        deadline: Deadline,
+    ) -> Result<(Vec<Outcome>, Vec<u64>), StoreError> {
         let batch = Batch {
             checks: limits
                 .checks
@@ -434,9 +444,15 @@ impl Quota {
             known_denied: false,
         };
         let now = self.parts.clock.now_millis();
-        let deadline = Deadline::within(self.parts.store_wait);
-        let applied = self.parts.store.apply(&batch, now, deadline).await?;
-        Ok(applied.outcomes)
+        let store = &self.parts.store;
+        let applied = store.apply(&batch, now, deadline).await?;
+        // After the call: the store has just measured its clock against `now`.
+        let clocks = batch
+            .checks
+            .iter()
+            .map(|c| store.clock_ms(now, c.per_second))
+            .collect();
+        Ok((applied.outcomes, clocks))
     }
 
     /// The answer while the store cannot count or share, by `on_backend_error`.
@@ -464,14 +480,15 @@ impl Quota {
 }
 
 /// The rule's limits as a share call takes them: each one's rate, `limit / window`, and for a fixed
-/// window what its counter holds after this report added `added`, and how long the window has run. The
-/// pool follows from them (see [`share::pool`]).
+/// window what its counter holds after this report added `added`, and how long the window has run at
+/// `now_ms` (one time per check, on the clock its counter counts by). The pool follows from them (see
+/// [`share::pool`]).
 pub fn limit_uses(
     limits: &BucketLimits,
     outcomes: &[Outcome],
+    now_ms: &[u64],
     added: u64,
     covers: Option<Duration>,
-    now_ms: u64,
     report_period: Duration,
 ) -> Vec<LimitUse> {
     limits
@@ -479,7 +496,8 @@ pub fn limit_uses(
         .iter()
         .zip(&limits.params)
         .zip(outcomes)
-        .map(|((check, params), outcome)| {
+        .zip(now_ms)
+        .map(|(((check, params), outcome), &now_ms)| {
             let window_ms = params.window_ms.max(1);
             let rate = params.limit as f64 * 1000.0 / window_ms as f64;
             let window = (params.algorithm == Algorithm::FixedWindow)

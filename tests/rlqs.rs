@@ -344,6 +344,12 @@ async fn a_bucket_whose_rule_is_removed_is_abandoned_then_allowed() {
         Some((Strategy::BlanketRule(0), 1))
     );
     assert_eq!(s.metric("ratelimitd_rlqs_abandoned_total").await, Some(1.0));
+    // The removed rule's series leave /metrics.
+    wait_for("its series gone", Duration::from_secs(5), async || {
+        let (_, text) = s.http("GET", "/metrics", "").await;
+        (!text.contains("rule=\"generic_key_shared\"")).then_some(())
+    })
+    .await;
     s.stop().await;
 }
 
@@ -412,6 +418,10 @@ async fn bounds_leave_buckets_unanswered_and_refuse_streams_and_huge_reports() {
         .await
         .expect("an error status");
     assert_eq!(ended.code(), Code::ResourceExhausted, "{ended:?}");
+    assert_eq!(
+        ended.message(),
+        "usage report larger than 4096 bytes (rlqs.max_message_bytes)"
+    );
     // The service still answers the next stream.
     drop(stream);
     let mut next = wait_for("a stream again", Duration::from_secs(5), async || {
@@ -851,5 +861,57 @@ async fn with_the_shares_redis_down_a_report_is_answered_at_once() {
         "DENY_ALL by on_backend_error"
     );
     assert!(waited < Duration::from_secs(2), "answered after {waited:?}");
+    s.stop().await;
+}
+
+/// The quota service labels a rule as `ShouldRateLimit` does (`detailed_metric` puts the value in the
+/// label), so that both protocols' series of a rule join.
+#[tokio::test]
+async fn a_rule_is_labelled_alike_over_both_protocols() {
+    const DETAILED: &str = "domain: edge\ndescriptors:\n  - key: team\n    detailed_metric: true\n    rate_limit: {unit: minute, requests_per_unit: 600}\n";
+    let s = TestServer::start_with_clock(&[("edge.yaml", DETAILED)], Clock::System, fast).await;
+    s.wait_serving(Duration::from_secs(5)).await;
+    let mut client = s.client().await;
+    ask(
+        &mut client,
+        request("edge", vec![descriptor(&[("team", "blue")])]),
+    )
+    .await;
+    let mut stream = Raw::open(&s).await.unwrap();
+    let blue: Entries<'_> = &[("team", "blue")];
+    stream.report("edge", &[(blue, 0, 4, 0)]);
+    stream.next().await;
+    let (_, text) = s.http("GET", "/metrics", "").await;
+    let labels = "{domain=\"edge\",rule=\"team_blue\"} ";
+    for name in [
+        "ratelimit_service_rate_limit_total_hits",
+        "ratelimitd_rlqs_allowed_total",
+        "ratelimitd_rlqs_subscribers",
+    ] {
+        let want = format!("{name}{labels}");
+        assert!(
+            text.lines().any(|l| l.starts_with(&want)),
+            "{want} in:\n{text}"
+        );
+    }
+    s.stop().await;
+}
+
+/// An Envoy refused by a full bucket holds no share: it is not counted a subscriber.
+#[tokio::test]
+async fn an_envoy_refused_by_a_full_bucket_is_no_subscriber() {
+    let s = start(|s| s.rlqs.max_envoys_per_bucket = 1).await;
+    s.wait_serving(Duration::from_secs(5)).await;
+    let mut first = Raw::open(&s).await.unwrap();
+    first.report("edge", &[(SHARED, 0, 1, 0)]);
+    first.next().await;
+    let second = Raw::open(&s).await.unwrap();
+    second.report("edge", &[(SHARED, 0, 1, 0)]);
+    wait_for("the bucket full", Duration::from_secs(5), async || {
+        unanswered(&s, "bucket_full").await.filter(|n| *n >= 1.0)
+    })
+    .await;
+    let subscribers = "ratelimitd_rlqs_subscribers{domain=\"edge\",rule=\"generic_key_shared\"}";
+    assert_eq!(s.metric(subscribers).await, Some(1.0));
     s.stop().await;
 }

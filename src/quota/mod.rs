@@ -50,7 +50,7 @@ use std::{
 
 use self::{
     share::{Call, DemandUpdate, Given, LimitUse, Listed, Listing, WindowUse},
-    stats::{labels, Stats, Unanswered},
+    stats::{rule_series, Stats, Unanswered},
     stream::{BucketSlot, StreamInner, TrackedUsage},
 };
 use crate::{
@@ -195,7 +195,8 @@ impl Quota {
         ))
     }
 
-    /// Housekeeping until `stop`: forgets buckets whose members have all expired (memory store).
+    /// Housekeeping until `stop`, every report period: forgets buckets whose members have all expired
+    /// (memory store), and the series of rules the rules no longer have.
     pub async fn maintain(&self, stop: tokio_util::sync::CancellationToken) {
         let every = self
             .parts
@@ -205,7 +206,10 @@ impl Quota {
         loop {
             tokio::select! {
                 _ = stop.cancelled() => return,
-                () = tokio::time::sleep(every) => self.parts.shares.sweep(),
+                () = tokio::time::sleep(every) => {
+                    self.parts.shares.sweep();
+                    self.prune_rules();
+                }
             }
         }
     }
@@ -273,28 +277,34 @@ impl Quota {
                 vec![(Vec::new(), n as f64)]
             }),
         );
-        let rules = self.stats.rules.clone();
+        let rules = &self.stats.rules;
         metrics.gauge_fn(
             "ratelimitd_rlqs_subscribers",
-            "Envoys this replica streams to that report a bucket of the rule.",
-            Box::new(move || {
-                lock(&rules)
-                    .iter()
-                    .map(|((domain, rule), s)| (labels(domain, rule), lock(&s.live).0 as f64))
-                    .collect()
-            }),
+            "Envoys this replica streams to that report a bucket of the rule and hold a share of it.",
+            rule_series(rules, |s| lock(&s.live).0 as f64),
         );
-        let rules = self.stats.rules.clone();
         metrics.gauge_fn(
             "ratelimitd_rlqs_assigned_tokens_per_second",
             "Tokens per second assigned to the Envoys this replica streams to, by rule (sum over replicas: the fleet's).",
-            Box::new(move || {
-                lock(&rules)
-                    .iter()
-                    .map(|((domain, rule), s)| (labels(domain, rule), lock(&s.live).1.max(0.0)))
-                    .collect()
-            }),
+            rule_series(rules, |s| lock(&s.live).1.max(0.0)),
         );
+        metrics.counter_fn(
+            "ratelimitd_rlqs_allowed_total",
+            "Requests Envoys reported allowed under the rule's buckets (counted on its counters too).",
+            rule_series(rules, |s| s.allowed.load(Ordering::Relaxed) as f64),
+        );
+        metrics.counter_fn(
+            "ratelimitd_rlqs_denied_total",
+            "Requests Envoys reported denied under the rule's buckets.",
+            rule_series(rules, |s| s.denied.load(Ordering::Relaxed) as f64),
+        );
+    }
+
+    /// Drops the series of rules a rules reload removed.
+    fn prune_rules(&self) {
+        let limiter = &self.parts.limiter;
+        self.stats
+            .prune(|domain, path| limiter.has_bucket_rule(domain, path).unwrap_or(true));
     }
 
     /// Decides one bucket of a report.
@@ -324,7 +334,7 @@ impl Quota {
             }
             BucketRule::Limited(limits) => limits,
         };
-        let rule_stats = self.stats.rule(domain, &limits.rule);
+        let rule_stats = self.stats.rule(domain, &limits.rule, &limits.rule_path);
         add_saturating(&rule_stats.allowed, usage.allowed);
         add_saturating(&rule_stats.denied, usage.denied);
         // A report is charged no more than the Envoy can have admitted: a buggy or hostile stream must
@@ -354,6 +364,8 @@ impl Quota {
             usage.covers,
             self.parts.settings.report_period,
         );
+        // A bucket that never got a share is a subscriber only once the store gives it one.
+        let had_share = stream.sent_version(&usage.slot) > 0;
         let member = stream.track_rule(&usage.slot, &limits, &rule_stats, self);
         let locals = self.locals(&limits.shares_key, &member);
         let mut listed = vec![Listed {
@@ -387,6 +399,9 @@ impl Quota {
         let reply = match shared {
             Ok(reply) => reply,
             Err(err) => {
+                if !had_share {
+                    stream.forget_rule(&usage.slot, self);
+                }
                 tracing::debug!(error = %err, "rate limit quota shares not recomputed");
                 return self.store_failed();
             }
@@ -410,6 +425,8 @@ impl Quota {
                 ..
             } => stream.answer(&usage.slot, grant, target, version, self),
             Given::Full => {
+                // Not a member of the bucket: neither a subscriber nor pushed to.
+                stream.forget_rule(&usage.slot, self);
                 self.stats.unanswered(Unanswered::BucketFull);
                 None
             }
@@ -555,6 +572,8 @@ fn duration_ms(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
-fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+/// Locks `mutex`, whose data stays consistent even if a holder panicked (every critical section of the
+/// quota service leaves it whole).
+pub(crate) fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(|p| p.into_inner())
 }

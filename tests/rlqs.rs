@@ -344,6 +344,12 @@ async fn a_bucket_whose_rule_is_removed_is_abandoned_then_allowed() {
         Some((Strategy::BlanketRule(0), 1))
     );
     assert_eq!(s.metric("ratelimitd_rlqs_abandoned_total").await, Some(1.0));
+    // The removed rule's series leave /metrics.
+    wait_for("its series gone", Duration::from_secs(5), async || {
+        let (_, text) = s.http("GET", "/metrics", "").await;
+        (!text.contains("rule=\"generic_key_shared\"")).then_some(())
+    })
+    .await;
     s.stop().await;
 }
 
@@ -412,6 +418,10 @@ async fn bounds_leave_buckets_unanswered_and_refuse_streams_and_huge_reports() {
         .await
         .expect("an error status");
     assert_eq!(ended.code(), Code::ResourceExhausted, "{ended:?}");
+    assert_eq!(
+        ended.message(),
+        "usage report larger than 4096 bytes (rlqs.max_message_bytes)"
+    );
     // The service still answers the next stream.
     drop(stream);
     let mut next = wait_for("a stream again", Duration::from_secs(5), async || {
@@ -727,4 +737,181 @@ async fn with_rlqs_off_the_service_is_not_there_and_reflection_lists_it_when_on(
         "{list:?}"
     );
     on.stop().await;
+}
+
+/// The fixed window of a rule (a minute) starts and runs on the Redis server's clock, as the counters
+/// do: an Envoy on a replica whose clock is two hours ahead and one on a replica on time share one
+/// window of the bucket, and what their reports added to it is told apart from what others spent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_with_a_skewed_clock_shares_the_window_the_counters_use() {
+    let redis = common::redis::RedisProcess::start(&[]);
+    let on_redis = |url: String| {
+        move |s: &mut Settings| {
+            fast(s);
+            s.redis.url = url;
+        }
+    };
+    // The replica ahead uses a clock that stands still two hours ahead.
+    let on_time = start(on_redis(redis.addr())).await;
+    let ahead = Clock::manual(Clock::System.now_millis() + 2 * 3_600_000);
+    let skewed =
+        TestServer::start_with_clock(&[("edge.yaml", RULES)], ahead, on_redis(redis.addr())).await;
+    on_time.wait_serving(Duration::from_secs(10)).await;
+    skewed.wait_serving(Duration::from_secs(10)).await;
+    let minute_of = |redis: &common::redis::RedisProcess| {
+        let time = redis.cli(&["TIME"]);
+        let secs: u64 = time.lines().next().unwrap().trim().parse().unwrap();
+        secs / 60 * 60_000
+    };
+    // Tried again with another bucket when the minute turns during a try.
+    for attempt in 0..3 {
+        let address = format!("203.0.113.{attempt}");
+        let bucket: Entries<'_> = &[("remote_address", &address), ("path", "/login")];
+        let before = minute_of(&redis);
+        let mut a = Raw::open(&skewed).await.unwrap();
+        a.report("edge", &[(bucket, 0, 5, 0)]);
+        a.next().await;
+        // The first Envoy holds the whole pool: the second waits for its share, but its report is
+        // counted and shared all the same.
+        let b = Raw::open(&on_time).await.unwrap();
+        let waiting = unanswered(&on_time, "waiting").await.unwrap_or(0.0);
+        b.report("edge", &[(bucket, 0, 7, 0)]);
+        wait_for(
+            "the second report shared",
+            Duration::from_secs(5),
+            async || {
+                unanswered(&on_time, "waiting")
+                    .await
+                    .filter(|n| *n > waiting)
+            },
+        )
+        .await;
+        if minute_of(&redis) != before {
+            continue;
+        }
+        let keys = redis.cli(&["KEYS", &format!("*{address}*:rlqs")]);
+        let shares = keys.lines().next().expect("the bucket's shares in Redis");
+        let window = redis.cli(&["HGET", shares, "~0"]);
+        let fields: Vec<f64> = window
+            .split_whitespace()
+            .map(|f| f.parse().unwrap())
+            .collect();
+        assert_eq!(
+            fields[0], before as f64,
+            "the window starts on the Redis clock: {window:?}"
+        );
+        assert_eq!(
+            fields[1], 12.0,
+            "both Envoys' hits added to one window: {window:?}"
+        );
+        on_time.stop().await;
+        skewed.stop().await;
+        return;
+    }
+    panic!("the minute turned during every try");
+}
+
+/// With the Redis that keeps the shares down, a report is answered at once by `on_backend_error`, as a
+/// `ShouldRateLimit` call is: the shares' call goes through the store's breaker and deadline rather than
+/// waiting for the client's own timeout. (The bucket's counters are on a per-second Redis that stays
+/// up, so that only the shares' call meets the outage.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_the_shares_redis_down_a_report_is_answered_at_once() {
+    let mut main = common::redis::RedisProcess::start(&[]);
+    let per_second = common::redis::RedisProcess::start(&[]);
+    let (main_url, second_url) = (main.addr(), per_second.addr());
+    let s = start(move |s| {
+        s.redis.url = main_url;
+        // A client timeout far longer than the answer may take: a call that waited for it would show.
+        s.redis.timeout = Duration::from_secs(10);
+        s.redis_per_second = Some(ratelimitd::store::redis::RedisSettings {
+            url: second_url,
+            ..Default::default()
+        });
+        s.on_backend_error = ratelimitd::limiter::OnBackendError::Deny;
+    })
+    .await;
+    s.wait_serving(Duration::from_secs(10)).await;
+    let mut stream = Raw::open(&s).await.unwrap();
+    stream.report("edge", &[(SHARED, 0, 1, 0)]);
+    assert!(matches!(
+        actions(&stream.next().await)[&key(SHARED)],
+        Some((Strategy::TokenBucket(_), _))
+    ));
+    main.kill();
+    // `ShouldRateLimit` of a minute rule (counted on the main Redis) meets the outage: denied at once.
+    let mut client = s.client().await;
+    let minute = request(
+        "edge",
+        vec![descriptor(&[("remote_address", "a"), ("path", "/login")])],
+    );
+    wait_for("the outage seen", Duration::from_secs(5), async || {
+        let answer = ask(&mut client, minute.clone()).await;
+        (answer.overall_code == ratelimitd::proto::rate_limit_response::Code::OverLimit as i32)
+            .then_some(())
+    })
+    .await;
+    let started = std::time::Instant::now();
+    stream.report("edge", &[(SHARED, 1, 3, 0)]);
+    let got = actions(&stream.next().await);
+    let waited = started.elapsed();
+    assert_eq!(
+        got[&key(SHARED)],
+        Some((Strategy::BlanketRule(1), 1)),
+        "DENY_ALL by on_backend_error"
+    );
+    assert!(waited < Duration::from_secs(2), "answered after {waited:?}");
+    s.stop().await;
+}
+
+/// The quota service labels a rule as `ShouldRateLimit` does (`detailed_metric` puts the value in the
+/// label), so that both protocols' series of a rule join.
+#[tokio::test]
+async fn a_rule_is_labelled_alike_over_both_protocols() {
+    const DETAILED: &str = "domain: edge\ndescriptors:\n  - key: team\n    detailed_metric: true\n    rate_limit: {unit: minute, requests_per_unit: 600}\n";
+    let s = TestServer::start_with_clock(&[("edge.yaml", DETAILED)], Clock::System, fast).await;
+    s.wait_serving(Duration::from_secs(5)).await;
+    let mut client = s.client().await;
+    ask(
+        &mut client,
+        request("edge", vec![descriptor(&[("team", "blue")])]),
+    )
+    .await;
+    let mut stream = Raw::open(&s).await.unwrap();
+    let blue: Entries<'_> = &[("team", "blue")];
+    stream.report("edge", &[(blue, 0, 4, 0)]);
+    stream.next().await;
+    let (_, text) = s.http("GET", "/metrics", "").await;
+    let labels = "{domain=\"edge\",rule=\"team_blue\"} ";
+    for name in [
+        "ratelimit_service_rate_limit_total_hits",
+        "ratelimitd_rlqs_allowed_total",
+        "ratelimitd_rlqs_subscribers",
+    ] {
+        let want = format!("{name}{labels}");
+        assert!(
+            text.lines().any(|l| l.starts_with(&want)),
+            "{want} in:\n{text}"
+        );
+    }
+    s.stop().await;
+}
+
+/// An Envoy refused by a full bucket holds no share: it is not counted a subscriber.
+#[tokio::test]
+async fn an_envoy_refused_by_a_full_bucket_is_no_subscriber() {
+    let s = start(|s| s.rlqs.max_envoys_per_bucket = 1).await;
+    s.wait_serving(Duration::from_secs(5)).await;
+    let mut first = Raw::open(&s).await.unwrap();
+    first.report("edge", &[(SHARED, 0, 1, 0)]);
+    first.next().await;
+    let second = Raw::open(&s).await.unwrap();
+    second.report("edge", &[(SHARED, 0, 1, 0)]);
+    wait_for("the bucket full", Duration::from_secs(5), async || {
+        unanswered(&s, "bucket_full").await.filter(|n| *n >= 1.0)
+    })
+    .await;
+    let subscribers = "ratelimitd_rlqs_subscribers{domain=\"edge\",rule=\"generic_key_shared\"}";
+    assert_eq!(s.metric(subscribers).await, Some(1.0));
+    s.stop().await;
 }

@@ -15,7 +15,7 @@ use std::{
 
 use futures_util::Stream as FuturesStream;
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
-use tonic::{Request, Response, Status, Streaming};
+use tonic::{Code, Request, Response, Status, Streaming};
 
 use crate::{
     proto::rlqs::{
@@ -25,7 +25,7 @@ use crate::{
         BucketId, RateLimitQuotaResponse, RateLimitQuotaUsageReports, RateLimitStrategy,
         TokenBucket,
     },
-    quota::{Action, BucketAction, Quota, Report, Strategy, Usage},
+    quota::{lock, Action, BucketAction, Quota, Report, Strategy, Usage},
 };
 
 /// A stream that sends nothing for this many report periods is closed.
@@ -76,6 +76,7 @@ impl RateLimitQuotaService for RateLimitQuotaApi {
             .report_period
             .saturating_mul(IDLE_PERIODS);
         let (stop, end) = (self.stop.clone(), ending.clone());
+        let max_bytes = self.quota.settings().max_message_bytes;
         let mut inbound = request.into_inner();
         self.tasks.spawn(async move {
             let why = loop {
@@ -96,11 +97,11 @@ impl RateLimitQuotaService for RateLimitQuotaApi {
                             }
                         }
                         Ok(Ok(None)) => break None,
-                        Ok(Err(status)) => break Some(refusal(status)),
+                        Ok(Err(status)) => break Some(refusal(status, max_bytes)),
                     },
                 }
             };
-            *end.lock().unwrap_or_else(|p| p.into_inner()) = why;
+            *lock(&end) = why;
             drop(stream);
         });
         let responses = futures_util::stream::unfold(Some(actions), move |actions| {
@@ -110,7 +111,7 @@ impl RateLimitQuotaService for RateLimitQuotaApi {
                 match actions.next().await {
                     Some(list) => Some((Ok(to_wire(list)), Some(actions))),
                     None => {
-                        let why = ending.lock().unwrap_or_else(|p| p.into_inner()).take();
+                        let why = lock(&ending).take();
                         why.map(|status| (Err(status), None))
                     }
                 }
@@ -120,14 +121,17 @@ impl RateLimitQuotaService for RateLimitQuotaApi {
     }
 }
 
-/// Why reading the stream failed, as the Envoy is told: a report over `rlqs.max_message_bytes` is
-/// RESOURCE_EXHAUSTED naming the setting; anything else as tonic saw it.
-fn refusal(status: Status) -> Status {
-    match status.message().split_once("message length too large: ") {
-        Some((_, sizes)) => Status::resource_exhausted(format!(
-            "usage report too large: {sizes} (rlqs.max_message_bytes)"
-        )),
-        None => status,
+/// Why reading the stream failed, as the Envoy is told: a report over `rlqs.max_message_bytes` (which
+/// tonic's decoder refuses as OUT_OF_RANGE, or RESOURCE_EXHAUSTED once decompressed: the only statuses
+/// it ends a stream's reading with for a message's size) is RESOURCE_EXHAUSTED naming the setting;
+/// anything else as tonic saw it.
+fn refusal(status: Status, max_bytes: usize) -> Status {
+    if matches!(status.code(), Code::OutOfRange | Code::ResourceExhausted) {
+        Status::resource_exhausted(format!(
+            "usage report larger than {max_bytes} bytes (rlqs.max_message_bytes)"
+        ))
+    } else {
+        status
     }
 }
 
@@ -218,6 +222,26 @@ fn strategy_to_wire(strategy: Strategy) -> RateLimitStrategy {
 mod tests {
     use super::*;
     use crate::proto::rlqs::rate_limit_quota_usage_reports::BucketQuotaUsage;
+
+    #[test]
+    fn a_report_too_large_is_refused_by_its_code_naming_the_setting() {
+        for refused in [
+            Status::out_of_range("any text"),
+            Status::resource_exhausted("any other text"),
+        ] {
+            let told = refusal(refused, 4096);
+            assert_eq!(told.code(), Code::ResourceExhausted);
+            assert_eq!(
+                told.message(),
+                "usage report larger than 4096 bytes (rlqs.max_message_bytes)"
+            );
+        }
+        let other = refusal(Status::internal("broken frame"), 4096);
+        assert_eq!(
+            (other.code(), other.message()),
+            (Code::Internal, "broken frame")
+        );
+    }
 
     #[test]
     fn reports_read_with_sorted_buckets_and_no_negative_time() {

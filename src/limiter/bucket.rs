@@ -12,7 +12,7 @@
 
 use std::sync::Arc;
 
-use super::{plan, Descriptor, Entry, Limiter, Request};
+use super::{plan, plan::Resolved, record, Descriptor, Entry, Limiter, Request};
 use crate::{
     algorithm::Params,
     rules::{Domain, Node},
@@ -35,9 +35,11 @@ pub enum BucketRule {
 /// The limits a bucket counts against, as a `ShouldRateLimit` of its descriptor would count them.
 #[derive(Debug, Clone, PartialEq)]
 pub struct BucketLimits {
-    /// The rule's path as the `rule` metric label names it (without the domain; written values of
-    /// sensitive keys hashed).
+    /// The rule as the `rule` metric label names it, for both protocols (see `record::rule_label`).
     pub rule: Arc<str>,
+    /// The rule as written: each level's key and value (`""` for a key-only level), by which a rules
+    /// reload is seen to keep or drop it (see [`Limiter::has_bucket_rule`]).
+    pub rule_path: Arc<[(Box<str>, Box<str>)]>,
     /// Where the bucket's shares live: the descriptor's key with `:rlqs` (see [`keys::bucket_key`]).
     pub shares_key: String,
     /// One check per limit of the rule, on the counter the descriptor counts on, costing nothing; the
@@ -61,13 +63,6 @@ impl Limiter {
         let Some((entries, node)) = descriptor_of(domain_rules, bucket) else {
             return BucketRule::Unmatched;
         };
-        if node.limits.is_empty() {
-            return BucketRule::Unmatched;
-        }
-        let rule = self.rule_label(node);
-        if node.limits[0].unlimited {
-            return BucketRule::Unlimited { rule };
-        }
         let request = Request {
             domain: domain.to_owned(),
             descriptors: vec![Descriptor {
@@ -77,29 +72,43 @@ impl Limiter {
             }],
             hits_addend: 0,
         };
-        // Runtime limits are for `ShouldRateLimit` callers: a quota bucket shares its rule's limits.
-        let resolved = match plan::resolve(Some(domain_rules), &request, None) {
-            Ok(resolved) => resolved,
-            Err(_) => return BucketRule::Unmatched,
-        };
+        let descriptor = &request.descriptors[0];
+        // The rule the bucket was matched to is the one it counts on, looked up once. Runtime limits are
+        // for `ShouldRateLimit` callers: a quota bucket shares its rule's limits.
+        let mut resolved = [plan::of_rule(node)];
+        match resolved[0] {
+            Resolved::NoLimit => return BucketRule::Unmatched,
+            Resolved::Unlimited(_) => {
+                return BucketRule::Unlimited {
+                    rule: self.bucket_rule_label(domain, descriptor, node),
+                }
+            }
+            Resolved::Limited { .. } => {}
+        }
+        plan::apply_replaces(&mut resolved);
         let batch = plan::batch(&request, &resolved, &self.options);
         if batch.checks.is_empty() {
             return BucketRule::Unmatched;
         }
-        let values = plan::key_values(&request.descriptors[0], Some(node), &self.options);
+        let values = plan::key_values(descriptor, Some(node), &self.options);
         let mut shares_key = String::new();
         keys::bucket_key(
             &mut shares_key,
             &self.options.key_prefix,
             domain,
-            request.descriptors[0]
+            descriptor
                 .entries
                 .iter()
                 .zip(&values)
                 .map(|(e, v)| (e.key.as_str(), v.as_ref())),
         );
         BucketRule::Limited(BucketLimits {
-            rule,
+            rule: self.bucket_rule_label(domain, descriptor, node),
+            rule_path: node
+                .path
+                .iter()
+                .map(|step| (step.key.clone(), step.value.clone()))
+                .collect(),
             shares_key,
             params: batch.checks.iter().map(|c| c.params).collect(),
             checks: batch.checks,
@@ -107,25 +116,40 @@ impl Limiter {
         })
     }
 
-    /// The rule's path without its domain, written values of sensitive keys hashed: a label bounded by
-    /// the rules, never by what Envoys send.
-    fn rule_label(&self, node: &Node) -> Arc<str> {
-        let mut label = String::new();
-        for step in node.path.iter() {
-            if !label.is_empty() {
-                label.push('.');
-            }
-            label.push_str(&step.key);
-            if !step.value.is_empty() {
-                label.push('_');
-                label.push_str(
-                    &self
-                        .options
-                        .show(&step.key, &step.value, step.flags.hash_value),
-                );
-            }
+    /// The rule's `rule` label, as `ShouldRateLimit` labels the same descriptor (see
+    /// `record::rule_label`): request values only where the rule asks for them, and as many such
+    /// labels per rule as `ShouldRateLimit` allows, shared with it.
+    fn bucket_rule_label(&self, domain: &str, descriptor: &Descriptor, node: &Node) -> Arc<str> {
+        let label = record::rule_label(Some(node), domain, descriptor, &self.options);
+        match label.request_values_of {
+            Some(written) => Arc::from(&*self.options.metrics.rule_label_within(
+                domain,
+                &label.text,
+                written,
+                self.options.metric_values_per_rule,
+            )),
+            None => Arc::from(&*label.text),
         }
-        label.into()
+    }
+
+    /// Whether the rules being served still have, in `domain`, a rule with limits written at `path`
+    /// (each level's key and value as written, see [`BucketLimits::rule_path`]); `None` before any
+    /// rules are loaded.
+    pub fn has_bucket_rule(&self, domain: &str, path: &[(Box<str>, Box<str>)]) -> Option<bool> {
+        let rules = self.rules.snapshot()?;
+        let Some(domain) = rules.domains.get(domain) else {
+            return Some(false);
+        };
+        let mut level = &domain.root;
+        let mut found = None;
+        for (key, value) in path {
+            let Some(node) = level.node(key, value) else {
+                return Some(false);
+            };
+            level = &node.children;
+            found = Some(node);
+        }
+        Some(found.is_some_and(|node| !node.limits.is_empty()))
     }
 }
 

@@ -273,31 +273,40 @@ fn resolve_one<'a>(
     }
     Ok(match domain.find(&descriptor.entries) {
         None => Resolved::NoLimit,
-        Some(node) if node.limits.is_empty() => Resolved::NoLimit,
-        Some(node) if node.limits[0].unlimited => Resolved::Unlimited(node),
-        Some(node) => Resolved::Limited {
-            limits: node
-                .limits
-                .iter()
-                .enumerate()
-                .map(|(index, limit)| Applicable::Rule { limit, index })
-                .collect(),
-            node: Some(node),
-            role: if node.flags.shadow_mode {
-                Role::Shadow
-            } else if node.flags.quota_mode {
-                Role::Quota
-            } else {
-                Role::Enforce
-            },
-        },
+        Some(node) => of_rule(node),
     })
+}
+
+/// The limits of a descriptor that matched the rule `node`.
+pub(super) fn of_rule(node: &Node) -> Resolved<'_> {
+    if node.limits.is_empty() {
+        return Resolved::NoLimit;
+    }
+    if node.limits[0].unlimited {
+        return Resolved::Unlimited(node);
+    }
+    Resolved::Limited {
+        limits: node
+            .limits
+            .iter()
+            .enumerate()
+            .map(|(index, limit)| Applicable::Rule { limit, index })
+            .collect(),
+        node: Some(node),
+        role: if node.flags.shadow_mode {
+            Role::Shadow
+        } else if node.flags.quota_mode {
+            Role::Quota
+        } else {
+            Role::Enforce
+        },
+    }
 }
 
 /// Drops every matched limit whose name another matched limit of the same request replaces
 /// (unlimited limits replace too). Only limits of rules are replaced: not overrides (which have no name)
 /// nor runtime limits (whatever name an operator gave them).
-fn apply_replaces(resolved: &mut [Resolved<'_>]) {
+pub(super) fn apply_replaces(resolved: &mut [Resolved<'_>]) {
     let rules = || {
         resolved.iter().filter_map(|r| match r {
             Resolved::Unlimited(node)

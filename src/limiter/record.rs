@@ -229,11 +229,11 @@ impl Limiter {
 }
 
 /// The `rule` metric label of a descriptor.
-struct RuleLabel<'a> {
-    text: Cow<'a, str>,
+pub(super) struct RuleLabel<'a> {
+    pub text: Cow<'a, str>,
     /// When the label carries request values: the rule's path as written, under which the number of
     /// such labels is bounded.
-    request_values_of: Option<&'a str>,
+    pub request_values_of: Option<&'a str>,
 }
 
 impl<'a> From<&'a str> for RuleLabel<'a> {
@@ -248,8 +248,9 @@ impl<'a> From<&'a str> for RuleLabel<'a> {
 /// The `rule` metric label of a descriptor: its rule's path (`key_value.key`...), with request values only
 /// where the rule asks for them (`detailed_metric` on the matched rule, `value_to_metric` on a level
 /// matched by its key or a wildcard), sensitive values hashed. Every override is labelled `override`: its
-/// entry keys are the caller's to choose, so they never become label values.
-fn rule_label<'a>(
+/// entry keys are the caller's to choose, so they never become label values. The rate limit quota
+/// service labels its buckets' rules with it too, so that both protocols' series of a rule join.
+pub(super) fn rule_label<'a>(
     node: Option<&'a Node>,
     domain: &str,
     descriptor: &Descriptor,

@@ -50,7 +50,7 @@ use std::{
 
 use self::{
     share::{Call, DemandUpdate, Given, LimitUse, Listed, Listing, WindowUse},
-    stats::{labels, Stats, Unanswered},
+    stats::{rule_series, Stats, Unanswered},
     stream::{BucketSlot, StreamInner, TrackedUsage},
 };
 use crate::{
@@ -195,7 +195,8 @@ impl Quota {
         ))
     }
 
-    /// Housekeeping until `stop`: forgets buckets whose members have all expired (memory store).
+    /// Housekeeping until `stop`, every report period: forgets buckets whose members have all expired
+    /// (memory store), and the series of rules the rules no longer have.
     pub async fn maintain(&self, stop: tokio_util::sync::CancellationToken) {
         let every = self
             .parts
@@ -205,7 +206,10 @@ impl Quota {
         loop {
             tokio::select! {
                 _ = stop.cancelled() => return,
-                () = tokio::time::sleep(every) => self.parts.shares.sweep(),
+                () = tokio::time::sleep(every) => {
+                    self.parts.shares.sweep();
+                    self.prune_rules();
+                }
             }
         }
     }
@@ -273,28 +277,34 @@ impl Quota {
                 vec![(Vec::new(), n as f64)]
             }),
         );
-        let rules = self.stats.rules.clone();
+        let rules = &self.stats.rules;
         metrics.gauge_fn(
             "ratelimitd_rlqs_subscribers",
-            "Envoys this replica streams to that report a bucket of the rule.",
-            Box::new(move || {
-                lock(&rules)
-                    .iter()
-                    .map(|((domain, rule), s)| (labels(domain, rule), lock(&s.live).0 as f64))
-                    .collect()
-            }),
+            "Envoys this replica streams to that report a bucket of the rule and hold a share of it.",
+            rule_series(rules, |s| lock(&s.live).0 as f64),
         );
-        let rules = self.stats.rules.clone();
         metrics.gauge_fn(
             "ratelimitd_rlqs_assigned_tokens_per_second",
             "Tokens per second assigned to the Envoys this replica streams to, by rule (sum over replicas: the fleet's).",
-            Box::new(move || {
-                lock(&rules)
-                    .iter()
-                    .map(|((domain, rule), s)| (labels(domain, rule), lock(&s.live).1.max(0.0)))
-                    .collect()
-            }),
+            rule_series(rules, |s| lock(&s.live).1.max(0.0)),
         );
+        metrics.counter_fn(
+            "ratelimitd_rlqs_allowed_total",
+            "Requests Envoys reported allowed under the rule's buckets (counted on its counters too).",
+            rule_series(rules, |s| s.allowed.load(Ordering::Relaxed) as f64),
+        );
+        metrics.counter_fn(
+            "ratelimitd_rlqs_denied_total",
+            "Requests Envoys reported denied under the rule's buckets.",
+            rule_series(rules, |s| s.denied.load(Ordering::Relaxed) as f64),
+        );
+    }
+
+    /// Drops the series of rules a rules reload removed.
+    fn prune_rules(&self) {
+        let limiter = &self.parts.limiter;
+        self.stats
+            .prune(|domain, path| limiter.has_bucket_rule(domain, path).unwrap_or(true));
     }
 
     /// Decides one bucket of a report.
@@ -324,7 +334,7 @@ impl Quota {
             }
             BucketRule::Limited(limits) => limits,
         };
-        let rule_stats = self.stats.rule(domain, &limits.rule);
+        let rule_stats = self.stats.rule(domain, &limits.rule, &limits.rule_path);
         add_saturating(&rule_stats.allowed, usage.allowed);
         add_saturating(&rule_stats.denied, usage.denied);
         // A report is charged no more than the Envoy can have admitted: a buggy or hostile stream must
@@ -333,8 +343,10 @@ impl Quota {
             .admissible
             .map_or(usage.allowed, |most| usage.allowed.min(most));
 
-        let outcomes = match self.charge(&limits, allowed, usage.covers).await {
-            Ok(outcomes) => outcomes,
+        // One deadline for the report's counters and shares: a bucket is answered within it, or not.
+        let deadline = Deadline::within(self.parts.store_wait);
+        let (outcomes, clocks) = match self.charge(&limits, allowed, usage.covers, deadline).await {
+            Ok(charged) => charged,
             Err(err) => {
                 tracing::debug!(error = %err, "rate limit quota usage not counted");
                 return self.store_failed();
@@ -347,11 +359,13 @@ impl Quota {
         let uses = limit_uses(
             &limits,
             &outcomes,
+            &clocks,
             allowed,
             usage.covers,
-            self.parts.clock.now_millis(),
             self.parts.settings.report_period,
         );
+        // A bucket that never got a share is a subscriber only once the store gives it one.
+        let had_share = stream.sent_version(&usage.slot) > 0;
         let member = stream.track_rule(&usage.slot, &limits, &rule_stats, self);
         let locals = self.locals(&limits.shares_key, &member);
         let mut listed = vec![Listed {
@@ -377,9 +391,17 @@ impl Quota {
             max_members: self.parts.settings.max_envoys_per_bucket,
             members: listed,
         };
-        let reply = match self.parts.shares.share(&limits.shares_key, &call).await {
+        let shared = self
+            .parts
+            .shares
+            .share_by(&limits.shares_key, &call, Some(deadline))
+            .await;
+        let reply = match shared {
             Ok(reply) => reply,
             Err(err) => {
+                if !had_share {
+                    stream.forget_rule(&usage.slot, self);
+                }
                 tracing::debug!(error = %err, "rate limit quota shares not recomputed");
                 return self.store_failed();
             }
@@ -403,6 +425,8 @@ impl Quota {
                 ..
             } => stream.answer(&usage.slot, grant, target, version, self),
             Given::Full => {
+                // Not a member of the bucket: neither a subscriber nor pushed to.
+                stream.forget_rule(&usage.slot, self);
                 self.stats.unanswered(Unanswered::BucketFull);
                 None
             }
@@ -411,13 +435,16 @@ impl Quota {
     }
 
     /// Adds `allowed` admitted hits to every counter of the rule, as `ShouldRateLimit` would have for
-    /// requests it allowed (see [`charged`]), and reads what is left.
+    /// requests it allowed (see [`charged`]), and reads what is left; with, for each counter, the time
+    /// it was read at on the store's clock (the Redis server's: fixed windows start and run on it, so
+    /// that replicas with skewed clocks see the same window).
     async fn charge(
         &self,
         limits: &BucketLimits,
         allowed: u64,
         covers: Option<Duration>,
-    ) -> Result<Vec<Outcome>, StoreError> {
+        deadline: Deadline,
+    ) -> Result<(Vec<Outcome>, Vec<u64>), StoreError> {
         let batch = Batch {
             checks: limits
                 .checks
@@ -435,9 +462,15 @@ impl Quota {
             known_denied: false,
         };
         let now = self.parts.clock.now_millis();
-        let deadline = Deadline::within(self.parts.store_wait);
-        let applied = self.parts.store.apply(&batch, now, deadline).await?;
-        Ok(applied.outcomes)
+        let store = &self.parts.store;
+        let applied = store.apply(&batch, now, deadline).await?;
+        // After the call: the store has just measured its clock against `now`.
+        let clocks = batch
+            .checks
+            .iter()
+            .map(|c| store.clock_ms(now, c.per_second))
+            .collect();
+        Ok((applied.outcomes, clocks))
     }
 
     /// The answer while the store cannot count or share, by `on_backend_error`.
@@ -465,14 +498,15 @@ impl Quota {
 }
 
 /// The rule's limits as a share call takes them: each one's rate, `limit / window`, and for a fixed
-/// window what its counter holds after this report added `added`, and how long the window has run. The
-/// pool follows from them (see [`share::pool`]).
+/// window what its counter holds after this report added `added`, and how long the window has run at
+/// `now_ms` (one time per check, on the clock its counter counts by). The pool follows from them (see
+/// [`share::pool`]).
 pub fn limit_uses(
     limits: &BucketLimits,
     outcomes: &[Outcome],
+    now_ms: &[u64],
     added: u64,
     covers: Option<Duration>,
-    now_ms: u64,
     report_period: Duration,
 ) -> Vec<LimitUse> {
     limits
@@ -480,7 +514,8 @@ pub fn limit_uses(
         .iter()
         .zip(&limits.params)
         .zip(outcomes)
-        .map(|((check, params), outcome)| {
+        .zip(now_ms)
+        .map(|(((check, params), outcome), &now_ms)| {
             let window_ms = params.window_ms.max(1);
             let rate = params.limit as f64 * 1000.0 / window_ms as f64;
             let window = (params.algorithm == Algorithm::FixedWindow)
@@ -538,6 +573,8 @@ fn duration_ms(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
-fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+/// Locks `mutex`, whose data stays consistent even if a holder panicked (every critical section of the
+/// quota service leaves it whole).
+pub(crate) fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(|p| p.into_inner())
 }

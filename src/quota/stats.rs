@@ -1,7 +1,9 @@
 //! The quota service's metrics: per domain and rule (Envoys subscribed on this replica, the tokens per
 //! second assigned to them, the requests they reported allowed and denied), and the reports and buckets
-//! it received, abandoned or left unanswered. Rule labels come from the rules, never from what Envoys
-//! send: a bucket without a rule has no series of its own.
+//! it received, abandoned or left unanswered. A rule is labelled as `ShouldRateLimit` labels it, so that
+//! both protocols' series of a rule join: its path, with request values only where the rule asks for
+//! them and no more such labels than `ShouldRateLimit` allows; a bucket without a rule has no series of
+//! its own. A rule's series leave with the rule, at the first housekeeping after a rules reload drops it.
 
 use std::{
     collections::HashMap,
@@ -56,7 +58,6 @@ pub(super) struct Stats {
     pub abandoned: Arc<AtomicU64>,
     unanswered: HashMap<Unanswered, Arc<AtomicU64>>,
     pub rules: Arc<RuleStats>,
-    metrics: Arc<Metrics>,
 }
 
 /// The series of every rule, by domain and rule.
@@ -65,8 +66,10 @@ pub(super) type RuleStats = Mutex<HashMap<(String, String), Arc<RuleStat>>>;
 /// One rule's series.
 #[derive(Debug)]
 pub(super) struct RuleStat {
-    pub allowed: Arc<AtomicU64>,
-    pub denied: Arc<AtomicU64>,
+    /// The rule as written (see `BucketLimits::rule_path`): the series go when the rules drop it.
+    pub rule_path: Arc<[(Box<str>, Box<str>)]>,
+    pub allowed: AtomicU64,
+    pub denied: AtomicU64,
     /// Buckets of this replica's streams under the rule, and the tokens per second sent to them.
     pub live: Mutex<(i64, f64)>,
 }
@@ -116,7 +119,6 @@ impl Stats {
             ),
             unanswered,
             rules: Arc::default(),
-            metrics: metrics.clone(),
         }
     }
 
@@ -127,24 +129,45 @@ impl Stats {
     }
 
     /// The series of a rule (bounded by the rules: a domain and rule exist in them).
-    pub fn rule(&self, domain: &str, rule: &str) -> Arc<RuleStat> {
+    pub fn rule(
+        &self,
+        domain: &str,
+        rule: &str,
+        rule_path: &Arc<[(Box<str>, Box<str>)]>,
+    ) -> Arc<RuleStat> {
         let key = (domain.to_owned(), rule.to_owned());
-        if let Some(stat) = lock(&self.rules).get(&key) {
-            return stat.clone();
-        }
-        let stat = Arc::new(RuleStat {
-            allowed: self.metrics.counter(
-                "ratelimitd_rlqs_allowed_total",
-                "Requests Envoys reported allowed under the rule's buckets (counted on its counters too).",
-                labels(domain, rule),
-            ),
-            denied: self.metrics.counter(
-                "ratelimitd_rlqs_denied_total",
-                "Requests Envoys reported denied under the rule's buckets.",
-                labels(domain, rule),
-            ),
-            live: Mutex::new((0, 0.0)),
-        });
-        lock(&self.rules).entry(key).or_insert(stat).clone()
+        lock(&self.rules)
+            .entry(key)
+            .or_insert_with(|| {
+                Arc::new(RuleStat {
+                    rule_path: rule_path.clone(),
+                    allowed: AtomicU64::new(0),
+                    denied: AtomicU64::new(0),
+                    live: Mutex::new((0, 0.0)),
+                })
+            })
+            .clone()
     }
+
+    /// Drops the series of every rule `kept` says the rules no longer have (Envoys still reporting
+    /// one of its buckets are told to abandon it at their next report).
+    pub fn prune(&self, kept: impl Fn(&str, &[(Box<str>, Box<str>)]) -> bool) {
+        lock(&self.rules).retain(|(domain, _), stat| kept(domain, &stat.rule_path));
+    }
+}
+
+/// The per-rule series of one metric, read at scrape time.
+pub(super) fn rule_series(
+    rules: &Arc<RuleStats>,
+    read: impl Fn(&RuleStat) -> f64 + Send + Sync + 'static,
+) -> crate::telemetry::metrics::Reading {
+    let rules = Arc::downgrade(rules);
+    Box::new(move || {
+        rules.upgrade().map_or_else(Vec::new, |rules| {
+            lock(&rules)
+                .iter()
+                .map(|((domain, rule), s)| (labels(domain, rule), read(s)))
+                .collect()
+        })
+    })
 }

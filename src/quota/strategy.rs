@@ -1,18 +1,23 @@
 //! A grant (tokens per second) as the strategy an Envoy enforces, written for how Envoy's filter reads
 //! it.
 //!
-//! Envoy refills its token bucket continuously at `tokens_per_fill / fill_interval` tokens per second
-//! (the interval read in whole seconds: under a second divides by zero), starts a new bucket full, and
-//! takes a bucket for unchanged, keeping its tokens, when `max_tokens` and `tokens_per_fill` are equal
-//! and the interval's *nanoseconds* are: it does not compare the interval's seconds. So:
+//! What is known of Envoy's filter: it reads the fill interval in whole seconds, adds `tokens_per_fill`
+//! every `fill_interval`, starts a bucket it did not hold full, and keeps the tokens of one it is sent
+//! again identical. So:
 //! - `tokens_per_fill` is always sent, and the interval is whole seconds, from 1 s up to an hour, the
 //!   shortest that carries at least 16 tokens a fill, so the rate is exact to within about a sixteenth
 //!   where it can be; it is rounded down, never up.
 //! - `max_tokens` is `burst` seconds of the grant (at least one token): what a new bucket may admit at
 //!   once, beyond its rate. That is what each changed assignment can cost beyond the limit, so the burst
 //!   is short: a tenth of a report period, from 100 ms to a second.
-//! - When only the interval would change, `max_tokens` moves by one, so that Envoy does take the new
-//!   rate.
+//!
+//!   Not settled: the burst is then below `tokens_per_fill` (1 token and 16 per 54 s for 0.3 a second).
+//!   That enforces the grant only if Envoy refills continuously, at `tokens_per_fill / fill_interval` a
+//!   second; a bucket filled in steps of `tokens_per_fill` and capped at `max_tokens` would enforce
+//!   `max_tokens` per interval, less than the grant. The fleet simulator of the tests refills
+//!   continuously, so no test tells the two apart.
+//! - When only the interval would change, `max_tokens` moves by one, so that the new assignment differs
+//!   in more than the interval and is not taken for the one Envoy holds.
 
 /// An Envoy's token bucket.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -122,8 +127,8 @@ mod tests {
 
     #[test]
     fn a_change_envoy_would_miss_moves_max_tokens() {
-        // 16 tokens per 32 s and per 64 s differ only in the interval's seconds, which Envoy does not
-        // compare: the second one carries one more token of burst, so Envoy takes it.
+        // 16 tokens per 32 s and per 64 s differ only in the interval: the second one carries one more
+        // token of burst, so that it differs in max_tokens too.
         let before = for_grant(0.5, 1.0, None);
         let after = bucket(for_grant(0.25, 1.0, Some(&before)));
         assert_eq!(bucket(before).tokens_per_fill, after.tokens_per_fill);

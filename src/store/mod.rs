@@ -302,6 +302,18 @@ impl Store {
     }
 }
 
+impl Store {
+    /// The time on the clock the store counts a check by, at local time `local_ms`: the Redis server's
+    /// (as this replica last measured it, see [`RedisStore::clock_ms`]), this process's otherwise.
+    /// Fixed windows start and run on it.
+    pub fn clock_ms(&self, local_ms: u64, per_second: bool) -> u64 {
+        match self {
+            Store::Redis(store) => store.clock_ms(local_ms, per_second),
+            Store::Memory(_) | Store::Noop => local_ms,
+        }
+    }
+}
+
 /// Every call goes to the configured store; the noop store keeps the in-process defaults.
 impl CounterStore for Store {
     async fn apply(

@@ -6,6 +6,7 @@
 //! This module imports nothing of the service: callers pass plain names and numbers.
 
 use std::{
+    borrow::Cow,
     collections::{BTreeMap, HashMap},
     fmt::Write,
     sync::{
@@ -84,7 +85,7 @@ impl Histogram {
 }
 
 /// A value read when metrics are rendered (gauges and counters kept elsewhere).
-type Reading = Box<dyn Fn() -> Vec<(Labels, f64)> + Send + Sync>;
+pub type Reading = Box<dyn Fn() -> Vec<(Labels, f64)> + Send + Sync>;
 
 struct Family {
     help: &'static str,
@@ -254,29 +255,55 @@ impl Metrics {
         written: &str,
         max: usize,
     ) -> Arc<RuleCounters> {
-        if let Some(c) = self
-            .rules
+        if let Some(c) = self.existing_rule(domain, label) {
+            return c;
+        }
+        self.rule(domain, &self.admit_label(domain, label, written, max))
+    }
+
+    /// The label [`Metrics::rule_within`] counts a rule label made of request values under: `label`
+    /// while it is admitted (its counters then exist), else `<written> (other values)`. Every series
+    /// about a rule labels it so, whichever protocol counted it.
+    pub fn rule_label_within<'a>(
+        &self,
+        domain: &str,
+        label: &'a str,
+        written: &str,
+        max: usize,
+    ) -> Cow<'a, str> {
+        if self.existing_rule(domain, label).is_some() {
+            return Cow::Borrowed(label);
+        }
+        let admitted = self.admit_label(domain, label, written, max);
+        self.rule(domain, &admitted);
+        admitted
+    }
+
+    fn existing_rule(&self, domain: &str, label: &str) -> Option<Arc<RuleCounters>> {
+        self.rules
             .read()
             .unwrap_or_else(|p| p.into_inner())
             .get(domain)
             .and_then(|rules| rules.get(label))
-        {
-            return c.clone();
-        }
-        let admitted = {
-            let mut counts = self.value_labels.lock().unwrap_or_else(|p| p.into_inner());
-            let count = counts.entry((domain.into(), written.into())).or_insert(0);
-            if *count < max {
-                *count += 1;
-                true
-            } else {
-                false
-            }
-        };
-        if admitted {
-            self.rule(domain, label)
+            .cloned()
+    }
+
+    /// A label not seen yet: itself while `written` has fewer than `max` labels, else the one for
+    /// the rest.
+    fn admit_label<'a>(
+        &self,
+        domain: &str,
+        label: &'a str,
+        written: &str,
+        max: usize,
+    ) -> Cow<'a, str> {
+        let mut counts = self.value_labels.lock().unwrap_or_else(|p| p.into_inner());
+        let count = counts.entry((domain.into(), written.into())).or_insert(0);
+        if *count < max {
+            *count += 1;
+            Cow::Borrowed(label)
         } else {
-            self.rule(domain, &format!("{written} (other values)"))
+            Cow::Owned(format!("{written} (other values)"))
         }
     }
 

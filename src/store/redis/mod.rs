@@ -24,8 +24,8 @@
 //! Beside this file: `script` (the calling contract of `decide.lua` and `refund.lua`), `coalesce`,
 //! `lease`, `backend` (one Redis deployment and its connections), `node` (one server's health and
 //! waiting for it), `config` (the client configuration for the settings), `options` (the settings
-//! themselves), `tls`, and `operator` (the operators' API: counters read and cleared, runtime limit
-//! records).
+//! themselves), `tls`, `operator` (the operators' API: counters read and cleared, runtime limit
+//! records), and `share` (the rate limit quota service's buckets, `share.lua`).
 
 mod backend;
 mod coalesce;
@@ -35,6 +35,7 @@ mod node;
 mod operator;
 mod options;
 mod script;
+mod share;
 mod tls;
 
 pub use lease::LeaseStats;
@@ -133,10 +134,19 @@ impl RedisStore {
         }))
     }
 
-    /// The connections of the main deployment, for state kept beside the counters (the rate limit
-    /// quota service's buckets).
-    pub fn pool(&self) -> &Pool {
-        &self.main.pool
+    /// The time on the clock a check counts by (the server's, of the Redis it counts on), as this
+    /// replica estimates it at local time `local_ms`: exact for the moment of the latest answer.
+    pub fn clock_ms(&self, local_ms: u64, per_second: bool) -> u64 {
+        let offset = self
+            .backend(self.backend_of(per_second))
+            .clock_offset_ms
+            .load(Ordering::Relaxed);
+        u64::try_from(
+            i64::try_from(local_ms)
+                .unwrap_or(i64::MAX)
+                .saturating_add(offset),
+        )
+        .unwrap_or(0)
     }
 
     fn backends(&self) -> impl Iterator<Item = &Arc<Backend>> {

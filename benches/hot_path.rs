@@ -158,9 +158,7 @@ fn end_to_end(c: &mut Criterion) {
 /// of a registry holding 1 000 rules (read the registry, write the lines of what changed), which the
 /// flush task pays once per `STATS_FLUSH_INTERVAL`, off the request path.
 fn statsd(c: &mut Criterion) {
-    use std::sync::atomic::Ordering;
-
-    use ratelimitd::telemetry::{statsd::Statsd, Metrics, StatsdSettings};
+    use ratelimitd::telemetry::{metrics::RuleCounter, statsd::Statsd, Metrics, StatsdSettings};
     let metrics = Metrics::new();
     let time = metrics.histogram(
         "ratelimit_service_response_time_seconds",
@@ -179,8 +177,8 @@ fn statsd(c: &mut Criterion) {
     c.bench_function("statsd/one flush of 1000 changed rules", |b| {
         b.iter(|| {
             for rule in &rules {
-                rule.total_hits.fetch_add(3, Ordering::Relaxed);
-                rule.within_limit.fetch_add(3, Ordering::Relaxed);
+                rule.add(RuleCounter::TotalHits, 3);
+                rule.add(RuleCounter::WithinLimit, 3);
             }
             let due = statsd.due();
             assert_eq!(due.lines.len(), 2000);

@@ -11,6 +11,12 @@ use ratelimitd::{
 };
 use tokio_util::sync::CancellationToken;
 
+/// mimalloc instead of the system allocator: a request allocates and frees a few dozen small blocks
+/// (futures, buffers, tonic's and hyper's frames), and mimalloc's per-thread free lists take less CPU
+/// for them (BENCHMARKS.md, "The allocator").
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// Exit code for a wrong setting (EX_USAGE), as linkerd and sysexits use it.
 const EXIT_BAD_SETTINGS: u8 = 64;
 

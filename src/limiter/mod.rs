@@ -300,7 +300,7 @@ impl Limiter {
         let rules = self.rules.current();
         let runtime = self.runtime.load();
         let resolved = self.resolve(request, &rules, &runtime)?;
-        let batch = plan::batch(request, &resolved, &self.options);
+        let batch = plan::recycled_batch(request, &resolved, &self.options);
 
         // The checks the local deny cache answered, for their metrics.
         let mut from_cache: Small<bool> = smallvec![false; batch.checks.len()];

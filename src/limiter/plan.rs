@@ -352,8 +352,101 @@ pub(super) fn hits(request: &Request, descriptor: &Descriptor) -> u64 {
 /// One check per limit of every limited descriptor, in order, each on the counter its limit keeps for the
 /// descriptor's values.
 pub(super) fn batch(request: &Request, resolved: &[Resolved<'_>], options: &Options) -> Batch {
+    build(
+        request,
+        resolved,
+        options,
+        Vec::with_capacity(resolved.len()),
+        String::new,
+    )
+}
+
+/// The batch of a request as [`batch`] makes it, in vectors and key strings that requests before it
+/// left on this thread (see [`Recycled`]): once a thread has decided a few requests, planning one
+/// allocates nothing.
+pub(super) fn recycled_batch(
+    request: &Request,
+    resolved: &[Resolved<'_>],
+    options: &Options,
+) -> Recycled {
+    let batch = SPARES
+        .try_with(|spares| {
+            let mut spares = spares.try_borrow_mut().ok()?;
+            let mut checks = spares.checks.pop().unwrap_or_default();
+            checks.reserve(resolved.len());
+            let keys = &mut spares.keys;
+            Some(build(request, resolved, options, checks, || {
+                keys.pop().unwrap_or_default()
+            }))
+        })
+        .ok()
+        .flatten()
+        .unwrap_or_else(|| batch(request, resolved, options));
+    Recycled(batch)
+}
+
+/// What a thread keeps of dropped batches for the next ones, at most: vectors (one per request in
+/// flight on the thread, up to this many), key strings, the capacity of one key string kept and that
+/// of one vector (in checks).
+const SPARE_VECTORS: usize = 8;
+const SPARE_KEYS: usize = 32;
+const SPARE_CHECKS: usize = 64;
+const SPARE_KEY_BYTES: usize = 512;
+
+/// Emptied check vectors and cleared key strings of dropped batches.
+#[derive(Default)]
+struct Spares {
+    checks: Vec<Vec<Check>>,
+    keys: Vec<String>,
+}
+
+thread_local! {
+    static SPARES: std::cell::RefCell<Spares> = std::cell::RefCell::default();
+}
+
+/// A request's batch, which leaves its vector and key strings to the batches planned next on the thread
+/// that drops it.
+pub(super) struct Recycled(Batch);
+
+impl std::ops::Deref for Recycled {
+    type Target = Batch;
+
+    fn deref(&self) -> &Batch {
+        &self.0
+    }
+}
+
+impl Drop for Recycled {
+    fn drop(&mut self) {
+        let mut checks = std::mem::take(&mut self.0.checks);
+        let _ = SPARES.try_with(|spares| {
+            let Ok(mut spares) = spares.try_borrow_mut() else {
+                return;
+            };
+            for check in checks.drain(..) {
+                let mut key = check.key;
+                if spares.keys.len() < SPARE_KEYS && key.capacity() <= SPARE_KEY_BYTES {
+                    key.clear();
+                    spares.keys.push(key);
+                }
+            }
+            if spares.checks.len() < SPARE_VECTORS && checks.capacity() <= SPARE_CHECKS {
+                spares.checks.push(checks);
+            }
+        });
+    }
+}
+
+/// The checks of a request's limits, in `checks` (empty), each key a string from `new_key` (empty).
+fn build(
+    request: &Request,
+    resolved: &[Resolved<'_>],
+    options: &Options,
+    checks: Vec<Check>,
+    mut new_key: impl FnMut() -> String,
+) -> Batch {
     let mut batch = Batch {
-        checks: Vec::with_capacity(resolved.len()),
+        checks,
         consume_on_deny: options.consume_on_deny,
         known_denied: false,
     };
@@ -375,7 +468,8 @@ pub(super) fn batch(request: &Request, resolved: &[Resolved<'_>], options: &Opti
             + 48;
         for applicable in limits {
             let params = applicable.params();
-            let mut key = String::with_capacity(key_len);
+            let mut key = new_key();
+            key.reserve(key_len);
             keys::limit_key(
                 &mut key,
                 &options.key_prefix,

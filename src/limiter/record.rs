@@ -3,14 +3,7 @@
 //!
 //! Offender names are built in one buffer per thread, reused from request to request.
 
-use std::{
-    borrow::Cow,
-    sync::{
-        atomic::{AtomicU64, Ordering},
-        Arc,
-    },
-    time::Duration,
-};
+use std::{borrow::Cow, sync::Arc, time::Duration};
 
 use super::{
     plan, status::Verdict, Code, Descriptor, LimitError, Limiter, Options, Request, Response,
@@ -19,7 +12,7 @@ use crate::{
     rules::Node,
     store::Role,
     telemetry::{
-        metrics::{HeldCounters, Histogram, RuleCounters},
+        metrics::{HeldCounters, Histogram, RuleCounter, RuleCounters, StripedCounter},
         Metrics,
     },
 };
@@ -35,15 +28,15 @@ pub(super) struct Series {
     /// Whose counters the rules hold ([`HeldCounters`]): this limiter's, under its way of naming rules.
     owner: u64,
     check_duration: Arc<Histogram>,
-    requests_ok: Arc<AtomicU64>,
-    requests_over_limit: Arc<AtomicU64>,
-    requests_error: Arc<AtomicU64>,
+    requests_ok: Arc<StripedCounter>,
+    requests_over_limit: Arc<StripedCounter>,
+    requests_error: Arc<StripedCounter>,
 }
 
 impl Series {
     pub(super) fn new(metrics: &Metrics) -> Self {
         let requests = |result: &str| {
-            metrics.counter(
+            metrics.striped_counter(
                 "ratelimitd_requests_total",
                 "ShouldRateLimit requests, by answer.",
                 vec![("result", result.to_string())],
@@ -87,7 +80,7 @@ impl Limiter {
                 &self.series.requests_error
             }
         };
-        requests.fetch_add(1, Ordering::Relaxed);
+        requests.add(1);
     }
 
     /// Records a request for a domain no rules file declares (no domain label: request domains are not
@@ -194,29 +187,27 @@ impl Limiter {
         hits: u64,
         consumed: bool,
     ) {
-        let add = |c: &AtomicU64, n: u64| {
-            c.fetch_add(n, Ordering::Relaxed);
-        };
+        let add = |c: RuleCounter, n: u64| counters.add(c, n);
         let outcome = &verdict.outcome;
-        add(&counters.total_hits, hits);
+        add(RuleCounter::TotalHits, hits);
         if !outcome.allowed {
-            add(&counters.over_limit, hits);
-            add(&counters.exceeded, 1);
+            add(RuleCounter::OverLimit, hits);
+            add(RuleCounter::Exceeded, 1);
             if verdict.role == Role::Shadow {
-                add(&counters.shadow_mode, hits);
+                add(RuleCounter::ShadowMode, hits);
             }
             if verdict.from_cache {
-                add(&counters.over_limit_with_local_cache, hits);
+                add(RuleCounter::OverLimitWithLocalCache, hits);
             }
         } else if consumed {
-            add(&counters.within_limit, hits);
+            add(RuleCounter::WithinLimit, hits);
             let limit = verdict.limit;
             let after = limit.saturating_sub(outcome.remaining);
             let before = after.saturating_sub(hits);
             let threshold = (limit as f64 * self.options.near_limit_ratio).floor() as u64;
             if after > threshold {
                 add(
-                    &counters.near_limit,
+                    RuleCounter::NearLimit,
                     if before >= threshold {
                         hits
                     } else {

@@ -4,13 +4,17 @@
 //! Labels are bounded by the rules: a rule label is a rule's path, never a raw request value unless the
 //! rule asks for it (`detailed_metric`, `value_to_metric`), and sensitive values arrive here hashed.
 //! This module imports nothing of the service: callers pass plain names and numbers.
+//!
+//! The series every request updates (histograms, per-rule counters, [`StripedCounter`]) are striped:
+//! each thread adds to its own stripe, on its own cache lines, and rendering sums the stripes. Threads on
+//! different cores then never write one line, which a shared atomic makes them do on every request.
 
 use std::{
     borrow::Cow,
     collections::{BTreeMap, HashMap},
     fmt::Write,
     sync::{
-        atomic::{AtomicU64, Ordering},
+        atomic::{AtomicU64, AtomicUsize, Ordering},
         Arc, OnceLock, RwLock,
     },
     time::Duration,
@@ -24,17 +28,73 @@ pub const LATENCY_BUCKETS: &[f64] = &[
 /// A series' labels, in the order they are rendered.
 pub type Labels = Vec<(&'static str, String)>;
 
-/// A histogram with fixed buckets, which also keeps the sum of each bucket's observations, so that a
-/// statsd timer can be told each bucket's mean.
+/// How many stripes a hot series has. Threads take stripes in turn as they first add to one, so up to
+/// this many threads (a runtime's workers, one per core) each write their own.
+const STRIPES: usize = 8;
+
+/// One stripe's values, alone on its cache lines (128 bytes: x86 fetches lines in pairs).
 #[derive(Debug)]
-pub struct Histogram {
-    buckets: Vec<AtomicU64>,
-    /// Sum of each bucket's observations, in nanoseconds.
-    bucket_sums_ns: Vec<AtomicU64>,
-    count: AtomicU64,
-    /// Sum in nanoseconds.
-    sum_ns: AtomicU64,
+#[repr(align(128))]
+struct Line<const N: usize>([AtomicU64; N]);
+
+/// `N` values kept in [`STRIPES`] stripes.
+#[derive(Debug)]
+struct Striped<const N: usize>([Line<N>; STRIPES]);
+
+impl<const N: usize> Default for Striped<N> {
+    fn default() -> Self {
+        Self(std::array::from_fn(|_| {
+            Line(std::array::from_fn(|_| AtomicU64::new(0)))
+        }))
+    }
 }
+
+impl<const N: usize> Striped<N> {
+    /// The values of the calling thread's stripe.
+    fn mine(&self) -> &[AtomicU64; N] {
+        static NEXT: AtomicUsize = AtomicUsize::new(0);
+        thread_local! {
+            static STRIPE: usize = NEXT.fetch_add(1, Ordering::Relaxed) % STRIPES;
+        }
+        &self.0[STRIPE.with(|s| *s)].0
+    }
+
+    fn add(&self, i: usize, by: u64) {
+        self.mine()[i].fetch_add(by, Ordering::Relaxed);
+    }
+
+    /// Value `i` summed over the stripes.
+    fn sum(&self, i: usize) -> u64 {
+        self.0.iter().fold(0u64, |sum, line| {
+            sum.wrapping_add(line.0[i].load(Ordering::Relaxed))
+        })
+    }
+}
+
+/// A counter of the request path, striped (see the module's comment).
+#[derive(Debug, Default)]
+pub struct StripedCounter(Striped<1>);
+
+impl StripedCounter {
+    pub fn add(&self, by: u64) {
+        self.0.add(0, by);
+    }
+
+    /// The count now.
+    pub fn get(&self) -> u64 {
+        self.0.sum(0)
+    }
+}
+
+/// How many values a histogram's stripe has: a count and a sum per bucket, the last bucket past the
+/// last bound.
+const HISTOGRAM_VALUES: usize = 2 * (LATENCY_BUCKETS.len() + 1);
+
+/// A histogram with fixed buckets, which also keeps the sum of each bucket's observations, so that a
+/// statsd timer can be told each bucket's mean. Its count and sum are those of the buckets, so they
+/// always agree with them; striped (see the module's comment).
+#[derive(Debug)]
+pub struct Histogram(Striped<HISTOGRAM_VALUES>);
 
 /// What a [`Histogram`] holds at one moment: per bucket, then past the last bound, how many
 /// observations and their sum in nanoseconds.
@@ -45,41 +105,27 @@ pub struct HistogramSnapshot {
 
 impl Histogram {
     fn new() -> Self {
-        let zeros = || LATENCY_BUCKETS.iter().map(|_| AtomicU64::new(0)).collect();
-        Self {
-            buckets: zeros(),
-            bucket_sums_ns: zeros(),
-            count: AtomicU64::new(0),
-            sum_ns: AtomicU64::new(0),
-        }
+        Self(Striped::default())
     }
 
     pub fn observe(&self, d: Duration) {
         let secs = d.as_secs_f64();
         let nanos = u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
-        if let Some(i) = LATENCY_BUCKETS.iter().position(|b| secs <= *b) {
-            self.buckets[i].fetch_add(1, Ordering::Relaxed);
-            self.bucket_sums_ns[i].fetch_add(nanos, Ordering::Relaxed);
-        }
-        self.count.fetch_add(1, Ordering::Relaxed);
-        self.sum_ns.fetch_add(nanos, Ordering::Relaxed);
+        let i = LATENCY_BUCKETS
+            .iter()
+            .position(|b| secs <= *b)
+            .unwrap_or(LATENCY_BUCKETS.len());
+        let mine = self.0.mine();
+        mine[2 * i].fetch_add(1, Ordering::Relaxed);
+        mine[2 * i + 1].fetch_add(nanos, Ordering::Relaxed);
     }
 
     /// The counts and sums now. Read while observations go on, a bucket's count and sum may be one
     /// observation apart.
     pub fn snapshot(&self) -> HistogramSnapshot {
-        let mut buckets: Vec<(u64, u64)> = self
-            .buckets
-            .iter()
-            .zip(&self.bucket_sums_ns)
-            .map(|(n, sum)| (n.load(Ordering::Relaxed), sum.load(Ordering::Relaxed)))
+        let buckets = (0..=LATENCY_BUCKETS.len())
+            .map(|i| (self.0.sum(2 * i), self.0.sum(2 * i + 1)))
             .collect();
-        let (within, within_sum) = buckets.iter().fold((0u64, 0u64), |(n, s), (bn, bs)| {
-            (n + bn, s.saturating_add(*bs))
-        });
-        let count = self.count.load(Ordering::Relaxed);
-        let sum = self.sum_ns.load(Ordering::Relaxed);
-        buckets.push((count.saturating_sub(within), sum.saturating_sub(within_sum)));
         HistogramSnapshot { buckets }
     }
 }
@@ -91,21 +137,38 @@ struct Family {
     help: &'static str,
     kind: &'static str,
     counters: RwLock<BTreeMap<Labels, Arc<AtomicU64>>>,
+    striped: RwLock<BTreeMap<Labels, Arc<StripedCounter>>>,
     histograms: RwLock<BTreeMap<Labels, Arc<Histogram>>>,
     readings: Vec<Reading>,
 }
 
-/// The reference service's per-rule counters of one `(domain, rule)`, updated without any lookup once held.
-#[derive(Debug, Default)]
-pub struct RuleCounters {
-    pub total_hits: AtomicU64,
-    pub within_limit: AtomicU64,
-    pub near_limit: AtomicU64,
-    pub over_limit: AtomicU64,
-    pub shadow_mode: AtomicU64,
-    pub over_limit_with_local_cache: AtomicU64,
+/// One of a rule's counters in [`RuleCounters`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RuleCounter {
+    TotalHits,
+    WithinLimit,
+    NearLimit,
+    OverLimit,
+    ShadowMode,
+    OverLimitWithLocalCache,
     /// Descriptors (not hits) found over the limit: `rate_limit_exceeded_total`.
-    pub exceeded: AtomicU64,
+    Exceeded,
+}
+
+/// The reference service's per-rule counters of one `(domain, rule)`, updated without any lookup once
+/// held; striped (see the module's comment).
+#[derive(Debug, Default)]
+pub struct RuleCounters(Striped<7>);
+
+impl RuleCounters {
+    pub fn add(&self, counter: RuleCounter, by: u64) {
+        self.0.add(counter as usize, by);
+    }
+
+    /// One counter now.
+    pub fn get(&self, counter: RuleCounter) -> u64 {
+        self.0.sum(counter as usize)
+    }
 }
 
 /// A rule's counters, held beside the rule once found (the rules tree keeps one per rule), so that
@@ -135,45 +198,42 @@ impl HeldCounters {
     }
 }
 
-/// Reads one counter of a [`RuleCounters`].
-type RuleField = fn(&RuleCounters) -> &AtomicU64;
-
 /// Names and help of the per-rule families, in the order they are rendered.
-const RULE_FAMILIES: &[(&str, &str, RuleField)] = &[
+const RULE_FAMILIES: &[(&str, &str, RuleCounter)] = &[
     (
         "ratelimit_service_rate_limit_total_hits",
         "Hits asked of each rule.",
-        |c| &c.total_hits,
+        RuleCounter::TotalHits,
     ),
     (
         "ratelimit_service_rate_limit_within_limit",
         "Hits within each rule's limit.",
-        |c| &c.within_limit,
+        RuleCounter::WithinLimit,
     ),
     (
         "ratelimit_service_rate_limit_near_limit",
         "Hits within the limit but above near_limit_ratio of it.",
-        |c| &c.near_limit,
+        RuleCounter::NearLimit,
     ),
     (
         "ratelimit_service_rate_limit_over_limit",
         "Hits over each rule's limit.",
-        |c| &c.over_limit,
+        RuleCounter::OverLimit,
     ),
     (
         "ratelimit_service_rate_limit_shadow_mode",
         "Hits over the limit of a shadow-mode rule (answered OK).",
-        |c| &c.shadow_mode,
+        RuleCounter::ShadowMode,
     ),
     (
         "ratelimit_service_rate_limit_over_limit_with_local_cache",
         "Hits answered over the limit from the local deny cache, without asking the store.",
-        |c| &c.over_limit_with_local_cache,
+        RuleCounter::OverLimitWithLocalCache,
     ),
     (
         "rate_limit_exceeded_total",
         "Descriptors found over their rule's limit.",
-        |c| &c.exceeded,
+        RuleCounter::Exceeded,
     ),
 ];
 
@@ -239,6 +299,7 @@ impl Metrics {
             help,
             kind,
             counters: RwLock::new(BTreeMap::new()),
+            striped: RwLock::new(BTreeMap::new()),
             histograms: RwLock::new(BTreeMap::new()),
             readings: Vec::new(),
         });
@@ -343,6 +404,22 @@ impl Metrics {
         }
     }
 
+    /// A counter series of the request path (striped, see the module's comment), to add to without any
+    /// lookup; it is exported from now on, at 0 until used.
+    pub fn striped_counter(
+        &self,
+        name: &'static str,
+        help: &'static str,
+        labels: Labels,
+    ) -> Arc<StripedCounter> {
+        self.family(name, help, "counter");
+        let families = self.families.read().unwrap_or_else(|p| p.into_inner());
+        match families.get(name) {
+            Some(family) => series(&family.striped, labels, Arc::default),
+            None => Arc::default(),
+        }
+    }
+
     /// A histogram series to observe without any lookup.
     pub fn histogram(
         &self,
@@ -398,11 +475,11 @@ impl Metrics {
                 })
                 .collect();
             sorted.sort_by(|a, b| (a.0, a.1).cmp(&(b.0, b.1)));
-            for (name, help, field) in RULE_FAMILIES {
+            for (name, help, counter) in RULE_FAMILIES {
                 let _ = writeln!(out, "# HELP {name} {help}");
                 let _ = writeln!(out, "# TYPE {name} counter");
                 for (domain, rule, counters) in &sorted {
-                    let value = field(counters).load(Ordering::Relaxed);
+                    let value = counters.get(*counter);
                     if value > 0 {
                         let labels = [("domain", domain.to_string()), ("rule", rule.to_string())];
                         let _ = writeln!(out, "{name}{} {value}", render_labels(&labels, None));
@@ -414,18 +491,8 @@ impl Metrics {
         for (name, family) in families.iter() {
             let _ = writeln!(out, "# HELP {name} {}", family.help);
             let _ = writeln!(out, "# TYPE {name} {}", family.kind);
-            for (labels, value) in family
-                .counters
-                .read()
-                .unwrap_or_else(|p| p.into_inner())
-                .iter()
-            {
-                let _ = writeln!(
-                    out,
-                    "{name}{} {}",
-                    render_labels(labels, None),
-                    value.load(Ordering::Relaxed)
-                );
+            for (labels, value) in family.counted() {
+                let _ = writeln!(out, "{name}{} {value}", render_labels(&labels, None));
             }
             for read in &family.readings {
                 for (labels, value) in read() {
@@ -438,9 +505,10 @@ impl Metrics {
                 .unwrap_or_else(|p| p.into_inner())
                 .iter()
             {
-                let mut cumulative = 0;
-                for (bound, bucket) in LATENCY_BUCKETS.iter().zip(&h.buckets) {
-                    cumulative += bucket.load(Ordering::Relaxed);
+                let buckets = h.snapshot().buckets;
+                let mut cumulative = 0u64;
+                for (bound, (n, _)) in LATENCY_BUCKETS.iter().zip(&buckets) {
+                    cumulative = cumulative.wrapping_add(*n);
                     let le = bound.to_string();
                     let _ = writeln!(
                         out,
@@ -448,13 +516,15 @@ impl Metrics {
                         render_labels(labels, Some(&le))
                     );
                 }
-                let count = h.count.load(Ordering::Relaxed);
+                let (count, sum_ns) = buckets.iter().fold((0u64, 0u64), |(n, s), (bn, bs)| {
+                    (n.wrapping_add(*bn), s.wrapping_add(*bs))
+                });
                 let _ = writeln!(
                     out,
                     "{name}_bucket{} {count}",
                     render_labels(labels, Some("+Inf"))
                 );
-                let sum = h.sum_ns.load(Ordering::Relaxed) as f64 / 1e9;
+                let sum = sum_ns as f64 / 1e9;
                 let _ = writeln!(out, "{name}_sum{} {sum}", render_labels(labels, None));
                 let _ = writeln!(out, "{name}_count{} {count}", render_labels(labels, None));
             }
@@ -480,14 +550,14 @@ impl RuleCounters {
 
     fn totals(&self) -> RuleTotals {
         [
-            &self.total_hits,
-            &self.over_limit,
-            &self.near_limit,
-            &self.within_limit,
-            &self.shadow_mode,
-            &self.over_limit_with_local_cache,
+            RuleCounter::TotalHits,
+            RuleCounter::OverLimit,
+            RuleCounter::NearLimit,
+            RuleCounter::WithinLimit,
+            RuleCounter::ShadowMode,
+            RuleCounter::OverLimitWithLocalCache,
         ]
-        .map(|c| c.load(Ordering::Relaxed))
+        .map(|c| self.get(c))
     }
 }
 
@@ -508,13 +578,7 @@ impl Metrics {
         let Some(family) = families.get(name) else {
             return Vec::new();
         };
-        let counted = family
-            .counters
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .iter()
-            .map(|(labels, value)| (labels.clone(), value.load(Ordering::Relaxed)))
-            .collect::<Vec<_>>();
+        let counted = family.counted();
         let read = family
             .readings
             .iter()
@@ -534,6 +598,29 @@ impl Metrics {
             .iter()
             .map(|(labels, h)| (labels.clone(), h.snapshot()))
             .collect()
+    }
+}
+
+impl Family {
+    /// The family's counter series now (plain and striped), in the order of their labels.
+    fn counted(&self) -> Vec<(Labels, u64)> {
+        let mut counted: Vec<(Labels, u64)> = self
+            .counters
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .map(|(labels, value)| (labels.clone(), value.load(Ordering::Relaxed)))
+            .collect();
+        let striped = self.striped.read().unwrap_or_else(|p| p.into_inner());
+        if !striped.is_empty() {
+            counted.extend(
+                striped
+                    .iter()
+                    .map(|(labels, value)| (labels.clone(), value.get())),
+            );
+            counted.sort_by(|a, b| a.0.cmp(&b.0));
+        }
+        counted
     }
 }
 
@@ -638,5 +725,73 @@ mod tests {
         );
         assert_eq!(buckets.iter().map(|b| b.0).sum::<u64>(), 4);
         assert_eq!(m.histogram_values("t_seconds")[0].1.buckets, buckets);
+    }
+
+    #[test]
+    fn increments_from_many_threads_at_once_sum_exactly() {
+        // More threads than stripes, so that some share one.
+        const THREADS: u64 = 2 * STRIPES as u64 + 3;
+        const EACH: u64 = 5_000;
+        let m = Metrics::new();
+        let requests = m.striped_counter("r_total", "R.", vec![("result", "ok".to_string())]);
+        let h = m.histogram("t_seconds", "T.", vec![]);
+        let rule = m.rule("d", "key_value");
+        std::thread::scope(|scope| {
+            for t in 0..THREADS {
+                let (requests, h, rule) = (&requests, &h, &rule);
+                scope.spawn(move || {
+                    for _ in 0..EACH {
+                        requests.add(1);
+                        rule.add(RuleCounter::TotalHits, 2);
+                        rule.add(RuleCounter::WithinLimit, 1);
+                        // Half the threads in the first bucket, half past the last bound.
+                        h.observe(Duration::from_micros(if t % 2 == 0 {
+                            50
+                        } else {
+                            2_000_000
+                        }));
+                    }
+                });
+            }
+        });
+        let n = THREADS * EACH;
+        let text = m.render();
+        assert!(
+            text.contains(&format!("r_total{{result=\"ok\"}} {n}\n")),
+            "{text}"
+        );
+        assert!(
+            text.contains(&format!(
+                "ratelimit_service_rate_limit_total_hits{{domain=\"d\",rule=\"key_value\"}} {}\n",
+                2 * n
+            )),
+            "{text}"
+        );
+        assert!(
+            text.contains(&format!(
+                "ratelimit_service_rate_limit_within_limit{{domain=\"d\",rule=\"key_value\"}} {n}\n"
+            )),
+            "{text}"
+        );
+        let first = THREADS.div_ceil(2) * EACH;
+        assert!(
+            text.contains(&format!("t_seconds_bucket{{le=\"0.0001\"}} {first}\n")),
+            "{text}"
+        );
+        assert!(
+            text.contains(&format!("t_seconds_bucket{{le=\"1\"}} {first}\n")),
+            "{text}"
+        );
+        assert!(
+            text.contains(&format!("t_seconds_bucket{{le=\"+Inf\"}} {n}\n")),
+            "{text}"
+        );
+        assert!(text.contains(&format!("t_seconds_count {n}\n")), "{text}");
+        let sum_ns = first * 50_000 + (n - first) * 2_000_000_000;
+        assert!(
+            text.contains(&format!("t_seconds_sum {}\n", sum_ns as f64 / 1e9)),
+            "{text}"
+        );
+        assert_eq!(m.counter_values("r_total")[0].1, n);
     }
 }

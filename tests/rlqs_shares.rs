@@ -186,7 +186,10 @@ async fn members_expire_on_the_servers_clock_and_their_grant_goes_back() {
     let Given::Share { grant, .. } = b.given[0] else {
         panic!("{b:?}")
     };
-    assert_eq!(grant, 0.0, "a holds the whole pool");
+    assert_eq!(
+        grant, 3.125,
+        "a holds all but the reserve: b gets half of it"
+    );
     tokio::time::sleep(Duration::from_millis(400)).await;
     let b = shares
         .share(key, &report("b", 500.0, 60_000))
@@ -194,10 +197,11 @@ async fn members_expire_on_the_servers_clock_and_their_grant_goes_back() {
         .unwrap();
     assert_eq!(b.members, 1, "a expired");
     assert!(
-        matches!(b.given[0], Given::Share { grant, .. } if grant == 100.0),
+        matches!(b.given[0], Given::Share { grant, .. } if grant == 93.75),
         "{b:?}"
     );
     // The key expires with its last member.
     let ttl: i64 = redis.cli(&["PTTL", key]).parse().unwrap();
     assert!(ttl > 50_000 && ttl <= 60_000, "{ttl}");
 }
+

@@ -205,3 +205,51 @@ async fn members_expire_on_the_servers_clock_and_their_grant_goes_back() {
     assert!(ttl > 50_000 && ttl <= 60_000, "{ttl}");
 }
 
+/// A report in a bucket of a thousand members writes what changed, not the thousand: the members listed
+/// for a push whose grant stays are not written again (`HSET` calls counted by the server itself).
+#[tokio::test]
+async fn a_call_writes_only_the_members_whose_fields_changed() {
+    let redis = RedisProcess::start(&[]);
+    let shares = redis_shares(&redis).await;
+    let key = "{large}:rlqs";
+    let listed = |id: usize, demand: DemandUpdate, listing: Listing| Listed {
+        id: format!("m{id:04}"),
+        demand,
+        listing,
+        sent_version: 0,
+    };
+    let call = |members: Vec<Listed>| Call {
+        limits: vec![LimitUse {
+            rate: 10_000.0,
+            window: None,
+        }],
+        counts_for_ms: 600_000,
+        max_members: 2_000,
+        members,
+    };
+    for id in 0..1_000 {
+        let report = call(vec![listed(id, DemandUpdate::Rate(5.0), Listing::Reported)]);
+        shares.share(key, &report).await.unwrap();
+    }
+    // Everyone listed: the ones below their share go up; then it is stable.
+    let everyone = || {
+        let mut members = vec![listed(0, DemandUpdate::Rate(5.0), Listing::Reported)];
+        members.extend((1..1_000).map(|id| listed(id, DemandUpdate::Keep, Listing::Pushed)));
+        call(members)
+    };
+    shares.share(key, &everyone()).await.unwrap();
+    redis.cli(&["CONFIG", "RESETSTAT"]);
+    let reply = shares.share(key, &everyone()).await.unwrap();
+    assert_eq!(reply.members, 1_000);
+    let changed = reply
+        .given
+        .iter()
+        .filter(|g| matches!(g, Given::Share { changed: true, .. }))
+        .count();
+    let info = redis.cli(&["INFO", "commandstats"]);
+    let writes = common::redis::command_calls(&info, "hset");
+    eprintln!("a call listing 1 000 members of 1 000: {changed} grants changed, {writes} HSET");
+    // The reporter (its version and expiry move at every answer) and the ones whose grant changed.
+    assert_eq!(writes, 1 + changed as u64, "{info}");
+    assert!(changed < 10, "{changed} grants changed");
+}

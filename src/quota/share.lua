@@ -19,6 +19,9 @@
 -- Returns   { members, granted, pool, then one per listed member: "full" | "gone" |
 --           "<grant> <target> <changed 0|1> <version>" } (numbers as text: Redis would cut a Lua number
 --           to an integer)
+-- Writes: the listed members whose fields changed (a reporter always, a pushed member whose grant
+-- changed), the windows, the key's expiry; expired members are deleted. Nothing else, so that a call
+-- that lists few members of a large bucket writes little.
 -- Time is the server's (TIME), so that replicas with skewed clocks expire members alike.
 
 local t = redis.call('TIME')
@@ -50,7 +53,8 @@ for i = 1, #raw, 2 do
     if d ~= '-' then
       demand = tonumber(d)
     end
-    members[raw[i]] = { demand, tonumber(g), tonumber(e), tonumber(v) }
+    -- The stored text too: a member whose fields did not change is not written again.
+    members[raw[i]] = { demand, tonumber(g), tonumber(e), tonumber(v), raw[i + 1] }
     count = count + 1
   else
     expired[#expired + 1] = raw[i]
@@ -251,7 +255,10 @@ for _, l in ipairs(listed) do
     if m[1] then
       demand = num(m[1])
     end
-    redis.call('HSET', KEYS[1], l[1], demand .. ' ' .. num(m[2]) .. ' ' .. num(m[3]) .. ' ' .. num(m[4]))
+    local record = demand .. ' ' .. num(m[2]) .. ' ' .. num(m[3]) .. ' ' .. num(m[4])
+    if record ~= m[5] then
+      redis.call('HSET', KEYS[1], l[1], record)
+    end
     local flag = '0'
     if changed then
       flag = '1'

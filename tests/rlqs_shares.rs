@@ -253,3 +253,75 @@ async fn a_call_writes_only_the_members_whose_fields_changed() {
     assert_eq!(writes, 1 + changed as u64, "{info}");
     assert!(changed < 10, "{changed} grants changed");
 }
+
+/// Expiry alike with time moving: members expire between calls, on the Redis server's clock for the
+/// script and on a clock set to it before each call for the memory store. Calls are spaced by whole
+/// tenths of a second and assignments count for a quarter of one second more, so that no call falls
+/// within milliseconds of an expiry.
+#[tokio::test]
+async fn the_script_and_the_memory_store_expire_members_alike() {
+    let redis = RedisProcess::start(&[]);
+    let shares = redis_shares(&redis).await;
+    let server_ms = || {
+        let time = redis.cli(&["TIME"]);
+        let mut parts = time.split_whitespace().map(|p| p.parse::<u64>().unwrap());
+        let (secs, micros) = (parts.next().unwrap(), parts.next().unwrap());
+        secs * 1_000 + micros / 1_000
+    };
+    let clock = Clock::manual(server_ms());
+    let memory = Shares::Memory(MemoryShares::new(clock.clone()));
+    let key = "{moving}:rlqs";
+    // (reporter, demand, pushed, tenths of a second to wait before the call)
+    let table: &[(usize, Option<f64>, &[usize], u64)] = &[
+        (0, None, &[], 0),
+        (1, Some(80.0), &[0], 1),
+        (2, Some(300.0), &[0, 1], 1),
+        (0, Some(20.0), &[1, 2], 1),
+        // 0.3 s on, everyone has expired: 3 is alone, and the push to 0 finds it gone.
+        (3, None, &[0], 3),
+        (0, Some(40.0), &[3], 1),
+        (1, Some(500.0), &[0, 3], 2),
+        // 0 (counted 0.3 s before) expires, 1 (0.2 s) does not.
+        (2, Some(10.0), &[1], 2),
+        (1, Some(500.0), &[2], 1),
+        (4, None, &[1, 2], 5),
+    ];
+    for (i, (reporter, demand, pushed, wait)) in table.iter().enumerate() {
+        tokio::time::sleep(Duration::from_millis(100 * wait)).await;
+        let mut members = vec![Listed {
+            id: format!("m{reporter}"),
+            demand: match demand {
+                Some(rate) => DemandUpdate::Rate(*rate),
+                None => DemandUpdate::Unknown,
+            },
+            listing: Listing::Reported,
+            sent_version: 0,
+        }];
+        members.extend(pushed.iter().map(|p| Listed {
+            id: format!("m{p}"),
+            demand: DemandUpdate::Keep,
+            listing: Listing::Pushed,
+            sent_version: 0,
+        }));
+        let call = Call {
+            limits: vec![LimitUse {
+                rate: 100.0,
+                window: None,
+            }],
+            counts_for_ms: 250,
+            max_members: 10,
+            members,
+        };
+        let now = server_ms();
+        clock.advance_millis(now.saturating_sub(clock.now_millis()));
+        let m = memory.share(key, &call).await.unwrap();
+        let r = shares.share(key, &call).await.unwrap();
+        if let Err(e) = same(&m, &r) {
+            panic!("step {i}: {e}");
+        }
+        if i == 4 {
+            assert_eq!(m.members, 1, "step {i}: the others expired: {m:?}");
+            assert_eq!(m.given[1], Given::Gone, "{m:?}");
+        }
+    }
+}

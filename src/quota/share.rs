@@ -682,6 +682,59 @@ mod tests {
     }
 
     proptest! {
+        /// A pool that shrinks (others spending more of a window, a limit lowered): the grants never add
+        /// up to more than the largest pool they were granted from, and once every member has reported
+        /// again with its demand unchanged, not to more than the pool.
+        #[test]
+        fn grants_follow_a_shrinking_pool(
+            steps in proptest::collection::vec(
+                (0usize..5, 0.0f64..500.0, prop::bool::weighted(0.15), 0.5f64..1.0, prop::bool::ANY, 0u64..1_500),
+                1..80,
+            ),
+            first in 10.0f64..1_000.0,
+        ) {
+            let mut m = Bucket::default();
+            let (mut now, mut pool) = (0, first);
+            let mut demands: BTreeMap<String, f64> = BTreeMap::new();
+            let call = |pool: f64, members: Vec<(String, DemandUpdate, Listing)>| Call {
+                limits: vec![LimitUse { rate: pool, window: None }],
+                counts_for_ms: 5_000,
+                max_members: 10,
+                members: members
+                    .into_iter()
+                    .map(|(id, demand, listing)| Listed { id, demand, listing, sent_version: 0 })
+                    .collect(),
+            };
+            let live_sum = |m: &Bucket, now: u64| -> f64 {
+                m.members.values().filter(|x| x.expires_ms > now).map(|x| x.grant).sum()
+            };
+            for (who, rate, shrink, factor, push_all, dt) in steps {
+                now += dt;
+                if shrink {
+                    pool *= factor;
+                }
+                let id = format!("m{who}");
+                demands.insert(id.clone(), rate);
+                let mut members = vec![(id, Rate(rate), Reported)];
+                if push_all {
+                    for other in (0..5).filter(|o| *o != who) {
+                        members.push((format!("m{other}"), Keep, Pushed));
+                    }
+                }
+                apply(&mut m, now, &call(pool, members));
+                let sum = live_sum(&m, now);
+                prop_assert!(sum <= first * (1.0 + 1e-12), "{sum} > {first}");
+            }
+            // Every member reports once more, as it did last: the targets hold still meanwhile.
+            let ids: Vec<String> = m.members.keys().cloned().collect();
+            for id in ids {
+                let rate = demands[&id];
+                apply(&mut m, now, &call(pool, vec![(id, Rate(rate), Reported)]));
+            }
+            let sum = live_sum(&m, now);
+            prop_assert!(sum <= pool * (1.0 + 1e-12), "{sum} > {pool} once all reported");
+        }
+
         /// Whatever the reports, pushes, expiries and pool changes, the grants never add up to more than
         /// the largest pool of the calls that set them.
         #[test]

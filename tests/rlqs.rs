@@ -46,6 +46,10 @@ fn fast(s: &mut Settings) {
     s.rlqs.assignment_ttl = Duration::from_secs(1);
 }
 
+/// Longer than a tenth of the report period: a report sooner than that after the last one of its bucket
+/// is merged into the next.
+const APART: Duration = Duration::from_millis(50);
+
 async fn start(tweak: impl FnOnce(&mut Settings)) -> TestServer {
     TestServer::start_with_clock(&[("edge.yaml", RULES)], Clock::System, |s| {
         fast(s);
@@ -205,6 +209,34 @@ async fn a_subscription_is_answered_at_once_with_a_token_bucket_envoy_can_read()
     s.stop().await;
 }
 
+/// A report that comes much sooner than a report period after the last one of its bucket costs the
+/// store nothing: it is answered with the same assignment, and its requests are counted with the next
+/// report, which covers the time since the last counted one.
+#[tokio::test]
+async fn a_report_that_comes_too_soon_is_merged_into_the_next() {
+    let s = start(|_| {}).await;
+    s.wait_serving(Duration::from_secs(5)).await;
+    let mut stream = Raw::open(&s).await.unwrap();
+    stream.report("edge", &[(SHARED, 0, 1, 0)]);
+    let first = actions(&stream.next().await)[&key(SHARED)];
+    let allowed = || async {
+        let (_, text) = s.http("GET", "/metrics", "").await;
+        let want = "ratelimitd_rlqs_allowed_total{domain=\"edge\",rule=\"generic_key_shared\"} ";
+        text.lines()
+            .find_map(|l| l.strip_prefix(want)?.trim().parse::<f64>().ok())
+    };
+    // At once after the subscription: the same token bucket again, nothing counted yet.
+    stream.report("edge", &[(SHARED, 0, 30, 0)]);
+    assert_eq!(actions(&stream.next().await)[&key(SHARED)], first);
+    assert_eq!(allowed().await, Some(1.0));
+    // A report a report period later counts both.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    stream.report("edge", &[(SHARED, 0, 10, 0)]);
+    stream.next().await;
+    assert_eq!(allowed().await, Some(41.0));
+    s.stop().await;
+}
+
 #[tokio::test]
 async fn unlimited_unmatched_and_zero_limits_get_blanket_rules() {
     let s = start(|_| {}).await;
@@ -331,6 +363,7 @@ async fn a_bucket_whose_rule_is_removed_is_abandoned_then_allowed() {
         (!text.contains("generic_key_shared")).then_some(())
     })
     .await;
+    tokio::time::sleep(APART).await;
     stream.report("edge", &[(SHARED, 1, 5, 0)]);
     assert_eq!(
         actions(&stream.next().await)[&key(SHARED)],
@@ -449,6 +482,7 @@ async fn a_report_of_more_than_the_envoy_could_admit_is_not_charged_in_full() {
         Some((Strategy::TokenBucket(_), _))
     ));
     for _ in 0..2 {
+        tokio::time::sleep(APART).await;
         stream.report("edge", &[(login, 1, u64::MAX, u64::MAX)]);
         stream.next().await;
     }
@@ -578,12 +612,14 @@ async fn a_bucket_whose_shares_redis_lost_is_answered_on_its_next_report() {
     stream.next().await;
     // Nothing allowed: the counter stays empty, so the pool stays whole once the shares are gone.
     for _ in 0..4 {
+        tokio::time::sleep(APART).await;
         stream.report("edge", &[(SHARED, 1, 0, 0)]);
         stream.next().await;
     }
     let keys = redis.cli(&["KEYS", "*:rlqs"]);
     let shares = keys.lines().next().expect("the bucket's shares in Redis");
     assert_eq!(redis.cli(&["DEL", shares]).trim(), "1");
+    tokio::time::sleep(APART).await;
     stream.report("edge", &[(SHARED, 1, 0, 0)]);
     let got = actions(&stream.next().await);
     assert!(
@@ -675,6 +711,7 @@ async fn metrics_by_domain_and_rule_show_subscribers_assignments_and_usage() {
     let mut stream = Raw::open(&s).await.unwrap();
     stream.report("edge", &[(SHARED, 0, 1, 0)]);
     stream.next().await;
+    tokio::time::sleep(APART).await;
     stream.report("edge", &[(SHARED, 0, 30, 7)]);
     stream.next().await;
     let (_, text) = s.http("GET", "/metrics", "").await;

@@ -186,7 +186,10 @@ async fn members_expire_on_the_servers_clock_and_their_grant_goes_back() {
     let Given::Share { grant, .. } = b.given[0] else {
         panic!("{b:?}")
     };
-    assert_eq!(grant, 0.0, "a holds the whole pool");
+    assert_eq!(
+        grant, 3.125,
+        "a holds all but the reserve: b gets half of it"
+    );
     tokio::time::sleep(Duration::from_millis(400)).await;
     let b = shares
         .share(key, &report("b", 500.0, 60_000))
@@ -194,10 +197,131 @@ async fn members_expire_on_the_servers_clock_and_their_grant_goes_back() {
         .unwrap();
     assert_eq!(b.members, 1, "a expired");
     assert!(
-        matches!(b.given[0], Given::Share { grant, .. } if grant == 100.0),
+        matches!(b.given[0], Given::Share { grant, .. } if grant == 93.75),
         "{b:?}"
     );
     // The key expires with its last member.
     let ttl: i64 = redis.cli(&["PTTL", key]).parse().unwrap();
     assert!(ttl > 50_000 && ttl <= 60_000, "{ttl}");
+}
+
+/// A report in a bucket of a thousand members writes what changed, not the thousand: the members listed
+/// for a push whose grant stays are not written again (`HSET` calls counted by the server itself).
+#[tokio::test]
+async fn a_call_writes_only_the_members_whose_fields_changed() {
+    let redis = RedisProcess::start(&[]);
+    let shares = redis_shares(&redis).await;
+    let key = "{large}:rlqs";
+    let listed = |id: usize, demand: DemandUpdate, listing: Listing| Listed {
+        id: format!("m{id:04}"),
+        demand,
+        listing,
+        sent_version: 0,
+    };
+    let call = |members: Vec<Listed>| Call {
+        limits: vec![LimitUse {
+            rate: 10_000.0,
+            window: None,
+        }],
+        counts_for_ms: 600_000,
+        max_members: 2_000,
+        members,
+    };
+    for id in 0..1_000 {
+        let report = call(vec![listed(id, DemandUpdate::Rate(5.0), Listing::Reported)]);
+        shares.share(key, &report).await.unwrap();
+    }
+    // Everyone listed: the ones below their share go up; then it is stable.
+    let everyone = || {
+        let mut members = vec![listed(0, DemandUpdate::Rate(5.0), Listing::Reported)];
+        members.extend((1..1_000).map(|id| listed(id, DemandUpdate::Keep, Listing::Pushed)));
+        call(members)
+    };
+    shares.share(key, &everyone()).await.unwrap();
+    redis.cli(&["CONFIG", "RESETSTAT"]);
+    let reply = shares.share(key, &everyone()).await.unwrap();
+    assert_eq!(reply.members, 1_000);
+    let changed = reply
+        .given
+        .iter()
+        .filter(|g| matches!(g, Given::Share { changed: true, .. }))
+        .count();
+    let info = redis.cli(&["INFO", "commandstats"]);
+    let writes = common::redis::command_calls(&info, "hset");
+    eprintln!("a call listing 1 000 members of 1 000: {changed} grants changed, {writes} HSET");
+    // The reporter (its version and expiry move at every answer) and the ones whose grant changed.
+    assert_eq!(writes, 1 + changed as u64, "{info}");
+    assert!(changed < 10, "{changed} grants changed");
+}
+
+/// Expiry alike with time moving: members expire between calls, on the Redis server's clock for the
+/// script and on a clock set to it before each call for the memory store. Calls are spaced by whole
+/// tenths of a second and assignments count for a quarter of one second more, so that no call falls
+/// within milliseconds of an expiry.
+#[tokio::test]
+async fn the_script_and_the_memory_store_expire_members_alike() {
+    let redis = RedisProcess::start(&[]);
+    let shares = redis_shares(&redis).await;
+    let server_ms = || {
+        let time = redis.cli(&["TIME"]);
+        let mut parts = time.split_whitespace().map(|p| p.parse::<u64>().unwrap());
+        let (secs, micros) = (parts.next().unwrap(), parts.next().unwrap());
+        secs * 1_000 + micros / 1_000
+    };
+    let clock = Clock::manual(server_ms());
+    let memory = Shares::Memory(MemoryShares::new(clock.clone()));
+    let key = "{moving}:rlqs";
+    // (reporter, demand, pushed, tenths of a second to wait before the call)
+    let table: &[(usize, Option<f64>, &[usize], u64)] = &[
+        (0, None, &[], 0),
+        (1, Some(80.0), &[0], 1),
+        (2, Some(300.0), &[0, 1], 1),
+        (0, Some(20.0), &[1, 2], 1),
+        // 0.3 s on, everyone has expired: 3 is alone, and the push to 0 finds it gone.
+        (3, None, &[0], 3),
+        (0, Some(40.0), &[3], 1),
+        (1, Some(500.0), &[0, 3], 2),
+        // 0 (counted 0.3 s before) expires, 1 (0.2 s) does not.
+        (2, Some(10.0), &[1], 2),
+        (1, Some(500.0), &[2], 1),
+        (4, None, &[1, 2], 5),
+    ];
+    for (i, (reporter, demand, pushed, wait)) in table.iter().enumerate() {
+        tokio::time::sleep(Duration::from_millis(100 * wait)).await;
+        let mut members = vec![Listed {
+            id: format!("m{reporter}"),
+            demand: match demand {
+                Some(rate) => DemandUpdate::Rate(*rate),
+                None => DemandUpdate::Unknown,
+            },
+            listing: Listing::Reported,
+            sent_version: 0,
+        }];
+        members.extend(pushed.iter().map(|p| Listed {
+            id: format!("m{p}"),
+            demand: DemandUpdate::Keep,
+            listing: Listing::Pushed,
+            sent_version: 0,
+        }));
+        let call = Call {
+            limits: vec![LimitUse {
+                rate: 100.0,
+                window: None,
+            }],
+            counts_for_ms: 250,
+            max_members: 10,
+            members,
+        };
+        let now = server_ms();
+        clock.advance_millis(now.saturating_sub(clock.now_millis()));
+        let m = memory.share(key, &call).await.unwrap();
+        let r = shares.share(key, &call).await.unwrap();
+        if let Err(e) = same(&m, &r) {
+            panic!("step {i}: {e}");
+        }
+        if i == 4 {
+            assert_eq!(m.members, 1, "step {i}: the others expired: {m:?}");
+            assert_eq!(m.given[1], Given::Gone, "{m:?}");
+        }
+    }
 }

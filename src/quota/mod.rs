@@ -250,9 +250,10 @@ impl Quota {
         }
     }
 
-    /// The other members of `key` this replica streams to.
+    /// The other members of `key` this replica streams to that wait for a share: a recomputation can
+    /// give them one (the others are recomputed at their own reports).
     fn locals(&self, key: &str, except: &str) -> Vec<LocalMember> {
-        lock(&self.local)
+        let members: Vec<LocalMember> = lock(&self.local)
             .get(key)
             .map(|members| {
                 members
@@ -261,7 +262,12 @@ impl Quota {
                     .cloned()
                     .collect()
             })
-            .unwrap_or_default()
+            .unwrap_or_default();
+        // Streams are locked one at a time, never under the registry's lock.
+        members
+            .into_iter()
+            .filter(|m| m.stream.waits(&m.slot))
+            .collect()
     }
 
     fn register_metrics(self: &Arc<Self>) {
@@ -407,14 +413,15 @@ impl Quota {
             }
         };
         for (given, local) in reply.given[1..].iter().zip(&locals) {
-            if let Given::Share {
-                changed: true,
-                grant,
-                target,
-                version,
-            } = *given
-            {
-                local.stream.push(&local.slot, grant, target, version, self);
+            match *given {
+                Given::Share {
+                    changed: true,
+                    grant,
+                    target,
+                    version,
+                } => local.stream.push(&local.slot, grant, target, version, self),
+                Given::Share { target, .. } => local.stream.note_target(&local.slot, target),
+                Given::Full | Given::Gone => {}
             }
         }
         match reply.given[0] {

@@ -10,25 +10,34 @@
 //! window's rate to this one's: `ρ = w·current + (1 − w)·previous`, `w = min(1, elapsed / (window / 4))`.
 //! The bucket keeps, per window, what reports added and the rates. The smallest over the limits.
 //!
+//! A **reserve**, a sixteenth of the pool, is held back for members that hold nothing (an Envoy that
+//! subscribes, or one still waiting for its share): the others share the rest, so that a newcomer is
+//! granted something at once, on whichever replica it reports to, without waiting for the others to
+//! report and give some back.
+//!
 //! Two numbers per member:
-//! - its **target**, the max-min fair share of the pool by demand: when the members together ask for no
-//!   more than the pool, each gets its demand plus an equal part of what is left (one part more stays
-//!   unassigned, for an Envoy that subscribes next); when they ask for more, a level `λ` is found with
-//!   `Σ min(demandᵢ, λ) = pool` and each gets `min(demand, λ)`. An Envoy that asks for little holds
-//!   little; one that claims more than it needs (its denials count as demand) gets at most `λ`, what
-//!   every busy Envoy gets.
+//! - its **target**, the max-min fair share of the pool less the reserve, by demand: when the members
+//!   together ask for no more than that, each gets its demand plus an equal part of what is left (one
+//!   part more stays unassigned); when they ask for more, a level `λ` is found with
+//!   `Σ min(demandᵢ, λ) = pool − reserve` and each gets `min(demand, λ)`. An Envoy that asks for little
+//!   holds little; one that claims more than it needs (its denials count as demand) gets at most `λ`,
+//!   what every busy Envoy gets.
 //! - its **grant**, the tokens per second it was last sent, which it enforces until its assignment
 //!   expires. Grants move towards targets only in ways that keep `Σ grants ≤ pool`: a listed member
-//!   above its target comes down first, then a listed member below its target goes up by at most what
-//!   no member holds. A member not listed keeps its grant until its own report, or until it expires.
+//!   above its target comes down first, then a listed member below its target goes up, by at most what
+//!   no member holds beyond half the reserve (the other half absorbs targets that move a little before
+//!   their members report); a member that holds nothing may take all that is free but half the reserve
+//!   (or half of what is free, when less than that is), so that the next newcomer gets some too. A
+//!   member not listed keeps its grant until its own report, or until it expires.
 //!
-//! Grants change only by more than an eighth (or to or from zero): every changed token bucket starts
-//! full at the Envoy, so small changes would cost a burst each for little. One exception: while members
-//! lack more than an eighth of their target and what no one holds cannot make it up, every listed member
-//! above its target comes down to it, however little, so that the need is met once they have reported.
-//! When the pool shrinks by less than an eighth (others spend a little more of a window), the grants may
-//! stay above it; they never go above the largest pool they were granted from, and so never above the
-//! rule's rate.
+//! Grants change only by an eighth or more (or to or from zero): every changed token bucket starts full
+//! at the Envoy, so small changes would cost a burst each for little. While more than half the reserve
+//! is spent, or owed to members that lack more than an eighth of their target, a listed member above
+//! its target by less than an eighth comes down
+//! by an eighth (and goes up again no sooner than its next recomputation): the reserve and the need are
+//! met once the members have reported, and no member is sent a run of tiny decreases. When the pool shrinks by less than an
+//! eighth (others spend a little more of a window), the grants may stay above it; they never go above
+//! the largest pool they were granted from, and so never above the rule's rate.
 
 use std::collections::BTreeMap;
 
@@ -170,7 +179,13 @@ pub struct Reply {
     pub granted: f64,
 }
 
-/// A grant changes only by more than an eighth, or to or from zero.
+/// The part of the pool held back for members that hold nothing.
+pub fn reserve(pool: f64) -> f64 {
+    pool / 16.0
+}
+
+/// A grant changes only by more than an eighth, or to or from zero (a decrease that meets the reserve
+/// or others' need steps by an eighth: see [`regrant`]).
 pub fn significant(old: f64, new: f64) -> bool {
     new != old && (old == 0.0 || new == 0.0 || (new - old).abs() * 8.0 > old)
 }
@@ -303,12 +318,13 @@ pub fn apply(bucket: &mut Bucket, now_ms: u64, call: &Call) -> Reply {
 
     // Members in id order: the script sums and sorts in the same order.
     let ids: Vec<&String> = members.keys().collect();
-    let estimate = pool / ids.len().max(1) as f64;
+    let shared = pool - reserve(pool);
+    let estimate = shared / ids.len().max(1) as f64;
     let demands: Vec<f64> = members
         .values()
         .map(|m| m.demand.unwrap_or(estimate))
         .collect();
-    let targets = targets(pool, &demands);
+    let targets = targets(shared, &demands);
     let mut grants: Vec<f64> = members.values().map(|m| m.grant).collect();
     let index: Vec<Option<usize>> = call
         .members
@@ -357,8 +373,10 @@ pub fn apply(bucket: &mut Bucket, now_ms: u64, call: &Call) -> Reply {
 }
 
 /// Moves the grants of the `listed` members towards their targets without the sum of all grants going
-/// above `pool`: decreases first, then increases out of what no member holds.
+/// above `pool`: decreases first, then increases out of what no member holds beyond half the reserve
+/// (for a member that holds nothing, all but half of what is free).
 pub fn regrant(pool: f64, grants: &mut [f64], targets: &[f64], listed: &[usize]) {
+    let reserve = reserve(pool);
     let mut total = 0.0;
     let mut need = 0.0;
     for (g, t) in grants.iter().zip(targets) {
@@ -367,22 +385,39 @@ pub fn regrant(pool: f64, grants: &mut [f64], targets: &[f64], listed: &[usize])
             need += t - g;
         }
     }
-    let short = need > 0.0 && need > pool - total;
+    // More than half the reserve spent, or owed to members that wait for more.
+    let short = total + need > pool - reserve / 2.0;
+    let mut lowered = vec![false; grants.len()];
     for &j in listed {
-        if targets[j] < grants[j] && (short || significant(grants[j], targets[j])) {
-            total -= grants[j] - targets[j];
-            grants[j] = targets[j];
+        let (grant, target) = (grants[j], targets[j]);
+        if target < grant {
+            let new = if significant(grant, target) {
+                target
+            } else if short {
+                target.min(grant - grant / 8.0)
+            } else {
+                continue;
+            };
+            total -= grant - new;
+            grants[j] = new;
+            lowered[j] = true;
         }
     }
     for &j in listed {
-        if targets[j] > grants[j] {
-            let free = pool - total;
-            if free <= 0.0 {
+        let (grant, target) = (grants[j], targets[j]);
+        if target > grant && !lowered[j] {
+            let room = if grant == 0.0 {
+                let free = pool - total;
+                (free - reserve / 2.0).max(free / 2.0)
+            } else {
+                pool - reserve / 2.0 - total
+            };
+            if room <= 0.0 {
                 continue;
             }
-            let new = targets[j].min(grants[j] + free);
-            if significant(grants[j], new) {
-                total += new - grants[j];
+            let new = target.min(grant + room);
+            if significant(grant, new) {
+                total += new - grant;
                 grants[j] = new;
             }
         }
@@ -477,11 +512,11 @@ mod tests {
     fn a_subscriber_is_served_at_once_from_what_no_one_holds() {
         let mut m = Bucket::default();
         let r = apply(&mut m, 0, &call(100.0, &[("a", Unknown, Reported)]));
-        // Alone, its demand is estimated as the whole pool: it gets all of it.
-        assert_eq!(grant(&r, 0), 100.0);
-        // A second subscriber: the pool is all held, so it gets nothing until `a` reports.
+        // Alone, its demand is estimated as the whole pool less the reserve: it gets all of that.
+        assert_eq!(grant(&r, 0), 93.75);
+        // A second subscriber: the rest is all held, so it gets half the reserve, at once.
         let r = apply(&mut m, 1, &call(100.0, &[("b", Unknown, Reported)]));
-        assert_eq!(grant(&r, 0), 0.0);
+        assert_eq!(grant(&r, 0), 3.125);
         // `a` reports 10 per second: it comes down, `b` (listed for a push) gets what it freed.
         let r = apply(
             &mut m,
@@ -489,10 +524,62 @@ mod tests {
             &call(100.0, &[("a", Rate(10.0), Reported), ("b", Keep, Pushed)]),
         );
         let (a, b) = (grant(&r, 0), grant(&r, 1));
-        assert!(a + b <= 100.0);
-        // Targets: a = 10 + 40/3, b = 50 + 40/3 (its demand estimated as half the pool).
-        assert!((a - (10.0 + 40.0 / 3.0)).abs() < 1e-9, "{a}");
-        assert!((b - (50.0 + 40.0 / 3.0)).abs() < 1e-9, "{b}");
+        assert!(a + b <= 100.0 - 6.25);
+        // Targets: a = 10 + 36.875/3, b = 46.875 + 36.875/3 (its demand estimated as half of 93.75).
+        assert!((a - (10.0 + 36.875 / 3.0)).abs() < 1e-9, "{a}");
+        assert!((b - (46.875 + 36.875 / 3.0)).abs() < 1e-9, "{b}");
+    }
+
+    #[test]
+    fn newcomers_are_granted_from_the_reserve_while_the_rest_is_all_held() {
+        let mut m = Bucket::default();
+        for who in ["a", "b", "a", "b"] {
+            apply(&mut m, 0, &call(100.0, &[(who, Rate(500.0), Reported)]));
+        }
+        let held: f64 = m.members.values().map(|x| x.grant).sum();
+        assert_eq!(held, 93.75, "the two busy ones share all but the reserve");
+        // Three Envoys subscribe before either busy one reports again: each is granted something at
+        // once, the next one half of what the last left, and the grants stay within the pool.
+        let mut last = f64::INFINITY;
+        for who in ["c", "d", "e"] {
+            let r = apply(&mut m, 1, &call(100.0, &[(who, Unknown, Reported)]));
+            let got = grant(&r, 0);
+            assert!(got > 0.0 && got < last, "{who}: {got}");
+            assert!(r.granted <= 100.0, "{r:?}");
+            last = got;
+        }
+        // Once the busy ones have reported, the reserve is whole again.
+        for who in ["a", "b"] {
+            apply(&mut m, 2, &call(100.0, &[(who, Rate(500.0), Reported)]));
+        }
+        let held: f64 = m.members.values().map(|x| x.grant).sum();
+        assert!(held <= 93.75 + 1e-9, "{held}");
+    }
+
+    #[test]
+    fn a_member_that_must_make_room_comes_down_by_an_eighth_not_by_a_little() {
+        let mut m = Bucket::default();
+        for who in ["a", "b", "a", "b"] {
+            apply(&mut m, 0, &call(100.0, &[(who, Rate(500.0), Reported)]));
+        }
+        // `c` asks 10 a second: a's and b's targets fall by 5, less than an eighth of their grants.
+        apply(&mut m, 1, &call(100.0, &[("c", Rate(10.0), Reported)]));
+        let before = m.members["a"].grant;
+        let r = apply(&mut m, 2, &call(100.0, &[("a", Rate(500.0), Reported)]));
+        let after = grant(&r, 0);
+        let Given::Share { target, .. } = r.given[0] else {
+            panic!()
+        };
+        assert!(
+            target < before && (before - target) * 8.0 < before,
+            "{before} {target}"
+        );
+        // It comes down, as `c` waits, but by an eighth: one fresh token bucket, not a run of them.
+        assert!(
+            after <= before * 7.0 / 8.0 * (1.0 + 1e-12),
+            "{before} -> {after}"
+        );
+        assert!(after <= target);
     }
 
     #[test]
@@ -501,7 +588,8 @@ mod tests {
         apply(&mut m, 0, &call(100.0, &[("a", Rate(50.0), Reported)]));
         apply(&mut m, 0, &call(100.0, &[("b", Rate(40.0), Reported)]));
         apply(&mut m, 0, &call(100.0, &[("a", Rate(50.0), Reported)]));
-        // b rises to 200: its target is 50, but a holds more than its own 50 until it reports.
+        // b rises to 200: its target is 46.875 (half the pool less the reserve), but a holds more
+        // than its own until it reports.
         let r = apply(&mut m, 1, &call(100.0, &[("b", Rate(200.0), Reported)]));
         let held: f64 = m.members.values().map(|x| x.grant).sum();
         assert!(held <= 100.0, "{held}");
@@ -512,7 +600,7 @@ mod tests {
             2,
             &call(100.0, &[("a", Rate(30.0), Reported), ("b", Keep, Pushed)]),
         );
-        assert_eq!((grant(&r, 0), grant(&r, 1)), (30.0, 70.0));
+        assert_eq!((grant(&r, 0), grant(&r, 1)), (30.0, 63.75));
     }
 
     #[test]
@@ -594,6 +682,59 @@ mod tests {
     }
 
     proptest! {
+        /// A pool that shrinks (others spending more of a window, a limit lowered): the grants never add
+        /// up to more than the largest pool they were granted from, and once every member has reported
+        /// again with its demand unchanged, not to more than the pool.
+        #[test]
+        fn grants_follow_a_shrinking_pool(
+            steps in proptest::collection::vec(
+                (0usize..5, 0.0f64..500.0, prop::bool::weighted(0.15), 0.5f64..1.0, prop::bool::ANY, 0u64..1_500),
+                1..80,
+            ),
+            first in 10.0f64..1_000.0,
+        ) {
+            let mut m = Bucket::default();
+            let (mut now, mut pool) = (0, first);
+            let mut demands: BTreeMap<String, f64> = BTreeMap::new();
+            let call = |pool: f64, members: Vec<(String, DemandUpdate, Listing)>| Call {
+                limits: vec![LimitUse { rate: pool, window: None }],
+                counts_for_ms: 5_000,
+                max_members: 10,
+                members: members
+                    .into_iter()
+                    .map(|(id, demand, listing)| Listed { id, demand, listing, sent_version: 0 })
+                    .collect(),
+            };
+            let live_sum = |m: &Bucket, now: u64| -> f64 {
+                m.members.values().filter(|x| x.expires_ms > now).map(|x| x.grant).sum()
+            };
+            for (who, rate, shrink, factor, push_all, dt) in steps {
+                now += dt;
+                if shrink {
+                    pool *= factor;
+                }
+                let id = format!("m{who}");
+                demands.insert(id.clone(), rate);
+                let mut members = vec![(id, Rate(rate), Reported)];
+                if push_all {
+                    for other in (0..5).filter(|o| *o != who) {
+                        members.push((format!("m{other}"), Keep, Pushed));
+                    }
+                }
+                apply(&mut m, now, &call(pool, members));
+                let sum = live_sum(&m, now);
+                prop_assert!(sum <= first * (1.0 + 1e-12), "{sum} > {first}");
+            }
+            // Every member reports once more, as it did last: the targets hold still meanwhile.
+            let ids: Vec<String> = m.members.keys().cloned().collect();
+            for id in ids {
+                let rate = demands[&id];
+                apply(&mut m, now, &call(pool, vec![(id, Rate(rate), Reported)]));
+            }
+            let sum = live_sum(&m, now);
+            prop_assert!(sum <= pool * (1.0 + 1e-12), "{sum} > {pool} once all reported");
+        }
+
         /// Whatever the reports, pushes, expiries and pool changes, the grants never add up to more than
         /// the largest pool of the calls that set them.
         #[test]
@@ -624,7 +765,23 @@ mod tests {
                         .map(|(id, demand, listing)| Listed { id, demand, listing, sent_version: 0 })
                         .collect(),
                 };
+                // Grants of members still counting now (one that expired may join again from 0).
+                let held: BTreeMap<String, f64> = m
+                    .members
+                    .iter()
+                    .filter(|(_, x)| x.expires_ms > now)
+                    .map(|(id, x)| (id.clone(), x.grant))
+                    .collect();
                 let r = apply(&mut m, now, &c);
+                for (id, x) in &m.members {
+                    let old = held.get(id).copied().unwrap_or(0.0);
+                    let new = x.grant;
+                    prop_assert!(
+                        new == old || old == 0.0 || new == 0.0
+                            || (new - old).abs() * 8.0 >= old * (1.0 - 1e-12),
+                        "{id}: {old} -> {new}"
+                    );
+                }
                 let live: f64 = m
                     .members
                     .values()

@@ -3,6 +3,12 @@
 //! newer), and the queue of actions its response stream sends: the answers to its reports and the shares
 //! other streams' reports freed for it, the latest per bucket.
 //!
+//! A report of a bucket that arrives much sooner than a report period after the bucket's last counted
+//! one (a tenth of a period, at most the second a share counts beyond its TTL) is merged into the next:
+//! its requests are counted then, with the time since the last counted report, and it is answered at
+//! once with the assignment last sent, unchanged. A stream that reports too often thus costs the store
+//! nothing more, and an Envoy's subscription (its first report of a bucket) is always counted at once.
+//!
 //! Locks: a stream's state is locked briefly and never across an await, and never while the quota
 //! service's registry of local members is locked.
 
@@ -17,7 +23,7 @@ use tokio::{sync::Notify, time::Instant};
 
 use super::{
     lock,
-    share::DemandUpdate,
+    share::{significant, DemandUpdate},
     stats::{RuleStat, Unanswered},
     strategy, Action, BucketAction, BucketId, LocalMember, Quota, Report, ReportError, Strategy,
     Usage,
@@ -75,6 +81,11 @@ struct Tracked {
     /// What the Envoy can have admitted since its last report, by the token buckets it was sent; `None`
     /// while nothing bounds it (no token bucket sent on this stream yet, or ALLOW_ALL).
     admissible: Option<Admissible>,
+    /// Its target in the last recomputation that listed it: while the grant sent is well below it, the
+    /// bucket waits for a share, and other members' reports list it to be pushed one.
+    target: f64,
+    /// Requests allowed and denied in reports merged into the next (they came too soon after the last).
+    merged: (u64, u64),
 }
 
 /// The token buckets an Envoy enforced since its last report, as a bound on what it can have admitted:
@@ -165,7 +176,7 @@ impl Stream {
         let limits = quota.parts.limiter.request_limits().clone();
         let domain = self.domain(report.domain, &limits)?;
         self.evict_idle();
-        let usages = self.track(&domain, report.usages, &limits);
+        let (usages, resent) = self.track(&domain, report.usages, &limits);
         let (inner, domain) = (&self.inner, &domain);
         let decided: Vec<(BucketSlot, Option<Action>)> = futures_util::stream::iter(usages)
             .map(|usage| async move {
@@ -179,8 +190,22 @@ impl Stream {
         let mut queued = false;
         {
             let mut state = lock(&self.inner.state);
+            // A merged report: the last assignment again, unless a newer one waits to be sent.
+            for (slot, strategy) in resent {
+                if !state.pending.iter().any(|(s, _)| *s == slot) {
+                    state.queue(slot, quota.assign(strategy));
+                    queued = true;
+                }
+            }
             for (slot, action) in decided {
                 if let Some(action) = action {
+                    // Envoy forgets an abandoned bucket: its next report of it is a subscription.
+                    if let (Action::Abandon, Some(tracked)) =
+                        (&action, state.buckets.get_mut(&slot))
+                    {
+                        tracked.reported_at = None;
+                        tracked.merged = (0, 0);
+                    }
                     if let (Action::Assign { strategy, .. }, Some(tracked)) =
                         (&action, state.buckets.get_mut(&slot))
                     {
@@ -245,19 +270,22 @@ impl Stream {
         self.inner.release(evicted, &self.quota);
     }
 
-    /// The buckets of a report this stream takes, with their demand.
+    /// The buckets of a report this stream takes, with their demand; and those of its buckets whose
+    /// report is merged into the next, with the strategy to send them again.
     fn track(
         &self,
         domain: &Arc<str>,
         usages: Vec<Usage>,
         limits: &RequestLimits,
-    ) -> Vec<TrackedUsage> {
+    ) -> (Vec<TrackedUsage>, Vec<(BucketSlot, Strategy)>) {
         let settings = &self.quota.parts.settings;
         let floor = (settings.report_period / 10).max(Duration::from_millis(1));
+        let early = (settings.report_period / 10).min(super::TTL_MARGIN);
         let now = Instant::now();
         let mut state = lock(&self.inner.state);
         let mut seen: HashSet<Arc<BucketId>> = HashSet::new();
         let mut out = Vec::new();
+        let mut resent = Vec::new();
         for usage in usages {
             if !valid_bucket(&usage.bucket, limits) {
                 self.quota.stats.unanswered(Unanswered::InvalidBucket);
@@ -286,13 +314,34 @@ impl Stream {
                         sent: None,
                         sent_version: 0,
                         admissible: None,
+                        target: 0.0,
+                        merged: (0, 0),
                     },
                 );
             }
             let Some(tracked) = state.buckets.get_mut(&slot) else {
                 continue;
             };
-            let requests = usage.allowed.saturating_add(usage.denied) as f64;
+            if tracked
+                .reported_at
+                .is_some_and(|at| now.saturating_duration_since(at) < early)
+            {
+                let (allowed, denied) = tracked.merged;
+                tracked.merged = (
+                    allowed.saturating_add(usage.allowed),
+                    denied.saturating_add(usage.denied),
+                );
+                if let Some((strategy, _)) = tracked.sent {
+                    resent.push((slot, strategy));
+                }
+                continue;
+            }
+            let (allowed, denied) = std::mem::take(&mut tracked.merged);
+            let (allowed, denied) = (
+                usage.allowed.saturating_add(allowed),
+                usage.denied.saturating_add(denied),
+            );
+            let requests = allowed.saturating_add(denied) as f64;
             let since = tracked
                 .reported_at
                 .map(|at| now.saturating_duration_since(at));
@@ -320,14 +369,14 @@ impl Stream {
             };
             out.push(TrackedUsage {
                 slot,
-                allowed: usage.allowed,
+                allowed,
                 admissible,
                 covers: elapsed,
-                denied: usage.denied,
+                denied,
                 demand,
             });
         }
-        out
+        (out, resent)
     }
 
     /// A handle on the stream's actions, for the API layer's response stream.
@@ -448,6 +497,22 @@ impl StreamInner {
         member
     }
 
+    /// Whether the bucket waits for a share: the grant it was last sent is well below its last target.
+    /// Only such members are listed when another member of the bucket reports.
+    pub(super) fn waits(&self, slot: &BucketSlot) -> bool {
+        lock(&self.state).buckets.get(slot).is_some_and(|t| {
+            let held = t.sent.map_or(0.0, |(_, g)| g);
+            t.target > held && significant(held, t.target)
+        })
+    }
+
+    /// Records the bucket's target from a recomputation that did not change its grant.
+    pub(super) fn note_target(&self, slot: &BucketSlot, target: f64) {
+        if let Some(tracked) = lock(&self.state).buckets.get_mut(slot) {
+            tracked.target = target;
+        }
+    }
+
     /// The version of the last assignment sent for the bucket (0 for none).
     pub(super) fn sent_version(&self, slot: &BucketSlot) -> u64 {
         lock(&self.state)
@@ -486,6 +551,7 @@ impl StreamInner {
     ) -> Option<Action> {
         let mut state = lock(&self.state);
         let tracked = state.buckets.get_mut(slot)?;
+        tracked.target = target;
         let action = assignment(tracked, grant, target, version, quota);
         if action.is_none() && grant <= 0.0 && target > 0.0 {
             quota.stats.unanswered(Unanswered::Waiting);
@@ -507,6 +573,7 @@ impl StreamInner {
             let Some(tracked) = state.buckets.get_mut(slot) else {
                 return;
             };
+            tracked.target = target;
             match assignment(tracked, grant, target, version, quota) {
                 Some(action) => {
                     state.queue(slot.clone(), action);

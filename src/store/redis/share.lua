@@ -19,6 +19,9 @@
 -- Returns   { members, granted, pool, then one per listed member: "full" | "gone" |
 --           "<grant> <target> <changed 0|1> <version>" } (numbers as text: Redis would cut a Lua number
 --           to an integer)
+-- Writes: the listed members whose fields changed (a reporter always, a pushed member whose grant
+-- changed), the windows, the key's expiry; expired members are deleted. Nothing else, so that a call
+-- that lists few members of a large bucket writes little.
 -- Time is the server's (TIME), so that replicas with skewed clocks expire members alike.
 
 local t = redis.call('TIME')
@@ -50,7 +53,8 @@ for i = 1, #raw, 2 do
     if d ~= '-' then
       demand = tonumber(d)
     end
-    members[raw[i]] = { demand, tonumber(g), tonumber(e), tonumber(v) }
+    -- The stored text too: a member whose fields did not change is not written again.
+    members[raw[i]] = { demand, tonumber(g), tonumber(e), tonumber(v), raw[i + 1] }
     count = count + 1
   else
     expired[#expired + 1] = raw[i]
@@ -121,13 +125,15 @@ for a = first_listed, #ARGV, 4 do
   listed[#listed + 1] = { id, listing, slot }
 end
 
+local reserve = pool / 16
+local shared_pool = pool - reserve
 local ids = {}
 for id in pairs(members) do
   ids[#ids + 1] = id
 end
 table.sort(ids)
 local n = #ids
-local estimate = pool / math.max(n, 1)
+local estimate = shared_pool / math.max(n, 1)
 local demands, grants, before, pos = {}, {}, {}, {}
 for i, id in ipairs(ids) do
   local m = members[id]
@@ -137,14 +143,15 @@ for i, id in ipairs(ids) do
   pos[id] = i
 end
 
--- Targets: demand plus an equal part of what is left (one part kept free), or a level for the busy ones.
+-- Targets, in the pool less the reserve: demand plus an equal part of what is left (one part kept
+-- free), or a level for the busy ones.
 local targets = {}
 local asked = 0
 for i = 1, n do
   asked = asked + demands[i]
 end
-if asked <= pool then
-  local extra = (pool - asked) / (n + 1)
+if asked <= shared_pool then
+  local extra = (shared_pool - asked) / (n + 1)
   for i = 1, n do
     targets[i] = demands[i] + extra
   end
@@ -159,7 +166,7 @@ else
     end
     return x < y
   end)
-  local left, cnt, level = pool, n, nil
+  local left, cnt, level = shared_pool, n, nil
   for _, i in ipairs(order) do
     local share = level or left / cnt
     if level == nil and demands[i] <= share then
@@ -173,7 +180,9 @@ else
   end
 end
 
--- Grants: the listed ones above their target come down, then those below go up out of what is free.
+-- Grants: the listed ones above their target come down, then those below go up out of what is free
+-- beyond half the reserve (one that holds nothing: all but half of what is free). While more than half
+-- the reserve is spent or owed, one above its target by less than an eighth comes down by an eighth.
 local function significant(old, new)
   return new ~= old and (old == 0 or new == 0 or math.abs(new - old) * 8 > old)
 end
@@ -191,20 +200,38 @@ for i = 1, n do
     need = need + (targets[i] - grants[i])
   end
 end
-local short = need > 0 and need > pool - total
+local short = total + need > pool - reserve / 2
+local lowered = {}
 for _, j in ipairs(shared) do
-  if targets[j] < grants[j] and (short or significant(grants[j], targets[j])) then
-    total = total - (grants[j] - targets[j])
-    grants[j] = targets[j]
+  local grant, target = grants[j], targets[j]
+  if target < grant then
+    local new = nil
+    if significant(grant, target) then
+      new = target
+    elseif short then
+      new = math.min(target, grant - grant / 8)
+    end
+    if new then
+      total = total - (grant - new)
+      grants[j] = new
+      lowered[j] = true
+    end
   end
 end
 for _, j in ipairs(shared) do
-  if targets[j] > grants[j] then
-    local free = pool - total
-    if free > 0 then
-      local new = math.min(targets[j], grants[j] + free)
-      if significant(grants[j], new) then
-        total = total + (new - grants[j])
+  local grant, target = grants[j], targets[j]
+  if target > grant and not lowered[j] then
+    local room
+    if grant == 0 then
+      local free = pool - total
+      room = math.max(free - reserve / 2, free / 2)
+    else
+      room = pool - reserve / 2 - total
+    end
+    if room > 0 then
+      local new = math.min(target, grant + room)
+      if significant(grant, new) then
+        total = total + (new - grant)
         grants[j] = new
       end
     end
@@ -228,7 +255,10 @@ for _, l in ipairs(listed) do
     if m[1] then
       demand = num(m[1])
     end
-    redis.call('HSET', KEYS[1], l[1], demand .. ' ' .. num(m[2]) .. ' ' .. num(m[3]) .. ' ' .. num(m[4]))
+    local record = demand .. ' ' .. num(m[2]) .. ' ' .. num(m[3]) .. ' ' .. num(m[4])
+    if record ~= m[5] then
+      redis.call('HSET', KEYS[1], l[1], record)
+    end
     local flag = '0'
     if changed then
       flag = '1'

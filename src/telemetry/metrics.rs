@@ -396,12 +396,7 @@ impl Metrics {
         help: &'static str,
         labels: Labels,
     ) -> Arc<AtomicU64> {
-        self.family(name, help, "counter");
-        let families = self.families.read().unwrap_or_else(|p| p.into_inner());
-        match families.get(name) {
-            Some(family) => series(&family.counters, labels, Arc::default),
-            None => Arc::default(),
-        }
+        self.series_of(name, help, "counter", |f| &f.counters, labels, Arc::default)
     }
 
     /// A counter series of the request path (striped, see the module's comment), to add to without any
@@ -412,12 +407,7 @@ impl Metrics {
         help: &'static str,
         labels: Labels,
     ) -> Arc<StripedCounter> {
-        self.family(name, help, "counter");
-        let families = self.families.read().unwrap_or_else(|p| p.into_inner());
-        match families.get(name) {
-            Some(family) => series(&family.striped, labels, Arc::default),
-            None => Arc::default(),
-        }
+        self.series_of(name, help, "counter", |f| &f.striped, labels, Arc::default)
     }
 
     /// A histogram series to observe without any lookup.
@@ -427,11 +417,26 @@ impl Metrics {
         help: &'static str,
         labels: Labels,
     ) -> Arc<Histogram> {
-        self.family(name, help, "histogram");
+        let make = || Arc::new(Histogram::new());
+        self.series_of(name, help, "histogram", |f| &f.histograms, labels, make)
+    }
+
+    /// The series of `labels` in the family `name` (registered as `kind` on first use), in the map of
+    /// the family `pick` chooses, made with `make` when new.
+    fn series_of<T>(
+        &self,
+        name: &'static str,
+        help: &'static str,
+        kind: &'static str,
+        pick: impl FnOnce(&Family) -> &RwLock<BTreeMap<Labels, Arc<T>>>,
+        labels: Labels,
+        make: impl FnOnce() -> Arc<T>,
+    ) -> Arc<T> {
+        self.family(name, help, kind);
         let families = self.families.read().unwrap_or_else(|p| p.into_inner());
         match families.get(name) {
-            Some(family) => series(&family.histograms, labels, || Arc::new(Histogram::new())),
-            None => Arc::new(Histogram::new()),
+            Some(family) => series(pick(family), labels, make),
+            None => make(),
         }
     }
 

@@ -38,6 +38,9 @@ descriptors:
         value: /login
         rate_limit: {unit: minute, requests_per_unit: 600}
   - key: tenant
+  - key: generic_key
+    value: bucketed
+    rate_limit: {unit: minute, requests_per_unit: 10, algorithm: token_bucket}
 "#;
 
 /// Settings for a fast test: a report every 200 ms, assignments of 1 s.
@@ -949,5 +952,34 @@ async fn an_envoy_refused_by_a_full_bucket_is_no_subscriber() {
     .await;
     let subscribers = "ratelimitd_rlqs_subscribers{domain=\"edge\",rule=\"generic_key_shared\"}";
     assert_eq!(s.metric(subscribers).await, Some(1.0));
+    s.stop().await;
+}
+
+/// A token bucket shared by `ShouldRateLimit` callers and quota Envoys: a report of more than the
+/// bucket has left is still counted (into bounded debt, as usage reported after the fact), so the
+/// callers are denied what the Envoys admitted, rather than the report being dropped and both admitting
+/// the limit.
+#[tokio::test]
+async fn a_report_past_what_a_token_bucket_has_left_is_counted() {
+    let s = start(|_| {}).await;
+    s.wait_serving(Duration::from_secs(5)).await;
+    let bucketed = &[("generic_key", "bucketed")];
+    let mut client = s.client().await;
+    let rls = || request("edge", vec![descriptor(&[("generic_key", "bucketed")])]);
+    let first = ask(&mut client, rls()).await;
+    assert_eq!(first.statuses[0].limit_remaining, 9, "{first:?}");
+    let mut stream = Raw::open(&s).await.unwrap();
+    stream.report("edge", &[(bucketed, 0, 1, 0)]);
+    stream.next().await;
+    // Nine admitted, with 8 left: counted all the same.
+    tokio::time::sleep(APART).await;
+    stream.report("edge", &[(bucketed, 1, 9, 0)]);
+    stream.next().await;
+    let after = ask(&mut client, rls()).await;
+    assert_eq!(
+        after.overall_code,
+        ratelimitd::proto::rate_limit_response::Code::OverLimit as i32,
+        "{after:?}"
+    );
     s.stop().await;
 }

@@ -461,6 +461,12 @@ impl Quota {
                     check.cost = charged(allowed, &check.params, covers);
                     check.role = Role::Enforce;
                     check.reported = true;
+                    // Only a fixed window counts hits past what is left of its own accord; the
+                    // others take a report as usage counted after the fact (a bucket goes into
+                    // bounded debt), so that what the Envoys admitted always reaches the counter.
+                    if check.params.algorithm != Algorithm::FixedWindow {
+                        check.params.count_over_limit = true;
+                    }
                     check
                 })
                 .collect(),

@@ -1,21 +1,20 @@
 //! A grant (tokens per second) as the strategy an Envoy enforces, written for how Envoy's filter reads
 //! it.
 //!
-//! What is known of Envoy's filter: it reads the fill interval in whole seconds, adds `tokens_per_fill`
-//! every `fill_interval`, starts a bucket it did not hold full, and keeps the tokens of one it is sent
-//! again identical. So:
+//! How Envoy's quota filter reads it (envoyproxy/envoy,
+//! `source/extensions/filters/http/rate_limit_quota/global_client_impl.cc`: `createTokenBucketFromAction`
+//! and `protoTokenBucketsEq`; `source/common/common/token_bucket_impl.cc`: `AtomicTokenBucketImpl`): it
+//! builds a bucket of `max_tokens` that refills continuously at `tokens_per_fill / fill_interval` tokens
+//! a second, with the interval read in whole seconds (under a second divides by zero), and that starts
+//! full; it keeps the bucket it holds, tokens and all, when `max_tokens` and `tokens_per_fill` are equal
+//! and the interval's *nanoseconds* are: it does not compare the interval's seconds. So:
 //! - `tokens_per_fill` is always sent, and the interval is whole seconds, from 1 s up to an hour, the
 //!   shortest that carries at least 16 tokens a fill, so the rate is exact to within about a sixteenth
 //!   where it can be; it is rounded down, never up.
 //! - `max_tokens` is `burst` seconds of the grant (at least one token): what a new bucket may admit at
 //!   once, beyond its rate. That is what each changed assignment can cost beyond the limit, so the burst
-//!   is short: a tenth of a report period, from 100 ms to a second.
-//!
-//!   Not settled: the burst is then below `tokens_per_fill` (1 token and 16 per 54 s for 0.3 a second).
-//!   That enforces the grant only if Envoy refills continuously, at `tokens_per_fill / fill_interval` a
-//!   second; a bucket filled in steps of `tokens_per_fill` and capped at `max_tokens` would enforce
-//!   `max_tokens` per interval, less than the grant. The fleet simulator of the tests refills
-//!   continuously, so no test tells the two apart.
+//!   is short: a tenth of a report period, from 100 ms to a second. It may be below `tokens_per_fill` (1
+//!   token and 16 per 54 s for 0.3 a second): the refill is continuous, so the rate is still the grant.
 //! - When only the interval would change, `max_tokens` moves by one, so that the new assignment differs
 //!   in more than the interval and is not taken for the one Envoy holds.
 

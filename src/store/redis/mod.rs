@@ -198,7 +198,9 @@ impl RedisStore {
         // The time on each backend's clock, as this replica estimates it.
         let estimate = |b: &Backend| local_ms as i64 + b.clock_offset_ms.load(Ordering::Relaxed);
         let mut now_ms = [estimate(&self.main), estimate(self.backend(1))];
-        let (mut mismatched, mut waited) = (false, false);
+        // Window mismatches met so far: a replica whose estimate of the Redis clock is a little ahead
+        // can meet one going back to the window before and another as Redis moves on to the next.
+        let (mut mismatches_met, mut waited) = (0u8, false);
         // After a window mismatch: the batch that goes again, whose checks counted over their limit on
         // the first try only check now, and those checks' answers from the first try. Boxed: it is rare,
         // and this future is part of every request's.
@@ -268,17 +270,27 @@ impl RedisStore {
                 leased.finish(false, &grants);
                 self.refund_consumed(batch, &keys, &groups, &slots, deadline)
                     .await?;
-                if mismatched {
+                if mismatches_met == 2 {
                     return Err(StoreError::Backend(
-                        "the Redis clock moved across a window twice during one request".into(),
+                        "the Redis clock moved across a window three times during one request"
+                            .into(),
                     ));
                 }
-                mismatched = true;
+                mismatches_met += 1;
                 for (backend, server_ms) in mismatches {
                     tracing::debug!(local_ms, server_ms, "window moved on the server; retrying");
                     now_ms[backend] = server_ms;
                 }
-                again = Some(Box::new(counted_once(batch, &groups, &slots)));
+                // Checks counted on an earlier try keep that try's answers.
+                let (next, mut first) = counted_once(batch, &groups, &slots);
+                if let Some((_, before)) = again.as_deref() {
+                    for (answer, earlier) in first.iter_mut().zip(before) {
+                        if earlier.is_some() {
+                            *answer = *earlier;
+                        }
+                    }
+                }
+                again = Some(Box::new((next, first)));
                 continue;
             }
             let mut outcomes = in_batch_order(batch, &groups, &slots, &leased.taken);

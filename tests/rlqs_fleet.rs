@@ -425,7 +425,18 @@ async fn a_vanished_envoy_gives_its_share_back_after_its_ttl(backend: Backend) {
     stays.drive(b.clone(), Rate::new(300.0));
     let envoys = [gone.clone(), stays.clone()];
     largest_sum(&envoys, &b, Instant::now() + Duration::from_secs(2)).await;
-    let half = stays.enforced(&b).map(|e| e.rate()).unwrap_or(0.0);
+    // Shares move in steps of an eighth at each report: on a busy machine the two may need a few more
+    // periods to meet at about half each.
+    let about_half = LIMIT / 2.0 * 0.8..=LIMIT / 2.0 * 1.1;
+    let mut half = 0.0;
+    let settle = Instant::now() + Duration::from_secs(3);
+    while Instant::now() < settle {
+        half = stays.enforced(&b).map(|e| e.rate()).unwrap_or(0.0);
+        if about_half.contains(&half) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     let last_assigned = gone.received().last().map(|r| r.at).expect("an assignment");
     gone.kill().await;
     let killed = Instant::now();
@@ -450,10 +461,7 @@ async fn a_vanished_envoy_gives_its_share_back_after_its_ttl(backend: Backend) {
         LIMIT * 0.9,
         released - last_assigned
     );
-    assert!(
-        (LIMIT / 2.0 * 0.8..=LIMIT / 2.0 * 1.1).contains(&half),
-        "{half}"
-    );
+    assert!(about_half.contains(&half), "{half}");
     assert!(
         held <= LIMIT / 2.0 * 1.1,
         "{held}: the share came back before the TTL"

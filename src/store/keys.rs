@@ -137,24 +137,39 @@ pub fn with_window(key: &str, window_start: u64) -> String {
 /// as the tag (`<key>{<key>}:reset`). `None` for a key without a tag that holds a `{` or a `}`, which
 /// no such name shares a slot with for certain: its counter is not leased.
 pub fn reset_mark(key: &[u8]) -> Option<Vec<u8>> {
-    let tagged = key.iter().position(|&b| b == b'{').is_some_and(|open| {
-        key[open + 1..]
-            .iter()
-            .position(|&b| b == b'}')
-            .is_some_and(|len| len > 0)
-    });
+    let tagged = mark_form(key)?;
     let mut mark = Vec::with_capacity(key.len() * 2 + 8);
     mark.extend_from_slice(key);
     if !tagged {
-        if key.is_empty() || key.iter().any(|&b| b == b'{' || b == b'}') {
-            return None;
-        }
         mark.push(b'{');
         mark.extend_from_slice(key);
         mark.push(b'}');
     }
     mark.extend_from_slice(b":reset");
     Some(mark)
+}
+
+/// Whether `key` can have a [`reset_mark`], without building it (asked for every leasable check).
+pub fn has_reset_mark(key: &[u8]) -> bool {
+    mark_form(key).is_some()
+}
+
+/// How a key's reset mark is named: `Some(true)` it keeps the key's hash tag, `Some(false)` it makes
+/// the key the tag, `None` it has none.
+fn mark_form(key: &[u8]) -> Option<bool> {
+    let tagged = key.iter().position(|&b| b == b'{').is_some_and(|open| {
+        key[open + 1..]
+            .iter()
+            .position(|&b| b == b'}')
+            .is_some_and(|len| len > 0)
+    });
+    if tagged {
+        Some(true)
+    } else if key.is_empty() || key.iter().any(|&b| b == b'{' || b == b'}') {
+        None
+    } else {
+        Some(false)
+    }
 }
 
 #[cfg(test)]
@@ -170,6 +185,7 @@ mod tests {
             b"{edge_path_/login_}:sliding_window:60:0",
             b"edge_path_/a/{id}_1733000000",
         ] {
+            assert!(has_reset_mark(key));
             let mark = reset_mark(key).expect("a mark");
             assert_eq!(slot(&mark), slot(key), "{}", String::from_utf8_lossy(key));
             assert!(mark.starts_with(key) && mark.ends_with(b":reset"));
@@ -182,6 +198,7 @@ mod tests {
             b"p{}q",
         ] {
             assert_eq!(reset_mark(key), None);
+            assert!(!has_reset_mark(key));
         }
     }
 

@@ -233,7 +233,7 @@ fn leasable(check: &Check) -> bool {
     ) && !check.params.count_over_limit
         && check.bounded_cost() <= check.params.limit
         && !check.reported
-        && keys::reset_mark(check.key.as_bytes()).is_some()
+        && keys::has_reset_mark(check.key.as_bytes())
 }
 
 impl Leases {

@@ -45,19 +45,14 @@ impl RateLimitService for RateLimitApi {
         &self,
         request: Request<RateLimitRequest>,
     ) -> Result<Response<RateLimitResponse>, Status> {
-        // The caller's trace context (Envoy, or a service's own tracer): W3C, else B3.
-        let parent = opentelemetry::global::get_text_map_propagator(|p| {
-            p.extract(&MetadataExtractor(request.metadata()))
-        });
+        let (metadata, _, request) = request.into_parts();
         // Envoy sends its filter timeout as the call's deadline: the answer is due before it.
-        let due = request
-            .metadata()
+        let timeout = metadata
             .as_ref()
             .get(&GRPC_TIMEOUT)
             .and_then(|v| v.to_str().ok())
-            .and_then(parse_grpc_timeout)
-            .map(|timeout| tokio::time::Instant::now() + timeout);
-        let request = from_wire(request.into_inner());
+            .and_then(parse_grpc_timeout);
+        let request = from_wire(request);
         let span = tracing::info_span!(
             "ShouldRateLimit",
             otel.kind = "server",
@@ -65,10 +60,18 @@ impl RateLimitService for RateLimitApi {
             descriptors = request.descriptors.len(),
             decision = tracing::field::Empty,
         );
-        let _ = span.set_parent(parent);
+        // The caller's trace context (Envoy, or a service's own tracer), W3C else B3, for a span that is
+        // recorded. With traces off the span is not, and the propagator (behind a lock every core takes)
+        // is not asked.
+        if !span.is_disabled() {
+            let parent = opentelemetry::global::get_text_map_propagator(|p| {
+                p.extract(&MetadataExtractor(&metadata))
+            });
+            let _ = span.set_parent(parent);
+        }
         let decided = self
             .limiter
-            .should_rate_limit_by(&request, due)
+            .should_rate_limit_by(&request, timeout)
             .instrument(span.clone())
             .await;
         let _in_span = span.enter();

@@ -235,15 +235,17 @@ impl Limiter {
         self.should_rate_limit_by(request, None).await
     }
 
-    /// Decides one request whose answer is due at `due` (the caller's deadline, when it sent one), and
-    /// records it in the metrics. The store is waited for until shortly before the answer is due; then
-    /// the `on_backend_error` policy answers.
+    /// Decides one request whose answer is due within `timeout` from now (the caller's deadline, when it
+    /// sent one), and records it in the metrics. The store is waited for until shortly before the answer
+    /// is due; then the `on_backend_error` policy answers.
     pub async fn should_rate_limit_by(
         &self,
         request: &Request,
-        due: Option<tokio::time::Instant>,
+        timeout: Option<Duration>,
     ) -> Result<Response, LimitError> {
-        let started = std::time::Instant::now();
+        // One reading of the clock for the answer's time and its deadline.
+        let started = tokio::time::Instant::now();
+        let due = timeout.map(|timeout| started + timeout);
         let result = match self.in_flight.enter() {
             // Past the bound, answering at once beats queueing: the caller's own deadline would pass
             // anyway, and the queue would only grow.
@@ -252,15 +254,14 @@ impl Limiter {
             }),
             Some(_in_flight) => {
                 let limit = self.options.overload.deadline;
-                let now = tokio::time::Instant::now();
-                let answer_by = due.map_or(now + limit, |due| due.min(now + limit));
-                let left = answer_by.saturating_duration_since(now);
+                let answer_by = due.map_or(started + limit, |due| due.min(started + limit));
+                let left = answer_by.saturating_duration_since(started);
                 let store_deadline = Deadline {
                     at: answer_by - answer_margin(left),
                     from_caller: due.is_some(),
                 };
                 let decision = pin!(self.decide(request, store_deadline));
-                before(now + limit, decision)
+                before(started + limit, decision)
                     .await
                     .unwrap_or(Err(LimitError::Deadline(limit)))
             }

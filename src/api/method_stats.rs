@@ -9,7 +9,7 @@ use std::{
     future::Future,
     pin::Pin,
     sync::Arc,
-    task::{Context, Poll},
+    task::{ready, Context, Poll},
 };
 
 use tokio::time::Instant;
@@ -86,16 +86,13 @@ pub struct MethodStats<S> {
     methods: Arc<[MethodSeries]>,
 }
 
-type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
-
 impl<S, B> tower::Service<http::Request<B>> for MethodStats<S>
 where
     S: tower::Service<http::Request<B>>,
-    S::Future: Send + 'static,
 {
     type Response = S::Response;
     type Error = S::Error;
-    type Future = BoxFuture<Result<S::Response, S::Error>>;
+    type Future = Timed<S::Future>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
         self.inner.poll_ready(cx)
@@ -103,21 +100,36 @@ where
 
     fn call(&mut self, request: http::Request<B>) -> Self::Future {
         let path = request.uri().path();
-        let series = self
-            .methods
-            .iter()
-            .position(|m| m.path == path)
-            .map(|i| (self.methods.clone(), i));
-        let answer = self.inner.call(request);
-        let Some((methods, i)) = series else {
-            return Box::pin(answer);
-        };
-        methods[i].calls.add(1);
-        let start = Instant::now();
-        Box::pin(async move {
-            let response = answer.await;
+        let timing = self.methods.iter().position(|m| m.path == path).map(|i| {
+            self.methods[i].calls.add(1);
+            (self.methods.clone(), i, Instant::now())
+        });
+        Timed {
+            answer: self.inner.call(request),
+            timing,
+        }
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// A call's answer, timed when its method is one of [`UNARY`]. In place, not boxed: a box would cost
+    /// an allocation and a copy of the answer's future per call.
+    pub struct Timed<F> {
+        #[pin]
+        answer: F,
+        timing: Option<(Arc<[MethodSeries]>, usize, Instant)>,
+    }
+}
+
+impl<F: Future> Future for Timed<F> {
+    type Output = F::Output;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
+        let this = self.project();
+        let answer = ready!(this.answer.poll(cx));
+        if let Some((methods, i, start)) = this.timing.take() {
             methods[i].time.observe(start.elapsed());
-            response
-        })
+        }
+        Poll::Ready(answer)
     }
 }

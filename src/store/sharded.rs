@@ -51,16 +51,17 @@ impl<V> Shard<V> {
 
     pub fn get(&self, key: Hashed<'_>) -> Option<&V> {
         self.table
-            .find(key.hash, |(_, k, _)| **k == *key.key)
+            .find(key.hash, |(h, k, _)| *h == key.hash && **k == *key.key)
             .map(|(_, _, v)| v)
     }
 
     /// Stores `value` under `key`, replacing what was there; whether the key is new here.
     pub fn insert(&mut self, key: Hashed<'_>, value: V) -> bool {
-        match self
-            .table
-            .entry(key.hash, |(_, k, _)| **k == *key.key, |(hash, _, _)| *hash)
-        {
+        match self.table.entry(
+            key.hash,
+            |(h, k, _)| *h == key.hash && **k == *key.key,
+            |(hash, _, _)| *hash,
+        ) {
             Entry::Occupied(mut held) => {
                 held.get_mut().2 = value;
                 false
@@ -74,7 +75,7 @@ impl<V> Shard<V> {
 
     pub fn remove(&mut self, key: Hashed<'_>) -> Option<V> {
         self.table
-            .find_entry(key.hash, |(_, k, _)| **k == *key.key)
+            .find_entry(key.hash, |(h, k, _)| *h == key.hash && **k == *key.key)
             .ok()
             .map(|entry| entry.remove().0 .2)
     }

@@ -99,3 +99,135 @@ fn malformed_calls_are_refused_before_anything_is_written() {
         assert_eq!(redis.cli(&["DBSIZE"]), "1", "{what} wrote a key");
     }
 }
+
+/// msgpack, written here by the format's rules (not by the client's own writer): an array of integers,
+/// each in its shortest form, or any element given as raw bytes.
+fn msgpack(elements: &[Element]) -> Vec<u8> {
+    let mut out = Vec::new();
+    match elements.len() {
+        n @ 0..=15 => out.push(0x90 | n as u8),
+        n => {
+            out.push(0xdc);
+            out.extend_from_slice(&(n as u16).to_be_bytes());
+        }
+    }
+    for e in elements {
+        match *e {
+            Element::Int(v) if (0..=0x7f).contains(&v) => out.push(v as u8),
+            Element::Int(v) if v >= 0 => {
+                out.push(0xcf);
+                out.extend_from_slice(&(v as u64).to_be_bytes());
+            }
+            Element::Int(v) => {
+                out.push(0xd3);
+                out.extend_from_slice(&v.to_be_bytes());
+            }
+            Element::Raw(bytes) => out.extend_from_slice(bytes),
+        }
+    }
+    out
+}
+
+#[derive(Clone, Copy)]
+enum Element {
+    Int(i64),
+    Raw(&'static [u8]),
+}
+
+/// EVALSHA with binary arguments, over RESP on a plain socket (redis-cli cannot pass a NUL byte): the
+/// reply as text, read until Redis has sent nothing more for 200 ms.
+fn call_raw(port: u16, sha: &str, key: &str, args: &[&[u8]]) -> String {
+    use std::io::{Read, Write};
+    let mut parts: Vec<&[u8]> = vec![b"EVALSHA", sha.as_bytes(), b"1", key.as_bytes()];
+    parts.extend_from_slice(args);
+    let mut command = format!("*{}\r\n", parts.len()).into_bytes();
+    for part in parts {
+        command.extend_from_slice(format!("${}\r\n", part.len()).as_bytes());
+        command.extend_from_slice(part);
+        command.extend_from_slice(b"\r\n");
+    }
+    let mut conn = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    conn.write_all(&command).unwrap();
+    conn.set_read_timeout(Some(std::time::Duration::from_millis(200)))
+        .unwrap();
+    let mut reply = Vec::new();
+    let mut buf = [0u8; 4096];
+    while let Ok(n) = conn.read(&mut buf) {
+        if n == 0 {
+            break;
+        }
+        reply.extend_from_slice(&buf[..n]);
+    }
+    String::from_utf8_lossy(&reply).into_owned()
+}
+
+#[test]
+fn packed_integers_decide_as_decimal_ones_and_are_refused_alike() {
+    let redis = RedisProcess::start(&[]);
+    let sha = redis.cli(&["SCRIPT", "LOAD", DECIDE]);
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    let start = now - now % 60;
+    let good: Vec<Element> = good_args(start)
+        .iter()
+        .map(|v| Element::Int(v.parse().unwrap()))
+        .collect();
+    // The same call as decimals and packed, on two keys: the same answer, the same counter.
+    let decimal = call(
+        &redis,
+        &sha,
+        &format!("contract_d_{start}"),
+        &good_args(start),
+    );
+    let packed_key = format!("contract_p_{start}");
+    let reply = call_raw(redis.port, &sha, &packed_key, &[&msgpack(&good)]);
+    assert!(reply.contains(":0\r\n:0\r\n:1\r\n:9\r\n"), "{reply:?}");
+    assert!(decimal.contains("\n0\n0\n1\n9\n"), "{decimal:?}");
+    assert_eq!(redis.cli(&["GET", &packed_key]), "1");
+
+    let with = |i: usize, e: Element| {
+        let mut args = good.clone();
+        args[i] = e;
+        msgpack(&args)
+    };
+    let cases: Vec<(&str, Vec<u8>)> = vec![
+        (
+            "a fraction (a msgpack double)",
+            with(14, Element::Raw(&[0xcb, 0x3f, 0xf8, 0, 0, 0, 0, 0, 0])),
+        ),
+        ("a negative cost", with(18, Element::Int(-1))),
+        ("above 2^53", with(6, Element::Int(1 << 60))),
+        (
+            "a string that is no number",
+            with(7, Element::Raw(&[0xa6, b'm', b'i', b'n', b'u', b't', b'e'])),
+        ),
+        ("nil", with(15, Element::Raw(&[0xc0]))),
+        (
+            "an array in place of a number",
+            with(16, Element::Raw(&[0x91, 0x01])),
+        ),
+        ("a key index past the keys", with(16, Element::Int(2))),
+        (
+            "a count past the call's end",
+            with(15, Element::Int(1_000_000)),
+        ),
+        ("more keys counted than given", with(1, Element::Int(2))),
+        ("a call that ends early", msgpack(&good[..good.len() - 2])),
+        ("a truncated array", msgpack(&good)[..10].to_vec()),
+    ];
+    for (what, blob) in cases {
+        let reply = call_raw(redis.port, &sha, &packed_key, &[&blob]);
+        assert!(
+            reply.starts_with('-') && reply.contains("ratelimitd"),
+            "{what}: {reply:?}"
+        );
+        assert_eq!(
+            redis.cli(&["GET", &packed_key]),
+            "1",
+            "{what} changed the counter"
+        );
+        assert_eq!(redis.cli(&["DBSIZE"]), "2", "{what} wrote a key");
+    }
+}

@@ -5,7 +5,8 @@
 -- KEYS      the state keys the call declares. Standalone and Sentinel: every key of the call. Cluster:
 --           the keys of one hash slot, by which Redis routes the call; the other keys of the same server
 --           follow in ARGV (the script reads and writes every key of one slot with its own commands).
--- ARGV, integers first, then the keys that are not in KEYS:
+-- ARGV: the integers (packed in one msgpack array, or one decimal argument each: see below), then the
+-- keys that are not in KEYS. The integers, in order:
 --   jitter            extra seconds of TTL for fixed-window counters this call creates
 --   K                 distinct keys in the call (KEYS, then the ones at the end of ARGV)
 --   G, G integers     read groups: the index of the last key of each group. Keys are numbered by group,
@@ -64,12 +65,28 @@
 -- give the same answers. Time is the Redis server's (TIME, read once per call), so replicas with skewed
 -- clocks agree. The client side of this contract is src/store/redis/script.rs; change both together.
 
-local tonumber, unpack = tonumber, unpack
+local tonumber, unpack, type = tonumber, unpack, type
 local floor, ceil, max, min = math.floor, math.ceil, math.max, math.min
 local A, declared = ARGV, #KEYS
-local K = tonumber(A[2])
-if K == nil or K < declared then return redis.error_reply('ratelimitd: key count does not match the call') end
-local numbers = #A - (K - declared)
+-- The integers: ratelimitd packs them into ARGV[1] as one msgpack array, unpacked here in one C call,
+-- and the key names follow from ARGV[2]; a call written by hand (redis-cli, redis-benchmark) may give
+-- them one decimal argument each, the key names after them. A decimal starts with a digit or a sign,
+-- never with a msgpack array's first byte.
+local N, K, numbers, names
+local lead = A[1] and A[1]:byte(1)
+if lead and ((lead >= 0x90 and lead <= 0x9f) or lead == 0xdc or lead == 0xdd) then
+  local ok, packed = pcall(cmsgpack.unpack, A[1])
+  if not ok or type(packed) ~= 'table' then return redis.error_reply('ratelimitd: the packed integers do not parse') end
+  N, K, numbers, names = packed, packed[2], #packed, 1
+  if type(K) ~= 'number' or K < declared or #A - 1 ~= K - declared then
+    return redis.error_reply('ratelimitd: key count does not match the call')
+  end
+else
+  N, K = A, tonumber(A[2])
+  if K == nil or K < declared then return redis.error_reply('ratelimitd: key count does not match the call') end
+  numbers = #A - (K - declared)
+  names = numbers
+end
 if numbers < 7 then return redis.error_reply('ratelimitd: the call ends early') end
 
 -- A cursor over the integers, each checked as it is read (`upto`: an index from 1 to upto). The first
@@ -78,7 +95,10 @@ local at, fault = 0, nil
 local function int(upto, what)
   at = at + 1
   local v = nil
-  if at <= numbers then v = tonumber(A[at]) end
+  if at <= numbers then
+    v = N[at]
+    if type(v) ~= 'number' then v = tonumber(v) end
+  end
   if v == nil or v < 0 or v > 9007199254740992 or v % 1 ~= 0 then
     fault = fault or ('argument ' .. at .. ' is not a whole number from 0 to 2^53')
     return 0
@@ -155,7 +175,7 @@ if fault then return redis.error_reply('ratelimitd: ' .. fault) end
 
 local key = {}
 for i = 1, declared do key[i] = KEYS[i] end
-for i = declared + 1, K do key[i] = A[numbers + i - declared] end
+for i = declared + 1, K do key[i] = A[names + i - declared] end
 local call = { valid = valid, rflags = rflags, rfirst = rfirst, rlast = rlast, want = want,
   wants = wants, returns = returns, groups = groups, jitter = jitter }
 

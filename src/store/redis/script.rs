@@ -210,47 +210,50 @@ impl DecideCall {
             .flat_map(|p| &p.checks)
             .filter(|c| c.want > 0)
             .count();
-        let mut args: Vec<Value> = Vec::with_capacity(
+        let mut ints = Packed::with_capacity(
             8 + keys.group_ends.len()
                 + specs.len() * 8
                 + parts.len() * 2
                 + checks * 3
                 + wants * 2
-                + returns.len() * 4
-                + keys.distinct.len(),
+                + returns.len() * 4,
         );
-        let push = |args: &mut Vec<Value>, v: usize| args.push(Value::Integer(v as i64));
-        args.push(Value::Integer(jitter.min(MAX_INTEGER) as i64));
-        push(&mut args, keys.distinct.len());
-        push(&mut args, keys.group_ends.len());
+        let push = |ints: &mut Packed, v: usize| ints.push(v as i64);
+        ints.push(jitter.min(MAX_INTEGER) as i64);
+        push(&mut ints, keys.distinct.len());
+        push(&mut ints, keys.group_ends.len());
         for &end in &keys.group_ends {
-            push(&mut args, end);
+            push(&mut ints, end);
         }
-        push(&mut args, specs.len());
-        args.extend(specs.iter().flatten().map(|&v| Value::Integer(v)));
-        push(&mut args, parts.len());
+        push(&mut ints, specs.len());
+        for &v in specs.iter().flatten() {
+            ints.push(v);
+        }
+        push(&mut ints, parts.len());
         for part in parts {
-            args.push(Value::Integer(part.flags));
-            push(&mut args, part.checks.len());
+            ints.push(part.flags);
+            push(&mut ints, part.checks.len());
             for check in &part.checks {
-                push(&mut args, keys.number(&check.key));
-                push(&mut args, spec_number(&check.spec));
-                args.push(Value::Integer(check.cost));
+                push(&mut ints, keys.number(&check.key));
+                push(&mut ints, spec_number(&check.spec));
+                ints.push(check.cost);
             }
         }
-        push(&mut args, wants);
+        push(&mut ints, wants);
         let numbered = parts.iter().flat_map(|p| &p.checks).enumerate();
         for (i, check) in numbered.filter(|(_, c)| c.want > 0) {
-            push(&mut args, i + 1);
-            args.push(Value::Integer(check.want));
+            push(&mut ints, i + 1);
+            ints.push(check.want);
         }
-        push(&mut args, returns.len());
+        push(&mut ints, returns.len());
         for r in returns {
-            push(&mut args, keys.number(&r.key));
-            push(&mut args, spec_number(&r.spec));
-            args_hits(&mut args, r.hits);
-            args.push(Value::Integer(r.granted_ms.min(MAX_INTEGER) as i64));
+            push(&mut ints, keys.number(&r.key));
+            push(&mut ints, spec_number(&r.spec));
+            ints.push(r.hits.min(MAX_INTEGER) as i64);
+            ints.push(r.granted_ms.min(MAX_INTEGER) as i64);
         }
+        let mut args: Vec<Value> = Vec::with_capacity(1 + keys.distinct.len());
+        args.push(Value::Bytes(ints.finish()));
         let declared = keys.declared();
         let mut call_keys = Vec::with_capacity(declared);
         for (i, (key, _)) in keys.distinct.iter().enumerate() {
@@ -350,8 +353,68 @@ impl<'a> KeyNumbers<'a> {
     }
 }
 
-fn args_hits(args: &mut Vec<Value>, hits: u64) {
-    args.push(Value::Integer(hits.min(MAX_INTEGER) as i64));
+/// A call's integers as one msgpack array, decide.lua's first argument: Redis takes it apart in C
+/// (`cmsgpack.unpack`, one Lua table) instead of making an argument object and a Lua string of each
+/// integer, and the client writes one bulk string instead of a frame per integer.
+struct Packed {
+    /// Five bytes kept in front for the array's header, then the integers.
+    bytes: Vec<u8>,
+    count: usize,
+}
+
+impl Packed {
+    const HEADER: usize = 5;
+
+    fn with_capacity(integers: usize) -> Self {
+        let mut bytes = Vec::with_capacity(Self::HEADER + integers * 3);
+        bytes.extend_from_slice(&[0; Self::HEADER]);
+        Self { bytes, count: 0 }
+    }
+
+    /// Appends `v` in msgpack's shortest form. The script refuses a negative value (the form is kept so
+    /// that it can).
+    fn push(&mut self, v: i64) {
+        self.count += 1;
+        let b = &mut self.bytes;
+        match u64::try_from(v) {
+            Ok(v @ 0..=0x7f) => b.push(v as u8),
+            Ok(v @ 0x80..=0xff) => b.extend_from_slice(&[0xcc, v as u8]),
+            Ok(v @ 0x100..=0xffff) => {
+                b.push(0xcd);
+                b.extend_from_slice(&(v as u16).to_be_bytes());
+            }
+            Ok(v @ 0x1_0000..=0xffff_ffff) => {
+                b.push(0xce);
+                b.extend_from_slice(&(v as u32).to_be_bytes());
+            }
+            Ok(v) => {
+                b.push(0xcf);
+                b.extend_from_slice(&v.to_be_bytes());
+            }
+            Err(_) => {
+                b.push(0xd3);
+                b.extend_from_slice(&v.to_be_bytes());
+            }
+        }
+    }
+
+    /// The array: its header written into the room kept in front, and the bytes from there.
+    fn finish(mut self) -> Bytes {
+        let n = self.count;
+        let start = if n < 16 {
+            self.bytes[4] = 0x90 | n as u8;
+            4
+        } else if let Ok(n) = u16::try_from(n) {
+            self.bytes[2] = 0xdc;
+            self.bytes[3..5].copy_from_slice(&n.to_be_bytes());
+            2
+        } else {
+            self.bytes[0] = 0xdd;
+            self.bytes[1..5].copy_from_slice(&(n as u32).to_be_bytes());
+            0
+        };
+        Bytes::from(self.bytes).slice(start..)
+    }
 }
 
 /// decide.lua's reply status of a part: decided.
@@ -541,13 +604,86 @@ mod tests {
     use super::*;
     use crate::{algorithm::Params, store::Check};
 
+    /// The integers of a call: its first argument, a msgpack array (read here independently of
+    /// `Packed`, by the format's rules).
     fn ints(args: &[Value]) -> Vec<i64> {
-        args.iter()
-            .map(|v| match v {
-                Value::Integer(i) => *i,
-                other => panic!("not an integer: {other:?}"),
-            })
-            .collect()
+        let Some(Value::Bytes(b)) = args.first() else {
+            panic!("no packed integers: {args:?}");
+        };
+        unpack(b)
+    }
+
+    fn unpack(b: &[u8]) -> Vec<i64> {
+        let be = |at: usize, n: usize| {
+            b[at..at + n]
+                .iter()
+                .fold(0u64, |v, &byte| (v << 8) | u64::from(byte))
+        };
+        let (n, mut at) = match b[0] {
+            m @ 0x90..=0x9f => (usize::from(m & 0x0f), 1),
+            0xdc => (be(1, 2) as usize, 3),
+            0xdd => (be(1, 4) as usize, 5),
+            m => panic!("not an array: {m:#x}"),
+        };
+        let mut out = Vec::with_capacity(n);
+        for _ in 0..n {
+            let (v, len) = match b[at] {
+                m @ 0..=0x7f => (i64::from(m), 1),
+                0xcc => (be(at + 1, 1) as i64, 2),
+                0xcd => (be(at + 1, 2) as i64, 3),
+                0xce => (be(at + 1, 4) as i64, 5),
+                0xcf => (be(at + 1, 8) as i64, 9),
+                0xd3 => (be(at + 1, 8) as i64, 9),
+                m => panic!("not an integer: {m:#x}"),
+            };
+            out.push(v);
+            at += len;
+        }
+        assert_eq!(at, b.len(), "bytes left over");
+        out
+    }
+
+    #[test]
+    fn integers_are_packed_in_the_shortest_form_and_every_array_length_has_its_header() {
+        let edges: [i64; 12] = [
+            0,
+            0x7f,
+            0x80,
+            0xff,
+            0x100,
+            0xffff,
+            0x1_0000,
+            0xffff_ffff,
+            0x1_0000_0000,
+            1 << 53,
+            i64::MAX,
+            -1,
+        ];
+        let mut packed = Packed::with_capacity(edges.len());
+        for v in edges {
+            packed.push(v);
+        }
+        let bytes = packed.finish();
+        assert_eq!(unpack(&bytes), edges);
+        // 1 + 1, 2, 2, 3, 3, 5, 5, 9, 9, 9, 9 bytes
+        assert_eq!(
+            bytes.len(),
+            1 + 1 + 1 + 2 + 2 + 3 + 3 + 5 + 5 + 9 + 9 + 9 + 9
+        );
+        for n in [0, 15, 16, 65_535, 65_536] {
+            let mut packed = Packed::with_capacity(n);
+            for i in 0..n {
+                packed.push(i as i64 % 100);
+            }
+            let bytes = packed.finish();
+            let header = match n {
+                0..=15 => 1,
+                16..=65_535 => 3,
+                _ => 5,
+            };
+            assert_eq!(bytes.len(), header + n, "{n} integers");
+            assert_eq!(unpack(&bytes).len(), n);
+        }
     }
 
     fn batch() -> Batch {
@@ -639,7 +775,7 @@ mod tests {
         let tail = call.args.last().unwrap();
         assert!(matches!(tail, Value::Bytes(b) if &b[..] == b"fw_2220"));
         // Two read groups, one key each; `tb` is key 1.
-        assert_eq!(ints(&call.args[..5]), [0, 2, 2, 1, 2]);
+        assert_eq!(ints(&call.args)[..5], [0, 2, 2, 1, 2]);
     }
 
     #[test]
@@ -655,7 +791,7 @@ mod tests {
             granted_ms: 2_160_500,
         };
         let call = DecideCall::new(&[&part], &[back], 0, false);
-        let args = ints(&call.args[..call.args.len()]);
+        let args = ints(&call.args);
         // After the request: one lease wanted (check 2, 40 hits), one return (key 3, spec 3, 7 hits
         // granted at 2 160 500 ms).
         assert_eq!(&args[args.len() - 8..], [1, 2, 40, 1, 3, 3, 7, 2_160_500]);

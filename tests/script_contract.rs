@@ -48,15 +48,20 @@ fn call(redis: &RedisProcess, sha: &str, key: &str, args: &[String]) -> String {
     redis.cli(&all)
 }
 
-#[test]
-fn malformed_calls_are_refused_before_anything_is_written() {
+/// A Redis with decide.lua loaded: the server, the script's SHA, and the start (s) of this minute's window.
+fn loaded() -> (RedisProcess, String, u64) {
     let redis = RedisProcess::start(&[]);
     let sha = redis.cli(&["SCRIPT", "LOAD", DECIDE]);
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap()
         .as_secs();
-    let start = now - now % 60;
+    (redis, sha, now - now % 60)
+}
+
+#[test]
+fn malformed_calls_are_refused_before_anything_is_written() {
+    let (redis, sha, start) = loaded();
     let key = format!("contract_k_{start}");
     let good = good_args(start);
     // A well-formed call decides: allowed, 9 left.
@@ -163,13 +168,7 @@ fn call_raw(port: u16, sha: &str, key: &str, args: &[&[u8]]) -> String {
 
 #[test]
 fn packed_integers_decide_as_decimal_ones_and_are_refused_alike() {
-    let redis = RedisProcess::start(&[]);
-    let sha = redis.cli(&["SCRIPT", "LOAD", DECIDE]);
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_secs();
-    let start = now - now % 60;
+    let (redis, sha, start) = loaded();
     let good: Vec<Element> = good_args(start)
         .iter()
         .map(|v| Element::Int(v.parse().unwrap()))

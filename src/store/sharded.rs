@@ -30,6 +30,14 @@ pub struct Hashed<'k> {
 /// One entry: its hash (for growing the table), its key and its value.
 type Slot<V> = (u64, Box<str>, V);
 
+impl Hashed<'_> {
+    /// Whether `slot` holds this key: the full hash first, which tells nearly every other key apart
+    /// without reading the slot's key from the heap.
+    fn is_in<V>(&self, (hash, key, _): &Slot<V>) -> bool {
+        *hash == self.hash && **key == *self.key
+    }
+}
+
 /// One shard: the part of the map behind one lock.
 #[derive(Debug)]
 pub struct Shard<V> {
@@ -51,17 +59,16 @@ impl<V> Shard<V> {
 
     pub fn get(&self, key: Hashed<'_>) -> Option<&V> {
         self.table
-            .find(key.hash, |(h, k, _)| *h == key.hash && **k == *key.key)
+            .find(key.hash, |slot| key.is_in(slot))
             .map(|(_, _, v)| v)
     }
 
     /// Stores `value` under `key`, replacing what was there; whether the key is new here.
     pub fn insert(&mut self, key: Hashed<'_>, value: V) -> bool {
-        match self.table.entry(
-            key.hash,
-            |(h, k, _)| *h == key.hash && **k == *key.key,
-            |(hash, _, _)| *hash,
-        ) {
+        match self
+            .table
+            .entry(key.hash, |slot| key.is_in(slot), |(hash, _, _)| *hash)
+        {
             Entry::Occupied(mut held) => {
                 held.get_mut().2 = value;
                 false
@@ -75,7 +82,7 @@ impl<V> Shard<V> {
 
     pub fn remove(&mut self, key: Hashed<'_>) -> Option<V> {
         self.table
-            .find_entry(key.hash, |(h, k, _)| *h == key.hash && **k == *key.key)
+            .find_entry(key.hash, |slot| key.is_in(slot))
             .ok()
             .map(|entry| entry.remove().0 .2)
     }

@@ -965,7 +965,7 @@ async fn a_report_past_what_a_token_bucket_has_left_is_counted() {
     s.wait_serving(Duration::from_secs(5)).await;
     let bucketed = &[("generic_key", "bucketed")];
     let mut client = s.client().await;
-    let rls = || request("edge", vec![descriptor(&[("generic_key", "bucketed")])]);
+    let rls = || request("edge", vec![descriptor(bucketed)]);
     let first = ask(&mut client, rls()).await;
     assert_eq!(first.statuses[0].limit_remaining, 9, "{first:?}");
     let mut stream = Raw::open(&s).await.unwrap();

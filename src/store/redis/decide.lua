@@ -82,25 +82,38 @@ if lead and ((lead >= 0x90 and lead <= 0x9f) or lead == 0xdc or lead == 0xdd) th
     return redis.error_reply('ratelimitd: key count does not match the call')
   end
 else
-  N, K = A, tonumber(A[2])
+  K = tonumber(A[2])
   if K == nil or K < declared then return redis.error_reply('ratelimitd: key count does not match the call') end
   numbers = #A - (K - declared)
   names = numbers
+  N = {}
+  for i = 1, numbers do N[i] = tonumber(A[i]) end
 end
 if numbers < 7 then return redis.error_reply('ratelimitd: the call ends early') end
 
--- A cursor over the integers, each checked as it is read (`upto`: an index from 1 to upto). The first
--- fault is kept, and refuses the call once everything is read, before any key is touched.
-local at, fault = 0, nil
+-- Every integer is a whole number from 0 to 2^53, checked in one pass; anything that is no number
+-- (a string, nil, a table) fails the comparison with Lua's own error, caught here.
+local at = 0
+local whole = pcall(function()
+  for i = 1, numbers do
+    at = i
+    local v = N[i]
+    if v < 0 or v > 9007199254740992 or v % 1 ~= 0 then error() end
+  end
+end)
+if not whole then
+  return redis.error_reply('ratelimitd: argument ' .. at .. ' is not a whole number from 0 to 2^53')
+end
+
+-- A cursor over the integers (`upto`: an index from 1 to upto). The first fault is kept, and refuses
+-- the call once everything is read, before any key is touched.
+local fault = nil
+at = 0
 local function int(upto, what)
   at = at + 1
-  local v = nil
-  if at <= numbers then
-    v = N[at]
-    if type(v) ~= 'number' then v = tonumber(v) end
-  end
-  if v == nil or v < 0 or v > 9007199254740992 or v % 1 ~= 0 then
-    fault = fault or ('argument ' .. at .. ' is not a whole number from 0 to 2^53')
+  local v = N[at]
+  if v == nil then
+    fault = fault or 'the call ends early'
     return 0
   end
   if upto and (v < 1 or v > upto) then
@@ -146,19 +159,42 @@ for s = 1, specs do
   over[s], debt[s] = code(2, 'flag (0 or 1)') == 1, int()
   valid[s] = alg[s] ~= 0 or (win[s] >= 1000 and now_s - now_s % (win[s] / 1000) == start)
 end
--- Checks as parallel arrays, requests as ranges of them.
+-- Checks as parallel arrays, requests as ranges of them; a check's three integers are read in place.
+-- A request is decided only if every fixed-window spec it uses is for this server's window (`skipped`
+-- otherwise). The algorithm of each key (nil: the call does not need the key) is its first decided
+-- check's.
 local ckey, cspec, ccost = {}, {}, {}
 local rflags, rfirst, rlast = {}, {}, {}
+local skipped, kalg = {}, {}
 local requests, c = count(2), 0
 for r = 1, requests do
-  local flags = code(7, 'request flag')
-  if flags % 4 > 2 then fault = fault or ('argument ' .. at .. ' is not a request flag') end
-  rflags[r], rfirst[r] = flags, c + 1
-  for _ = 1, count(3) do
-    c = c + 1
-    ckey[c], cspec[c], ccost[c] = int(K, 'key index'), int(specs, 'spec index'), int()
+  -- The request's flags and its number of checks, read in place (this loop runs for every request).
+  if at + 2 > numbers then fault = fault or 'the call ends early'; break end
+  local flags, n = N[at + 1], N[at + 2]
+  if flags > 6 or flags % 4 > 2 then fault = fault or ('argument ' .. (at + 1) .. ' is not a request flag') end
+  at = at + 2
+  if n * 3 > numbers - at then
+    fault = fault or ('argument ' .. at .. ' counts more than the call holds')
+    n = 0
   end
-  rlast[r] = c
+  local first, skip = c + 1, false
+  for _ = 1, n do
+    local k, s = N[at + 1], N[at + 2]
+    if k < 1 or k > K then fault = fault or ('argument ' .. (at + 1) .. ' is not a key index') end
+    if s < 1 or s > specs then fault = fault or ('argument ' .. (at + 2) .. ' is not a spec index') end
+    c = c + 1
+    ckey[c], cspec[c], ccost[c] = k, s, N[at + 3]
+    at = at + 3
+    if not valid[s] then skip = true end
+  end
+  rflags[r], rfirst[r], rlast[r] = flags, first, c
+  if skip then skipped[r] = true
+  else
+    for i = first, c do
+      local k = ckey[i]
+      if kalg[k] == nil then kalg[k] = alg[cspec[i]] end
+    end
+  end
 end
 local want, wants = {}, {}
 for w = 1, count(2) do
@@ -173,34 +209,13 @@ end
 if not fault and at ~= numbers then fault = (numbers - at) .. ' arguments left over' end
 if fault then return redis.error_reply('ratelimitd: ' .. fault) end
 
-local key = {}
-for i = 1, declared do key[i] = KEYS[i] end
+local key = KEYS
 for i = declared + 1, K do key[i] = A[names + i - declared] end
 local call = { valid = valid, rflags = rflags, rfirst = rfirst, rlast = rlast, want = want,
   wants = wants, returns = returns, groups = groups, jitter = jitter }
 
--- A request is decided only if every fixed-window spec it uses is for this server's window.
-local skipped = {}
-for r = 1, requests do
-  for i = call.rfirst[r], call.rlast[r] do
-    if not call.valid[cspec[i]] then skipped[r] = true; break end
-  end
-end
-
--- The algorithm of each key, from the first check on it; which keys are needed at all.
-local kalg, needed = {}, {}
-for r = 1, requests do
-  if not skipped[r] then
-    for i = call.rfirst[r], call.rlast[r] do
-      local k = ckey[i]
-      needed[k] = true
-      if kalg[k] == nil then kalg[k] = alg[cspec[i]] end
-    end
-  end
-end
 for b = 1, #call.returns do
   local k = call.returns[b][1]
-  needed[k] = true
   if kalg[k] == nil then kalg[k] = alg[call.returns[b][2]] end
 end
 
@@ -210,37 +225,46 @@ end
 --   took in | token bucket: tokens, time counted | GCRA: theoretical arrival (us)
 -- A sliding log's stored entries are kept in logt/logc/logm (times ascending: time, hits, member) and
 -- never change in the call.
+-- `base`: a string key's value as read (nil: none).
 local s1, s2, s3, has = {}, {}, {}, {}
-local base, existed, logt, logc, logm = {}, {}, {}, {}, {}
+local base, logt, logc, logm = {}, {}, {}, {}
 
 -- Read every needed key: string keys one MGET per group, the others one command each.
 local first = 1
 for g = 1, #call.groups do
   local last = call.groups[g]
-  local strings = {}
+  local n = 0
   for k = first, last do
-    if needed[k] and (kalg[k] == 0 or kalg[k] == 4) then strings[#strings + 1] = k end
+    local a = kalg[k]
+    if a == 0 or a == 4 then n = n + 1 end
   end
-  if #strings > 0 then
-    local names = {}
-    for j = 1, #strings do names[j] = key[strings[j]] end
+  -- The keys read, by number: the whole group when every key of it is a string (a group of fixed
+  -- windows, the usual call), else gathered.
+  local strings, names = nil, key
+  if n < last - first + 1 and n > 0 then
+    strings, names = {}, {}
+    for k = first, last do
+      local a = kalg[k]
+      if a == 0 or a == 4 then strings[#strings + 1] = k; names[#names + 1] = key[k] end
+    end
+  end
+  if n > 0 then
+    local from = strings and 1 or first
     -- A Redis ACL user without MGET (set up for earlier versions) reads them one by one: MGET fails for
     -- no other reason.
-    local v = redis.pcall('MGET', unpack(names))
+    local v = redis.pcall('MGET', unpack(names, from, from + n - 1))
     if v.err then
       v = {}
-      for j = 1, #names do v[j] = redis.call('GET', names[j]) end
+      for j = 1, n do v[j] = redis.call('GET', names[from + j - 1]) end
     end
-    for j = 1, #strings do
-      local k = strings[j]
+    for j = 1, n do
+      local k = strings and strings[j] or first + j - 1
       local value = tonumber(v[j])
-      if value then has[k] = true; s1[k] = value end
-      existed[k] = value ~= nil
-      base[k] = value or 0
+      if value then has[k], s1[k], base[k] = true, value, value end
     end
   end
-  for k = first, last do
-    if needed[k] then
+  if n < last - first + 1 then
+    for k = first, last do
       local a = kalg[k]
       if a == 1 then
         local v = redis.call('HMGET', key[k], 's', 'c', 'p')
@@ -432,22 +456,37 @@ decide[4] = function(s, k, present, tat0, _, _, cost)
 end
 
 -- The sliding log's state starts with nothing added by this call, whether or not the key existed.
-for k in pairs(needed) do
-  if kalg[k] == 2 then has[k], s2[k], s3[k] = true, 0, 0 end
+for k, a in pairs(kalg) do
+  if a == 2 then has[k], s2[k], s3[k] = true, 0, 0 end
+end
+
+-- A whole number as a command argument. Lua would format every number it passes with `%.14g`, a
+-- double's slow path; the few distinct values of a call (costs, expiries, window starts) are formatted
+-- once each, as integers.
+local text = {}
+local function str(n)
+  local s = text[n]
+  if s == nil then
+    s = n
+    if n % 1 == 0 then s = string.format('%d', n) end
+    text[n] = s
+  end
+  return s
 end
 
 -- Writes a key's state back, with its expiry; `s` is the spec of the last check that changed it.
 local function save(k, s)
   local a, name, w = alg[s], key[k], win[s]
   if a == 0 then
-    if not existed[k] then
-      redis.call('SET', name, s1[k], 'EX', w / 1000 + call.jitter)
+    if base[k] == nil then
+      redis.call('SET', name, str(s1[k]), 'EX', str(w / 1000 + call.jitter))
     else
-      redis.call('INCRBY', name, s1[k] - base[k])
+      local add = s1[k] - base[k]
+      redis.call('INCRBY', name, text[add] or str(add))
     end
   elseif a == 1 then
-    redis.call('HSET', name, 's', s1[k], 'c', s2[k], 'p', s3[k])
-    redis.call('PEXPIRE', name, s1[k] + 2 * w - now)
+    redis.call('HSET', name, 's', str(s1[k]), 'c', str(s2[k]), 'p', str(s3[k]))
+    redis.call('PEXPIRE', name, str(s1[k] + 2 * w - now))
   elseif a == 2 then
     if s2[k] > 0 then
       if #logt[k] > 0 and logt[k][1] + w <= now then
@@ -460,16 +499,16 @@ local function save(k, s)
         redis.call('ZREM', name, logm[k][j])
       end
       redis.call('ZADD', name, now, now .. ':' .. t[2] .. ':' .. held)
-      redis.call('PEXPIRE', name, w)
+      redis.call('PEXPIRE', name, str(w))
     end
   elseif a == 3 then
     -- Until the bucket is full again (as the memory store keeps it): one that never refills
     -- (requests_per_unit 0) keeps its state for burst x window, not for a moment.
     local full_in = ceil0((burst[s] - s1[k]) * w / max(limit[s], 1)) + 1
-    redis.call('HSET', name, 't', string.format('%.17g', s1[k]), 'l', s2[k])
-    redis.call('PEXPIRE', name, full_in)
+    redis.call('HSET', name, 't', string.format('%.17g', s1[k]), 'l', str(s2[k]))
+    redis.call('PEXPIRE', name, str(full_in))
   else
-    redis.call('SET', name, string.format('%d', s1[k]), 'PX', ceil0(s1[k] / 1000 - now) + 1)
+    redis.call('SET', name, string.format('%d', s1[k]), 'PX', str(ceil0(s1[k] / 1000 - now) + 1))
   end
 end
 
@@ -512,52 +551,55 @@ for b = 1, #call.returns do
 end
 
 local t1, t2, t3, tr = {}, {}, {}, {}
-local allowed, remaining, reset, retry = {}, {}, {}, {}
-local granted = {}
+local granted, leasing = {}, #call.wants > 0
+-- Each check's answer goes straight into its place in the reply.
 local reply, rn = { now }, 1
 for r = 1, requests do
   if skipped[r] then
     rn = rn + 1; reply[rn] = 1
     rn = rn + 1; reply[rn] = 0
   else
-    local flags = call.rflags[r]
+    local flags = rflags[r]
     local scope, consume_on_deny = flags % 4, flags >= 4
-    local first_check, last_check = call.rfirst[r], call.rlast[r]
+    local first_check, last_check = rfirst[r], rlast[r]
+    -- The request's status and denied (filled in once known) at head + 1 and + 2, then check i's
+    -- allowed (1/0), remaining, reset and retry from base + 4 * i + 1.
+    local head = rn
+    local base = head + 2 - 4 * first_check
+    reply[head + 1], reply[head + 2] = 0, 0
+    local denied = scope == 2
+    local quota, quota_over = 0, 0
     for i = first_check, last_check do
       local k, s, cost = ckey[i], cspec[i], ccost[i]
       local a, b, c3, present
       if tr[k] == r then a, b, c3, present = t1[k], t2[k], t3[k], true
       else a, b, c3, present = s1[k], s2[k], s3[k], has[k] end
       local ok, rem, res, ret, n1, n2, n3 = decide[alg[s]](s, k, present, a, b, c3, cost)
-      allowed[i], remaining[i], reset[i], retry[i] = ok, rem, res, ret
+      local o = base + 4 * i
+      reply[o + 1], reply[o + 2], reply[o + 3], reply[o + 4] = ok and 1 or 0, rem, res, ret
       if cost > 0 and (ok or counts_denied[alg[s]] or over[s]) then
         t1[k], t2[k], t3[k], tr[k] = n1, n2, n3, r
       end
-    end
-    local denied = scope == 2
-    local quota, quota_over = 0, 0
-    for i = first_check, last_check do
-      if role[cspec[i]] == 0 and not allowed[i] then denied = true
-      elseif role[cspec[i]] == 2 then
+      local role_i = role[s]
+      if role_i == 0 and not ok then denied = true
+      elseif role_i == 2 then
         quota = quota + 1
-        if not allowed[i] then quota_over = quota_over + 1 end
+        if not ok then quota_over = quota_over + 1 end
       end
     end
+    rn = base + 4 * last_check + 4
     if scope == 1 and quota > 0 and quota == quota_over then denied = true end
     local consume = consume_on_deny or not denied
-    rn = rn + 1; reply[rn] = 0
-    rn = rn + 1; reply[rn] = denied and 1 or 0
-    for i = first_check, last_check do
-      local k, s = ckey[i], cspec[i]
-      if allowed[i] and not consume and not over[s] then
-        -- Allowed but not consumed: the quota as it stands.
-        local _, rem, res = decide[alg[s]](s, k, has[k], s1[k], s2[k], s3[k], 0)
-        remaining[i], reset[i] = rem, res
+    if denied then reply[head + 2] = 1 end
+    if not consume then
+      for i = first_check, last_check do
+        local k, s, o = ckey[i], cspec[i], base + 4 * i
+        if reply[o + 1] == 1 and not over[s] then
+          -- Allowed but not consumed: the quota as it stands.
+          local _, rem, res = decide[alg[s]](s, k, has[k], s1[k], s2[k], s3[k], 0)
+          reply[o + 2], reply[o + 3] = rem, res
+        end
       end
-      rn = rn + 1; reply[rn] = allowed[i] and 1 or 0
-      rn = rn + 1; reply[rn] = remaining[i]
-      rn = rn + 1; reply[rn] = reset[i]
-      rn = rn + 1; reply[rn] = retry[i]
     end
     if consume then
       for i = first_check, last_check do
@@ -570,20 +612,22 @@ for r = 1, requests do
       end
       -- Leases ride on consuming requests, granted whole while they are at most a sixteenth of what is
       -- left after the request.
-      for i = first_check, last_check do
-        local wanted = call.want[i]
-        if wanted and wanted > 0 and allowed[i] then
-          local k, s = ckey[i], cspec[i]
-          local give = 0
-          if alg[s] == 0 then
-            if limit[s] - s1[k] >= 16 * wanted then give = wanted; s1[k] = s1[k] + give end
-          elseif alg[s] == 1 then
-            local w = win[s]
-            local estimate = s3[k] * (w - (now - s1[k])) / w + s2[k]
-            if limit[s] - estimate >= 16 * wanted then give = wanted; s2[k] = s2[k] + give end
+      if leasing then
+        for i = first_check, last_check do
+          local wanted = want[i]
+          if wanted and wanted > 0 and reply[base + 4 * i + 1] == 1 then
+            local k, s = ckey[i], cspec[i]
+            local give = 0
+            if alg[s] == 0 then
+              if limit[s] - s1[k] >= 16 * wanted then give = wanted; s1[k] = s1[k] + give end
+            elseif alg[s] == 1 then
+              local w = win[s]
+              local estimate = s3[k] * (w - (now - s1[k])) / w + s2[k]
+              if limit[s] - estimate >= 16 * wanted then give = wanted; s2[k] = s2[k] + give end
+            end
+            if give > 0 then dirty[k] = s end
+            granted[i] = give
           end
-          if give > 0 then dirty[k] = s end
-          granted[i] = give
         end
       end
     else

@@ -22,6 +22,7 @@ use std::{
     sync::{Arc, Mutex},
 };
 
+use bytes::Bytes;
 use fred::{error::Error, prelude::*, types::scripts::Script};
 use futures_util::future::join_all;
 use tokio::{sync::oneshot, time::Instant};
@@ -30,7 +31,7 @@ use tokio_util::task::TaskTracker;
 use super::{
     node::Node,
     redis_error,
-    script::{DecideCall, Part, PartReply, Return},
+    script::{unpack_reply, DecideCall, Part, PartReply, Return},
 };
 use crate::store::StoreError;
 
@@ -242,10 +243,10 @@ impl Caller {
         loop {
             let DecideCall { keys, args } = DecideCall::new(parts, returns, jitter, self.cluster);
             let (sha, sender) = (self.script.sha1().clone(), client.clone());
-            let call = async move { sender.evalsha::<Vec<i64>, _, _, _>(sha, keys, args).await };
+            let call = async move { sender.evalsha::<Bytes, _, _, _>(sha, keys, args).await };
             let late = StoreError::Deadline(until.saturating_duration_since(Instant::now()));
             match node.wait(&self.tasks, call, until, late).await? {
-                Ok(reply) => return Ok(PartReply::parse_all(&reply, parts)?),
+                Ok(reply) => return Ok(PartReply::parse_all(&unpack_reply(&reply)?, parts)?),
                 Err(err) if !loaded && err.details().starts_with("NOSCRIPT") => {
                     self.script.load(&client).await.map_err(redis_error)?;
                     loaded = true;

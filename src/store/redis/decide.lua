@@ -34,6 +34,8 @@
 --          allowed (1/0), remaining, reset (ms), retry (ms); then per lease wanted, the hits granted }
 --   status 0: decided. status 1: a fixed-window start of the request disagrees with this server's clock;
 --   nothing of that request was read or written, and the caller retries it with keys for the server time.
+--   A call whose integers came packed is answered packed: the same integers as one msgpack array, one
+--   bulk string for the client to read, not one RESP integer each.
 --
 -- Every integer must be a whole number from 0 to 2^53 (costs arrive bounded by what the limit could ever
 -- allow), and every index must point at what it names; anything else is refused before anything is read
@@ -71,10 +73,11 @@ local A, declared = ARGV, #KEYS
 -- The integers: ratelimitd packs them into ARGV[1] as one msgpack array, unpacked here in one C call,
 -- and the key names follow from ARGV[2]; a call written by hand (redis-cli, redis-benchmark) may give
 -- them one decimal argument each, the key names after them. A decimal starts with a digit or a sign,
--- never with a msgpack array's first byte.
+-- never with a msgpack array's first byte. A packed call is answered packed the same way.
 local N, K, numbers, names
 local lead = A[1] and A[1]:byte(1)
-if lead and ((lead >= 0x90 and lead <= 0x9f) or lead == 0xdc or lead == 0xdd) then
+local packed_call = lead and ((lead >= 0x90 and lead <= 0x9f) or lead == 0xdc or lead == 0xdd)
+if packed_call then
   local ok, packed = pcall(cmsgpack.unpack, A[1])
   if not ok or type(packed) ~= 'table' then return redis.error_reply('ratelimitd: the packed integers do not parse') end
   N, K, numbers, names = packed, packed[2], #packed, 1
@@ -662,4 +665,5 @@ end
 
 for k, s in pairs(dirty) do save(k, s) end
 for w = 1, #call.wants do rn = rn + 1; reply[rn] = granted[call.wants[w]] or 0 end
+if packed_call then return cmsgpack.pack(reply) end
 return reply

@@ -417,6 +417,52 @@ impl Packed {
     }
 }
 
+/// The reply of a packed call: one msgpack array of the script's numbers, as Redis's `cmsgpack` writes
+/// Lua numbers (an integer of any width, a double when one is not whole). A double is cut toward zero, as
+/// Redis turns a Lua number into an integer reply; anything else, or bytes left over, is an error.
+pub fn unpack_reply(bytes: &[u8]) -> Result<Vec<i64>, StoreError> {
+    let bad = |what: &str| StoreError::Backend(format!("unexpected reply from decide.lua: {what}"));
+    let mut rest = bytes;
+    let mut take = |n: usize| -> Result<u64, StoreError> {
+        if rest.len() < n {
+            return Err(bad("it ends early"));
+        }
+        let (head, tail) = rest.split_at(n);
+        rest = tail;
+        Ok(head.iter().fold(0, |v, &b| (v << 8) | u64::from(b)))
+    };
+    let n = match take(1)? as u8 {
+        m @ 0x90..=0x9f => u64::from(m & 0x0f),
+        0xdc => take(2)?,
+        0xdd => take(4)?,
+        _ => return Err(bad("not an array")),
+    };
+    // Every element takes at least one byte: a header cannot make this allocate more than the reply.
+    let mut out = Vec::with_capacity((n as usize).min(bytes.len()));
+    for _ in 0..n {
+        let v = match take(1)? as u8 {
+            m @ 0x00..=0x7f => i64::from(m),
+            m @ 0xe0..=0xff => i64::from(m as i8),
+            0xcc => take(1)? as i64,
+            0xcd => take(2)? as i64,
+            0xce => take(4)? as i64,
+            0xcf => i64::try_from(take(8)?).unwrap_or(i64::MAX),
+            0xd0 => i64::from(take(1)? as u8 as i8),
+            0xd1 => i64::from(take(2)? as u16 as i16),
+            0xd2 => i64::from(take(4)? as u32 as i32),
+            0xd3 => take(8)? as i64,
+            0xca => f32::from_bits(take(4)? as u32) as i64,
+            0xcb => f64::from_bits(take(8)?) as i64,
+            _ => return Err(bad("an element is not a number")),
+        };
+        out.push(v);
+    }
+    if !rest.is_empty() {
+        return Err(bad("bytes left over"));
+    }
+    Ok(out)
+}
+
 /// decide.lua's reply status of a part: decided.
 const STATUS_DECIDED: i64 = 0;
 /// decide.lua's reply status of a part: a fixed-window key is for another window than the server's clock
@@ -604,8 +650,8 @@ mod tests {
     use super::*;
     use crate::{algorithm::Params, store::Check};
 
-    /// The integers of a call: its first argument, a msgpack array (read here independently of
-    /// `Packed`, by the format's rules).
+    /// The integers of a call: its first argument, a msgpack array (read with the reply's reader, which
+    /// its own test checks against bytes written by hand).
     fn ints(args: &[Value]) -> Vec<i64> {
         let Some(Value::Bytes(b)) = args.first() else {
             panic!("no packed integers: {args:?}");
@@ -614,33 +660,55 @@ mod tests {
     }
 
     fn unpack(b: &[u8]) -> Vec<i64> {
-        let be = |at: usize, n: usize| {
-            b[at..at + n]
-                .iter()
-                .fold(0u64, |v, &byte| (v << 8) | u64::from(byte))
-        };
-        let (n, mut at) = match b[0] {
-            m @ 0x90..=0x9f => (usize::from(m & 0x0f), 1),
-            0xdc => (be(1, 2) as usize, 3),
-            0xdd => (be(1, 4) as usize, 5),
-            m => panic!("not an array: {m:#x}"),
-        };
-        let mut out = Vec::with_capacity(n);
-        for _ in 0..n {
-            let (v, len) = match b[at] {
-                m @ 0..=0x7f => (i64::from(m), 1),
-                0xcc => (be(at + 1, 1) as i64, 2),
-                0xcd => (be(at + 1, 2) as i64, 3),
-                0xce => (be(at + 1, 4) as i64, 5),
-                0xcf => (be(at + 1, 8) as i64, 9),
-                0xd3 => (be(at + 1, 8) as i64, 9),
-                m => panic!("not an integer: {m:#x}"),
-            };
-            out.push(v);
-            at += len;
+        unpack_reply(b).unwrap()
+    }
+
+    #[test]
+    fn a_packed_reply_reads_every_number_form_and_refuses_anything_else() {
+        let mut reply = vec![0xdc, 0, 14];
+        reply.extend_from_slice(&[0x00, 0x7f, 0xff, 0xe0]);
+        reply.extend_from_slice(&[0xcc, 0xff, 0xcd, 0x01, 0x00, 0xce, 0x00, 0x01, 0x00, 0x00]);
+        reply.extend_from_slice(&[0xcf, 0, 0, 0x01, 0x8b, 0xcf, 0xe8, 0x0d, 0x40]);
+        reply.extend_from_slice(&[0xd0, 0x80, 0xd1, 0x80, 0x00, 0xd2, 0x80, 0, 0, 0]);
+        reply.push(0xd3);
+        reply.extend_from_slice(&(-1_700_000_000_000_i64).to_be_bytes());
+        reply.push(0xca);
+        reply.extend_from_slice(&2.75_f32.to_be_bytes());
+        reply.push(0xcb);
+        reply.extend_from_slice(&(-2.5_f64).to_be_bytes());
+        assert_eq!(
+            unpack_reply(&reply).unwrap(),
+            [
+                0,
+                127,
+                -1,
+                -32,
+                255,
+                256,
+                65_536,
+                1_700_000_173_376,
+                -128,
+                -32_768,
+                -2_147_483_648,
+                -1_700_000_000_000,
+                2,
+                -2
+            ]
+        );
+        assert_eq!(unpack_reply(&[0xdd, 0, 0, 0, 1, 0x05]).unwrap(), [5]);
+        assert_eq!(unpack_reply(&[0x90]).unwrap(), Vec::<i64>::new());
+        for bad in [
+            &[][..],
+            &[0x81, 0x01, 0x01],                   // a map
+            &[0x92, 0x01, 0xa1, b'x'],             // a string element
+            &[0x92, 0x01],                         // ends early
+            &[0x91, 0xcd, 0x01],                   // a number cut short
+            &[0x91, 0x01, 0x01],                   // bytes left over
+            &[0xdd, 0xff, 0xff, 0xff, 0xff, 0x01], // a header far past the bytes
+            &[0x91, 0xc0],                         // nil
+        ] {
+            assert!(unpack_reply(bad).is_err(), "{bad:?}");
         }
-        assert_eq!(at, b.len(), "bytes left over");
-        out
     }
 
     #[test]

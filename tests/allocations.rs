@@ -182,9 +182,10 @@ fn allocations_per_decision_stay_small() {
     );
     eprintln!("allocations per decision on Redis: {on_redis}");
     // Besides the limiter's: the storage key, the request's part and its answer, the call (its
-    // arguments, and fred's command, frame and reply), the task that sends it and the waits.
+    // arguments, and fred's command, frame and reply), the task that sends it and the waits (21 when
+    // this was written; a call alone on an idle server spawns the task that sends it).
     assert!(
-        on_redis <= 30,
+        on_redis <= 24,
         "a decision on Redis allocated {on_redis} times"
     );
 }

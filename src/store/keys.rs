@@ -123,8 +123,10 @@ pub fn bucket_key<'a>(
 /// Appends the window start to a key built by [`counter_key`].
 pub fn with_window(key: &str, window_start: u64) -> String {
     use std::fmt::Write;
-    // Sized once: the key and up to 20 digits.
-    let mut out = String::with_capacity(key.len() + 20);
+    // Sized exactly: a string whose capacity is its length becomes `Bytes` (the Redis store's key)
+    // without another allocation.
+    let digits = window_start.checked_ilog10().map_or(1, |d| d as usize + 1);
+    let mut out = String::with_capacity(key.len() + digits);
     out.push_str(key);
     let _ = write!(out, "{window_start}");
     out

@@ -171,6 +171,18 @@ impl RedisStore {
     }
 
     /// When a call to `backend` stops waiting, and the error if that moment comes first.
+    /// One server's part of a request, decided there within the request's deadline.
+    async fn decide_part(
+        &self,
+        group: &Group,
+        part: Part,
+        deadline: Deadline,
+    ) -> Result<PartReply, StoreError> {
+        let backend = self.backend(group.backend);
+        let (until, late) = Self::wait_bound(backend, deadline);
+        backend.caller.decide(&group.node, part, until, late).await
+    }
+
     fn wait_bound(backend: &Backend, deadline: Deadline) -> (Instant, StoreError) {
         let now = Instant::now();
         let own = now + backend.timeout;
@@ -248,15 +260,19 @@ impl RedisStore {
                     Part::new(batch, &keys, &group.checks, complete, now, wants, slot_of)
                 })
                 .collect::<Result<Vec<_>, _>>()?;
-            let replies = join_all(groups.iter().zip(parts).map(|(group, part)| {
-                let backend = self.backend(group.backend);
-                let (until, late) = Self::wait_bound(backend, deadline);
-                backend.caller.decide(&group.node, part, until, late)
-            }))
-            .await;
-            let mut slots = Vec::with_capacity(replies.len());
-            for reply in replies {
-                slots.push(reply?);
+            let pairs = groups.iter().zip(parts);
+            let mut slots = Vec::with_capacity(groups.len());
+            if groups.len() == 1 {
+                // One server (always so on standalone and Sentinel): its call is awaited as it is,
+                // without join_all's two vectors.
+                for (group, part) in pairs {
+                    slots.push(self.decide_part(group, part, deadline).await?);
+                }
+            } else {
+                let calls = pairs.map(|(group, part)| self.decide_part(group, part, deadline));
+                for reply in join_all(calls).await {
+                    slots.push(reply?);
+                }
             }
             self.record_clocks(&groups, &slots, local_ms);
             let grants = self.grants(batch, &keys, &groups, &slots, &server_ms);

@@ -243,9 +243,8 @@ impl RedisStore {
             if leased.taken.all_local() {
                 return Ok(answered_from_leases(batch, leased));
             }
-            let remote: Vec<usize> = (0..batch.checks.len())
-                .filter(|&i| leased.taken.local[i].is_none())
-                .collect();
+            let mut remote = Vec::with_capacity(batch.checks.len());
+            remote.extend((0..batch.checks.len()).filter(|&i| leased.taken.local[i].is_none()));
             let groups = self.groups(batch, &keys, remote);
             self.admit(&groups)?;
             // A batch that goes again is never complete: its checks counted on the first try still weigh

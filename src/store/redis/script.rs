@@ -112,20 +112,22 @@ impl Part {
             } else {
                 0
             };
-        let checks = checks
-            .iter()
-            .map(|&i| {
-                let c = &batch.checks[i];
-                Ok(PartCheck {
-                    key: keys[i].clone(),
-                    slot: slot_of(&keys[i]),
-                    spec: spec(c, now_ms)?,
-                    cost: integer(c.bounded_cost(), "cost")?,
-                    want: integer(wants.get(i).copied().unwrap_or(0), "lease")?,
-                })
-            })
-            .collect::<Result<_, StoreError>>()?;
-        Ok(Self { flags, checks })
+        // Sized first: collected through `Result`, a vector starts at four and grows past them.
+        let mut part = Vec::with_capacity(checks.len());
+        for &i in checks {
+            let c = &batch.checks[i];
+            part.push(PartCheck {
+                key: keys[i].clone(),
+                slot: slot_of(&keys[i]),
+                spec: spec(c, now_ms)?,
+                cost: integer(c.bounded_cost(), "cost")?,
+                want: integer(wants.get(i).copied().unwrap_or(0), "lease")?,
+            });
+        }
+        Ok(Self {
+            flags,
+            checks: part,
+        })
     }
 
     /// About what the part adds to a call on the wire: its keys and integers.

@@ -214,12 +214,10 @@ if fault then return redis.error_reply('ratelimitd: ' .. fault) end
 
 local key = KEYS
 for i = declared + 1, K do key[i] = A[names + i - declared] end
-local call = { valid = valid, rflags = rflags, rfirst = rfirst, rlast = rlast, want = want,
-  wants = wants, returns = returns, groups = groups, jitter = jitter }
 
-for b = 1, #call.returns do
-  local k = call.returns[b][1]
-  if kalg[k] == nil then kalg[k] = alg[call.returns[b][2]] end
+for b = 1, #returns do
+  local k = returns[b][1]
+  if kalg[k] == nil then kalg[k] = alg[returns[b][2]] end
 end
 
 -- The state of each key, as up to three numbers (nil: nothing stored).
@@ -234,8 +232,8 @@ local base, logt, logc, logm = {}, {}, {}, {}
 
 -- Read every needed key: string keys one MGET per group, the others one command each.
 local first = 1
-for g = 1, #call.groups do
-  local last = call.groups[g]
+for g = 1, #groups do
+  local last = groups[g]
   local n = 0
   for k = first, last do
     local a = kalg[k]
@@ -482,7 +480,7 @@ local function save(k, s)
   local a, name, w = alg[s], key[k], win[s]
   if a == 0 then
     if base[k] == nil then
-      redis.call('SET', name, str(s1[k]), 'EX', str(w / 1000 + call.jitter))
+      redis.call('SET', name, str(s1[k]), 'EX', str(w / 1000 + jitter))
     else
       local add = s1[k] - base[k]
       redis.call('INCRBY', name, text[add] or str(add))
@@ -533,12 +531,12 @@ local function reset_mark(name)
 end
 
 local dirty = {}
-for b = 1, #call.returns do
-  local k, s, hits = call.returns[b][1], call.returns[b][2], call.returns[b][3]
+for b = 1, #returns do
+  local k, s, hits = returns[b][1], returns[b][2], returns[b][3]
   if has[k] and hits > 0 then
     local mark = reset_mark(key[k])
     local reset_at = mark and tonumber(redis.call('GET', mark))
-    if mark == nil or (reset_at and reset_at >= call.returns[b][4]) then hits = 0 end
+    if mark == nil or (reset_at and reset_at >= returns[b][4]) then hits = 0 end
   end
   if has[k] and hits > 0 then
     if alg[s] == 0 then
@@ -554,7 +552,7 @@ for b = 1, #call.returns do
 end
 
 local t1, t2, t3, tr = {}, {}, {}, {}
-local granted, leasing = {}, #call.wants > 0
+local granted, leasing = {}, #wants > 0
 -- Each check's answer goes straight into its place in the reply.
 local reply, rn = { now }, 1
 for r = 1, requests do
@@ -664,6 +662,6 @@ for r = 1, requests do
 end
 
 for k, s in pairs(dirty) do save(k, s) end
-for w = 1, #call.wants do rn = rn + 1; reply[rn] = granted[call.wants[w]] or 0 end
+for w = 1, #wants do rn = rn + 1; reply[rn] = granted[wants[w]] or 0 end
 if packed_call then return cmsgpack.pack(reply) end
 return reply

@@ -170,7 +170,6 @@ impl RedisStore {
         Ok(())
     }
 
-    /// When a call to `backend` stops waiting, and the error if that moment comes first.
     /// One server's part of a request, decided there within the request's deadline.
     async fn decide_part(
         &self,
@@ -183,6 +182,7 @@ impl RedisStore {
         backend.caller.decide(&group.node, part, until, late).await
     }
 
+    /// When a call to `backend` stops waiting, and the error if that moment comes first.
     fn wait_bound(backend: &Backend, deadline: Deadline) -> (Instant, StoreError) {
         let now = Instant::now();
         let own = now + backend.timeout;

@@ -51,7 +51,24 @@ struct Waiting {
     part: Part,
     /// The part's caller stops waiting then.
     until: Instant,
-    answer: oneshot::Sender<Result<PartReply, StoreError>>,
+    answer: oneshot::Sender<Answered>,
+}
+
+/// A part's answer, and the part itself: handed back so that its memory, and its answer's, is freed by
+/// the caller that allocated it. A block freed on another thread than its own costs more, there and
+/// when its thread next allocates.
+struct Answered {
+    part: Part,
+    reply: Result<PartReply, StoreError>,
+}
+
+impl Waiting {
+    fn answer(self, reply: Result<PartReply, StoreError>) {
+        let _ = self.answer.send(Answered {
+            part: self.part,
+            reply,
+        });
+    }
 }
 
 /// The parts waiting for one server, and its calls in flight.
@@ -154,9 +171,15 @@ impl Caller {
         }
         tokio::select! {
             biased;
-            answer = answered => answer.unwrap_or_else(|_| {
-                Err(StoreError::Backend("the Redis call carrying this request was dropped".into()))
-            }),
+            answer = answered => match answer {
+                Ok(Answered { part, reply }) => {
+                    drop(part);
+                    reply
+                }
+                Err(_) => Err(StoreError::Backend(
+                    "the Redis call carrying this request was dropped".into(),
+                )),
+            },
             _ = tokio::time::sleep_until(until) => Err(late),
         }
     }
@@ -170,44 +193,46 @@ impl Caller {
 
     /// Sends one call and hands every part its answer. Every part passed the server's breaker when
     /// its request was admitted, moments ago.
-    async fn send(&self, node: &Arc<Node>, batch: Vec<Waiting>) {
+    async fn send(&self, node: &Arc<Node>, mut batch: Vec<Waiting>) {
         let until = batch
             .iter()
             .map(|w| w.until)
             .max()
             .unwrap_or_else(Instant::now);
         let parts: Vec<&Part> = batch.iter().map(|w| &w.part).collect();
-        let result = match self.call(node, &parts, &[], until).await {
-            Err(CallError::Moved(err)) if parts.len() > 1 => {
+        let result = self.call(node, &parts, &[], until).await;
+        drop(parts);
+        let reply = match result {
+            Err(CallError::Moved(err)) if batch.len() > 1 => {
                 // Slots are moving: one slot per call, each routed (and redirected) by the client.
-                tracing::debug!(server = %node.name(), parts = parts.len(), "a call spanning slots was refused ({err}); sending one slot per call");
-                let alone = join_all(
-                    parts
-                        .iter()
-                        .map(|part| self.call(node, std::slice::from_ref(part), &[], until)),
-                )
+                tracing::debug!(server = %node.name(), parts = batch.len(), "a call spanning slots was refused ({err}); sending one slot per call");
+                let alone = join_all(batch.iter_mut().map(|waiting| async {
+                    let reply = self.call(node, &[&waiting.part], &[], until).await?;
+                    let mut replies = PartReply::parse_all(&reply, &mut [&mut waiting.part])?;
+                    replies
+                        .pop()
+                        .ok_or_else(|| StoreError::Backend("decide.lua answered no part".into()))
+                }))
                 .await;
                 for (waiting, reply) in batch.into_iter().zip(alone) {
-                    let reply = reply.map_err(StoreError::from).and_then(|mut replies| {
-                        replies.pop().ok_or_else(|| {
-                            StoreError::Backend("decide.lua answered no part".into())
-                        })
-                    });
-                    let _ = waiting.answer.send(reply);
+                    waiting.answer(reply);
                 }
                 return;
             }
-            other => other.map_err(StoreError::from),
+            other => other.map_err(StoreError::from).and_then(|reply| {
+                let mut parts: Vec<&mut Part> = batch.iter_mut().map(|w| &mut w.part).collect();
+                PartReply::parse_all(&reply, &mut parts)
+            }),
         };
-        match result {
+        match reply {
             Ok(replies) => {
                 for (waiting, reply) in batch.into_iter().zip(replies) {
-                    let _ = waiting.answer.send(Ok(reply));
+                    waiting.answer(Ok(reply));
                 }
             }
             Err(err) => {
                 for waiting in batch {
-                    let _ = waiting.answer.send(Err(err.clone()));
+                    waiting.answer(Err(err.clone()));
                 }
             }
         }
@@ -220,19 +245,20 @@ impl Caller {
         returns: &[Return],
         until: Instant,
     ) -> Result<(), StoreError> {
-        self.call(node, &[], returns, until).await?;
+        let reply = self.call(node, &[], returns, until).await?;
+        PartReply::parse_all(&reply, &mut [])?;
         Ok(())
     }
 
     /// One EVALSHA of `parts` (after giving back `returns`), loading the script again when the server
-    /// lost it.
+    /// lost it; its reply's integers.
     async fn call(
         &self,
         node: &Arc<Node>,
         parts: &[&Part],
         returns: &[Return],
         until: Instant,
-    ) -> Result<Vec<PartReply>, CallError> {
+    ) -> Result<Vec<i64>, CallError> {
         let jitter = if self.jitter_max == 0 {
             0
         } else {
@@ -246,7 +272,7 @@ impl Caller {
             let call = async move { sender.evalsha::<Bytes, _, _, _>(sha, keys, args).await };
             let late = StoreError::Deadline(until.saturating_duration_since(Instant::now()));
             match node.wait(&self.tasks, call, until, late).await? {
-                Ok(reply) => return Ok(PartReply::parse_all(&unpack_reply(&reply)?, parts)?),
+                Ok(reply) => return Ok(unpack_reply(&reply)?),
                 Err(err) if !loaded && err.details().starts_with("NOSCRIPT") => {
                     self.script.load(&client).await.map_err(redis_error)?;
                     loaded = true;

@@ -85,6 +85,9 @@ pub struct PartCheck {
 pub struct Part {
     flags: i64,
     pub checks: Vec<PartCheck>,
+    /// Room for the checks' answers, made where the part was: its reply is read into it, so that the
+    /// caller that made the part frees both on its own thread, not the thread that sent the call.
+    outcomes: Vec<Outcome>,
 }
 
 impl Part {
@@ -126,6 +129,7 @@ impl Part {
         }
         Ok(Self {
             flags,
+            outcomes: Vec::with_capacity(part.len()),
             checks: part,
         })
     }
@@ -503,13 +507,13 @@ pub struct Grant {
 }
 
 impl PartReply {
-    /// Reads the reply of a call that carried `parts`, one answer per part; anything else than the
-    /// header says is an error.
-    pub fn parse_all(reply: &[i64], parts: &[&Part]) -> Result<Vec<Self>, StoreError> {
+    /// Reads the reply of a call that carried `parts`, one answer per part, each into its part's room
+    /// for answers; anything else than the header says is an error.
+    pub fn parse_all(reply: &[i64], parts: &mut [&mut Part]) -> Result<Vec<Self>, StoreError> {
         let bad = || StoreError::Backend(format!("unexpected reply from decide.lua: {reply:?}"));
         let (&server_ms, mut rest) = reply.split_first().ok_or_else(bad)?;
         let mut replies = Vec::with_capacity(parts.len());
-        for part in parts {
+        for part in parts.iter_mut() {
             let [status, denied, tail @ ..] = rest else {
                 return Err(bad());
             };
@@ -543,11 +547,14 @@ impl PartReply {
                             server_ms: non_negative(server_ms),
                         })
                         .collect();
+                    let mut outcomes = std::mem::take(&mut part.outcomes);
+                    outcomes.clear();
+                    outcomes.extend(checks.chunks_exact(REPLY_PER_CHECK).map(outcome));
                     replies.push(Self {
                         window_mismatch: false,
                         denied: *denied == 1,
                         server_ms,
-                        outcomes: checks.chunks_exact(REPLY_PER_CHECK).map(outcome).collect(),
+                        outcomes,
                         grants,
                     });
                 }
@@ -788,19 +795,19 @@ mod tests {
     #[test]
     fn malformed_script_replies_are_errors_not_panics() {
         let batch = batch();
-        let part = Part::new(&batch, &keys(), &[0], true, 2_222_000, &[], |_| 0).unwrap();
-        let parts = [&part];
-        assert!(PartReply::parse_all(&[], &parts).is_err());
-        assert!(PartReply::parse_all(&[5, 0, 0, 1, 2, 3], &parts).is_err());
-        assert!(PartReply::parse_all(&[5, 7, 0], &parts).is_err());
-        assert!(PartReply::parse_all(&[5, 0, 0, 1, 2, 3, 4, 9], &parts).is_err());
-        let r = PartReply::parse_all(&[5, 0, 1, 0, 0, 2500, 1001], &parts).unwrap();
+        let mut part = Part::new(&batch, &keys(), &[0], true, 2_222_000, &[], |_| 0).unwrap();
+        let mut parts = [&mut part];
+        assert!(PartReply::parse_all(&[], &mut parts).is_err());
+        assert!(PartReply::parse_all(&[5, 0, 0, 1, 2, 3], &mut parts).is_err());
+        assert!(PartReply::parse_all(&[5, 7, 0], &mut parts).is_err());
+        assert!(PartReply::parse_all(&[5, 0, 0, 1, 2, 3, 4, 9], &mut parts).is_err());
+        let r = PartReply::parse_all(&[5, 0, 1, 0, 0, 2500, 1001], &mut parts).unwrap();
         assert!(r[0].denied && !r[0].outcomes[0].allowed);
         assert_eq!(
             (r[0].outcomes[0].reset_after, r[0].outcomes[0].retry_after),
             (3, 2)
         );
-        assert!(PartReply::parse_all(&[5, 1, 0], &parts).unwrap()[0].window_mismatch);
+        assert!(PartReply::parse_all(&[5, 1, 0], &mut parts).unwrap()[0].window_mismatch);
     }
 
     #[test]
@@ -852,7 +859,7 @@ mod tests {
     fn wanted_leases_and_hits_given_back_follow_the_requests() {
         let batch = batch();
         let keys = keys();
-        let part = Part::new(&batch, &keys, &[0, 1], true, 2_222_000, &[0, 40], |_| 0).unwrap();
+        let mut part = Part::new(&batch, &keys, &[0, 1], true, 2_222_000, &[0, 40], |_| 0).unwrap();
         let back = Return {
             key: Bytes::from_static(b"old_2160"),
             slot: 0,
@@ -868,7 +875,7 @@ mod tests {
         assert_eq!(call.keys.len(), 3);
         // The reply: the part's two checks, then the grant.
         let reply = [5, 0, 0, 1, 4, 1000, 0, 1, 9, 2000, 0, 40];
-        let parsed = PartReply::parse_all(&reply, &[&part]).unwrap();
+        let parsed = PartReply::parse_all(&reply, &mut [&mut part]).unwrap();
         assert_eq!(
             parsed[0].grants,
             [Grant {
@@ -879,7 +886,7 @@ mod tests {
                 server_ms: 5,
             }]
         );
-        assert!(PartReply::parse_all(&reply[..reply.len() - 1], &[&part]).is_err());
+        assert!(PartReply::parse_all(&reply[..reply.len() - 1], &mut [&mut part]).is_err());
     }
 
     #[test]

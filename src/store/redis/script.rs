@@ -278,11 +278,14 @@ impl DecideCall {
 
 /// The distinct keys of a call in the order decide.lua numbers them (from 1): first seen first, and on
 /// Cluster grouped by hash slot (the slot seen first first), with the end of each slot's group.
+type KeyIndex<'a> = HashMap<&'a [u8], usize, foldhash::fast::RandomState>;
+
 struct KeyNumbers<'a> {
     distinct: Vec<(&'a Bytes, u16)>,
     group_ends: SmallVec<[usize; 4]>,
-    /// For calls with many keys: where each is in `distinct`.
-    index: Option<HashMap<&'a [u8], usize>>,
+    /// For calls with many keys: where each is in `distinct`. Hashed by foldhash, seeded per process:
+    /// a call's keys are few, and this hashing is a good part of building a large call.
+    index: Option<KeyIndex<'a>>,
 }
 
 impl<'a> KeyNumbers<'a> {
@@ -291,7 +294,7 @@ impl<'a> KeyNumbers<'a> {
 
     fn new(named: impl Iterator<Item = (&'a Bytes, u16)>, cluster: bool) -> Self {
         let mut distinct: Vec<(&'a Bytes, u16)> = Vec::new();
-        let mut index: Option<HashMap<&'a [u8], usize>> = None;
+        let mut index: Option<KeyIndex<'a>> = None;
         for (key, slot) in named {
             let seen = match &index {
                 Some(index) => index.contains_key(&key[..]),

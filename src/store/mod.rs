@@ -99,6 +99,15 @@ impl Check {
             None => self.key.clone(),
         }
     }
+
+    /// Writes [`Self::storage_key`] at the end of `out`.
+    pub fn push_storage_key(&self, now_ms: u64, out: &mut bytes::BytesMut) {
+        use std::fmt::Write;
+        out.extend_from_slice(self.key.as_bytes());
+        if let Some(start) = self.window_start_secs(now_ms) {
+            let _ = write!(out, "{start}");
+        }
+    }
 }
 
 /// Every check of one request.

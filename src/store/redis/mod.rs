@@ -50,7 +50,7 @@ use std::{
     time::Duration,
 };
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use fred::{prelude::*, types::scripts::Script};
 use futures_util::future::join_all;
 use smallvec::SmallVec;
@@ -89,9 +89,14 @@ pub struct RedisStore {
 struct Group {
     /// 0 for the main backend, 1 for the per-second one.
     backend: usize,
-    checks: Vec<usize>,
+    checks: Checks,
     node: Arc<Node>,
 }
+
+/// Indexes of checks of a batch. Inline for the requests most send, as are a request's groups and
+/// their replies: the state of a request on Redis is boxed once, and these ride in it.
+type Checks = SmallVec<[usize; 8]>;
+type Groups = SmallVec<[Group; 1]>;
 
 impl RedisStore {
     /// Builds the store and starts connecting in the background; it does not wait for Redis.
@@ -221,11 +226,7 @@ impl RedisStore {
             let batch = again.as_deref().map_or(first_batch, |(b, _)| b);
             let server_ms =
                 |c: &Check| u64::try_from(now_ms[self.backend_of(c.per_second)]).unwrap_or(0);
-            let keys: Vec<Bytes> = batch
-                .checks
-                .iter()
-                .map(|c| c.storage_key(server_ms(c)).into())
-                .collect();
+            let keys = storage_keys(batch, server_ms);
             let backend_of = |c: &Check| self.backend_of(c.per_second);
             let mut taken = self.leases.take(batch, &keys, backend_of, !waited);
             if let Some(renewed) = taken.wait.take() {
@@ -243,31 +244,28 @@ impl RedisStore {
             if leased.taken.all_local() {
                 return Ok(answered_from_leases(batch, leased));
             }
-            let mut remote = Vec::with_capacity(batch.checks.len());
-            remote.extend((0..batch.checks.len()).filter(|&i| leased.taken.local[i].is_none()));
+            let remote: Checks = (0..batch.checks.len())
+                .filter(|&i| leased.taken.local[i].is_none())
+                .collect();
             let groups = self.groups(batch, &keys, remote);
             self.admit(&groups)?;
             // A batch that goes again is never complete: its checks counted on the first try still weigh
             // in the decision, which only this side sees whole.
             let complete = groups.len() == 1 && !leased.taken.any_local() && again.is_none();
-            let parts = groups
-                .iter()
-                .map(|group| {
-                    let now = u64::try_from(now_ms[group.backend]).unwrap_or(0);
-                    let slot_of = self.slot_of(group.backend);
-                    let wants = &leased.taken.want;
-                    Part::new(batch, &keys, &group.checks, complete, now, wants, slot_of)
-                })
-                .collect::<Result<Vec<_>, _>>()?;
-            let pairs = groups.iter().zip(parts);
-            let mut slots = Vec::with_capacity(groups.len());
-            if groups.len() == 1 {
-                // One server (always so on standalone and Sentinel): its call is awaited as it is,
-                // without join_all's two vectors.
-                for (group, part) in pairs {
-                    slots.push(self.decide_part(group, part, deadline).await?);
-                }
+            let part = |group: &Group| {
+                let now = u64::try_from(now_ms[group.backend]).unwrap_or(0);
+                let slot_of = self.slot_of(group.backend);
+                let wants = &leased.taken.want;
+                Part::new(batch, &keys, &group.checks, complete, now, wants, slot_of)
+            };
+            let mut slots: SmallVec<[PartReply; 1]> = SmallVec::new();
+            if let [group] = &groups[..] {
+                // One server (always so on standalone and Sentinel): its part is made and its call
+                // awaited as they are, without vectors of parts and calls.
+                slots.push(self.decide_part(group, part(group)?, deadline).await?);
             } else {
+                let parts = groups.iter().map(part).collect::<Result<Vec<_>, _>>()?;
+                let pairs = groups.iter().zip(parts);
                 let calls = pairs.map(|(group, part)| self.decide_part(group, part, deadline));
                 for reply in join_all(calls).await {
                     slots.push(reply?);
@@ -308,7 +306,12 @@ impl RedisStore {
                 again = Some(Box::new((next, first)));
                 continue;
             }
-            let mut outcomes = in_batch_order(batch, &groups, &slots, &leased.taken);
+            let mut outcomes = if complete {
+                // One part with every check, in order: its answers are the request's.
+                std::mem::take(&mut slots[0].outcomes)
+            } else {
+                in_batch_order(batch, &groups, &slots, &leased.taken)
+            };
             if let Some((_, first)) = again.as_deref() {
                 for (outcome, first) in outcomes.iter_mut().zip(first) {
                     *outcome = first.unwrap_or(*outcome);
@@ -430,11 +433,11 @@ impl RedisStore {
 
     /// The checks `checks` (indexes into the batch) grouped by backend and, on Cluster, by hash slot,
     /// each with its server.
-    fn groups(&self, batch: &Batch, keys: &[Bytes], checks: Vec<usize>) -> Vec<Group> {
+    fn groups(&self, batch: &Batch, keys: &[Bytes], checks: Checks) -> Groups {
         if self.per_second.is_none() && !self.main.cluster {
             // One server decides every check.
             let node = self.main.node_for_slot(None);
-            return vec![Group {
+            return smallvec::smallvec![Group {
                 backend: 0,
                 checks,
                 node,
@@ -453,7 +456,7 @@ impl RedisStore {
             .into_iter()
             .map(|((backend, slot), checks)| Group {
                 backend,
-                checks,
+                checks: Checks::from_vec(checks),
                 node: self.backend(backend).node_for_slot(slot),
             })
             .collect()
@@ -579,6 +582,21 @@ fn counted_once(
         }
     }
     (again, first)
+}
+
+/// The storage keys of the batch's checks, the fixed windows' for the server time `server_ms` says.
+/// All in one buffer: a request's keys take two allocations (the buffer and its shared handle), not
+/// two each, however many checks it has and however often a key is handed on.
+fn storage_keys(batch: &Batch, server_ms: impl Fn(&Check) -> u64) -> Vec<Bytes> {
+    // A window start takes at most 20 digits.
+    let room = batch.checks.iter().map(|c| c.key.len() + 20).sum();
+    let mut buffer = BytesMut::with_capacity(room);
+    let mut keys = Vec::with_capacity(batch.checks.len());
+    for check in &batch.checks {
+        check.push_storage_key(server_ms(check), &mut buffer);
+        keys.push(buffer.split().freeze());
+    }
+    keys
 }
 
 /// The outcomes of every slot and of the leases, in the order of the batch's checks.

@@ -41,7 +41,7 @@ impl RedisStore {
         let node = backend.node_for_slot(slot);
         self.admit(&[Group {
             backend: 0,
-            checks: Vec::new(),
+            checks: Default::default(),
             node: node.clone(),
         }])?;
         let (client, script) = (backend.pool.next_connected().clone(), SHARE.clone());

@@ -267,14 +267,24 @@ impl Caller {
         let client = self.pool.next_connected().clone();
         let mut loaded = false;
         loop {
-            let DecideCall { keys, args } = DecideCall::new(parts, returns, jitter, self.cluster);
-            let (sha, sender) = (self.script.sha1().clone(), client.clone());
-            let call = async move { sender.evalsha::<Bytes, _, _, _>(sha, keys, args).await };
-            let late = StoreError::Deadline(until.saturating_duration_since(Instant::now()));
-            match node.wait(&self.tasks, call, until, late).await? {
+            // The command is made and handed to `wait` (which boxes it) in a block of its own: a
+            // local still in scope at the await would keep its room in this future, and in the
+            // lane's task that awaits it.
+            let waiting = {
+                let DecideCall { keys, args } =
+                    DecideCall::new(parts, returns, jitter, self.cluster);
+                let (sha, sender) = (self.script.sha1().clone(), client.clone());
+                let call = async move { sender.evalsha::<Bytes, _, _, _>(sha, keys, args).await };
+                let late = StoreError::Deadline(until.saturating_duration_since(Instant::now()));
+                node.wait(&self.tasks, call, until, late)
+            };
+            match waiting.await? {
                 Ok(reply) => return Ok(unpack_reply(&reply)?),
                 Err(err) if !loaded && err.details().starts_with("NOSCRIPT") => {
-                    self.script.load(&client).await.map_err(redis_error)?;
+                    // Boxed: rare, and the client's future is large (see the block above).
+                    Box::pin(self.script.load(&client))
+                        .await
+                        .map_err(redis_error)?;
                     loaded = true;
                 }
                 Err(err) if self.cluster && is_moved(&err) => return Err(CallError::Moved(err)),

@@ -148,21 +148,29 @@ impl Node {
 
     /// Sends `call` (already built, not yet polled) and waits for its answer until `until`, or until the
     /// server is found unresponsive. `late` is the error for a deadline that passes first.
-    pub async fn wait<R: Send + 'static>(
+    ///
+    /// The call is boxed at once, before the wait's own future is made: a client's command future is
+    /// several kilobytes, and held inline it would make every future awaiting this one (a lane's task
+    /// among them) that much larger, to allocate and to copy as it moves.
+    pub fn wait<R: Send + 'static>(
         self: &Arc<Self>,
         tasks: &TaskTracker,
         call: impl Future<Output = Result<R, Error>> + Send + 'static,
         until: Instant,
         late: StoreError,
-    ) -> Result<Result<R, Error>, StoreError> {
-        let mut call = Watched::new(self.clone(), tasks.clone(), call);
-        tokio::select! {
-            biased;
-            result = &mut call => Ok(result),
-            _ = tokio::time::sleep_until(until) => Err(late),
-            _ = self.silence() => {
-                self.unresponsive();
-                Err(StoreError::Unresponsive(self.unresponsive_after))
+    ) -> impl Future<Output = Result<Result<R, Error>, StoreError>> + Send + 'static {
+        let call: BoxedCall<R> = Box::pin(call);
+        let (node, tasks) = (self.clone(), tasks.clone());
+        async move {
+            let mut call = Watched::new(node.clone(), tasks, call);
+            tokio::select! {
+                biased;
+                result = &mut call => Ok(result),
+                _ = tokio::time::sleep_until(until) => Err(late),
+                _ = node.silence() => {
+                    node.unresponsive();
+                    Err(StoreError::Unresponsive(node.unresponsive_after))
+                }
             }
         }
     }
@@ -192,16 +200,12 @@ pub struct Watched<R: Send + 'static> {
 }
 
 impl<R: Send + 'static> Watched<R> {
-    fn new(
-        node: Arc<Node>,
-        tasks: TaskTracker,
-        call: impl Future<Output = Result<R, Error>> + Send + 'static,
-    ) -> Self {
+    fn new(node: Arc<Node>, tasks: TaskTracker, call: BoxedCall<R>) -> Self {
         node.started();
         Self {
             node,
             tasks,
-            call: Some(Box::pin(call)),
+            call: Some(call),
         }
     }
 }

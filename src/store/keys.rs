@@ -122,14 +122,16 @@ pub fn bucket_key<'a>(
 
 /// Appends the window start to a key built by [`counter_key`].
 pub fn with_window(key: &str, window_start: u64) -> String {
-    use std::fmt::Write;
-    // Sized exactly: a string whose capacity is its length becomes `Bytes` (the Redis store's key)
-    // without another allocation.
     let digits = window_start.checked_ilog10().map_or(1, |d| d as usize + 1);
     let mut out = String::with_capacity(key.len() + digits);
-    out.push_str(key);
-    let _ = write!(out, "{window_start}");
+    push_with_window(&mut out, key, window_start);
     out
+}
+
+/// Writes [`with_window`]'s key at the end of `out` (the Redis store writes a request's keys into
+/// one buffer this way).
+pub fn push_with_window(out: &mut impl std::fmt::Write, key: &str, window_start: u64) {
+    let _ = write!(out, "{key}{window_start}");
 }
 
 /// The name of the mark an operator's reset leaves beside a counter that quota leases may hold hits

@@ -102,10 +102,9 @@ impl Check {
 
     /// Writes [`Self::storage_key`] at the end of `out`.
     pub fn push_storage_key(&self, now_ms: u64, out: &mut bytes::BytesMut) {
-        use std::fmt::Write;
-        out.extend_from_slice(self.key.as_bytes());
-        if let Some(start) = self.window_start_secs(now_ms) {
-            let _ = write!(out, "{start}");
+        match self.window_start_secs(now_ms) {
+            Some(start) => keys::push_with_window(out, &self.key, start),
+            None => out.extend_from_slice(self.key.as_bytes()),
         }
     }
 }
@@ -397,6 +396,21 @@ impl CounterStore for Store {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn keys_written_one_after_another_are_the_storage_keys() {
+        let fixed = Check::fixed_window("d_user_a_".into(), 5, 60, 1, Role::Enforce);
+        let mut bucket = Check::fixed_window("d_user_b".into(), 5, 60, 1, Role::Enforce);
+        bucket.params.algorithm = Algorithm::TokenBucket;
+        let now_ms = 1_796_234_461_500;
+        let mut buffer = bytes::BytesMut::new();
+        for check in [&fixed, &bucket, &fixed] {
+            check.push_storage_key(now_ms, &mut buffer);
+            let key = buffer.split();
+            assert_eq!(&key[..], check.storage_key(now_ms).as_bytes());
+        }
+        assert_eq!(fixed.storage_key(now_ms), "d_user_a_1796234460");
+    }
 
     #[tokio::test(start_paused = true)]
     async fn maintenance_reclaims_expired_counters_in_the_background() {

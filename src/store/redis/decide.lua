@@ -31,7 +31,10 @@
 --   then K - #KEYS key names
 --
 -- Reply: { server time (ms), then per request: status, denied (1/0), and when decided, per check:
---          allowed (1/0), remaining, reset (ms), retry (ms); then per lease wanted, the hits granted }
+--          a fixed window's one number, remaining + 1 when allowed and 0 when denied (its reset is the
+--          window's end from the server time, and so is its retry when denied); any other algorithm's
+--          four, allowed (1/0), remaining, reset (ms), retry (ms); then per lease wanted, the hits
+--          granted }
 --   status 0: decided. status 1: a fixed-window start of the request disagrees with this server's clock;
 --   nothing of that request was read or written, and the caller retries it with keys for the server time.
 --   A call whose integers came packed is answered packed: the same integers as one msgpack array, one
@@ -261,7 +264,8 @@ for g = 1, #groups do
     for j = 1, n do
       local k = strings and strings[j] or first + j - 1
       local value = tonumber(v[j])
-      if value then has[k], s1[k], base[k] = true, value, value end
+      if value then has[k], s1[k], base[k] = true, value, value
+      elseif kalg[k] == 0 then s1[k] = 0 end
     end
   end
   if n < last - first + 1 then
@@ -307,25 +311,14 @@ local function log_live(k, w)
   return live_from[k], live_hits[k]
 end
 
--- The algorithms, by id: decide(s, k, has, a, b, c, cost) returns allowed, remaining, reset (ms),
--- retry (ms) and the state after (three numbers). `counts_denied`: a denied hit is counted too (and
--- every hit of a limit that counts over its limit).
+-- The algorithms but the fixed window, by id: decide(s, k, has, a, b, c, cost) returns allowed,
+-- remaining, reset (ms), retry (ms) and the state after (three numbers); a denied hit is counted only by
+-- a limit that counts over its limit. 0, the fixed window (an integer counter per window, its key ending
+-- with the window start), is decided in place where the requests are, below: a count goes up by the cost
+-- and is allowed while it stays within the limit; a denied hit is counted too; counting over the limit,
+-- the count stops at the debt past it (and never goes down). The window's end, its reset and (denied)
+-- its retry, the client works out from the server time.
 local decide = {}
-local counts_denied = { [0] = true }
-
--- 0: fixed window. An integer counter per window; its key ends with the window start.
-decide[0] = function(s, k, present, count, _, _, cost)
-  local w = win[s]
-  if not present then count = 0 end
-  local after = count + cost
-  local allowed = after <= limit[s]
-  -- Counting over the limit, the count stops at the debt past it (and never goes down).
-  if over[s] then after = min(after, max(count, limit[s] + debt[s])) end
-  local reset = w - now % w
-  local remaining, retry = 0, reset
-  if allowed then remaining = max(limit[s] - after, 0); retry = 0 end
-  return allowed, remaining, reset, retry, after, nil, nil
-end
 
 -- 1: sliding window. A hash: window start `s`, its count `c`, the previous window's count `p`.
 local function sliding_window_wait(s, current, previous, elapsed, cost)
@@ -551,35 +544,56 @@ for b = 1, #returns do
   end
 end
 
+-- A fixed window's count (the usual check) changes in place, and goes back (`undo_k`, `undo_v`, newest
+-- first) when its request does not consume; the other algorithms' changes are tentative (t1..t3, marked
+-- with the request in `tr`) until it is known to consume. A key checked twice in one request sees the
+-- earlier check's cost.
 local t1, t2, t3, tr = {}, {}, {}, {}
+local undo_k, undo_v = {}, {}
 local granted, leasing = {}, #wants > 0
--- Each check's answer goes straight into its place in the reply.
+-- Each check's answer goes straight into its place in the reply (`o`: the last place written).
 local reply, rn = { now }, 1
 for r = 1, requests do
   if skipped[r] then
-    rn = rn + 1; reply[rn] = 1
-    rn = rn + 1; reply[rn] = 0
+    reply[rn + 1], reply[rn + 2] = 1, 0
+    rn = rn + 2
   else
     local flags = rflags[r]
     local scope, consume_on_deny = flags % 4, flags >= 4
     local first_check, last_check = rfirst[r], rlast[r]
-    -- The request's status and denied (filled in once known) at head + 1 and + 2, then check i's
-    -- allowed (1/0), remaining, reset and retry from base + 4 * i + 1.
+    -- The request's status and denied (filled in once known) at head + 1 and + 2, then its checks'.
     local head = rn
-    local base = head + 2 - 4 * first_check
     reply[head + 1], reply[head + 2] = 0, 0
+    local o, undone = head + 2, 0
     local denied = scope == 2
     local quota, quota_over = 0, 0
     for i = first_check, last_check do
       local k, s, cost = ckey[i], cspec[i], ccost[i]
-      local a, b, c3, present
-      if tr[k] == r then a, b, c3, present = t1[k], t2[k], t3[k], true
-      else a, b, c3, present = s1[k], s2[k], s3[k], has[k] end
-      local ok, rem, res, ret, n1, n2, n3 = decide[alg[s]](s, k, present, a, b, c3, cost)
-      local o = base + 4 * i
-      reply[o + 1], reply[o + 2], reply[o + 3], reply[o + 4] = ok and 1 or 0, rem, res, ret
-      if cost > 0 and (ok or counts_denied[alg[s]] or over[s]) then
-        t1[k], t2[k], t3[k], tr[k] = n1, n2, n3, r
+      local ok
+      if alg[s] == 0 then
+        local count = s1[k]
+        local after, lim = count + cost, limit[s]
+        ok = after <= lim
+        -- Counting over the limit, the count stops at the debt past it (and never goes down).
+        if over[s] then after = min(after, max(count, lim + debt[s])) end
+        o = o + 1
+        if ok then reply[o] = lim - after + 1 else reply[o] = 0 end
+        if cost > 0 then
+          undone = undone + 1
+          undo_k[undone], undo_v[undone] = k, count
+          s1[k] = after
+        end
+      else
+        local a, b, c3, present
+        if tr[k] == r then a, b, c3, present = t1[k], t2[k], t3[k], true
+        else a, b, c3, present = s1[k], s2[k], s3[k], has[k] end
+        local rem, res, ret, n1, n2, n3
+        ok, rem, res, ret, n1, n2, n3 = decide[alg[s]](s, k, present, a, b, c3, cost)
+        reply[o + 1], reply[o + 2], reply[o + 3], reply[o + 4] = ok and 1 or 0, rem, res, ret
+        o = o + 4
+        if cost > 0 and (ok or over[s]) then
+          t1[k], t2[k], t3[k], tr[k] = n1, n2, n3, r
+        end
       end
       local role_i = role[s]
       if role_i == 0 and not ok then denied = true
@@ -588,40 +602,35 @@ for r = 1, requests do
         if not ok then quota_over = quota_over + 1 end
       end
     end
-    rn = base + 4 * last_check + 4
+    rn = o
     if scope == 1 and quota > 0 and quota == quota_over then denied = true end
     local consume = consume_on_deny or not denied
     if denied then reply[head + 2] = 1 end
-    if not consume then
-      for i = first_check, last_check do
-        local k, s, o = ckey[i], cspec[i], base + 4 * i
-        if reply[o + 1] == 1 and not over[s] then
-          -- Allowed but not consumed: the quota as it stands.
-          local _, rem, res = decide[alg[s]](s, k, has[k], s1[k], s2[k], s3[k], 0)
-          reply[o + 2], reply[o + 3] = rem, res
-        end
-      end
-    end
     if consume then
       for i = first_check, last_check do
-        local k = ckey[i]
-        if tr[k] == r then
+        local k, s = ckey[i], cspec[i]
+        if alg[s] == 0 then
+          if ccost[i] > 0 then has[k] = true; dirty[k] = s end
+        elseif tr[k] == r then
           s1[k], s2[k], s3[k], has[k] = t1[k], t2[k], t3[k], true
           tr[k] = nil
-          dirty[k] = cspec[i]
+          dirty[k] = s
         end
       end
       -- Leases ride on consuming requests, granted whole while they are at most a sixteenth of what is
       -- left after the request.
       if leasing then
+        o = head + 2
         for i = first_check, last_check do
+          local k, s = ckey[i], cspec[i]
+          local a, allowed = alg[s], nil
+          if a == 0 then o = o + 1; allowed = reply[o] > 0 else allowed = reply[o + 1] == 1; o = o + 4 end
           local wanted = want[i]
-          if wanted and wanted > 0 and reply[base + 4 * i + 1] == 1 then
-            local k, s = ckey[i], cspec[i]
+          if wanted and wanted > 0 and allowed then
             local give = 0
-            if alg[s] == 0 then
+            if a == 0 then
               if limit[s] - s1[k] >= 16 * wanted then give = wanted; s1[k] = s1[k] + give end
-            elseif alg[s] == 1 then
+            elseif a == 1 then
               local w = win[s]
               local estimate = s3[k] * (w - (now - s1[k])) / w + s2[k]
               if limit[s] - estimate >= 16 * wanted then give = wanted; s2[k] = s2[k] + give end
@@ -632,19 +641,42 @@ for r = 1, requests do
         end
       end
     else
+      -- Nothing consumed: fixed windows go back, newest change first, and the tentative changes go.
+      for u = undone, 1, -1 do s1[undo_k[u]] = undo_v[u] end
       for i = first_check, last_check do tr[ckey[i]] = nil end
+      -- Allowed checks answer the quota as it stands.
+      o = head + 2
+      for i = first_check, last_check do
+        local k, s = ckey[i], cspec[i]
+        if alg[s] == 0 then
+          o = o + 1
+          if reply[o] > 0 and not over[s] then reply[o] = max(limit[s] - s1[k], 0) + 1 end
+        else
+          if reply[o + 1] == 1 and not over[s] then
+            local _, rem, res = decide[alg[s]](s, k, has[k], s1[k], s2[k], s3[k], 0)
+            reply[o + 2], reply[o + 3] = rem, res
+          end
+          o = o + 4
+        end
+      end
       -- Checks that count over their limit are counted all the same: each decided again on the state
       -- the requests before left (and its earlier such checks in this request), and that is kept.
       local counted = false
       for i = first_check, last_check do
         local k, s, cost = ckey[i], cspec[i], ccost[i]
         if over[s] and cost > 0 then
-          local a, b, c3, present
-          if tr[k] == r then a, b, c3, present = t1[k], t2[k], t3[k], true
-          else a, b, c3, present = s1[k], s2[k], s3[k], has[k] end
-          local _, _, _, _, n1, n2, n3 = decide[alg[s]](s, k, present, a, b, c3, cost)
-          t1[k], t2[k], t3[k], tr[k] = n1, n2, n3, r
-          counted = true
+          if alg[s] == 0 then
+            local count = s1[k]
+            s1[k] = min(count + cost, max(count, limit[s] + debt[s]))
+            has[k], dirty[k] = true, s
+          else
+            local a, b, c3, present
+            if tr[k] == r then a, b, c3, present = t1[k], t2[k], t3[k], true
+            else a, b, c3, present = s1[k], s2[k], s3[k], has[k] end
+            local _, _, _, _, n1, n2, n3 = decide[alg[s]](s, k, present, a, b, c3, cost)
+            t1[k], t2[k], t3[k], tr[k] = n1, n2, n3, r
+            counted = true
+          end
         end
       end
       if counted then

@@ -53,9 +53,12 @@ fn role_code(role: Role) -> i64 {
 }
 
 /// The algorithm id of a check, as the scripts' headers number them (one block per id in decide.lua).
+/// decide.lua's id of the fixed window, the algorithm whose checks it answers with one integer.
+const FIXED_WINDOW: i64 = 0;
+
 fn algorithm_id(algorithm: Algorithm) -> i64 {
     match algorithm {
-        Algorithm::FixedWindow => 0,
+        Algorithm::FixedWindow => FIXED_WINDOW,
         Algorithm::SlidingWindow => 1,
         Algorithm::SlidingLog => 2,
         Algorithm::TokenBucket => 3,
@@ -477,8 +480,43 @@ const STATUS_DECIDED: i64 = 0;
 /// decide.lua's reply status of a part: a fixed-window key is for another window than the server's clock
 /// says; nothing of it was read or written.
 const STATUS_WINDOW_MISMATCH: i64 = 1;
-/// decide.lua's reply integers per check: allowed (1/0), remaining, reset (ms), retry (ms).
+/// decide.lua's reply integers per check of any algorithm but the fixed window: allowed (1/0),
+/// remaining, reset (ms), retry (ms).
 const REPLY_PER_CHECK: usize = 4;
+
+/// How many integers decide.lua answers for a check of `spec`: a fixed window's one (remaining + 1 when
+/// allowed, 0 when denied; its reset is the window's end, which the client works out from the server
+/// time), any other algorithm's [`REPLY_PER_CHECK`].
+fn reply_len(spec: &Spec) -> usize {
+    if spec[0] == FIXED_WINDOW {
+        1
+    } else {
+        REPLY_PER_CHECK
+    }
+}
+
+/// The decision on a check of `spec` from its reply integers `c` (of [`reply_len`]), at server time
+/// `server_ms`.
+fn decision(spec: &Spec, c: &[i64], server_ms: i64) -> Decision {
+    if let [v] = *c {
+        let window = spec[2];
+        // A decided fixed window is at least a second long (the script skips shorter ones).
+        let reset = window - server_ms.checked_rem(window).unwrap_or(0);
+        let allowed = v > 0;
+        return Decision {
+            allowed,
+            remaining: if allowed { non_negative(v - 1) } else { 0 },
+            reset_ms: non_negative(reset),
+            retry_ms: if allowed { 0 } else { non_negative(reset) },
+        };
+    }
+    Decision {
+        allowed: c[0] == 1,
+        remaining: non_negative(c[1]),
+        reset_ms: non_negative(c[2]),
+        retry_ms: non_negative(c[3]),
+    }
+}
 
 /// The answer to one part.
 #[derive(Debug, Clone)]
@@ -530,29 +568,28 @@ impl PartReply {
                     grants: Vec::new(),
                 }),
                 STATUS_DECIDED => {
-                    let len = part.checks.len() * REPLY_PER_CHECK;
-                    if rest.len() < len {
-                        return Err(bad());
-                    }
-                    let (checks, tail) = rest.split_at(len);
-                    rest = tail;
-                    let grants = part
-                        .checks
-                        .iter()
-                        .zip(checks.chunks_exact(REPLY_PER_CHECK))
-                        .enumerate()
-                        .filter(|(_, (c, _))| c.want > 0)
-                        .map(|(i, (_, ints))| Grant {
-                            check: i,
-                            hits: 0,
-                            remaining: non_negative(ints[1]),
-                            reset_ms: non_negative(ints[2]),
-                            server_ms: non_negative(server_ms),
-                        })
-                        .collect();
                     let mut outcomes = std::mem::take(&mut part.outcomes);
                     outcomes.clear();
-                    outcomes.extend(checks.chunks_exact(REPLY_PER_CHECK).map(outcome));
+                    let mut grants = Vec::new();
+                    for (i, check) in part.checks.iter().enumerate() {
+                        let len = reply_len(&check.spec);
+                        if rest.len() < len {
+                            return Err(bad());
+                        }
+                        let (ints, tail) = rest.split_at(len);
+                        rest = tail;
+                        let decision = decision(&check.spec, ints, server_ms);
+                        if check.want > 0 {
+                            grants.push(Grant {
+                                check: i,
+                                hits: 0,
+                                remaining: decision.remaining,
+                                reset_ms: decision.reset_ms,
+                                server_ms: non_negative(server_ms),
+                            });
+                        }
+                        outcomes.push(Outcome::from(decision));
+                    }
                     replies.push(Self {
                         window_mismatch: false,
                         denied: *denied == 1,
@@ -596,15 +633,6 @@ impl PartReply {
 
 fn non_negative(v: i64) -> u64 {
     u64::try_from(v).unwrap_or(0)
-}
-
-fn outcome(c: &[i64]) -> Outcome {
-    Outcome::from(Decision {
-        allowed: c[0] == 1,
-        remaining: non_negative(c[1]),
-        reset_ms: non_negative(c[2]),
-        retry_ms: non_negative(c[3]),
-    })
 }
 
 /// refund.lua's integers per key: algorithm, hits to give back, window (ms), limit, burst.
@@ -801,15 +829,20 @@ mod tests {
         let mut part = Part::new(&batch, &keys(), &[0], true, 2_222_000, &[], |_| 0).unwrap();
         let mut parts = [&mut part];
         assert!(PartReply::parse_all(&[], &mut parts).is_err());
-        assert!(PartReply::parse_all(&[5, 0, 0, 1, 2, 3], &mut parts).is_err());
+        // A fixed window answers one integer: none, or one too many, is an error.
+        assert!(PartReply::parse_all(&[5, 0, 0], &mut parts).is_err());
         assert!(PartReply::parse_all(&[5, 7, 0], &mut parts).is_err());
-        assert!(PartReply::parse_all(&[5, 0, 0, 1, 2, 3, 4, 9], &mut parts).is_err());
-        let r = PartReply::parse_all(&[5, 0, 1, 0, 0, 2500, 1001], &mut parts).unwrap();
+        assert!(PartReply::parse_all(&[5, 0, 0, 1, 9], &mut parts).is_err());
+        // Denied (0) at 57.5 s into the minute: the window ends in 2.5 s, the reset and the retry.
+        let r = PartReply::parse_all(&[57_500, 0, 1, 0], &mut parts).unwrap();
         assert!(r[0].denied && !r[0].outcomes[0].allowed);
-        assert_eq!(
-            (r[0].outcomes[0].reset_after, r[0].outcomes[0].retry_after),
-            (3, 2)
-        );
+        let o = &r[0].outcomes[0];
+        assert_eq!((o.remaining, o.reset_after, o.retry_ms), (0, 3, 2_500));
+        // Allowed with 2 left (2 + 1).
+        let r = PartReply::parse_all(&[60_001, 0, 0, 3], &mut parts).unwrap();
+        let o = &r[0].outcomes[0];
+        assert!(!r[0].denied && o.allowed);
+        assert_eq!((o.remaining, o.reset_after, o.retry_ms), (2, 60, 0));
         assert!(PartReply::parse_all(&[5, 1, 0], &mut parts).unwrap()[0].window_mismatch);
     }
 
@@ -876,8 +909,9 @@ mod tests {
         // granted at 2 160 500 ms).
         assert_eq!(&args[args.len() - 8..], [1, 2, 40, 1, 3, 3, 7, 2_160_500]);
         assert_eq!(call.keys.len(), 3);
-        // The reply: the part's two checks, then the grant.
-        let reply = [5, 0, 0, 1, 4, 1000, 0, 1, 9, 2000, 0, 40];
+        // The reply: the part's two checks (the fixed window's one integer, allowed with 4 left; the
+        // token bucket's four), then the grant.
+        let reply = [5, 0, 0, 5, 1, 9, 2000, 0, 40];
         let parsed = PartReply::parse_all(&reply, &mut [&mut part]).unwrap();
         assert_eq!(
             parsed[0].grants,

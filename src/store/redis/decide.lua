@@ -97,24 +97,29 @@ else
 end
 if numbers < 7 then return redis.error_reply('ratelimitd: the call ends early') end
 
--- Every integer is a whole number from 0 to 2^53, checked in one pass; anything that is no number
--- (a string, nil, a table) fails the comparison with Lua's own error, caught here.
-local at = 0
-local whole = pcall(function()
+-- Every integer is a whole number from 0 to 2^53, checked in one pass of locals only (`not_whole`: the
+-- first that is not, or nil); anything that is no number (a string, nil, a table) fails the comparison
+-- with Lua's own error, and is then found by its type.
+local function not_whole(N, numbers)
   for i = 1, numbers do
-    at = i
     local v = N[i]
-    if v < 0 or v > 9007199254740992 or v % 1 ~= 0 then error() end
+    if v < 0 or v > 9007199254740992 or v % 1 ~= 0 then return i end
   end
-end)
-if not whole then
-  return redis.error_reply('ratelimitd: argument ' .. at .. ' is not a whole number from 0 to 2^53')
+  return nil
 end
+local compared, bad = pcall(not_whole, N, numbers)
+if not compared then
+  bad = 1
+  while type(N[bad]) == 'number' do bad = bad + 1 end
+end
+if bad then
+  return redis.error_reply('ratelimitd: argument ' .. bad .. ' is not a whole number from 0 to 2^53')
+end
+local at = 0
 
 -- A cursor over the integers (`upto`: an index from 1 to upto). The first fault is kept, and refuses
 -- the call once everything is read, before any key is touched.
 local fault = nil
-at = 0
 local function int(upto, what)
   at = at + 1
   local v = N[at]
@@ -167,8 +172,9 @@ for s = 1, specs do
 end
 -- Checks as parallel arrays, requests as ranges of them; a check's three integers are read in place.
 -- A request is decided only if every fixed-window spec it uses is for this server's window (`skipped`
--- otherwise). The algorithm of each key (nil: the call does not need the key) is its first decided
--- check's.
+-- otherwise). The algorithm of each key (nil: the call does not need the key) is its first check's: a
+-- key's name says its algorithm (src/store/keys.rs), so all of its checks have the same one. A key of
+-- skipped requests only is read and left as it is.
 local ckey, cspec, ccost = {}, {}, {}
 local rflags, rfirst, rlast = {}, {}, {}
 local skipped, kalg = {}, {}
@@ -191,16 +197,11 @@ for r = 1, requests do
     c = c + 1
     ckey[c], cspec[c], ccost[c] = k, s, N[at + 3]
     at = at + 3
+    if kalg[k] == nil then kalg[k] = alg[s] end
     if not valid[s] then skip = true end
   end
   rflags[r], rfirst[r], rlast[r] = flags, first, c
-  if skip then skipped[r] = true
-  else
-    for i = first, c do
-      local k = ckey[i]
-      if kalg[k] == nil then kalg[k] = alg[cspec[i]] end
-    end
-  end
+  if skip then skipped[r] = true end
 end
 local want, wants = {}, {}
 for w = 1, count(2) do
@@ -286,6 +287,8 @@ for g = 1, #groups do
           members[#members + 1] = v[j]
         end
         logt[k], logc[k], logm[k] = times, costs, members
+        -- Its state starts with nothing added by this call, whether or not the key existed.
+        has[k], s2[k], s3[k] = true, 0, 0
       end
     end
   end
@@ -449,11 +452,6 @@ decide[4] = function(s, k, present, tat0, _, _, cost)
   return allowed, remaining, ceil0((kept - now_us) / 1000.0), retry, ceil(kept), nil, nil
 end
 
--- The sliding log's state starts with nothing added by this call, whether or not the key existed.
-for k, a in pairs(kalg) do
-  if a == 2 then has[k], s2[k], s3[k] = true, 0, 0 end
-end
-
 -- A whole number as a command argument. Lua would format every number it passes with `%.14g`, a
 -- double's slow path; the few distinct values of a call (costs, expiries, window starts) are formatted
 -- once each, as integers.
@@ -468,17 +466,11 @@ local function str(n)
   return s
 end
 
--- Writes a key's state back, with its expiry; `s` is the spec of the last check that changed it.
+-- Writes a key's state back, with its expiry; `s` is the spec of the last check that changed it. A
+-- fixed window's counter is written where this is called.
 local function save(k, s)
   local a, name, w = alg[s], key[k], win[s]
-  if a == 0 then
-    if base[k] == nil then
-      redis.call('SET', name, str(s1[k]), 'EX', str(w / 1000 + jitter))
-    else
-      local add = s1[k] - base[k]
-      redis.call('INCRBY', name, text[add] or str(add))
-    end
-  elseif a == 1 then
+  if a == 1 then
     redis.call('HSET', name, 's', str(s1[k]), 'c', str(s2[k]), 'p', str(s3[k]))
     redis.call('PEXPIRE', name, str(s1[k] + 2 * w - now))
   elseif a == 2 then
@@ -544,12 +536,13 @@ for b = 1, #returns do
   end
 end
 
--- A fixed window's count (the usual check) changes in place, and goes back (`undo_k`, `undo_v`, newest
--- first) when its request does not consume; the other algorithms' changes are tentative (t1..t3, marked
--- with the request in `tr`) until it is known to consume. A key checked twice in one request sees the
--- earlier check's cost.
+-- A fixed window's count (the usual check) changes in place and is marked to be written; both go back
+-- when its request does not consume (`undo_k`, `undo_v`, `undo_d`: the key, its count and its mark
+-- before, newest first). A fixed window's `has` is not kept past the reads: nothing after them needs it.
+-- The other algorithms' changes are tentative (t1..t3, marked with the request in `tr`) until it is known
+-- to consume. A key checked twice in one request sees the earlier check's cost.
 local t1, t2, t3, tr = {}, {}, {}, {}
-local undo_k, undo_v = {}, {}
+local undo_k, undo_v, undo_d = {}, {}, {}
 local granted, leasing = {}, #wants > 0
 -- Each check's answer goes straight into its place in the reply (`o`: the last place written).
 local reply, rn = { now }, 1
@@ -564,7 +557,7 @@ for r = 1, requests do
     -- The request's status and denied (filled in once known) at head + 1 and + 2, then its checks'.
     local head = rn
     reply[head + 1], reply[head + 2] = 0, 0
-    local o, undone = head + 2, 0
+    local o, undone, tentative = head + 2, 0, false
     local denied = scope == 2
     local quota, quota_over = 0, 0
     for i = first_check, last_check do
@@ -580,8 +573,8 @@ for r = 1, requests do
         if ok then reply[o] = lim - after + 1 else reply[o] = 0 end
         if cost > 0 then
           undone = undone + 1
-          undo_k[undone], undo_v[undone] = k, count
-          s1[k] = after
+          undo_k[undone], undo_v[undone], undo_d[undone] = k, count, dirty[k]
+          s1[k], dirty[k] = after, s
         end
       else
         local a, b, c3, present
@@ -593,6 +586,7 @@ for r = 1, requests do
         o = o + 4
         if cost > 0 and (ok or over[s]) then
           t1[k], t2[k], t3[k], tr[k] = n1, n2, n3, r
+          tentative = true
         end
       end
       local role_i = role[s]
@@ -607,14 +601,14 @@ for r = 1, requests do
     local consume = consume_on_deny or not denied
     if denied then reply[head + 2] = 1 end
     if consume then
-      for i = first_check, last_check do
-        local k, s = ckey[i], cspec[i]
-        if alg[s] == 0 then
-          if ccost[i] > 0 then has[k] = true; dirty[k] = s end
-        elseif tr[k] == r then
-          s1[k], s2[k], s3[k], has[k] = t1[k], t2[k], t3[k], true
-          tr[k] = nil
-          dirty[k] = s
+      if tentative then
+        for i = first_check, last_check do
+          local k = ckey[i]
+          if tr[k] == r then
+            s1[k], s2[k], s3[k], has[k] = t1[k], t2[k], t3[k], true
+            tr[k] = nil
+            dirty[k] = cspec[i]
+          end
         end
       end
       -- Leases ride on consuming requests, granted whole while they are at most a sixteenth of what is
@@ -642,8 +636,13 @@ for r = 1, requests do
       end
     else
       -- Nothing consumed: fixed windows go back, newest change first, and the tentative changes go.
-      for u = undone, 1, -1 do s1[undo_k[u]] = undo_v[u] end
-      for i = first_check, last_check do tr[ckey[i]] = nil end
+      for u = undone, 1, -1 do
+        local k = undo_k[u]
+        s1[k], dirty[k] = undo_v[u], undo_d[u]
+      end
+      if tentative then
+        for i = first_check, last_check do tr[ckey[i]] = nil end
+      end
       -- Allowed checks answer the quota as it stands.
       o = head + 2
       for i = first_check, last_check do
@@ -667,8 +666,7 @@ for r = 1, requests do
         if over[s] and cost > 0 then
           if alg[s] == 0 then
             local count = s1[k]
-            s1[k] = min(count + cost, max(count, limit[s] + debt[s]))
-            has[k], dirty[k] = true, s
+            s1[k], dirty[k] = min(count + cost, max(count, limit[s] + debt[s])), s
           else
             local a, b, c3, present
             if tr[k] == r then a, b, c3, present = t1[k], t2[k], t3[k], true
@@ -693,7 +691,20 @@ for r = 1, requests do
   end
 end
 
-for k, s in pairs(dirty) do save(k, s) end
+-- A fixed window's counter (the usual key) is written here, the others by save.
+local call = redis.call
+for k, s in pairs(dirty) do
+  if alg[s] == 0 then
+    local was = base[k]
+    if was == nil then call('SET', key[k], str(s1[k]), 'EX', str(win[s] / 1000 + jitter))
+    else
+      local add = s1[k] - was
+      call('INCRBY', key[k], text[add] or str(add))
+    end
+  else
+    save(k, s)
+  end
+end
 for w = 1, #wants do rn = rn + 1; reply[rn] = granted[wants[w]] or 0 end
 if packed_call then return cmsgpack.pack(reply) end
 return reply

@@ -155,6 +155,93 @@ async fn on_cluster_one_call_carries_the_slots_of_one_server() {
     store.close().await;
 }
 
+/// Requests of several checks on a Cluster: a request's checks on one server, whatever their slots,
+/// are one part of one call, decided all-or-nothing there; across servers what a denying server's
+/// request consumed elsewhere is given back. The decisions, and every counter after them, are the
+/// memory store's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_cluster_a_requests_checks_on_one_server_are_decided_together() {
+    let cluster = RedisCluster::start(false);
+    let store = redis_store(cluster.url(), RedisTopology::Cluster, |s| {
+        s.calls_in_flight = 1
+    })
+    .await;
+    let redis = Store::Redis(store.clone());
+    for algorithm in ALGORITHMS {
+        let trace = trace(13, algorithm, 200, 3);
+        let memory = Store::Memory(MemoryStore::new(10_000));
+        let mut expected = Vec::new();
+        for batch in &trace {
+            expected.push(
+                memory
+                    .apply(batch, now_ms(), within())
+                    .await
+                    .unwrap()
+                    .denied,
+            );
+        }
+        // One after another: a request decided on two servers is not one atomic step, and one sent
+        // beside it may see what it consumed on one server before the other's refusal gives it back
+        // (a denial more, never an admission more).
+        for (step, (batch, denied)) in trace.iter().zip(expected).enumerate() {
+            let answer = redis.apply(batch, now_ms(), within()).await;
+            let answer = answer.expect("the store decides");
+            assert_eq!(answer.denied, denied, "{algorithm:?} request {step}");
+        }
+        // Every counter holds what the memory store's holds: a probe that costs nothing sees the same
+        // quota left on each.
+        let mut probed = std::collections::BTreeSet::new();
+        for check in trace.iter().flat_map(|b| &b.checks) {
+            if !probed.insert(check.key.clone()) {
+                continue;
+            }
+            let probe = Batch {
+                checks: vec![Check {
+                    cost: 0,
+                    role: Role::Enforce,
+                    ..check.clone()
+                }],
+                ..Batch::default()
+            };
+            let on_redis = redis.apply(&probe, now_ms(), within()).await.unwrap();
+            let on_memory = memory.apply(&probe, now_ms(), within()).await.unwrap();
+            assert_eq!(
+                view(&on_redis),
+                view(&on_memory),
+                "{algorithm:?} {}",
+                check.key
+            );
+        }
+    }
+
+    // Two counters in different slots of one master: one request on both is one call there.
+    let now = now_ms();
+    let check = |name: String| Check::fixed_window(name, 1_000, 3600, 1, Role::Enforce);
+    let slot_of = |c: &Check| {
+        cluster.masters[0]
+            .cli(&["CLUSTER", "KEYSLOT", &c.storage_key(now)])
+            .parse::<u16>()
+            .unwrap()
+    };
+    let mut on_zero = (0..)
+        .map(|i| check(format!("pair{i}_")))
+        .filter(|c| owner(&cluster, slot_of(c)) == 0);
+    let a = on_zero.next().unwrap();
+    let b = on_zero.find(|c| slot_of(c) != slot_of(&a)).unwrap();
+    let before = cluster.calls("evalsha");
+    let both = Batch {
+        checks: vec![a.clone(), b.clone()],
+        ..Batch::default()
+    };
+    assert!(!store.apply(&both, now, within()).await.unwrap().denied);
+    assert_eq!(
+        cluster.calls("evalsha") - before,
+        1,
+        "one call for two slots"
+    );
+    store.close().await;
+}
+
 /// Three replicas on one Redis send random requests at once: every counter holds exactly the hits the
 /// fleet admitted on it, and never more than its limit.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -415,4 +502,71 @@ async fn on_cluster_a_call_refused_after_a_slot_moved_is_sent_again_one_slot_per
     };
     assert_eq!(count(from, &staying), 61);
     assert_eq!(count(to, &moving), 60, "counted once, where the slot went");
+}
+
+/// The same with requests that each carry both counters, so that each is one part over two slots of what
+/// the replica thinks is one server, and a budget on another server (a limit that counts over its limit,
+/// so its hits are never given back): refused, such a part goes again one slot per call, and every
+/// request is decided exactly once on each counter, the budget included.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_cluster_a_request_over_slots_of_which_one_moved_is_decided_again_by_slot() {
+    let cluster = RedisCluster::start(false);
+    let store = redis_store(cluster.url(), RedisTopology::Cluster, |s| {
+        s.calls_in_flight = 1
+    })
+    .await;
+    let store = Store::Redis(store);
+    let now = now_ms();
+    let check = |name: String| Check::fixed_window(name, 1_000, 3600, 1, Role::Enforce);
+    let slot_of = |c: &Check| {
+        cluster.masters[0]
+            .cli(&["CLUSTER", "KEYSLOT", &c.storage_key(now)])
+            .parse::<u16>()
+            .unwrap()
+    };
+    let mut on_zero = (0..)
+        .map(|i| check(format!("both{i}_")))
+        .filter(|c| owner(&cluster, slot_of(c)) == 0);
+    let staying = on_zero.next().unwrap();
+    let moving = on_zero.find(|c| slot_of(c) != slot_of(&staying)).unwrap();
+    let mut budget = (0..)
+        .map(|i| check(format!("budget{i}_")))
+        .find(|c| owner(&cluster, slot_of(c)) == 2)
+        .unwrap();
+    budget.params.count_over_limit = true;
+    let of = |checks: Vec<Check>| Batch {
+        checks,
+        ..Batch::default()
+    };
+    // The replica learns the slot map before the move.
+    let first = store.apply(&of(vec![staying.clone()]), now, within()).await;
+    assert!(!first.unwrap().denied);
+    let (from, to) = (&cluster.masters[0], &cluster.masters[1]);
+    let (slot, to_id) = (slot_of(&moving).to_string(), to.cli(&["CLUSTER", "MYID"]));
+    for master in &cluster.masters {
+        assert_eq!(
+            master.cli(&["CLUSTER", "SETSLOT", &slot, "NODE", &to_id]),
+            "OK"
+        );
+    }
+
+    let trace: Vec<Batch> = (0..60)
+        .map(|_| of(vec![staying.clone(), moving.clone(), budget.clone()]))
+        .collect();
+    for answer in join_all(trace.iter().map(|b| store.apply(b, now, within()))).await {
+        let answer = answer.expect("decided after the move");
+        assert!(!answer.denied);
+        assert!(answer.outcomes.iter().all(|o| o.allowed), "{answer:?}");
+    }
+    let count = |node: &common::redis::RedisProcess, c: &Check| -> u64 {
+        node.cli(&["GET", &c.storage_key(now)]).parse().unwrap_or(0)
+    };
+    assert_eq!(count(from, &staying), 61, "counted once each");
+    assert_eq!(count(to, &moving), 60, "counted once, where the slot went");
+    assert_eq!(count(from, &moving), 0, "nothing left where the slot was");
+    assert_eq!(
+        count(&cluster.masters[2], &budget),
+        60,
+        "the budget counted once each"
+    );
 }

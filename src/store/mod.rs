@@ -217,6 +217,11 @@ pub enum StoreError {
     CircuitOpen(&'static str),
     #[error("invalid redis settings: {0}")]
     Config(String),
+    /// A Cluster call carrying several slots was refused because one of them moved; nothing was
+    /// written. The Redis store sends the request again one slot per call, so this does not reach a
+    /// caller.
+    #[error("redis cluster: a slot of the call moved before it was decided")]
+    SlotsMoved,
 }
 
 /// What the metrics show of a store's backend.

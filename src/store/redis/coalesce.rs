@@ -12,10 +12,12 @@
 //! before its call was sent is dropped, never counted. The call itself is watched by the server's
 //! [`Node`], which tells a slow answer from a silent server.
 //!
-//! On Cluster a call carries the parts of every hash slot of one server: the keys of the first slot are
-//! declared (Redis routes by them) and the script reads the others itself. While slots move, such a call
-//! may be refused before it writes anything; its parts are then sent one slot per call, through the
-//! client's own redirection handling.
+//! On Cluster a request's checks on one server are one part, whatever their slots, and a call carries
+//! the parts of every slot of that server: the keys of the first slot are declared (Redis routes by
+//! them) and the script reads the others itself. While slots move, such a call may be refused before it
+//! writes anything; its parts are then sent one per call, and a part that spans slots and is refused
+//! again is answered [`StoreError::SlotsMoved`], on which its request goes again one slot per call,
+//! through the client's own redirection handling.
 
 use std::{
     collections::VecDeque,
@@ -207,7 +209,12 @@ impl Caller {
                 // Slots are moving: one slot per call, each routed (and redirected) by the client.
                 tracing::debug!(server = %node.name(), parts = batch.len(), "a call spanning slots was refused ({err}); sending one slot per call");
                 let alone = join_all(batch.iter_mut().map(|waiting| async {
-                    let reply = self.call(node, &[&waiting.part], &[], until).await?;
+                    let reply = match self.call(node, &[&waiting.part], &[], until).await {
+                        Err(CallError::Moved(_)) if spans_slots(&waiting.part) => {
+                            return Err(StoreError::SlotsMoved)
+                        }
+                        reply => reply?,
+                    };
                     let mut replies = PartReply::parse_all(&reply, &mut [&mut waiting.part])?;
                     replies
                         .pop()
@@ -219,6 +226,8 @@ impl Caller {
                 }
                 return;
             }
+            // A request's part alone, over slots of which one moved: its request goes again by slot.
+            Err(CallError::Moved(_)) if spans_slots(&batch[0].part) => Err(StoreError::SlotsMoved),
             other => other.map_err(StoreError::from).and_then(|reply| {
                 let mut parts: Vec<&mut Part> = batch.iter_mut().map(|w| &mut w.part).collect();
                 PartReply::parse_all(&reply, &mut parts)
@@ -314,6 +323,11 @@ impl From<CallError> for StoreError {
             CallError::Store(err) => err,
         }
     }
+}
+
+/// Whether a part's checks are in more than one Cluster slot.
+fn spans_slots(part: &Part) -> bool {
+    part.checks.windows(2).any(|w| w[0].slot != w[1].slot)
 }
 
 /// Whether a Cluster error says a key of the call is not (or not only) on the server that ran it.

@@ -11,9 +11,10 @@
 //!   the client computes from its estimate of the server clock; a request whose key is for the wrong
 //!   window is refused by the script before it touches anything, and the client retries it once with the
 //!   server's time.
-//! - Cluster: checks are grouped by hash slot; the slots of one server travel in one call. When one slot
-//!   denies the request, `refund.lua` gives back what the others consumed, so the fleet never admits more
-//!   than the limit.
+//! - Cluster: checks are grouped by server, whatever their slots, and one call decides a server's share of
+//!   a request all-or-nothing (by slot instead while slots move under it: see `coalesce`). When one
+//!   server denies the request, `refund.lua` gives back what the others consumed, so the fleet never
+//!   admits more than the limit.
 //! - Waiting: a request waits for Redis until its answer is due: shortly before the caller's gRPC deadline,
 //!   or `redis.timeout` for callers without one. Each server has a circuit breaker that opens only when
 //!   the server is failing (connections refused or lost, or no answer at all for
@@ -91,6 +92,15 @@ struct Group {
     backend: usize,
     checks: Checks,
     node: Arc<Node>,
+}
+
+/// What one refund.lua call gives back: the consumed checks of one slot of a decided part (`server_ms`:
+/// when it was decided), each with its outcome.
+struct Refund<'a> {
+    group: &'a Group,
+    server_ms: i64,
+    slot: u16,
+    checks: Vec<(usize, Outcome)>,
 }
 
 /// Indexes of checks of a batch. Inline for the requests most send, as are a request's groups and
@@ -218,6 +228,9 @@ impl RedisStore {
         // Window mismatches met so far: a replica whose estimate of the Redis clock is a little ahead
         // can meet one going back to the window before and another as Redis moves on to the next.
         let (mut mismatches_met, mut waited) = (0u8, false);
+        // Set when a call carrying several slots of one Cluster master was refused because one of them
+        // moved: the request then goes one slot per call.
+        let mut by_slot = false;
         // After a window mismatch: the batch that goes again, whose checks counted over their limit on
         // the first try only check now, and those checks' answers from the first try. Boxed: it is rare,
         // and this future is part of every request's.
@@ -247,7 +260,7 @@ impl RedisStore {
             let remote: Checks = (0..batch.checks.len())
                 .filter(|&i| leased.taken.local[i].is_none())
                 .collect();
-            let groups = self.groups(batch, &keys, remote);
+            let mut groups = self.groups(batch, &keys, remote, by_slot);
             self.admit(&groups)?;
             // A batch that goes again is never complete: its checks counted on the first try still weigh
             // in the decision, which only this side sees whole.
@@ -262,14 +275,55 @@ impl RedisStore {
             if let [group] = &groups[..] {
                 // One server (always so on standalone and Sentinel): its part is made and its call
                 // awaited as they are, without vectors of parts and calls.
-                slots.push(self.decide_part(group, part(group)?, deadline).await?);
+                match self.decide_part(group, part(group)?, deadline).await {
+                    Err(StoreError::SlotsMoved) if !by_slot => {
+                        // Refused before it wrote anything: the request goes again, by slot.
+                        tracing::debug!("a call's Cluster slots moved; deciding one slot per call");
+                        by_slot = true;
+                        continue;
+                    }
+                    reply => slots.push(reply?),
+                }
             } else {
                 let parts = groups.iter().map(part).collect::<Result<Vec<_>, _>>()?;
                 let pairs = groups.iter().zip(parts);
                 let calls = pairs.map(|(group, part)| self.decide_part(group, part, deadline));
-                for reply in join_all(calls).await {
-                    slots.push(reply?);
+                let (mut decided, mut moved) = (Groups::new(), false);
+                let replies = join_all(calls).await;
+                for (group, reply) in groups.into_iter().zip(replies) {
+                    match reply {
+                        Err(StoreError::SlotsMoved) if !by_slot => moved = true,
+                        reply => {
+                            slots.push(reply?);
+                            decided.push(group);
+                        }
+                    }
                 }
+                if moved {
+                    // The servers that decided their part keep the leases they granted and give back
+                    // what they consumed; then the request goes again, by slot, as after a window
+                    // mismatch: what counts over its limit and was counted keeps that count and answer.
+                    tracing::debug!("a call's Cluster slots moved; deciding one slot per call");
+                    self.record_clocks(&decided, &slots, local_ms);
+                    let grants = self.grants(batch, &keys, &decided, &slots, &server_ms);
+                    leased.finish(false, &grants);
+                    self.refund_consumed(batch, &keys, &decided, &slots, deadline)
+                        .await?;
+                    for (group, slot) in decided.iter().zip(&slots) {
+                        if slot.window_mismatch {
+                            now_ms[group.backend] = slot.server_ms;
+                        }
+                    }
+                    again = Some(Box::new(counted_once_again(
+                        batch,
+                        &decided,
+                        &slots,
+                        again.as_deref(),
+                    )));
+                    by_slot = true;
+                    continue;
+                }
+                groups = decided;
             }
             self.record_clocks(&groups, &slots, local_ms);
             let grants = self.grants(batch, &keys, &groups, &slots, &server_ms);
@@ -294,16 +348,12 @@ impl RedisStore {
                     tracing::debug!(local_ms, server_ms, "window moved on the server; retrying");
                     now_ms[backend] = server_ms;
                 }
-                // Checks counted on an earlier try keep that try's answers.
-                let (next, mut first) = counted_once(batch, &groups, &slots);
-                if let Some((_, before)) = again.as_deref() {
-                    for (answer, earlier) in first.iter_mut().zip(before) {
-                        if earlier.is_some() {
-                            *answer = *earlier;
-                        }
-                    }
-                }
-                again = Some(Box::new((next, first)));
+                again = Some(Box::new(counted_once_again(
+                    batch,
+                    &groups,
+                    &slots,
+                    again.as_deref(),
+                )));
                 continue;
             }
             let mut outcomes = if complete {
@@ -431,9 +481,14 @@ impl RedisStore {
         }
     }
 
-    /// The checks `checks` (indexes into the batch) grouped by backend and, on Cluster, by hash slot,
+    /// The checks `checks` (indexes into the batch) grouped by backend and, on Cluster, by server,
     /// each with its server.
-    fn groups(&self, batch: &Batch, keys: &[Bytes], checks: Checks) -> Groups {
+    ///
+    /// On Cluster the checks of one master form one group, whatever their slots, so that one call
+    /// decides them together, all or nothing; `by_slot` makes one group per slot instead, for a
+    /// request whose slots moved under such a call (each then goes through the client's redirection
+    /// handling on its own).
+    fn groups(&self, batch: &Batch, keys: &[Bytes], checks: Checks, by_slot: bool) -> Groups {
         if self.per_second.is_none() && !self.main.cluster {
             // One server decides every check.
             let node = self.main.node_for_slot(None);
@@ -443,23 +498,40 @@ impl RedisStore {
                 node,
             }];
         }
-        let mut by_slot: BTreeMap<(usize, Option<u16>), Vec<usize>> = BTreeMap::new();
+        let mut groups = Groups::new();
+        // Each distinct slot's group, found by a look through the few a request has.
+        let mut slot_group: SmallVec<[(usize, Option<u16>, usize); 8]> = SmallVec::new();
         for i in checks {
             let backend = self.backend_of(batch.checks[i].per_second);
-            let slot = self
-                .backend(backend)
-                .cluster
-                .then(|| fred::util::redis_keyslot(&keys[i]));
-            by_slot.entry((backend, slot)).or_default().push(i);
+            let b = self.backend(backend);
+            let slot = b.cluster.then(|| fred::util::redis_keyslot(&keys[i]));
+            let known = slot_group
+                .iter()
+                .find(|(bk, sl, _)| *bk == backend && *sl == slot)
+                .map(|&(_, _, g)| g);
+            let g = known.unwrap_or_else(|| {
+                let node = b.node_for_slot(slot);
+                let same_server = (!by_slot)
+                    .then(|| {
+                        groups
+                            .iter()
+                            .position(|g| g.backend == backend && Arc::ptr_eq(&g.node, &node))
+                    })
+                    .flatten();
+                let g = same_server.unwrap_or_else(|| {
+                    groups.push(Group {
+                        backend,
+                        checks: Checks::new(),
+                        node,
+                    });
+                    groups.len() - 1
+                });
+                slot_group.push((backend, slot, g));
+                g
+            });
+            groups[g].checks.push(i);
         }
-        by_slot
-            .into_iter()
-            .map(|((backend, slot), checks)| Group {
-                backend,
-                checks: Checks::from_vec(checks),
-                node: self.backend(backend).node_for_slot(slot),
-            })
-            .collect()
+        groups
     }
 
     /// Gives back the hits of every slot that consumed for this request.
@@ -471,8 +543,29 @@ impl RedisStore {
         slots: &[PartReply],
         deadline: Deadline,
     ) -> Result<(), StoreError> {
-        let calls = groups.iter().zip(slots).filter_map(|(group, slot)| {
-            let RefundCall { keys, args } = RefundCall::new(batch, keys, &group.checks, slot)?;
+        // One call per slot: refund.lua declares every key it gives back to.
+        let mut refunds: Vec<Refund<'_>> = Vec::new();
+        for (group, reply) in groups.iter().zip(slots) {
+            if !reply.consumed(batch) {
+                continue;
+            }
+            let (slot_of, first) = (self.slot_of(group.backend), refunds.len());
+            for (&i, outcome) in group.checks.iter().zip(&reply.outcomes) {
+                let slot = slot_of(&keys[i]);
+                match refunds[first..].iter_mut().find(|r| r.slot == slot) {
+                    Some(refund) => refund.checks.push((i, *outcome)),
+                    None => refunds.push(Refund {
+                        group,
+                        server_ms: reply.server_ms,
+                        slot,
+                        checks: vec![(i, *outcome)],
+                    }),
+                }
+            }
+        }
+        let calls = refunds.iter().map(|refund| {
+            let (group, checks) = (refund.group, &refund.checks);
+            let RefundCall { keys, args } = RefundCall::new(batch, keys, checks, refund.server_ms);
             let backend = self.backend(group.backend);
             let (client, script) = (backend.pool.next_connected().clone(), self.refund.clone());
             let call = async move {
@@ -481,7 +574,7 @@ impl RedisStore {
                     .await
             };
             let (until, late) = Self::wait_bound(backend, deadline);
-            Some(group.node.wait(&self.tasks, call, until, late))
+            group.node.wait(&self.tasks, call, until, late)
         });
         for result in join_all(calls).await {
             result?.map_err(redis_error)?;
@@ -582,6 +675,25 @@ fn counted_once(
         }
     }
     (again, first)
+}
+
+/// `counted_once`, after `before` (an earlier try's): checks counted on an earlier try keep that try's
+/// answers.
+fn counted_once_again(
+    batch: &Batch,
+    groups: &[Group],
+    slots: &[PartReply],
+    before: Option<&(Batch, Vec<Option<Outcome>>)>,
+) -> (Batch, Vec<Option<Outcome>>) {
+    let (next, mut first) = counted_once(batch, groups, slots);
+    if let Some((_, before)) = before {
+        for (answer, earlier) in first.iter_mut().zip(before) {
+            if earlier.is_some() {
+                *answer = *earlier;
+            }
+        }
+    }
+    (next, first)
 }
 
 /// The storage keys of the batch's checks, the fixed windows' for the server time `server_ms` says.

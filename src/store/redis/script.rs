@@ -3,7 +3,7 @@
 //! a change here, and the other way round.
 //!
 //! A decide call carries one or more [`Part`]s: the checks of one request that one server decides (all
-//! of a request's checks outside Cluster, those of one hash slot on it). The script decides the parts in
+//! of a request's checks outside Cluster, those on one server on it, of one or more hash slots). The script decides the parts in
 //! order, each all-or-nothing, and answers each with its own [`PartReply`].
 //!
 //! A check may ask for a quota lease (see `lease`): the script grants it with the request's own call, and
@@ -31,7 +31,7 @@ const MAX_INTEGER: u64 = 1 << 53;
 /// decide.lua's scope of a part: how much of its request the part is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Scope {
-    /// Some of its checks (a Cluster hash slot): quota checks alone cannot deny.
+    /// Some of its checks (those on one Cluster server): quota checks alone cannot deny.
     Part = 0,
     /// Every check of the request.
     Complete = 1,
@@ -645,16 +645,16 @@ pub struct RefundCall {
 }
 
 impl RefundCall {
-    /// For the part of `checks` (indexes into the batch, whose storage keys are `keys`) that was
-    /// answered `reply`; `None` when it consumed nothing.
-    pub fn new(batch: &Batch, keys: &[Bytes], checks: &[usize], reply: &PartReply) -> Option<Self> {
-        if !reply.consumed(batch) {
-            return None;
-        }
-        let keys = checks.iter().map(|&i| Key::from(keys[i].clone())).collect();
+    /// For `checks` (indexes into the batch, whose storage keys are `keys`, each with its outcome) of a
+    /// part that consumed, decided at `server_ms`.
+    pub fn new(batch: &Batch, keys: &[Bytes], checks: &[(usize, Outcome)], server_ms: i64) -> Self {
+        let keys = checks
+            .iter()
+            .map(|&(i, _)| Key::from(keys[i].clone()))
+            .collect();
         let mut args = Vec::with_capacity(1 + checks.len() * REFUND_ARGS_PER_KEY);
-        args.push(reply.server_ms);
-        for (&i, outcome) in checks.iter().zip(&reply.outcomes) {
+        args.push(server_ms);
+        for &(i, ref outcome) in checks {
             let c = &batch.checks[i];
             args.extend([
                 algorithm_id(c.params.algorithm),
@@ -664,7 +664,7 @@ impl RefundCall {
                 to_i64(c.params.burst),
             ]);
         }
-        Some(Self { keys, args })
+        Self { keys, args }
     }
 }
 

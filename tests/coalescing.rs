@@ -140,10 +140,7 @@ async fn coalesced_requests_are_decided_one_at_a_time_in_arrival_order() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn on_cluster_one_call_carries_the_slots_of_one_server() {
     let cluster = RedisCluster::start(false);
-    let store = redis_store(cluster.url(), RedisTopology::Cluster, |s| {
-        s.calls_in_flight = 1
-    })
-    .await;
+    let store = one_call_at_a_time(&cluster).await;
     let before = cluster.calls("evalsha");
     // One check per request: each request is one part, the parts of many slots share calls.
     same_answers_when_coalesced(&Store::Redis(store.clone()), 12, 1).await;
@@ -162,10 +159,7 @@ async fn on_cluster_one_call_carries_the_slots_of_one_server() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn on_cluster_a_requests_checks_on_one_server_are_decided_together() {
     let cluster = RedisCluster::start(false);
-    let store = redis_store(cluster.url(), RedisTopology::Cluster, |s| {
-        s.calls_in_flight = 1
-    })
-    .await;
+    let store = one_call_at_a_time(&cluster).await;
     let redis = Store::Redis(store.clone());
     for algorithm in ALGORITHMS {
         let trace = trace(13, algorithm, 200, 3);
@@ -216,18 +210,7 @@ async fn on_cluster_a_requests_checks_on_one_server_are_decided_together() {
 
     // Two counters in different slots of one master: one request on both is one call there.
     let now = now_ms();
-    let check = |name: String| Check::fixed_window(name, 1_000, 3600, 1, Role::Enforce);
-    let slot_of = |c: &Check| {
-        cluster.masters[0]
-            .cli(&["CLUSTER", "KEYSLOT", &c.storage_key(now)])
-            .parse::<u16>()
-            .unwrap()
-    };
-    let mut on_zero = (0..)
-        .map(|i| check(format!("pair{i}_")))
-        .filter(|c| owner(&cluster, slot_of(c)) == 0);
-    let a = on_zero.next().unwrap();
-    let b = on_zero.find(|c| slot_of(c) != slot_of(&a)).unwrap();
+    let (a, b) = two_slots_of_master_zero(&cluster, "pair", now);
     let before = cluster.calls("evalsha");
     let both = Batch {
         checks: vec![a.clone(), b.clone()],
@@ -421,6 +404,56 @@ fn owner(cluster: &RedisCluster, slot: u16) -> usize {
     panic!("slot {slot} has no owner: {slots}");
 }
 
+/// A store on `cluster` that keeps one call in flight per server, so that requests sent at once queue
+/// and share calls.
+async fn one_call_at_a_time(cluster: &RedisCluster) -> Arc<RedisStore> {
+    redis_store(cluster.url(), RedisTopology::Cluster, |s| {
+        s.calls_in_flight = 1
+    })
+    .await
+}
+
+/// A fixed-window counter of 1 000 an hour, checked at cost 1.
+fn counter(name: String) -> Check {
+    Check::fixed_window(name, 1_000, 3600, 1, Role::Enforce)
+}
+
+/// The hash slot of a counter's key at `now`.
+fn slot_of(cluster: &RedisCluster, c: &Check, now: u64) -> u16 {
+    cluster.masters[0]
+        .cli(&["CLUSTER", "KEYSLOT", &c.storage_key(now)])
+        .parse()
+        .unwrap()
+}
+
+/// Two counters named `{prefix}{i}_`, in different slots of master 0.
+fn two_slots_of_master_zero(cluster: &RedisCluster, prefix: &str, now: u64) -> (Check, Check) {
+    let mut on_zero = (0..)
+        .map(|i| counter(format!("{prefix}{i}_")))
+        .filter(|c| owner(cluster, slot_of(cluster, c, now)) == 0);
+    let first = on_zero.next().unwrap();
+    let slot = slot_of(cluster, &first, now);
+    let second = on_zero.find(|c| slot_of(cluster, c, now) != slot).unwrap();
+    (first, second)
+}
+
+/// Gives the (empty) slot of `c` to master `to`, on every master.
+fn move_slot_of(cluster: &RedisCluster, c: &Check, now: u64, to: usize) {
+    let slot = slot_of(cluster, c, now).to_string();
+    let to_id = cluster.masters[to].cli(&["CLUSTER", "MYID"]);
+    for master in &cluster.masters {
+        assert_eq!(
+            master.cli(&["CLUSTER", "SETSLOT", &slot, "NODE", &to_id]),
+            "OK"
+        );
+    }
+}
+
+/// A fixed-window counter's count on one server (0 when it holds none).
+fn count_on(node: &common::redis::RedisProcess, c: &Check, now: u64) -> u64 {
+    node.cli(&["GET", &c.storage_key(now)]).parse().unwrap_or(0)
+}
+
 /// After a slot moved to another server, a replica's slot map is stale for a moment: a call carrying keys
 /// of several slots of what it thinks is one server is refused before it writes anything (a key is no
 /// longer there); its parts then go one slot per call, redirected by the client, and every request is
@@ -428,25 +461,10 @@ fn owner(cluster: &RedisCluster, slot: u16) -> usize {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn on_cluster_a_call_refused_after_a_slot_moved_is_sent_again_one_slot_per_call() {
     let cluster = RedisCluster::start(false);
-    let store = redis_store(cluster.url(), RedisTopology::Cluster, |s| {
-        s.calls_in_flight = 1
-    })
-    .await;
-    let store = Store::Redis(store);
+    let store = Store::Redis(one_call_at_a_time(&cluster).await);
     let now = now_ms();
-    let check = |name: String| Check::fixed_window(name, 1_000, 3600, 1, Role::Enforce);
-    let slot_of = |c: &Check| {
-        cluster.masters[0]
-            .cli(&["CLUSTER", "KEYSLOT", &c.storage_key(now)])
-            .parse::<u16>()
-            .unwrap()
-    };
     // Two counters in different slots of master 0.
-    let mut on_zero = (0..)
-        .map(|i| check(format!("mig{i}_")))
-        .filter(|c| owner(&cluster, slot_of(c)) == 0);
-    let staying = on_zero.next().unwrap();
-    let moving = on_zero.find(|c| slot_of(c) != slot_of(&staying)).unwrap();
+    let (staying, moving) = two_slots_of_master_zero(&cluster, "mig", now);
     let one = |c: &Check| Batch {
         checks: vec![c.clone()],
         ..Batch::default()
@@ -461,13 +479,7 @@ async fn on_cluster_a_call_refused_after_a_slot_moved_is_sent_again_one_slot_per
     );
     // The slot (empty: nothing to migrate) now belongs to master 1, everywhere.
     let (from, to) = (&cluster.masters[0], &cluster.masters[1]);
-    let (slot, to_id) = (slot_of(&moving).to_string(), to.cli(&["CLUSTER", "MYID"]));
-    for master in &cluster.masters {
-        assert_eq!(
-            master.cli(&["CLUSTER", "SETSLOT", &slot, "NODE", &to_id]),
-            "OK"
-        );
-    }
+    move_slot_of(&cluster, &moving, now, 1);
 
     // Requests on both counters at once: the first calls span both slots on master 0, which no longer
     // holds the moving one.
@@ -497,9 +509,7 @@ async fn on_cluster_a_call_refused_after_a_slot_moved_is_sent_again_one_slot_per
         })
         .sum();
     assert!(refused > 0, "no call spanning slots was refused");
-    let count = |node: &common::redis::RedisProcess, c: &Check| -> u64 {
-        node.cli(&["GET", &c.storage_key(now)]).parse().unwrap_or(0)
-    };
+    let count = |node, c| count_on(node, c, now);
     assert_eq!(count(from, &staying), 61);
     assert_eq!(count(to, &moving), 60, "counted once, where the slot went");
 }
@@ -511,27 +521,12 @@ async fn on_cluster_a_call_refused_after_a_slot_moved_is_sent_again_one_slot_per
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn on_cluster_a_request_over_slots_of_which_one_moved_is_decided_again_by_slot() {
     let cluster = RedisCluster::start(false);
-    let store = redis_store(cluster.url(), RedisTopology::Cluster, |s| {
-        s.calls_in_flight = 1
-    })
-    .await;
-    let store = Store::Redis(store);
+    let store = Store::Redis(one_call_at_a_time(&cluster).await);
     let now = now_ms();
-    let check = |name: String| Check::fixed_window(name, 1_000, 3600, 1, Role::Enforce);
-    let slot_of = |c: &Check| {
-        cluster.masters[0]
-            .cli(&["CLUSTER", "KEYSLOT", &c.storage_key(now)])
-            .parse::<u16>()
-            .unwrap()
-    };
-    let mut on_zero = (0..)
-        .map(|i| check(format!("both{i}_")))
-        .filter(|c| owner(&cluster, slot_of(c)) == 0);
-    let staying = on_zero.next().unwrap();
-    let moving = on_zero.find(|c| slot_of(c) != slot_of(&staying)).unwrap();
+    let (staying, moving) = two_slots_of_master_zero(&cluster, "both", now);
     let mut budget = (0..)
-        .map(|i| check(format!("budget{i}_")))
-        .find(|c| owner(&cluster, slot_of(c)) == 2)
+        .map(|i| counter(format!("budget{i}_")))
+        .find(|c| owner(&cluster, slot_of(&cluster, c, now)) == 2)
         .unwrap();
     budget.params.count_over_limit = true;
     let of = |checks: Vec<Check>| Batch {
@@ -542,13 +537,7 @@ async fn on_cluster_a_request_over_slots_of_which_one_moved_is_decided_again_by_
     let first = store.apply(&of(vec![staying.clone()]), now, within()).await;
     assert!(!first.unwrap().denied);
     let (from, to) = (&cluster.masters[0], &cluster.masters[1]);
-    let (slot, to_id) = (slot_of(&moving).to_string(), to.cli(&["CLUSTER", "MYID"]));
-    for master in &cluster.masters {
-        assert_eq!(
-            master.cli(&["CLUSTER", "SETSLOT", &slot, "NODE", &to_id]),
-            "OK"
-        );
-    }
+    move_slot_of(&cluster, &moving, now, 1);
 
     let trace: Vec<Batch> = (0..60)
         .map(|_| of(vec![staying.clone(), moving.clone(), budget.clone()]))
@@ -558,9 +547,7 @@ async fn on_cluster_a_request_over_slots_of_which_one_moved_is_decided_again_by_
         assert!(!answer.denied);
         assert!(answer.outcomes.iter().all(|o| o.allowed), "{answer:?}");
     }
-    let count = |node: &common::redis::RedisProcess, c: &Check| -> u64 {
-        node.cli(&["GET", &c.storage_key(now)]).parse().unwrap_or(0)
-    };
+    let count = |node, c| count_on(node, c, now);
     assert_eq!(count(from, &staying), 61, "counted once each");
     assert_eq!(count(to, &moving), 60, "counted once, where the slot went");
     assert_eq!(count(from, &moving), 0, "nothing left where the slot was");

@@ -272,12 +272,16 @@ impl RedisStore {
                 Part::new(batch, &keys, &group.checks, complete, now, wants, slot_of)
             };
             let mut slots: SmallVec<[PartReply; 1]> = SmallVec::new();
+            // Set when a server refused its part because one of its slots moved: the servers that
+            // decided theirs keep the leases they granted and give back what they consumed, then the
+            // request goes again, by slot.
+            let mut moved = false;
             if let [group] = &groups[..] {
                 // One server (always so on standalone and Sentinel): its part is made and its call
                 // awaited as they are, without vectors of parts and calls.
                 match self.decide_part(group, part(group)?, deadline).await {
+                    // Refused before it wrote anything: nothing to give back.
                     Err(StoreError::SlotsMoved) if !by_slot => {
-                        // Refused before it wrote anything: the request goes again, by slot.
                         tracing::debug!("a call's Cluster slots moved; deciding one slot per call");
                         by_slot = true;
                         continue;
@@ -288,7 +292,7 @@ impl RedisStore {
                 let parts = groups.iter().map(part).collect::<Result<Vec<_>, _>>()?;
                 let pairs = groups.iter().zip(parts);
                 let calls = pairs.map(|(group, part)| self.decide_part(group, part, deadline));
-                let (mut decided, mut moved) = (Groups::new(), false);
+                let mut decided = Groups::new();
                 let replies = join_all(calls).await;
                 for (group, reply) in groups.into_iter().zip(replies) {
                     match reply {
@@ -298,30 +302,6 @@ impl RedisStore {
                             decided.push(group);
                         }
                     }
-                }
-                if moved {
-                    // The servers that decided their part keep the leases they granted and give back
-                    // what they consumed; then the request goes again, by slot, as after a window
-                    // mismatch: what counts over its limit and was counted keeps that count and answer.
-                    tracing::debug!("a call's Cluster slots moved; deciding one slot per call");
-                    self.record_clocks(&decided, &slots, local_ms);
-                    let grants = self.grants(batch, &keys, &decided, &slots, &server_ms);
-                    leased.finish(false, &grants);
-                    self.refund_consumed(batch, &keys, &decided, &slots, deadline)
-                        .await?;
-                    for (group, slot) in decided.iter().zip(&slots) {
-                        if slot.window_mismatch {
-                            now_ms[group.backend] = slot.server_ms;
-                        }
-                    }
-                    again = Some(Box::new(counted_once_again(
-                        batch,
-                        &decided,
-                        &slots,
-                        again.as_deref(),
-                    )));
-                    by_slot = true;
-                    continue;
                 }
                 groups = decided;
             }
@@ -333,20 +313,28 @@ impl RedisStore {
                 .filter(|(_, s)| s.window_mismatch)
                 .map(|(g, s)| (g.backend, s.server_ms))
                 .collect();
-            if !mismatches.is_empty() {
+            if moved || !mismatches.is_empty() {
+                // What counts over its limit and was counted keeps that count and answer; the rest is
+                // given back and decided again.
                 leased.finish(false, &grants);
                 self.refund_consumed(batch, &keys, &groups, &slots, deadline)
                     .await?;
-                if mismatches_met == 2 {
-                    return Err(StoreError::Backend(
-                        "the Redis clock moved across a window three times during one request"
-                            .into(),
-                    ));
+                if !mismatches.is_empty() {
+                    if mismatches_met == 2 {
+                        return Err(StoreError::Backend(
+                            "the Redis clock moved across a window three times during one request"
+                                .into(),
+                        ));
+                    }
+                    mismatches_met += 1;
                 }
-                mismatches_met += 1;
                 for (backend, server_ms) in mismatches {
                     tracing::debug!(local_ms, server_ms, "window moved on the server; retrying");
                     now_ms[backend] = server_ms;
+                }
+                if moved {
+                    tracing::debug!("a call's Cluster slots moved; deciding one slot per call");
+                    by_slot = true;
                 }
                 again = Some(Box::new(counted_once_again(
                     batch,

@@ -869,13 +869,9 @@ fn sensitive_values_and_secrets_never_reach_redis_keys_logs_metrics_or_rlconfig(
 /// runs on this machine's clock): for a test whose requests must all count in one per-minute window
 /// even on a busy machine.
 async fn far_from_a_minute_boundary() {
-    let into_minute = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .expect("the clock is after 1970")
-        .as_millis()
-        % 60_000;
+    let into_minute = common::now_ms() % 60_000;
     if into_minute > 45_000 {
-        let left = 60_000 - into_minute as u64;
+        let left = 60_000 - into_minute;
         tokio::time::sleep(Duration::from_millis(left + 100)).await;
     }
 }

@@ -122,16 +122,19 @@ pub fn bucket_key<'a>(
 
 /// Appends the window start to a key built by [`counter_key`].
 pub fn with_window(key: &str, window_start: u64) -> String {
-    let digits = window_start.checked_ilog10().map_or(1, |d| d as usize + 1);
-    let mut out = String::with_capacity(key.len() + digits);
-    push_with_window(&mut out, key, window_start);
+    let mut digits = itoa::Buffer::new();
+    let digits = digits.format(window_start);
+    let mut out = String::with_capacity(key.len() + digits.len());
+    out.push_str(key);
+    out.push_str(digits);
     out
 }
 
 /// Writes [`with_window`]'s key at the end of `out` (the Redis store writes a request's keys into
-/// one buffer this way).
-pub fn push_with_window(out: &mut impl std::fmt::Write, key: &str, window_start: u64) {
-    let _ = write!(out, "{key}{window_start}");
+/// one buffer this way, several per request: without the formatting machinery of `write!`).
+pub fn push_with_window(out: &mut bytes::BytesMut, key: &str, window_start: u64) {
+    out.extend_from_slice(key.as_bytes());
+    out.extend_from_slice(itoa::Buffer::new().format(window_start).as_bytes());
 }
 
 /// The name of the mark an operator's reset leaves beside a counter that quota leases may hold hits

@@ -199,7 +199,8 @@ impl DecideCall {
             .flat_map(|p| &p.checks)
             .map(|c| (&c.key, c.slot))
             .chain(returns.iter().map(|r| (&r.key, r.slot)));
-        let keys = KeyNumbers::new(named, cluster);
+        let checks: usize = parts.iter().map(|p| p.checks.len()).sum();
+        let keys = KeyNumbers::new(named, checks + returns.len(), cluster);
         // Specs are few (one per limit in the call): found by looking.
         let mut specs: SmallVec<[Spec; 4]> = SmallVec::new();
         for spec in parts
@@ -213,7 +214,6 @@ impl DecideCall {
         }
         let spec_number = |spec: &Spec| specs.iter().position(|s| s == spec).unwrap_or(0) + 1;
 
-        let checks: usize = parts.iter().map(|p| p.checks.len()).sum();
         let wants = parts
             .iter()
             .flat_map(|p| &p.checks)
@@ -295,8 +295,9 @@ impl<'a> KeyNumbers<'a> {
     /// Calls with more keys than this find them by hashing, fewer by looking.
     const LOOKED_UP: usize = 16;
 
-    fn new(named: impl Iterator<Item = (&'a Bytes, u16)>, cluster: bool) -> Self {
-        let mut distinct: Vec<(&'a Bytes, u16)> = Vec::new();
+    /// Numbers the `named` keys, at most `most` of them (sizes the vector and the index once).
+    fn new(named: impl Iterator<Item = (&'a Bytes, u16)>, most: usize, cluster: bool) -> Self {
+        let mut distinct: Vec<(&'a Bytes, u16)> = Vec::with_capacity(most);
         let mut index: Option<KeyIndex<'a>> = None;
         for (key, slot) in named {
             let seen = match &index {
@@ -310,13 +311,9 @@ impl<'a> KeyNumbers<'a> {
             if let Some(index) = &mut index {
                 index.insert(&key[..], distinct.len() - 1);
             } else if distinct.len() > Self::LOOKED_UP {
-                index = Some(
-                    distinct
-                        .iter()
-                        .enumerate()
-                        .map(|(i, (k, _))| (&k[..], i))
-                        .collect(),
-                );
+                let mut sized = KeyIndex::with_capacity_and_hasher(most, Default::default());
+                sized.extend(distinct.iter().enumerate().map(|(i, (k, _))| (&k[..], i)));
+                index = Some(sized);
             }
         }
         let mut group_ends = SmallVec::new();

@@ -305,26 +305,6 @@ async fn envoys_that_join_allowing_all_are_bounded_at_once() {
     let total: u64 = envoys.iter().map(|e| e.admitted(&b, start, end)).sum();
     let fresh: f64 = envoys.iter().map(|e| e.fresh_tokens()).sum();
     let waited: u64 = before_first.iter().sum();
-    for e in &envoys {
-        let r = e.received();
-        eprintln!(
-            "DEBUG {}: {:?}",
-            e.name,
-            r.iter()
-                .take(4)
-                .map(|x| ((x.at - start).as_millis(), x.enforced.map(|e| e.rate())))
-                .collect::<Vec<_>>()
-        );
-    }
-    for srv in &fleet.servers {
-        let (_, text) = srv.http("GET", "/metrics", "").await;
-        for l in text
-            .lines()
-            .filter(|l| l.starts_with("ratelimitd_rlqs_unanswered"))
-        {
-            eprintln!("DEBUG {l}");
-        }
-    }
     eprintln!(
         "4 Envoys joining (ALLOW_ALL until assigned), 2 replicas on Redis: admitted {total} in {run:.1} s \
          (limit x time = {:.0}); bursts of new token buckets {fresh:.0}; admitted by each newcomer before \

@@ -25,10 +25,13 @@
 //! - its **grant**, the tokens per second it was last sent, which it enforces until its assignment
 //!   expires. Grants move towards targets only in ways that keep `Σ grants ≤ pool`: a listed member
 //!   above its target comes down first, then a listed member below its target goes up, by at most what
-//!   no member holds beyond half the reserve (the other half absorbs targets that move a little before
-//!   their members report); a member that holds nothing may take all that is free but half the reserve
-//!   (or half of what is free, when less than that is), so that the next newcomer gets some too. A
-//!   member not listed keeps its grant until its own report, or until it expires.
+//!   no member held before the call beyond half the reserve (the other half absorbs targets that move a
+//!   little before their members report); a member that holds nothing may take all that is free but half
+//!   the reserve (or half of what is free, when less than that is), so that the next newcomer gets some
+//!   too. What a member gives back is handed out from the next recomputation on, never in the one that
+//!   lowered it: the two assignments go out on different streams, and the one that goes up may be
+//!   applied before the one that goes down. A member not listed keeps its grant until its own report, or
+//!   until it expires.
 //!
 //! Grants change only by an eighth or more (or to or from zero): every changed token bucket starts full
 //! at the Envoy, so small changes would cost a burst each for little. While more than half the reserve
@@ -373,8 +376,13 @@ pub fn apply(bucket: &mut Bucket, now_ms: u64, call: &Call) -> Reply {
 }
 
 /// Moves the grants of the `listed` members towards their targets without the sum of all grants going
-/// above `pool`: decreases first, then increases out of what no member holds beyond half the reserve
-/// (for a member that holds nothing, all but half of what is free).
+/// above `pool`: decreases first, then increases out of what no member held before the call beyond half
+/// the reserve (for a member that held nothing, all but half of what was free).
+///
+/// What a decrease frees is not given in the same call. The lower grant and the higher one go out on
+/// different streams, and an Envoy may apply its new assignment before the other has read its own:
+/// meanwhile both would be enforced at once, above the pool. Freed at one recomputation, the room is
+/// handed out at a later one, after the lower grant was sent.
 pub fn regrant(pool: f64, grants: &mut [f64], targets: &[f64], listed: &[usize]) {
     let reserve = reserve(pool);
     let mut total = 0.0;
@@ -398,7 +406,7 @@ pub fn regrant(pool: f64, grants: &mut [f64], targets: &[f64], listed: &[usize])
             } else {
                 continue;
             };
-            total -= grant - new;
+            // `total` keeps the old grant: its room is for a later call.
             grants[j] = new;
             lowered[j] = true;
         }
@@ -517,16 +525,21 @@ mod tests {
         // A second subscriber: the rest is all held, so it gets half the reserve, at once.
         let r = apply(&mut m, 1, &call(100.0, &[("b", Unknown, Reported)]));
         assert_eq!(grant(&r, 0), 3.125);
-        // `a` reports 10 per second: it comes down, `b` (listed for a push) gets what it freed.
+        // `a` reports 10 per second: it comes down, and `b` (listed for a push) keeps what it holds,
+        // for `a` may not have applied its lower grant yet.
         let r = apply(
             &mut m,
             2,
             &call(100.0, &[("a", Rate(10.0), Reported), ("b", Keep, Pushed)]),
         );
         let (a, b) = (grant(&r, 0), grant(&r, 1));
-        assert!(a + b <= 100.0 - 6.25);
         // Targets: a = 10 + 36.875/3, b = 46.875 + 36.875/3 (its demand estimated as half of 93.75).
         assert!((a - (10.0 + 36.875 / 3.0)).abs() < 1e-9, "{a}");
+        assert_eq!(b, 3.125);
+        // At the next recomputation `b` gets what `a` freed.
+        let r = apply(&mut m, 3, &call(100.0, &[("b", Keep, Pushed)]));
+        let b = grant(&r, 0);
+        assert!(a + b <= 100.0 - 6.25);
         assert!((b - (46.875 + 36.875 / 3.0)).abs() < 1e-9, "{b}");
     }
 
@@ -594,13 +607,17 @@ mod tests {
         let held: f64 = m.members.values().map(|x| x.grant).sum();
         assert!(held <= 100.0, "{held}");
         assert!(grant(&r, 0) < 50.0);
-        // a reports less: it comes down, and b (pushed) takes the rest up to its target.
+        // a reports less: it comes down, and b (pushed) takes the rest up to its target once a's lower
+        // grant was sent, at the next recomputation.
+        let b = grant(&r, 0);
         let r = apply(
             &mut m,
             2,
             &call(100.0, &[("a", Rate(30.0), Reported), ("b", Keep, Pushed)]),
         );
-        assert_eq!((grant(&r, 0), grant(&r, 1)), (30.0, 63.75));
+        assert_eq!((grant(&r, 0), grant(&r, 1)), (30.0, b));
+        let r = apply(&mut m, 3, &call(100.0, &[("b", Keep, Pushed)]));
+        assert_eq!(grant(&r, 0), 63.75);
     }
 
     #[test]
@@ -773,6 +790,14 @@ mod tests {
                     .map(|(id, x)| (id.clone(), x.grant))
                     .collect();
                 let r = apply(&mut m, now, &c);
+                // While one Envoy's lower grant and another's higher one are both on their way, either
+                // may be enforced: the larger of each member's two never adds up to more than the pool.
+                let either: f64 = m
+                    .members
+                    .iter()
+                    .map(|(id, x)| x.grant.max(held.get(id).copied().unwrap_or(0.0)))
+                    .sum();
+                prop_assert!(either <= pool * (1.0 + 1e-12), "{either} > {pool} in flight");
                 for (id, x) in &m.members {
                     let old = held.get(id).copied().unwrap_or(0.0);
                     let new = x.grant;

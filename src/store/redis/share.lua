@@ -180,8 +180,9 @@ else
   end
 end
 
--- Grants: the listed ones above their target come down, then those below go up out of what is free
--- beyond half the reserve (one that holds nothing: all but half of what is free). While more than half
+-- Grants: the listed ones above their target come down, then those below go up out of what was free
+-- before the call beyond half the reserve (one that holds nothing: all but half of what was free); what
+-- a decrease frees is given at a later call, once the lower grant was sent. While more than half
 -- the reserve is spent or owed, one above its target by less than an eighth comes down by an eighth.
 local function significant(old, new)
   return new ~= old and (old == 0 or new == 0 or math.abs(new - old) * 8 > old)
@@ -212,7 +213,7 @@ for _, j in ipairs(shared) do
       new = math.min(target, grant - grant / 8)
     end
     if new then
-      total = total - (grant - new)
+      -- total keeps the old grant: its room is for a later call
       grants[j] = new
       lowered[j] = true
     end

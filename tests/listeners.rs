@@ -177,10 +177,7 @@ async fn an_idle_grpc_connection_is_closed_and_its_client_reconnects_but_a_call_
     let again = tokio::time::timeout(Duration::from_secs(10), async {
         match first.should_rate_limit(question("a")).await {
             Err(status)
-                if matches!(
-                    status.code(),
-                    tonic::Code::Unknown | tonic::Code::Cancelled | tonic::Code::Unavailable
-                ) =>
+                if matches!(status.code(), tonic::Code::Unknown | tonic::Code::Cancelled) =>
             {
                 first.should_rate_limit(question("a")).await
             }

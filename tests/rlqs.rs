@@ -632,6 +632,70 @@ async fn a_bucket_whose_shares_redis_lost_is_answered_on_its_next_report() {
     s.stop().await;
 }
 
+/// A share one Envoy gives back goes to another Envoy, on another replica, only once the lower assignment
+/// has had time to arrive (half a report period, at most a second): until then the first Envoy may still
+/// enforce its old share, and both at once would go above the limit.
+#[tokio::test]
+async fn a_share_given_back_goes_to_another_replica_only_once_the_lower_one_had_time_to_arrive() {
+    let redis = common::redis::RedisProcess::start(&[]);
+    // Reports every 2 s: the hold is its cap, 1 s, ample for the calls below on a loaded machine.
+    let on_redis = |url: String| {
+        move |s: &mut Settings| {
+            s.redis.url = url;
+            s.rlqs.report_period = Duration::from_secs(2);
+            s.rlqs.assignment_ttl = Duration::from_secs(4);
+        }
+    };
+    let (one, two) = (
+        start(on_redis(redis.addr())).await,
+        start(on_redis(redis.addr())).await,
+    );
+    one.wait_serving(Duration::from_secs(10)).await;
+    two.wait_serving(Duration::from_secs(10)).await;
+    let rate = |r: &RateLimitQuotaResponse| {
+        let b = token_bucket(&actions(r)[&key(SHARED)].unwrap().0);
+        f64::from(b.tokens_per_fill.unwrap_or(1)) / b.fill_interval.unwrap().seconds as f64
+    };
+    let (mut a, mut b) = (
+        Raw::open(&one).await.unwrap(),
+        Raw::open(&two).await.unwrap(),
+    );
+    a.report("edge", &[(SHARED, 0, 1, 0)]);
+    let a_before = rate(&a.next().await);
+    b.report("edge", &[(SHARED, 0, 1, 0)]);
+    let b_before = rate(&b.next().await);
+    assert!(a_before > 90.0 && b_before < 5.0, "{a_before} {b_before}");
+    // Later than a tenth of the period (sooner, a report is merged into the next): a asks for little
+    // and comes down; b asks for far more at once, before a can have applied its lower share.
+    tokio::time::sleep(Duration::from_millis(250)).await;
+    let sent = tokio::time::Instant::now();
+    a.report("edge", &[(SHARED, 1, 1, 0)]);
+    let a_after = rate(&a.next().await);
+    b.report("edge", &[(SHARED, 1, 3, 300)]);
+    let b_meanwhile = rate(&b.next().await);
+    let asked = sent.elapsed();
+    assert!(a_after < a_before / 2.0, "a comes down: {a_after}");
+    assert!(
+        asked < Duration::from_secs(1),
+        "both answered within the hold: {asked:?}"
+    );
+    assert!(
+        a_before + b_meanwhile <= 100.0,
+        "b got what a still enforces: {a_before} + {b_meanwhile}"
+    );
+    // Once the hold is over, b's next report gets what a gave back (a's grant is still sized for b's
+    // demand as it was: it comes down further at a's next report).
+    tokio::time::sleep(Duration::from_millis(1_100).saturating_sub(sent.elapsed())).await;
+    b.report("edge", &[(SHARED, 1, 3, 300)]);
+    let b_after = rate(&b.next().await);
+    assert!(
+        b_after > 60.0 && a_after + b_after <= 100.0,
+        "{a_after} + {b_after}"
+    );
+    one.stop().await;
+    two.stop().await;
+}
+
 /// A report covering more than a fixed window charges that window only its part of the report, not all
 /// of it: a 5 s report of a per-second rule would otherwise fill that second's counter and deny its
 /// `ShouldRateLimit` callers for the rest of it.

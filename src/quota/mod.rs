@@ -117,6 +117,13 @@ pub enum ReportError {
 /// A share counts for its TTL and this much more: Envoy starts the TTL when the assignment arrives.
 const TTL_MARGIN: Duration = Duration::from_secs(1);
 
+/// How long a share that comes down still counts at its old size before others may take what it gave
+/// back: time for the lower assignment to reach its Envoy, which may enforce the old one until then.
+/// Half a report period, at most a second: what it frees still goes out at the next reports.
+fn hold(report_period: Duration) -> Duration {
+    (report_period / 2).min(Duration::from_secs(1))
+}
+
 /// What the quota service needs from the rest of the server.
 #[derive(Debug)]
 pub struct QuotaParts {
@@ -394,6 +401,7 @@ impl Quota {
                     .assignment_ttl
                     .saturating_add(TTL_MARGIN),
             ),
+            hold_ms: duration_ms(hold(self.parts.settings.report_period)),
             max_members: self.parts.settings.max_envoys_per_bucket,
             members: listed,
         };

@@ -23,15 +23,18 @@
 //!   holds little; one that claims more than it needs (its denials count as demand) gets at most `λ`,
 //!   what every busy Envoy gets.
 //! - its **grant**, the tokens per second it was last sent, which it enforces until its assignment
-//!   expires. Grants move towards targets only in ways that keep `Σ grants ≤ pool`: a listed member
-//!   above its target comes down first, then a listed member below its target goes up, by at most what
-//!   no member held before the call beyond half the reserve (the other half absorbs targets that move a
+//!   expires. Grants move towards targets only in ways that keep the sum of what members count for
+//!   (their grants, or more while they are held: see below) within the pool: a listed member above its
+//!   target comes down first, then a listed member below its target goes up, by at most what no member
+//!   counted for before the call beyond half the reserve (the other half absorbs targets that move a
 //!   little before their members report); a member that holds nothing may take all that is free but half
 //!   the reserve (or half of what is free, when less than that is), so that the next newcomer gets some
-//!   too. What a member gives back is handed out from the next recomputation on, never in the one that
-//!   lowered it: the two assignments go out on different streams, and the one that goes up may be
-//!   applied before the one that goes down. A member not listed keeps its grant until its own report, or
-//!   until it expires.
+//!   too. What a member gives back is handed out only once its lower assignment has had time to arrive:
+//!   the two assignments go out on different streams, and the one that goes up may be applied before the
+//!   one that goes down. A member that comes down is **held** at its old grant for the call's hold time
+//!   (half a report period, at most a second): the sum counts the larger of its grant and what it held,
+//!   so that whatever either Envoy enforces meanwhile stays within the pool. A member not listed keeps
+//!   its grant until its own report, or until it expires.
 //!
 //! Grants change only by an eighth or more (or to or from zero): every changed token bucket starts full
 //! at the Envoy, so small changes would cost a burst each for little. While more than half the reserve
@@ -58,6 +61,22 @@ pub struct Member {
     /// Bumped at every assignment computed for it, so that a stream never sends an older one after a
     /// newer; never below what its stream says it sent (see [`Listed::sent_version`]).
     pub version: u64,
+    /// What it held before its grant last came down: its Envoy may still enforce that until the lower
+    /// assignment arrives, so it counts in the sum of grants until `held_until_ms`.
+    pub held: f64,
+    /// Milliseconds since the epoch until which `held` counts (0: nothing held).
+    pub held_until_ms: u64,
+}
+
+impl Member {
+    /// What it counts for in the sum of grants at `now_ms`: its grant, or what it held while that counts.
+    pub fn counted(&self, now_ms: u64) -> f64 {
+        if self.held_until_ms > now_ms {
+            self.grant.max(self.held)
+        } else {
+            self.grant
+        }
+    }
 }
 
 /// How a member's demand changes in a call.
@@ -147,6 +166,9 @@ pub struct Call {
     pub limits: Vec<LimitUse>,
     /// How long an assignment sent now counts, in milliseconds: its TTL plus a margin.
     pub counts_for_ms: u64,
+    /// How long a member that comes down still counts at its old grant, in milliseconds: the time its
+    /// lower assignment may take to reach its Envoy.
+    pub hold_ms: u64,
     /// Most members a bucket keeps; a newcomer past it is refused.
     pub max_members: usize,
     pub members: Vec<Listed>,
@@ -308,6 +330,8 @@ pub fn apply(bucket: &mut Bucket, now_ms: u64, call: &Call) -> Reply {
                     grant: 0.0,
                     expires_ms: now_ms.saturating_add(call.counts_for_ms),
                     version: listed.sent_version,
+                    held: 0.0,
+                    held_until_ms: 0,
                 },
             );
             *slot = Given::Share {
@@ -329,6 +353,7 @@ pub fn apply(bucket: &mut Bucket, now_ms: u64, call: &Call) -> Reply {
         .collect();
     let targets = targets(shared, &demands);
     let mut grants: Vec<f64> = members.values().map(|m| m.grant).collect();
+    let counted: Vec<f64> = members.values().map(|m| m.counted(now_ms)).collect();
     let index: Vec<Option<usize>> = call
         .members
         .iter()
@@ -340,7 +365,7 @@ pub fn apply(bucket: &mut Bucket, now_ms: u64, call: &Call) -> Reply {
         .filter_map(|(i, g)| i.filter(|_| matches!(g, Given::Share { .. })))
         .collect();
     let before = grants.clone();
-    regrant(pool, &mut grants, &targets, &listed);
+    regrant(pool, &mut grants, &counted, &targets, &listed);
 
     let ids: Vec<String> = ids.into_iter().cloned().collect();
     for (slot, (listed, i)) in given.iter_mut().zip(call.members.iter().zip(&index)) {
@@ -351,6 +376,12 @@ pub fn apply(bucket: &mut Bucket, now_ms: u64, call: &Call) -> Reply {
         let Some(member) = members.get_mut(&ids[i]) else {
             continue;
         };
+        if grants[i] < before[i] {
+            member.held = counted[i];
+            member.held_until_ms = now_ms.saturating_add(call.hold_ms);
+        } else if member.held_until_ms <= now_ms {
+            (member.held, member.held_until_ms) = (0.0, 0);
+        }
         member.grant = grants[i];
         if listed.listing == Listing::Reported || changed {
             member.version = member.version.saturating_add(1);
@@ -375,20 +406,21 @@ pub fn apply(bucket: &mut Bucket, now_ms: u64, call: &Call) -> Reply {
     }
 }
 
-/// Moves the grants of the `listed` members towards their targets without the sum of all grants going
-/// above `pool`: decreases first, then increases out of what no member held before the call beyond half
-/// the reserve (for a member that held nothing, all but half of what was free).
+/// Moves the grants of the `listed` members towards their targets without the sum of what all members
+/// count for going above `pool`: decreases first, then increases out of what no member counted for
+/// before the call beyond half the reserve (for a member that held nothing, all but half of what was
+/// free). `counted` is what each member counts for before the call: its grant, or more while it is held
+/// at what it had before it last came down.
 ///
-/// What a decrease frees is not given in the same call. The lower grant and the higher one go out on
-/// different streams, and an Envoy may apply its new assignment before the other has read its own:
-/// meanwhile both would be enforced at once, above the pool. Freed at one recomputation, the room is
-/// handed out at a later one, after the lower grant was sent.
-pub fn regrant(pool: f64, grants: &mut [f64], targets: &[f64], listed: &[usize]) {
+/// What a decrease frees is not given in the same call, nor in any call while the member is held. The
+/// lower grant and the higher one go out on different streams, and an Envoy may apply its new assignment
+/// before the other has read its own: meanwhile both would be enforced at once, above the pool.
+pub fn regrant(pool: f64, grants: &mut [f64], counted: &[f64], targets: &[f64], listed: &[usize]) {
     let reserve = reserve(pool);
     let mut total = 0.0;
     let mut need = 0.0;
-    for (g, t) in grants.iter().zip(targets) {
-        total += g;
+    for ((g, c), t) in grants.iter().zip(counted).zip(targets) {
+        total += c;
         if t > g && significant(*g, *t) {
             need += t - g;
         }
@@ -406,7 +438,7 @@ pub fn regrant(pool: f64, grants: &mut [f64], targets: &[f64], listed: &[usize])
             } else {
                 continue;
             };
-            // `total` keeps the old grant: its room is for a later call.
+            // `total` keeps what it counted for: its room is for a later call.
             grants[j] = new;
             lowered[j] = true;
         }
@@ -420,12 +452,10 @@ pub fn regrant(pool: f64, grants: &mut [f64], targets: &[f64], listed: &[usize])
             } else {
                 pool - reserve / 2.0 - total
             };
-            if room <= 0.0 {
-                continue;
-            }
-            let new = target.min(grant + room);
-            if significant(grant, new) {
-                total += new - grant;
+            // Up to what it is held at costs nothing more: its Envoy may enforce that already.
+            let new = target.min(counted[j] + room.max(0.0));
+            if new > grant && significant(grant, new) {
+                total += new.max(counted[j]) - counted[j];
                 grants[j] = new;
             }
         }
@@ -438,6 +468,8 @@ mod tests {
 
     use super::*;
 
+    /// A call with no hold: each call of these tests comes after the assignments of the one before it
+    /// arrived (`a_member_that_came_down_is_held_at_its_old_grant_until_its_assignment_arrived` has one).
     fn call(pool: f64, members: &[(&str, DemandUpdate, Listing)]) -> Call {
         Call {
             limits: vec![LimitUse {
@@ -445,6 +477,7 @@ mod tests {
                 window: None,
             }],
             counts_for_ms: 10_000,
+            hold_ms: 0,
             max_members: 100,
             members: members
                 .iter()
@@ -621,6 +654,35 @@ mod tests {
     }
 
     #[test]
+    fn a_member_that_came_down_is_held_at_its_old_grant_until_its_assignment_arrived() {
+        let held = |pool: f64, members: &[(&str, DemandUpdate, Listing)]| Call {
+            hold_ms: 100,
+            ..call(pool, members)
+        };
+        let mut m = Bucket::default();
+        apply(&mut m, 0, &held(100.0, &[("a", Unknown, Reported)]));
+        apply(&mut m, 0, &held(100.0, &[("b", Unknown, Reported)]));
+        // a (93.75) reports 10 a second and comes down; b reports 500 a moment later, on another
+        // replica, before a's lower assignment can have arrived: b gets nothing of what a gave back.
+        let r = apply(&mut m, 10, &held(100.0, &[("a", Rate(10.0), Reported)]));
+        let a = grant(&r, 0);
+        assert!(a < 30.0, "{a}");
+        let r = apply(&mut m, 20, &held(100.0, &[("b", Rate(500.0), Reported)]));
+        assert_eq!(grant(&r, 0), 3.125, "{r:?}");
+        assert_eq!(m.members["a"].counted(20), 93.75);
+        // a comes down again meanwhile: it is still held at the larger of the two.
+        let r = apply(&mut m, 50, &held(100.0, &[("a", Rate(2.0), Reported)]));
+        assert!(grant(&r, 0) < a);
+        assert_eq!(m.members["a"].counted(100), 93.75);
+        // The hold runs from a's last decrease: at 150 ms it is over, and b gets its share.
+        let r = apply(&mut m, 149, &held(100.0, &[("b", Rate(500.0), Reported)]));
+        assert_eq!(grant(&r, 0), 3.125, "still held at 149 ms");
+        let r = apply(&mut m, 150, &held(100.0, &[("b", Rate(500.0), Reported)]));
+        let b = grant(&r, 0);
+        assert!(b > 80.0 && b + m.members["a"].grant <= 100.0 - 6.25, "{b}");
+    }
+
+    #[test]
     fn an_expired_member_gives_its_grant_back() {
         let mut m = Bucket::default();
         apply(&mut m, 0, &call(100.0, &[("a", Rate(80.0), Reported)]));
@@ -716,6 +778,7 @@ mod tests {
             let call = |pool: f64, members: Vec<(String, DemandUpdate, Listing)>| Call {
                 limits: vec![LimitUse { rate: pool, window: None }],
                 counts_for_ms: 5_000,
+                hold_ms: 0,
                 max_members: 10,
                 members: members
                     .into_iter()
@@ -752,18 +815,22 @@ mod tests {
             prop_assert!(sum <= pool * (1.0 + 1e-12), "{sum} > {pool} once all reported");
         }
 
-        /// Whatever the reports, pushes, expiries and pool changes, the grants never add up to more than
-        /// the largest pool of the calls that set them.
+        /// Whatever the reports, pushes, expiries and holds: an Envoy may enforce any grant its member had
+        /// during the last hold time (an assignment sent then may still be on its way), and the largest
+        /// of each member's, summed, never goes above the pool.
         #[test]
-        fn grants_never_exceed_the_pool(
+        fn grants_never_exceed_the_pool_even_while_assignments_are_on_their_way(
             steps in proptest::collection::vec(
                 (0usize..6, 0u8..3, 0.0f64..500.0, prop::bool::ANY, 0u64..3_000),
                 1..80,
             ),
             pool in 1.0f64..1_000.0,
+            hold_ms in prop::sample::select(vec![0u64, 1, 700, 2_500]),
         ) {
             let mut m = Bucket::default();
             let mut now = 0;
+            // Each member's grants since it joined, with when they were set.
+            let mut history: BTreeMap<String, Vec<(u64, f64)>> = BTreeMap::new();
             for (who, kind, rate, push_all, dt) in steps {
                 now += dt;
                 let demand = match kind { 0 => Unknown, 1 => Rate(rate), _ => Rate(rate * 10.0) };
@@ -776,30 +843,40 @@ mod tests {
                 let c = Call {
                     limits: vec![LimitUse { rate: pool, window: None }],
                     counts_for_ms: 5_000,
+                    hold_ms,
                     max_members: 4,
                     members: members
                         .into_iter()
                         .map(|(id, demand, listing)| Listed { id, demand, listing, sent_version: 0 })
                         .collect(),
                 };
-                // Grants of members still counting now (one that expired may join again from 0).
-                let held: BTreeMap<String, f64> = m
+                // Grants of members still counting now (one that expired joins again from 0, and its
+                // Envoy's assignment expired with it).
+                let old: BTreeMap<String, f64> = m
                     .members
                     .iter()
                     .filter(|(_, x)| x.expires_ms > now)
                     .map(|(id, x)| (id.clone(), x.grant))
                     .collect();
+                history.retain(|id, _| old.contains_key(id));
                 let r = apply(&mut m, now, &c);
-                // While one Envoy's lower grant and another's higher one are both on their way, either
-                // may be enforced: the larger of each member's two never adds up to more than the pool.
-                let either: f64 = m
-                    .members
-                    .iter()
-                    .map(|(id, x)| x.grant.max(held.get(id).copied().unwrap_or(0.0)))
-                    .sum();
-                prop_assert!(either <= pool * (1.0 + 1e-12), "{either} > {pool} in flight");
                 for (id, x) in &m.members {
-                    let old = held.get(id).copied().unwrap_or(0.0);
+                    history.entry(id.clone()).or_default().push((now, x.grant));
+                }
+                // What each Envoy may enforce: the grant in effect when the hold time began, and every
+                // one set since (with no hold, the last two: the new one may be applied first).
+                let from = now.saturating_sub(hold_ms);
+                let either: f64 = history
+                    .values()
+                    .map(|h| {
+                        let start = h.iter().rposition(|(t, _)| *t <= from && *t < now).unwrap_or(0);
+                        let start = if hold_ms == 0 { start.max(h.len().saturating_sub(2)) } else { start };
+                        h[start..].iter().map(|(_, g)| *g).fold(0.0, f64::max)
+                    })
+                    .sum();
+                prop_assert!(either <= pool * (1.0 + 1e-12), "{either} > {pool} in flight at {now}");
+                for (id, x) in &m.members {
+                    let old = old.get(id).copied().unwrap_or(0.0);
                     let new = x.grant;
                     prop_assert!(
                         new == old || old == 0.0 || new == 0.0
@@ -807,13 +884,8 @@ mod tests {
                         "{id}: {old} -> {new}"
                     );
                 }
-                let live: f64 = m
-                    .members
-                    .values()
-                    .filter(|x| x.expires_ms > now)
-                    .map(|x| x.grant)
-                    .sum();
-                prop_assert!(live <= pool * (1.0 + 1e-12), "{live} > {pool}");
+                let counted: f64 = m.members.values().map(|x| x.counted(now)).sum();
+                prop_assert!(counted <= pool * (1.0 + 1e-12), "{counted} > {pool}");
                 prop_assert!(r.granted <= pool * (1.0 + 1e-12));
                 prop_assert!(m.members.len() <= 4);
             }

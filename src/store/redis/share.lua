@@ -5,12 +5,15 @@
 -- in id order; one table of tests runs on both.
 --
 -- KEYS[1]   the bucket: a hash; field = member id, value = "<demand> <grant> <expires_ms> <version>"
---           (demand "-" while unknown); field "~<k>" = "<window start ms> <hits reports added> <rate
---           others spend it at> <their rate in the previous window>" for the fixed window of limit k.
---           Numbers are written with %.17g, so that they read back exactly.
+--           (demand "-" while unknown); field "^<member id>" = "<held> <until ms>": what the member
+--           held before its grant last came down, counted as its own until then; field "~<k>" =
+--           "<window start ms> <hits reports added> <rate others spend it at> <their rate in the
+--           previous window>" for the fixed window of limit k. Numbers are written with %.17g, so that
+--           they read back exactly.
 -- ARGV[1]   counts_for_ms: how long an assignment sent now counts (its TTL plus a margin)
--- ARGV[2]   max_members: a newcomer past it is refused
--- ARGV[3]   n: the rule's limits, then seven values each: its rate (tokens per second); for a fixed
+-- ARGV[2]   hold_ms: how long a member that comes down still counts at its old grant
+-- ARGV[3]   max_members: a newcomer past it is refused
+-- ARGV[4]   n: the rule's limits, then seven values each: its rate (tokens per second); for a fixed
 --           window its start (ms), the hits its counter holds, the hits this report added, its length,
 --           the time it has run and the least time a rate is measured over (ms), else six empty strings
 -- then      four per listed member: its id; its demand ("" keeps it, "-" unknown, else requests per
@@ -20,30 +23,41 @@
 --           "<grant> <target> <changed 0|1> <version>" } (numbers as text: Redis would cut a Lua number
 --           to an integer)
 -- Writes: the listed members whose fields changed (a reporter always, a pushed member whose grant
--- changed), the windows, the key's expiry; expired members are deleted. Nothing else, so that a call
+-- changed; with its hold when it came down), the windows, the key's expiry; expired members and holds
+-- are deleted. Nothing else, so that a call
 -- that lists few members of a large bucket writes little.
 -- Time is the server's (TIME), so that replicas with skewed clocks expire members alike.
 
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local counts_for = tonumber(ARGV[1])
-local max_members = tonumber(ARGV[2])
-local n_limits = tonumber(ARGV[3])
-local first_listed = 4 + 7 * n_limits
+local hold_for = tonumber(ARGV[2])
+local max_members = tonumber(ARGV[3])
+local n_limits = tonumber(ARGV[4])
+local first_listed = 5 + 7 * n_limits
 
 local function num(x)
   return string.format('%.17g', x)
 end
 
--- The members still counting (the others are forgotten), and the windows reports added to.
+-- The members still counting (the others are forgotten), their holds, and the windows reports added to.
 local raw = redis.call('HGETALL', KEYS[1])
 local members = {}
 local windows = {}
+local holds = {}
 local count = 0
 local expired = {}
 for i = 1, #raw, 2 do
   local d, g, e, v = string.match(raw[i + 1], '^(%S+) (%S+) (%S+) (%S+)$')
-  if string.sub(raw[i], 1, 1) == '~' then
+  local first = string.sub(raw[i], 1, 1)
+  if first == '^' then
+    local held, until_ms = string.match(raw[i + 1], '^(%S+) (%S+)$')
+    if held and tonumber(until_ms) and tonumber(until_ms) > now then
+      holds[string.sub(raw[i], 2)] = tonumber(held)
+    else
+      expired[#expired + 1] = raw[i]
+    end
+  elseif first == '~' then
     local start, added, rate, previous = string.match(raw[i + 1], '^(%S+) (%S+) (%S+) (%S+)$')
     if start then
       windows[string.sub(raw[i], 2)] = { tonumber(start), tonumber(added), tonumber(rate), tonumber(previous) }
@@ -60,6 +74,13 @@ for i = 1, #raw, 2 do
     expired[#expired + 1] = raw[i]
   end
 end
+-- A hold goes with its member.
+for id in pairs(holds) do
+  if not members[id] then
+    holds[id] = nil
+    expired[#expired + 1] = '^' .. id
+  end
+end
 for i = 1, #expired, 500 do
   redis.call('HDEL', KEYS[1], unpack(expired, i, math.min(i + 499, #expired)))
 end
@@ -67,7 +88,7 @@ end
 -- The pool: each limit's rate, less the rate others spend its fixed window at; the smallest.
 local pool = nil
 for k = 0, n_limits - 1 do
-  local a = 4 + 7 * k
+  local a = 5 + 7 * k
   local rate = tonumber(ARGV[a])
   if ARGV[a + 1] ~= '' then
     local start, used, added = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3])
@@ -134,12 +155,13 @@ end
 table.sort(ids)
 local n = #ids
 local estimate = shared_pool / math.max(n, 1)
-local demands, grants, before, pos = {}, {}, {}, {}
+local demands, grants, before, counted, pos = {}, {}, {}, {}, {}
 for i, id in ipairs(ids) do
   local m = members[id]
   demands[i] = m[1] or estimate
   grants[i] = m[2]
   before[i] = m[2]
+  counted[i] = math.max(m[2], holds[id] or m[2])
   pos[id] = i
 end
 
@@ -181,9 +203,10 @@ else
 end
 
 -- Grants: the listed ones above their target come down, then those below go up out of what was free
--- before the call beyond half the reserve (one that holds nothing: all but half of what was free); what
--- a decrease frees is given at a later call, once the lower grant was sent. While more than half
--- the reserve is spent or owed, one above its target by less than an eighth comes down by an eighth.
+-- before the call beyond half the reserve (one that holds nothing: all but half of what was free). A
+-- member counts for the larger of its grant and its hold: what a decrease frees is given only once the
+-- hold has run out, when the lower grant has had time to arrive. While more than half the reserve is
+-- spent or owed, one above its target by less than an eighth comes down by an eighth.
 local function significant(old, new)
   return new ~= old and (old == 0 or new == 0 or math.abs(new - old) * 8 > old)
 end
@@ -196,7 +219,7 @@ end
 local total = 0
 local need = 0
 for i = 1, n do
-  total = total + grants[i]
+  total = total + counted[i]
   if targets[i] > grants[i] and significant(grants[i], targets[i]) then
     need = need + (targets[i] - grants[i])
   end
@@ -213,7 +236,7 @@ for _, j in ipairs(shared) do
       new = math.min(target, grant - grant / 8)
     end
     if new then
-      -- total keeps the old grant: its room is for a later call
+      -- total keeps what it counted for: its room is for a later call
       grants[j] = new
       lowered[j] = true
     end
@@ -229,12 +252,11 @@ for _, j in ipairs(shared) do
     else
       room = pool - reserve / 2 - total
     end
-    if room > 0 then
-      local new = math.min(target, grant + room)
-      if significant(grant, new) then
-        total = total + (new - grant)
-        grants[j] = new
-      end
+    -- up to what it is held at costs nothing more: its Envoy may enforce that already
+    local new = math.min(target, counted[j] + math.max(room, 0))
+    if new > grant and significant(grant, new) then
+      total = total + (math.max(new, counted[j]) - counted[j])
+      grants[j] = new
     end
   end
 end
@@ -257,7 +279,9 @@ for _, l in ipairs(listed) do
       demand = num(m[1])
     end
     local record = demand .. ' ' .. num(m[2]) .. ' ' .. num(m[3]) .. ' ' .. num(m[4])
-    if record ~= m[5] then
+    if grants[i] < before[i] then
+      redis.call('HSET', KEYS[1], l[1], record, '^' .. l[1], num(counted[i]) .. ' ' .. num(now + hold_for))
+    elseif record ~= m[5] then
       redis.call('HSET', KEYS[1], l[1], record)
     end
     local flag = '0'

@@ -63,8 +63,9 @@ impl RedisStore {
 /// The script's ARGV for `call`.
 fn arguments(call: &Call) -> Vec<String> {
     let mut args: Vec<String> =
-        Vec::with_capacity(3 + 7 * call.limits.len() + 4 * call.members.len());
+        Vec::with_capacity(4 + 7 * call.limits.len() + 4 * call.members.len());
     args.push(call.counts_for_ms.to_string());
+    args.push(call.hold_ms.to_string());
     args.push(call.max_members.to_string());
     args.push(call.limits.len().to_string());
     for limit in &call.limits {

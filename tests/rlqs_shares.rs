@@ -266,6 +266,14 @@ async fn a_call_writes_only_the_members_whose_fields_changed() {
     assert!(changed < 10, "{changed} grants changed");
 }
 
+/// The Redis server's clock, in milliseconds since the epoch.
+fn server_ms(redis: &RedisProcess) -> u64 {
+    let time = redis.cli(&["TIME"]);
+    let mut parts = time.split_whitespace().map(|p| p.parse::<u64>().unwrap());
+    let (secs, micros) = (parts.next().unwrap(), parts.next().unwrap());
+    secs * 1_000 + micros / 1_000
+}
+
 /// Expiry alike with time moving: members expire between calls, on the Redis server's clock for the
 /// script and on a clock set to it before each call for the memory store. Calls are spaced by whole
 /// tenths of a second and assignments count for a quarter of one second more, so that no call falls
@@ -274,12 +282,7 @@ async fn a_call_writes_only_the_members_whose_fields_changed() {
 async fn the_script_and_the_memory_store_expire_members_alike() {
     let redis = RedisProcess::start(&[]);
     let shares = redis_shares(&redis).await;
-    let server_ms = || {
-        let time = redis.cli(&["TIME"]);
-        let mut parts = time.split_whitespace().map(|p| p.parse::<u64>().unwrap());
-        let (secs, micros) = (parts.next().unwrap(), parts.next().unwrap());
-        secs * 1_000 + micros / 1_000
-    };
+    let server_ms = || server_ms(&redis);
     let clock = Clock::manual(server_ms());
     let memory = Shares::Memory(MemoryShares::new(clock.clone()));
     let key = "{moving}:rlqs";
@@ -337,4 +340,61 @@ async fn the_script_and_the_memory_store_expire_members_alike() {
             assert_eq!(m.given[1], Given::Gone, "{m:?}");
         }
     }
+}
+
+/// Holds run out alike on the server's clock: a member comes down twice, first in a call that holds it
+/// for 2 s, then in one that holds for 50 ms (a replica with a shorter report period). It stays held for
+/// the 2 s, so another member is not raised out of its old share until then, by the script as by the
+/// memory store.
+#[tokio::test]
+async fn the_script_and_the_memory_store_end_holds_alike() {
+    let redis = RedisProcess::start(&[]);
+    let shares = redis_shares(&redis).await;
+    let clock = Clock::manual(server_ms(&redis));
+    let memory = Shares::Memory(MemoryShares::new(clock.clone()));
+    let key = "{held}:rlqs";
+    // (member, demand, hold in ms, ms to wait before the call)
+    let table: &[(&str, Option<f64>, u64, u64)] = &[
+        ("a", None, 0, 0),
+        ("b", None, 0, 0),
+        ("a", Some(40.0), 2_000, 0),
+        ("a", Some(1.0), 50, 100),
+        ("b", Some(500.0), 50, 400),
+        ("b", Some(500.0), 50, 1_700),
+    ];
+    let mut grants = Vec::new();
+    for (i, (member, demand, hold_ms, wait)) in table.iter().enumerate() {
+        tokio::time::sleep(Duration::from_millis(*wait)).await;
+        let call = Call {
+            limits: vec![LimitUse {
+                rate: 100.0,
+                window: None,
+            }],
+            counts_for_ms: 60_000,
+            hold_ms: *hold_ms,
+            max_members: 10,
+            members: vec![Listed {
+                id: member.to_string(),
+                demand: demand.map_or(DemandUpdate::Unknown, DemandUpdate::Rate),
+                listing: Listing::Reported,
+                sent_version: 0,
+            }],
+        };
+        let now = server_ms(&redis);
+        clock.advance_millis(now.saturating_sub(clock.now_millis()));
+        let m = memory.share(key, &call).await.unwrap();
+        let r = shares.share(key, &call).await.unwrap();
+        if let Err(e) = same(&m, &r) {
+            panic!("step {i}: {e}");
+        }
+        let Given::Share { grant, .. } = m.given[0] else {
+            panic!("step {i}: {m:?}")
+        };
+        grants.push(grant);
+    }
+    // a came down from all but the reserve; b kept what it had while a was held, and took a's old share
+    // once the first hold was over.
+    assert!(grants[0] == 93.75 && grants[3] < 20.0, "{grants:?}");
+    assert_eq!(grants[4], grants[1], "{grants:?}");
+    assert!(grants[5] > 60.0, "{grants:?}");
 }

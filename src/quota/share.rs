@@ -376,9 +376,13 @@ pub fn apply(bucket: &mut Bucket, now_ms: u64, call: &Call) -> Reply {
         let Some(member) = members.get_mut(&ids[i]) else {
             continue;
         };
-        if grants[i] < before[i] {
+        if grants[i] < before[i] && call.hold_ms > 0 {
+            // Held from its last decrease on, and never for less than a hold still running (a call
+            // from a replica with a shorter report period).
             member.held = counted[i];
-            member.held_until_ms = now_ms.saturating_add(call.hold_ms);
+            member.held_until_ms = member
+                .held_until_ms
+                .max(now_ms.saturating_add(call.hold_ms));
         } else if member.held_until_ms <= now_ms {
             (member.held, member.held_until_ms) = (0.0, 0);
         }
@@ -680,6 +684,31 @@ mod tests {
         let r = apply(&mut m, 150, &held(100.0, &[("b", Rate(500.0), Reported)]));
         let b = grant(&r, 0);
         assert!(b > 80.0 && b + m.members["a"].grant <= 100.0 - 6.25, "{b}");
+    }
+
+    #[test]
+    fn a_shorter_hold_does_not_cut_short_one_still_running() {
+        // Replicas with different report periods hold for different times: a member that comes down
+        // again in a call with a shorter hold (or none) stays held as long as the first hold said.
+        let mut m = Bucket::default();
+        apply(&mut m, 0, &call(100.0, &[("a", Unknown, Reported)]));
+        apply(&mut m, 0, &call(100.0, &[("b", Unknown, Reported)]));
+        let long = Call {
+            hold_ms: 1_000,
+            ..call(100.0, &[("a", Rate(40.0), Reported)])
+        };
+        apply(&mut m, 10, &long);
+        for hold_ms in [100, 0] {
+            let short = Call {
+                hold_ms,
+                ..call(100.0, &[("a", Rate(1.0), Reported)])
+            };
+            apply(&mut m, 20, &short);
+            assert_eq!(m.members["a"].counted(999), 93.75, "hold {hold_ms}");
+        }
+        let a = m.members["a"];
+        assert!(a.grant < 20.0, "{a:?}");
+        assert_eq!(a.counted(1_010), a.grant, "the first hold is over");
     }
 
     #[test]

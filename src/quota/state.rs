@@ -5,8 +5,8 @@
 //! (`store::redis::share`) as it makes the counters' calls.
 //!
 //! A bucket's state in Redis is a hash under `<prefix>{<domain>_<key>_<value>_...}:rlqs` (see
-//! [`keys::bucket_key`](crate::store::keys::bucket_key)), one field per member, that expires with the last
-//! assignment counting in it.
+//! [`keys::bucket_key`](crate::store::keys::bucket_key)), one field per member (and one beside it while
+//! the member is held at a share it just gave up), that expires with the last assignment counting in it.
 
 use std::{
     collections::HashMap,

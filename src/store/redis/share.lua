@@ -53,7 +53,7 @@ for i = 1, #raw, 2 do
   if first == '^' then
     local held, until_ms = string.match(raw[i + 1], '^(%S+) (%S+)$')
     if held and tonumber(until_ms) and tonumber(until_ms) > now then
-      holds[string.sub(raw[i], 2)] = tonumber(held)
+      holds[string.sub(raw[i], 2)] = { tonumber(held), tonumber(until_ms) }
     else
       expired[#expired + 1] = raw[i]
     end
@@ -161,7 +161,10 @@ for i, id in ipairs(ids) do
   demands[i] = m[1] or estimate
   grants[i] = m[2]
   before[i] = m[2]
-  counted[i] = math.max(m[2], holds[id] or m[2])
+  counted[i] = m[2]
+  if holds[id] then
+    counted[i] = math.max(m[2], holds[id][1])
+  end
   pos[id] = i
 end
 
@@ -279,8 +282,13 @@ for _, l in ipairs(listed) do
       demand = num(m[1])
     end
     local record = demand .. ' ' .. num(m[2]) .. ' ' .. num(m[3]) .. ' ' .. num(m[4])
-    if grants[i] < before[i] then
-      redis.call('HSET', KEYS[1], l[1], record, '^' .. l[1], num(counted[i]) .. ' ' .. num(now + hold_for))
+    if grants[i] < before[i] and hold_for > 0 then
+      -- held from its last decrease on, and never for less than a hold still running
+      local until_ms = now + hold_for
+      if holds[l[1]] then
+        until_ms = math.max(until_ms, holds[l[1]][2])
+      end
+      redis.call('HSET', KEYS[1], l[1], record, '^' .. l[1], num(counted[i]) .. ' ' .. num(until_ms))
     elseif record ~= m[5] then
       redis.call('HSET', KEYS[1], l[1], record)
     end

@@ -383,8 +383,6 @@ pub fn apply(bucket: &mut Bucket, now_ms: u64, call: &Call) -> Reply {
             member.held_until_ms = member
                 .held_until_ms
                 .max(now_ms.saturating_add(call.hold_ms));
-        } else if member.held_until_ms <= now_ms {
-            (member.held, member.held_until_ms) = (0.0, 0);
         }
         member.grant = grants[i];
         if listed.listing == Listing::Reported || changed {

@@ -128,6 +128,19 @@ fn same(a: &Reply, b: &Reply) -> Result<(), String> {
     Ok(())
 }
 
+/// `call` on the memory store and on the script; their replies, which must be the same.
+async fn on_both(
+    memory: &Shares,
+    script: &Shares,
+    key: &str,
+    call: &Call,
+) -> Result<Reply, String> {
+    let m = memory.share(key, call).await.unwrap();
+    let r = script.share(key, call).await.unwrap();
+    same(&m, &r)?;
+    Ok(m)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_script_and_the_memory_store_share_alike() {
     let redis = RedisProcess::start(&[]);
@@ -151,13 +164,9 @@ async fn the_script_and_the_memory_store_share_alike() {
             let memory = Shares::Memory(MemoryShares::new(Clock::manual(1_000_000)));
             for (i, step) in steps.iter().enumerate() {
                 let c = call(step, hold_ms);
-                let (m, r) = handle.block_on(async {
-                    (
-                        memory.share(&key, &c).await.unwrap(),
-                        shares.share(&key, &c).await.unwrap(),
-                    )
-                });
-                same(&m, &r).map_err(|e| TestCaseError::fail(format!("step {i} {step:?}: {e}")))?;
+                handle
+                    .block_on(on_both(&memory, &shares, &key, &c))
+                    .map_err(|e| TestCaseError::fail(format!("step {i} {step:?}: {e}")))?;
             }
             Ok(())
         })
@@ -330,11 +339,9 @@ async fn the_script_and_the_memory_store_expire_members_alike() {
         };
         let now = server_ms();
         clock.advance_millis(now.saturating_sub(clock.now_millis()));
-        let m = memory.share(key, &call).await.unwrap();
-        let r = shares.share(key, &call).await.unwrap();
-        if let Err(e) = same(&m, &r) {
-            panic!("step {i}: {e}");
-        }
+        let m = on_both(&memory, &shares, key, &call)
+            .await
+            .unwrap_or_else(|e| panic!("step {i}: {e}"));
         if i == 4 {
             assert_eq!(m.members, 1, "step {i}: the others expired: {m:?}");
             assert_eq!(m.given[1], Given::Gone, "{m:?}");
@@ -382,11 +389,9 @@ async fn the_script_and_the_memory_store_end_holds_alike() {
         };
         let now = server_ms(&redis);
         clock.advance_millis(now.saturating_sub(clock.now_millis()));
-        let m = memory.share(key, &call).await.unwrap();
-        let r = shares.share(key, &call).await.unwrap();
-        if let Err(e) = same(&m, &r) {
-            panic!("step {i}: {e}");
-        }
+        let m = on_both(&memory, &shares, key, &call)
+            .await
+            .unwrap_or_else(|e| panic!("step {i}: {e}"));
         let Given::Share { grant, .. } = m.given[0] else {
             panic!("step {i}: {m:?}")
         };

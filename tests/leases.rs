@@ -290,20 +290,35 @@ async fn reset_while_leased(admin: Admin, value: &'static str) -> (u64, String) 
     inside_one_day().await;
     let redis = RedisProcess::start(&[]);
     let fleet = fleet_with_admin(&redis, admin).await;
-    // Until the other replicas lease from the counter (on a busy machine a replica may need more than
-    // one round to see it hot), and hold most of what they leased.
-    let mut held = 0.0;
-    for _ in 0..8 {
-        hammer(&fleet, value, |sent, _| sent >= 300).await;
-        held = 0.0;
-        for s in &fleet[1..] {
-            held += s.metric("ratelimitd_redis_leases").await.unwrap();
+    // Traffic until the other replicas hold leases on the counter: a replica leases a counter once it
+    // sees 64 hits on it within a second, which a busy machine running a debug build may take a while
+    // to reach. The reset follows at once, while they still hold what they leased.
+    let (leased, over) = (Arc::new(AtomicBool::new(false)), AtomicBool::new(false));
+    let stop = leased.clone();
+    let ((sent, _), ()) = tokio::join!(
+        async {
+            let hammered = hammer(&fleet, value, move |sent, _| {
+                stop.load(Ordering::Relaxed) || sent >= 5_000
+            })
+            .await;
+            over.store(true, Ordering::Relaxed);
+            hammered
+        },
+        async {
+            while !leased.load(Ordering::Relaxed) && !over.load(Ordering::Relaxed) {
+                let mut held = 0.0;
+                for s in &fleet[1..] {
+                    held += s.metric("ratelimitd_redis_leases").await.unwrap();
+                }
+                leased.store(held > 0.0, Ordering::Relaxed);
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
         }
-        if held > 0.0 {
-            break;
-        }
-    }
-    assert!(held > 0.0, "the other replicas hold leases");
+    );
+    assert!(
+        leased.load(Ordering::Relaxed),
+        "the other replicas hold no lease after {sent} requests"
+    );
 
     let admin = fleet[0].admin_addr.unwrap();
     let target = format!(

@@ -185,6 +185,7 @@ fn with_no_settings_it_serves_reference_ports_and_local_config_rules() {
     assert_eq!(running.grpc.to_string(), "0.0.0.0:8081");
     assert_eq!(running.http.to_string(), "0.0.0.0:8080");
     let body = r#"{"domain":"web","descriptors":[{"entries":[{"key":"user","value":"x"}]}]}"#;
+    std::thread::sleep(common::until_far_from_a_minute_end());
     let local = "127.0.0.1:8080".parse().unwrap();
     assert_eq!(common::http_request(local, "POST", "/json", body).0, 200);
     assert_eq!(common::http_request(local, "POST", "/json", body).0, 200);

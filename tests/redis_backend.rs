@@ -169,6 +169,7 @@ async fn a_cluster_fleet_never_admits_more_than_the_limit_across_slots() {
 async fn counters_keep_the_reference_layout_for_a_shared_migration() {
     let redis = RedisProcess::start(&[]);
     let s = start(redis.addr(), RedisTopology::Single).await;
+    common::far_from_a_minute_end().await;
     let mut c = s.client().await;
     let resp = ask(
         &mut c,
@@ -256,6 +257,7 @@ async fn cache_key_prefix_keeps_services_apart_on_one_redis() {
         s.cache_key_prefix = "svc_b:".into();
     })
     .await;
+    common::far_from_a_minute_end().await;
     let r = request("fleet", vec![descriptor(&[("login", "same")])]);
     for _ in 0..5 {
         a.client().await.should_rate_limit(r.clone()).await.unwrap();
@@ -284,6 +286,7 @@ async fn replicas_with_skewed_clocks_count_in_the_redis_window() {
     let skewed = TestServer::start_with_clock(&[("fleet.yaml", RULES)], skewed_clock, base).await;
     skewed.wait_serving(Duration::from_secs(20)).await;
 
+    common::far_from_a_minute_end().await;
     let r = request("fleet", vec![descriptor(&[("login", "skew")])]);
     let mut a = on_time.client().await;
     let mut b = skewed.client().await;
@@ -314,6 +317,7 @@ async fn scripts_are_reloaded_after_a_flush() {
     let redis = RedisProcess::start(&[]);
     let s = start(redis.addr(), RedisTopology::Single).await;
     let mut c = s.client().await;
+    common::far_from_a_minute_end().await;
     let r = request("fleet", vec![descriptor(&[("login", "flush")])]);
     ask(&mut c, r.clone()).await;
     redis.cli(&["SCRIPT", "FLUSH"]);
@@ -567,6 +571,7 @@ fn sentinels_with_a_password_of_their_own_need_redis_sentinel_auth() {
         "not healthy with both passwords: {}",
         running.log.lock().unwrap()
     );
+    std::thread::sleep(common::until_far_from_a_minute_end());
     assert_eq!(
         logins(&running, "eve", 6),
         vec![200, 200, 200, 200, 200, 429]
@@ -799,6 +804,7 @@ fn sensitive_values_and_secrets_never_reach_redis_keys_logs_metrics_or_rlconfig(
             r#"{{"domain":"api","descriptors":[{{"entries":[{{"key":"{key}","value":"{value}"}}]}}]}}"#
         )
     };
+    std::thread::sleep(common::until_far_from_a_minute_end());
     let mut codes = Vec::new();
     for _ in 0..3 {
         codes
@@ -865,17 +871,6 @@ fn sensitive_values_and_secrets_never_reach_redis_keys_logs_metrics_or_rlconfig(
     }
 }
 
-/// Waits, when fewer than 15 seconds of the current minute are left, until the next one begins (Redis
-/// runs on this machine's clock): for a test whose requests must all count in one per-minute window
-/// even on a busy machine.
-async fn far_from_a_minute_boundary() {
-    let into_minute = common::now_ms() % 60_000;
-    if into_minute > 45_000 {
-        let left = 60_000 - into_minute;
-        tokio::time::sleep(Duration::from_millis(left + 100)).await;
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn under_a_hot_key_attack_the_deny_cache_keeps_redis_out_of_it() {
     let redis = RedisProcess::start(&[]);
@@ -886,7 +881,7 @@ async fn under_a_hot_key_attack_the_deny_cache_keeps_redis_out_of_it() {
     let before = command_calls(&redis.cli(&["INFO", "commandstats"]), "evalsha");
     let mut c = s.client().await;
     // Every request below must fall in one minute window: a new one would allow 5 more.
-    far_from_a_minute_boundary().await;
+    common::far_from_a_minute_end().await;
     let mut allowed = 0;
     for _ in 0..200 {
         let resp = ask(

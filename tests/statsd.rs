@@ -59,6 +59,7 @@ fn statsd_to(s: &mut Settings, port: u16, protocol: StatsdProtocol) {
 /// Sends the known traffic: 10 ShouldRateLimit calls, one of them refused.
 async fn known_traffic(s: &TestServer) {
     let mut c = s.client().await;
+    common::far_from_a_minute_end().await;
     for want in [Code::Ok, Code::Ok, Code::OverLimit] {
         let answer = ask(&mut c, request("api", vec![descriptor(&[("user", "u1")])])).await;
         assert_eq!(answer.overall_code(), want);

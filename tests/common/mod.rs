@@ -38,6 +38,23 @@ pub fn now_ms() -> u64 {
         .as_millis() as u64
 }
 
+/// How long to wait, when fewer than 15 seconds of the current minute are left, until the next minute
+/// begins (Redis runs on this machine's clock): a test whose requests must all count in one per-minute
+/// window waits this long first, so that a busy machine cannot spread them over two.
+pub fn until_far_from_a_minute_end() -> Duration {
+    let into_minute = now_ms() % 60_000;
+    if into_minute > 45_000 {
+        Duration::from_millis(60_000 - into_minute + 100)
+    } else {
+        Duration::ZERO
+    }
+}
+
+/// Waits [`until_far_from_a_minute_end`].
+pub async fn far_from_a_minute_end() {
+    tokio::time::sleep(until_far_from_a_minute_end()).await;
+}
+
 /// Every algorithm, for tables that run each scenario under each.
 pub const ALGORITHMS: [ratelimitd::algorithm::Algorithm; 5] = {
     use ratelimitd::algorithm::Algorithm::*;

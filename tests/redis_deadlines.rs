@@ -12,6 +12,7 @@ mod common;
 
 use std::{
     collections::BTreeMap,
+    io::{Read, Write},
     sync::Arc,
     time::{Duration, Instant},
 };
@@ -369,17 +370,33 @@ async fn redis_busy_in_debug_sleep_is_answered_by_policy_before_every_deadline_a
         "debug sleep",
         &mut redis,
         move |_| {
+            let mut sleep = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+            sleep.write_all(b"DEBUG SLEEP 2.5\r\n").unwrap();
             *handle.lock().unwrap() = Some(std::thread::spawn(move || {
-                common::redis::cli(port, &["DEBUG", "SLEEP", "2.5"])
+                sleep
+                    .set_read_timeout(Some(Duration::from_secs(10)))
+                    .unwrap();
+                let mut reply = [0; 5];
+                sleep.read_exact(&mut reply).unwrap();
+                reply
             }));
-            // Give the sleep a moment to begin before the first call.
-            std::thread::sleep(Duration::from_millis(50));
+            // The first call goes only once Redis sleeps: a PING on another connection goes unanswered.
+            while answers_ping(port, Duration::from_millis(100)) {}
         },
         |_| {},
     )
     .await;
     let slept = sleeper.lock().unwrap().take().unwrap().join().unwrap();
-    assert_eq!(slept, "OK");
+    assert_eq!(&slept, b"+OK\r\n");
+}
+
+/// Whether the Redis server on `port` answers a PING within `within`.
+fn answers_ping(port: u16, within: Duration) -> bool {
+    let mut probe = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    probe.set_read_timeout(Some(within)).unwrap();
+    probe.write_all(b"PING\r\n").unwrap();
+    let mut reply = [0; 7];
+    probe.read_exact(&mut reply).is_ok()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

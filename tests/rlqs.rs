@@ -217,7 +217,13 @@ async fn a_subscription_is_answered_at_once_with_a_token_bucket_envoy_can_read()
 /// report, which covers the time since the last counted one.
 #[tokio::test]
 async fn a_report_that_comes_too_soon_is_merged_into_the_next() {
-    let s = start(|_| {}).await;
+    // Reports merge within a tenth of the report period: 200 ms here, room enough for a busy machine
+    // to send the second report in time (20 ms at the other tests' period would not be).
+    let s = start(|s| {
+        s.rlqs.report_period = Duration::from_secs(2);
+        s.rlqs.assignment_ttl = Duration::from_secs(4);
+    })
+    .await;
     s.wait_serving(Duration::from_secs(5)).await;
     let mut stream = Raw::open(&s).await.unwrap();
     stream.report("edge", &[(SHARED, 0, 1, 0)]);
@@ -232,8 +238,8 @@ async fn a_report_that_comes_too_soon_is_merged_into_the_next() {
     stream.report("edge", &[(SHARED, 0, 30, 0)]);
     assert_eq!(actions(&stream.next().await)[&key(SHARED)], first);
     assert_eq!(allowed().await, Some(1.0));
-    // A report a report period later counts both.
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // A report past the tenth of a period counts both.
+    tokio::time::sleep(Duration::from_millis(250)).await;
     stream.report("edge", &[(SHARED, 0, 10, 0)]);
     stream.next().await;
     assert_eq!(allowed().await, Some(41.0));
@@ -671,6 +677,8 @@ async fn a_share_given_back_goes_to_another_replica_only_once_the_lower_one_had_
     let sent = tokio::time::Instant::now();
     a.report("edge", &[(SHARED, 1, 1, 0)]);
     let a_after = rate(&a.next().await);
+    // a's hold began when its report was decided, before this answer reached the test.
+    let a_answered = tokio::time::Instant::now();
     b.report("edge", &[(SHARED, 1, 3, 300)]);
     let b_meanwhile = rate(&b.next().await);
     let asked = sent.elapsed();
@@ -685,7 +693,7 @@ async fn a_share_given_back_goes_to_another_replica_only_once_the_lower_one_had_
     );
     // Once the hold is over, b's next report gets what a gave back (a's grant is still sized for b's
     // demand as it was: it comes down further at a's next report).
-    tokio::time::sleep(Duration::from_millis(1_100).saturating_sub(sent.elapsed())).await;
+    tokio::time::sleep_until(a_answered + Duration::from_millis(1_100)).await;
     b.report("edge", &[(SHARED, 1, 3, 300)]);
     let b_after = rate(&b.next().await);
     assert!(

@@ -20,6 +20,10 @@ use ratelimitd::{
 
 const RULES: &str = "domain: faults\ndescriptors:\n  - key: user\n    rate_limit: {unit: hour, requests_per_unit: 100}\n  - key: shared\n    rate_limit: {unit: hour, requests_per_unit: 300}\n";
 
+/// The tests bound how long an answer may take; run side by side on two cores, one test's processes
+/// would stall the other's callers. One at a time.
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 /// What the callers saw: answers by code, transport errors, the slowest answer, and OKs on the shared key.
 #[derive(Debug, Default)]
 struct Seen {
@@ -152,6 +156,7 @@ async fn under_fault(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_under_client_pause_is_answered_by_policy_within_400ms_and_never_over_admits() {
+    let _one = ONE_AT_A_TIME.lock().await;
     let redis = RedisProcess::start(&[]);
     let pause = async { assert_eq!(redis.cli(&["CLIENT", "PAUSE", "1500", "ALL"]), "OK") };
     under_fault(&redis, "client pause", pause).await;
@@ -159,6 +164,7 @@ async fn redis_under_client_pause_is_answered_by_policy_within_400ms_and_never_o
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_blocked_by_debug_sleep_is_answered_by_policy_within_400ms_and_never_over_admits() {
+    let _one = ONE_AT_A_TIME.lock().await;
     let redis = Arc::new(RedisProcess::start(&["--enable-debug-command", "local"]));
     let sleeper = redis.clone();
     // Redis runs nothing else for a second; the command itself answers when it wakes.
@@ -173,6 +179,7 @@ async fn redis_blocked_by_debug_sleep_is_answered_by_policy_within_400ms_and_nev
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_of_three_replicas_sigkilled_under_load_the_others_keep_serving_and_the_limit_holds() {
+    let _one = ONE_AT_A_TIME.lock().await;
     let redis = RedisProcess::start(&[]);
     let rules = tempfile::tempdir().unwrap();
     std::fs::write(rules.path().join("faults.yaml"), RULES).unwrap();

@@ -310,8 +310,11 @@ async fn the_script_and_the_memory_store_expire_members_alike() {
         (1, Some(500.0), &[2], 1),
         (4, None, &[1, 2], 5),
     ];
+    // Each call at its planned time from the first: the time each step takes does not add up.
+    let (start, mut tenths) = (tokio::time::Instant::now(), 0);
     for (i, (reporter, demand, pushed, wait)) in table.iter().enumerate() {
-        tokio::time::sleep(Duration::from_millis(100 * wait)).await;
+        tenths += wait;
+        tokio::time::sleep_until(start + Duration::from_millis(100 * tenths)).await;
         let mut members = vec![Listed {
             id: format!("m{reporter}"),
             demand: match demand {

@@ -265,12 +265,7 @@ async fn sigterm_drains_and_exits_zero_within_the_grace_period() {
 #[test]
 fn use_prometheus_serves_metrics_on_its_own_address_and_path() {
     let dir = tempfile::tempdir().unwrap();
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let addr = format!("127.0.0.1:{port}");
+    let addr = format!("127.0.0.1:{}", common::redis::free_port());
     let running = serve(
         &[
             ("USE_PROMETHEUS", "true"),

@@ -10,21 +10,28 @@ use std::{
     time::{Duration, Instant},
 };
 
-/// A free loopback TCP port (bound, read, released).
+/// A free loopback TCP port, below the ports the kernel gives outgoing connections (32 768 and up by
+/// default): between this check and the server binding it, none of the suite's many client connections
+/// can take it.
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    free_port_in(15_000..32_000)
 }
 
-/// A free port for a Cluster node: Redis also listens on the port + 10 000 (the cluster bus), so the port
-/// must be at most 55 535 and that one free too.
+/// A free port for a Cluster node: Redis also listens on the port + 10 000 (the cluster bus), which must
+/// be free too, and below the outgoing connections' ports as well.
 pub fn free_cluster_port() -> u16 {
     loop {
-        let port = free_port();
-        if port <= 55_535 && TcpListener::bind(("127.0.0.1", port + 10_000)).is_ok() {
+        let port = free_port_in(12_000..22_000);
+        if TcpListener::bind(("127.0.0.1", port + 10_000)).is_ok() {
+            return port;
+        }
+    }
+}
+
+fn free_port_in(range: std::ops::Range<u16>) -> u16 {
+    loop {
+        let port = rand::random_range(range.clone());
+        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
             return port;
         }
     }

@@ -250,3 +250,40 @@ async fn callers_cannot_grow_metrics_without_bound() {
     assert_eq!(api_key_series, 50);
     s.stop().await;
 }
+
+/// A caller's `hits_addend` near 2^64 cannot turn a rule's hit counters back: they stop at the largest
+/// value rather than wrap (a counter that went down would read as a reset, and hide the traffic).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_huge_hits_addend_never_turns_hit_counters_back() {
+    let s = TestServer::start(&[("web.yaml", RULES)], |_| {}).await;
+    let mut c = s.client().await;
+    let counters = async || {
+        let (_, text) = s.http("GET", "/metrics", "").await;
+        // A series shows from its first count on.
+        ["total_hits", "over_limit"].map(|name| {
+            let series =
+                format!("ratelimit_service_rate_limit_{name}{{domain=\"web\",rule=\"user\"}} ");
+            text.lines()
+                .find_map(|l| l.strip_prefix(series.as_str())?.parse::<f64>().ok())
+                .unwrap_or(0.0)
+        })
+    };
+    common::far_from_a_minute_end().await;
+    for _ in 0..5 {
+        ask(&mut c, request("web", vec![descriptor(&[("user", "u1")])])).await;
+    }
+    let mut seen = counters().await;
+    assert_eq!(seen, [5.0, 3.0]);
+    for _ in 0..2 {
+        let huge = common::with_hits(descriptor(&[("user", "u1")]), u64::MAX - 2);
+        ask(&mut c, request("web", vec![huge])).await;
+        let now = counters().await;
+        assert!(
+            now[0] >= seen[0] && now[1] >= seen[1],
+            "total_hits and over_limit went from {seen:?} to {now:?}"
+        );
+        assert!(now[0] >= (u64::MAX - 2) as f64, "{now:?}");
+        seen = now;
+    }
+    s.stop().await;
+}

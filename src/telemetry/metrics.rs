@@ -59,14 +59,23 @@ impl<const N: usize> Striped<N> {
         &self.0[STRIPE.with(|s| *s)].0
     }
 
+    /// Adds `by` to value `i`, which stops at `u64::MAX` rather than wrap: a caller's `hits_addend`
+    /// near 2^64 must not turn a rule's hit counters back (statsd would then report nothing for it).
     fn add(&self, i: usize, by: u64) {
-        self.mine()[i].fetch_add(by, Ordering::Relaxed);
+        let value = &self.mine()[i];
+        if value
+            .fetch_add(by, Ordering::Relaxed)
+            .checked_add(by)
+            .is_none()
+        {
+            value.store(u64::MAX, Ordering::Relaxed);
+        }
     }
 
-    /// Value `i` summed over the stripes.
+    /// Value `i` summed over the stripes, at most `u64::MAX`.
     fn sum(&self, i: usize) -> u64 {
         self.0.iter().fold(0u64, |sum, line| {
-            sum.wrapping_add(line.0[i].load(Ordering::Relaxed))
+            sum.saturating_add(line.0[i].load(Ordering::Relaxed))
         })
     }
 }

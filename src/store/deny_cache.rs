@@ -62,7 +62,9 @@ impl DenyCache {
         let key = self.entries.hash(key);
         let mut shard = self.entries.lock_of(key);
         let entry = shard.get(key)?;
-        if now_ms >= entry.until_ms {
+        // Past its end, or before its start: the clock stepped back, and only the store can say what
+        // the denial is worth now.
+        if now_ms >= entry.until_ms || now_ms < entry.since_ms {
             shard.remove(key);
             return None;
         }
@@ -87,7 +89,7 @@ impl DenyCache {
         let entry = Entry {
             params,
             cost,
-            until_ms: sent_ms + outcome.retry_ms,
+            until_ms: sent_ms.saturating_add(outcome.retry_ms),
             outcome,
             since_ms: sent_ms,
         };
@@ -315,6 +317,17 @@ mod tests {
             "over at the exact wait"
         );
         assert!(cache.is_empty());
+    }
+
+    #[test]
+    fn a_clock_stepped_back_before_a_denial_leaves_it_to_the_store() {
+        let cache = DenyCache::new(100);
+        cache.insert("k", params(5), 1, denied(2_000), 10_000);
+        assert!(cache.lookup("k", &params(5), 1, 9_000).is_none());
+        assert!(
+            cache.is_empty(),
+            "forgotten, not kept for the 3 s it now seems to have left"
+        );
     }
 
     #[test]

@@ -377,6 +377,38 @@ fn a_per_second_redis_from_the_reference_variables_or_our_own() {
     .unwrap();
     assert_eq!(s.redis_per_second.map(|r| r.url).as_deref(), Some("fast:1"));
     assert!(s.warnings.is_empty(), "{:?}", s.warnings);
+    // The per-second Redis is held to every check of the main one, each named as it is set.
+    for (name, value, named) in [
+        (
+            "REDIS_PERSECOND_POOL_SIZE",
+            "0",
+            "REDIS_PERSECOND_POOL_SIZE",
+        ),
+        ("REDIS_PERSECOND_TIMEOUT", "0s", "REDIS_PERSECOND_TIMEOUT"),
+        (
+            "RATELIMITD_REDIS_PER_SECOND__UNRESPONSIVE_AFTER",
+            "0s",
+            "redis_per_second.unresponsive_after",
+        ),
+        (
+            "RATELIMITD_REDIS_PER_SECOND__CALLS_IN_FLIGHT",
+            "0",
+            "redis_per_second.calls_in_flight",
+        ),
+    ] {
+        let err = Settings::load(
+            None,
+            &env(&[
+                ("REDIS_URL", "m:1"),
+                ("REDIS_PERSECOND", "true"),
+                ("REDIS_PERSECOND_URL", "fast:1"),
+                (name, value),
+            ]),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains(named), "{name}={value}: {err}");
+    }
 }
 
 #[test]

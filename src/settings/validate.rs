@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use super::{BackendKind, ConfigType, Settings, SettingsError};
+use super::{BackendKind, ConfigType, RedisSettings, Settings, SettingsError};
 use crate::api::{admin::Token, tls::TlsError, xds::XdsError};
 
 impl Settings {
@@ -156,6 +156,7 @@ impl Settings {
                 "the redis backend needs a Redis address",
             ));
         }
+        validate_one_redis(&self.redis, "REDIS", "redis")?;
         if let Some(per_second) = &self.redis_per_second {
             if per_second.url.trim().is_empty() {
                 return Err(SettingsError::invalid(
@@ -164,27 +165,9 @@ impl Settings {
                     "REDIS_PERSECOND=true needs the per-second Redis address",
                 ));
             }
-            if per_second.pool_size == 0 || per_second.timeout.is_zero() {
-                return Err(SettingsError::invalid(
-                    "REDIS_PERSECOND_POOL_SIZE",
-                    per_second.pool_size,
-                    "the per-second pool size and timeout must be above zero",
-                ));
-            }
+            validate_one_redis(per_second, "REDIS_PERSECOND", "redis_per_second")?;
         }
-        at_least_one("REDIS_POOL_SIZE", self.redis.pool_size)?;
-        at_least_one("redis.calls_in_flight", self.redis.calls_in_flight)?;
-        at_least_one("redis.batch_max_requests", self.redis.batch_max_requests)?;
-        at_least_one("redis.batch_max_bytes", self.redis.batch_max_bytes)?;
-        longer_than_zero("REDIS_TIMEOUT", self.redis.timeout)?;
-        longer_than_zero("redis.unresponsive_after", self.redis.unresponsive_after)?;
-        if self.redis.lease_after > 0 {
-            longer_than_zero("redis.lease_for", self.redis.lease_for)?;
-        }
-        at_least_one(
-            "redis.breaker_failures",
-            self.redis.breaker_failures as usize,
-        )
+        Ok(())
     }
 
     fn validate_grpc_tls(&self) -> Result<(), SettingsError> {
@@ -364,6 +347,30 @@ fn at_most(name: &str, value: Duration, most: Duration) -> Result<(), SettingsEr
         ));
     }
     Ok(())
+}
+
+/// The numbers of one Redis deployment (the main one or the per-second one), named by their
+/// environment variable (`env`) or settings-file section (`file`).
+fn validate_one_redis(redis: &RedisSettings, env: &str, file: &str) -> Result<(), SettingsError> {
+    at_least_one(&format!("{env}_POOL_SIZE"), redis.pool_size)?;
+    at_least_one(&format!("{file}.calls_in_flight"), redis.calls_in_flight)?;
+    at_least_one(
+        &format!("{file}.batch_max_requests"),
+        redis.batch_max_requests,
+    )?;
+    at_least_one(&format!("{file}.batch_max_bytes"), redis.batch_max_bytes)?;
+    longer_than_zero(&format!("{env}_TIMEOUT"), redis.timeout)?;
+    longer_than_zero(
+        &format!("{file}.unresponsive_after"),
+        redis.unresponsive_after,
+    )?;
+    if redis.lease_after > 0 {
+        longer_than_zero(&format!("{file}.lease_for"), redis.lease_for)?;
+    }
+    at_least_one(
+        &format!("{file}.breaker_failures"),
+        redis.breaker_failures as usize,
+    )
 }
 
 fn at_least_one(name: &str, value: usize) -> Result<(), SettingsError> {

@@ -54,3 +54,28 @@ fn a_big_rules_file_loads_within_the_default_yaml_budget_and_the_bound_is_a_sett
         "{text}"
     );
 }
+
+/// Many wildcard and `cidr:` rules under one key load too. Each rule used to be checked against all of
+/// its siblings before it (and each network moved every shorter one), which made 30 000 of them take
+/// 15 to 19 s in a debug build against 5 s now.
+#[test]
+fn a_level_of_many_wildcards_and_networks_loads() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut text = String::from("domain: patterns\ndescriptors:\n");
+    for i in 0..15_000 {
+        // Networks of two prefix lengths, alternating, so that each must go before the other.
+        let (prefix, host) = if i % 2 == 0 { (24, 0) } else { (32, 1) };
+        text.push_str(&format!(
+            "  - key: user\n    value: \"*{i}\"\n    rate_limit: {{unit: minute, requests_per_unit: 10}}\n  - key: remote_address\n    value: \"cidr:10.{}.{}.{host}/{prefix}\"\n    rate_limit: {{unit: minute, requests_per_unit: 10}}\n",
+            i / 256,
+            i % 256
+        ));
+    }
+    std::fs::write(dir.path().join("patterns.yaml"), text).unwrap();
+    let out = check_config(dir.path(), &[]);
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "all rate limit configs ok\n"
+    );
+    assert_eq!(out.status.code(), Some(0));
+}

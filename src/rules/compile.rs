@@ -137,6 +137,13 @@ fn add_level(
         )?;
         level.insert(spec, value_match, node);
     }
+    // CIDRs longest prefix first, in file order among equal prefixes (a stable sort): once per level,
+    // where an insertion in order moved every shorter prefix for each rule.
+    for same_key in level.keys.values_mut() {
+        same_key
+            .cidrs
+            .sort_by_key(|(cidr, _)| std::cmp::Reverse(cidr.prefix()));
+    }
     Ok(())
 }
 
@@ -182,24 +189,22 @@ impl Level {
             .any(|(at, _)| {
                 let (key, value) = (&composite[..at], &composite[at + 1..]);
                 !value.is_empty()
-                    && self
-                        .keys
-                        .get(key)
-                        .is_some_and(|k| k.values.contains_key(value) || k.written(value).is_some())
+                    && self.keys.get(key).is_some_and(|k| {
+                        k.values.contains_key(value) || k.patterns.contains_key(value)
+                    })
             })
     }
 
-    /// Adds the node `spec` describes where its kind of value belongs: CIDRs longest prefix first,
-    /// wildcards in file order.
+    /// Adds the node `spec` describes where its kind of value belongs: wildcards in file order, CIDRs
+    /// too until `add_level` orders them.
     fn insert(&mut self, spec: &DescriptorSpec, value_match: ValueMatch, node: Node) {
         let same_key = self.keys.entry(spec.key.as_str().into()).or_default();
+        if matches!(value_match, ValueMatch::Cidr(_) | ValueMatch::Wildcard) {
+            same_key.patterns.insert(spec.value.as_str().into(), ());
+        }
         match value_match {
-            ValueMatch::Cidr(cidr) => {
-                let at = same_key
-                    .cidrs
-                    .partition_point(|(c, _)| c.prefix() >= cidr.prefix());
-                same_key.cidrs.insert(at, (cidr, node));
-            }
+            // Put in prefix order once the level is built (see `add_level`).
+            ValueMatch::Cidr(cidr) => same_key.cidrs.push((cidr, node)),
             ValueMatch::Wildcard => same_key.wildcards.push((Wildcard::new(&spec.value), node)),
             ValueMatch::Any => same_key.default = Some(node),
             ValueMatch::Exact => {

@@ -113,6 +113,9 @@ pub struct KeyNodes {
     pub wildcards: Vec<(Wildcard, Node)>,
     /// The node written without a value: any value.
     pub default: Option<Node>,
+    /// The written values of `cidrs` and `wildcards`, so that a rule's duplicate is found without a
+    /// scan of its siblings (a scan per sibling made a level of many wildcards quadratic to build).
+    pub(super) patterns: RuleMap<Box<str>, ()>,
 }
 
 impl Level {
@@ -130,6 +133,9 @@ impl Level {
 impl KeyNodes {
     /// The `cidr:` or wildcard node whose value is written exactly so.
     pub(super) fn written(&self, value: &str) -> Option<&Node> {
+        if !self.patterns.contains_key(value) {
+            return None;
+        }
         self.cidrs
             .iter()
             .map(|(_, n)| n)

@@ -223,7 +223,10 @@ impl RedisStore {
         deadline: Deadline,
     ) -> Result<Applied, StoreError> {
         // The time on each backend's clock, as this replica estimates it.
-        let estimate = |b: &Backend| local_ms as i64 + b.clock_offset_ms.load(Ordering::Relaxed);
+        // Saturating: the offset comes from a number in a Redis reply.
+        let estimate = |b: &Backend| {
+            (local_ms as i64).saturating_add(b.clock_offset_ms.load(Ordering::Relaxed))
+        };
         let mut now_ms = [estimate(&self.main), estimate(self.backend(1))];
         // Window mismatches met so far: a replica whose estimate of the Redis clock is a little ahead
         // can meet one going back to the window before and another as Redis moves on to the next.
@@ -464,7 +467,7 @@ impl RedisStore {
             if let Some(server_ms) = newest {
                 backend
                     .clock_offset_ms
-                    .store(server_ms - local_ms as i64, Ordering::Relaxed);
+                    .store(server_ms.saturating_sub(local_ms as i64), Ordering::Relaxed);
             }
         }
     }

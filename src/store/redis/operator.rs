@@ -109,7 +109,9 @@ impl RedisStore {
             parts.first().and_then(number::<u64>),
             parts.get(1).and_then(number::<u64>),
         ) {
-            (Some(secs), Some(micros)) => Ok(secs * 1000 + micros / 1000),
+            (Some(secs), Some(micros)) => {
+                Ok(secs.saturating_mul(1000).saturating_add(micros / 1000))
+            }
             _ => Err(unexpected("TIME", &reply)),
         }
     }

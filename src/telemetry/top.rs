@@ -95,7 +95,7 @@ impl TopOffenders {
     fn window(&self) -> std::sync::MutexGuard<'_, Window> {
         let mut w = self.window.lock().unwrap_or_else(|p| p.into_inner());
         let elapsed = w.started.elapsed();
-        if elapsed >= self.interval * 2 {
+        if elapsed >= self.interval.saturating_mul(2) {
             w.previous = Sketch::default();
             w.current = Sketch::default();
             w.started = Instant::now();

@@ -11,7 +11,7 @@ use tokio::{
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
 
-use super::{bounds::Timers, Bounds, Counted};
+use super::{bounds::Timers, deadline::later, Bounds, Counted};
 
 /// How long an accept loop pauses after a failed accept (out of file descriptors and the like), so that
 /// it neither spins nor gives up: the connections that close meanwhile give the descriptors back.
@@ -30,7 +30,9 @@ pub struct Place {
 impl Place {
     /// When the handshake and preface must be done; `None`: no bound.
     pub fn handshake_deadline(&self) -> Option<Instant> {
-        self.bounds.handshake.map(|after| self.accepted + after)
+        self.bounds
+            .handshake
+            .map(|after| later(self.accepted, after))
     }
 
     /// The connection over `io` (the TCP stream, or the TLS stream over it), holding this place.

@@ -7,7 +7,7 @@ use tokio::time::Instant;
 
 use super::{
     calls::Activity,
-    deadline::{Deadline, Quiet},
+    deadline::{later, Deadline, Quiet},
     preface::Preface,
 };
 
@@ -103,7 +103,7 @@ impl Timers {
             stall,
             cut_off,
         } = bounds;
-        let at = |after: Duration| Deadline::at(accepted + after);
+        let at = |after: Duration| Deadline::at(later(accepted, after));
         Self {
             cut_off: cut_off.map(at),
             handshake: handshake.map(|after| (at(after), Preface::default())),
@@ -222,6 +222,24 @@ mod tests {
         let client = TcpStream::connect(addr).await.unwrap();
         let (io, place) = acceptor.accept(&stop).await.unwrap();
         (client, place.connection(io))
+    }
+
+    #[tokio::test]
+    async fn bounds_of_centuries_never_fire_and_never_panic() {
+        let huge = Duration::MAX;
+        let (mut client, mut conn) = connected(Bounds {
+            handshake: Some(huge),
+            idle: Some(huge),
+            stall: Some(huge),
+            cut_off: Some(huge),
+        })
+        .await;
+        client.write_all(b"ping").await.unwrap();
+        let mut buf = [0u8; 4];
+        conn.read_exact(&mut buf).await.unwrap();
+        conn.write_all(b"pong").await.unwrap();
+        client.read_exact(&mut buf).await.unwrap();
+        assert_eq!(&buf, b"pong");
     }
 
     #[tokio::test(start_paused = true)]

@@ -55,6 +55,15 @@ impl Deadline {
     }
 }
 
+/// `start + after`; for a bound too long for an `Instant` (a setting of centuries), a time a hundred
+/// years on, which no connection lives to see.
+pub(super) fn later(start: Instant, after: Duration) -> Instant {
+    start
+        .checked_add(after)
+        .or_else(|| start.checked_add(Duration::from_secs(100 * 365 * 24 * 3600)))
+        .unwrap_or(start)
+}
+
 /// A timer re-armed from a moving start: it fires once `after` has passed since the latest start.
 #[derive(Debug)]
 pub(super) struct Quiet {
@@ -66,7 +75,7 @@ impl Quiet {
     pub(super) fn new(start: Instant, after: Duration) -> Self {
         Self {
             after,
-            deadline: Deadline::at(start + after),
+            deadline: Deadline::at(later(start, after)),
         }
     }
 
@@ -82,7 +91,7 @@ impl Quiet {
                 return false;
             }
             let now = Instant::now();
-            let due = since().map_or(now + self.after, |start| start + self.after);
+            let due = later(since().unwrap_or(now), self.after);
             if due <= now {
                 return true;
             }

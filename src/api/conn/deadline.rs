@@ -55,13 +55,11 @@ impl Deadline {
     }
 }
 
-/// `start + after`; for a bound too long for an `Instant` (a setting of centuries), a time a hundred
-/// years on, which no connection lives to see.
+/// `start + after`, with `after` at most a hundred years, which no connection lives to see: a bound
+/// set to centuries would not fit in an `Instant`.
 pub(super) fn later(start: Instant, after: Duration) -> Instant {
-    start
-        .checked_add(after)
-        .or_else(|| start.checked_add(Duration::from_secs(100 * 365 * 24 * 3600)))
-        .unwrap_or(start)
+    const CENTURY: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+    start + after.min(CENTURY)
 }
 
 /// A timer re-armed from a moving start: it fires once `after` has passed since the latest start.

@@ -3,7 +3,65 @@
 //! parsing some 330 000 YAML nodes keeps a core busy for seconds in a debug build, which would disturb the
 //! timing-sensitive tests of `tests/cli.rs` running beside it.
 
-use std::process::Command;
+use std::{
+    alloc::{GlobalAlloc, Layout, System},
+    cell::Cell,
+    process::Command,
+    sync::atomic::{AtomicBool, Ordering},
+    time::{Duration, Instant},
+};
+
+use ratelimitd::{
+    limiter::Entry,
+    rules::{DescriptorSpec, DomainFile, RateLimitSpec, RuleSet},
+};
+
+/// Counts the bytes the measuring thread allocates, so that the other tests of this file, running
+/// beside it, are not counted.
+struct Measuring;
+
+thread_local! {
+    static MEASURED: Cell<Option<usize>> = const { Cell::new(None) };
+}
+
+/// Whether any thread measures: the other threads then skip the thread-local lookup.
+static ANY: AtomicBool = AtomicBool::new(false);
+
+fn count(bytes: usize) {
+    if ANY.load(Ordering::Relaxed) {
+        MEASURED.with(|m| {
+            if let Some(total) = m.get() {
+                m.set(Some(total + bytes));
+            }
+        });
+    }
+}
+
+unsafe impl GlobalAlloc for Measuring {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        count(layout.size());
+        unsafe { System.alloc(layout) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        unsafe { System.dealloc(ptr, layout) }
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        count(new_size);
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Measuring = Measuring;
+
+/// What `f` returns, and the bytes this thread allocated while it ran.
+fn bytes_allocated<T>(f: impl FnOnce() -> T) -> (T, usize) {
+    MEASURED.with(|m| m.set(Some(0)));
+    ANY.store(true, Ordering::SeqCst);
+    let out = f();
+    let bytes = MEASURED.with(|m| m.take()).unwrap_or(0);
+    (out, bytes)
+}
 
 fn check_config(dir: &std::path::Path, env: &[(&str, &str)]) -> std::process::Output {
     Command::new(env!("CARGO_BIN_EXE_ratelimitd"))
@@ -78,4 +136,113 @@ fn a_level_of_many_wildcards_and_networks_loads() {
         "all rate limit configs ok\n"
     );
     assert_eq!(out.status.code(), Some(0));
+}
+
+/// A rule costs its own key and value, however deep it is written and however long the keys above it
+/// are. Each rule used to carry its own copy of every level above it, and its full key as a string: a
+/// rules file of 589 KB (a 200 000-byte key with 20 000 rules under it) took 9.2 GB and 26 s to
+/// check, and an xDS resource of a few megabytes could take the service's memory whole.
+#[test]
+fn a_rule_costs_what_is_written_of_it_not_its_depth() {
+    let leaf = |i: usize| DescriptorSpec {
+        key: format!("k{i}"),
+        rate_limit: Some(RateLimitSpec {
+            unit: "minute".into(),
+            requests_per_unit: 10,
+            ..RateLimitSpec::default()
+        }),
+        ..DescriptorSpec::default()
+    };
+    // A long key at the top, then a chain of 90 levels (as deep as an xDS resource can nest), then
+    // 2 000 rules at the bottom.
+    let long_key = "x".repeat(64 * 1024);
+    let mut chain = DescriptorSpec {
+        key: "bottom".into(),
+        descriptors: (0..2_000).map(leaf).collect(),
+        ..DescriptorSpec::default()
+    };
+    for depth in (0..90).rev() {
+        chain = DescriptorSpec {
+            key: format!("level{depth}"),
+            descriptors: vec![chain],
+            ..DescriptorSpec::default()
+        };
+    }
+    let top = DescriptorSpec {
+        key: long_key.clone(),
+        descriptors: vec![chain],
+        ..DescriptorSpec::default()
+    };
+    let file = DomainFile {
+        domain: "deep".into(),
+        descriptors: vec![top],
+    };
+    let written = long_key.len() + 91 * "level00".len() + 2_000 * "k0000".len();
+
+    let files = [("deep.yaml".to_owned(), file)];
+    let (set, bytes) = bytes_allocated(|| RuleSet::build(&files, false).unwrap());
+    eprintln!("{written} bytes written, {bytes} bytes allocated to build the rules");
+    // What is written (twice over: the rules keep each key and value, and each level the composite
+    // key it checks duplicates by), and some hundreds of bytes per rule for its node, limit and place
+    // in its level (1.5 KB when this was written, with the levels' tables growing). With a copy of the
+    // path above each rule, building these rules allocated 703 MB.
+    let budget = 2 * written + 2_100 * 2_000;
+    assert!(
+        bytes < budget,
+        "building the rules allocated {bytes} bytes, over {budget}"
+    );
+
+    // And the rules still match and name themselves in full.
+    let entry = |key: &str| Entry {
+        key: key.to_owned(),
+        value: "v".to_owned(),
+    };
+    let mut entries = vec![entry(&long_key)];
+    entries.extend((0..90).map(|depth| entry(&format!("level{depth}"))));
+    entries.push(entry("bottom"));
+    entries.push(entry("k1999"));
+    let rule = set.domains["deep"]
+        .find(&entries)
+        .expect("the deepest rule");
+    assert_eq!(rule.limit().map(|l| l.requests_per_unit), Some(10));
+    let full_key = rule.full_key();
+    assert!(full_key.starts_with(&format!("deep.{long_key}.level0.level1.")));
+    assert!(full_key.ends_with(".level89.bottom.k1999"));
+    assert_eq!(rule.path().len(), 93);
+}
+
+/// A key made of many `_`s loads at once. To find a duplicate written either as `key: a_b` or as `key: a,
+/// value: b`, each `_` of a rule's key used to be tried as the place where key and value meet, hashing
+/// the text on both sides each time: a key of 1 MB of `_`s took 17 s to check in a release build, and the
+/// 4 MB an xDS message may carry some 5 minutes of a runtime worker. Duplicates are now found by the
+/// whole composite key, in one lookup. The bound below only tells a hang from an answer.
+#[test]
+fn a_key_of_many_underscores_loads_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let key = "_".repeat(2 * 1024 * 1024);
+    std::fs::write(
+        dir.path().join("underscores.yaml"),
+        format!("domain: d\ndescriptors:\n  - key: x\n  - key: a{key}\n  - key: x_{key}\n"),
+    )
+    .unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_ratelimitd"))
+        .args(["check-config", "."])
+        .env_clear()
+        .current_dir(dir.path())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let started = Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if started.elapsed() > Duration::from_secs(60) {
+            child.kill().unwrap();
+            panic!("check-config still busy after 60 s with a key of 2 MB of '_'");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "all rate limit configs ok\n"
+    );
 }

@@ -102,13 +102,14 @@ impl Limiter {
                 .zip(&values)
                 .map(|(e, v)| (e.key.as_str(), v.as_ref())),
         );
+        let rule_path = node
+            .path()
+            .iter()
+            .map(|step| (step.key.clone(), step.value.clone()))
+            .collect();
         BucketRule::Limited(BucketLimits {
             rule: self.bucket_rule_label(domain, descriptor, node),
-            rule_path: node
-                .path
-                .iter()
-                .map(|step| (step.key.clone(), step.value.clone()))
-                .collect(),
+            rule_path,
             shares_key,
             params: batch.checks.iter().map(|c| c.params).collect(),
             checks: batch.checks,
@@ -120,12 +121,12 @@ impl Limiter {
     /// `record::rule_label`): request values only where the rule asks for them, and as many such
     /// labels per rule as `ShouldRateLimit` allows, shared with it.
     fn bucket_rule_label(&self, domain: &str, descriptor: &Descriptor, node: &Node) -> Arc<str> {
-        let label = record::rule_label(Some(node), domain, descriptor, &self.options);
+        let label = record::rule_label(Some(node), descriptor, &self.options);
         match label.request_values_of {
             Some(written) => Arc::from(&*self.options.metrics.rule_label_within(
                 domain,
                 &label.text,
-                written,
+                &written,
                 self.options.metric_values_per_rule,
             )),
             None => Arc::from(&*label.text),
@@ -200,7 +201,7 @@ mod tests {
                     .into_iter()
                     .map(|e| format!("{}={}", e.key, e.value))
                     .collect(),
-                node.full_key.to_string(),
+                node.full_key(),
             )
         })
     }

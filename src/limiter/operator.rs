@@ -124,7 +124,7 @@ impl Limiter {
         let domain = self.domain_of(&rules, target)?;
         let request = Self::request_of(target);
         let node = domain.find(&target.entries);
-        let path = node.map_or(&[][..], |n| &n.path[..]);
+        let path = node.map(Node::path).unwrap_or_default();
         let descriptor = target
             .entries
             .iter()
@@ -132,7 +132,7 @@ impl Limiter {
             .map(|(i, e)| {
                 let shown = self
                     .options
-                    .show(&e.key, &e.value, plan::hashed_at(path, i));
+                    .show(&e.key, &e.value, plan::hashed_at(&path, i));
                 (e.key.clone(), shown.into_owned())
             })
             .collect();
@@ -140,7 +140,7 @@ impl Limiter {
             inspection: Inspection {
                 domain: target.domain.clone(),
                 descriptor,
-                rule: node.map(|n| n.full_key.to_string()),
+                rule: node.map(Node::full_key),
                 unlimited: false,
                 limits: Vec::new(),
             },
@@ -319,11 +319,11 @@ impl Limiter {
     /// A rule that hashes a value `hashed_keys` does not (`hash_value: true`) would have its raw value
     /// kept by a runtime limit: refused.
     fn refuse_unhashed(&self, node: &Node, target: &Target) -> Result<(), OperatorError> {
-        for (step, entry) in node.path.iter().zip(&target.entries) {
+        for (step, entry) in node.path().iter().zip(&target.entries) {
             if step.flags.hash_value && !self.options.is_sensitive(&entry.key, false) {
                 return Err(OperatorError::Invalid(format!(
                     "rule '{}' hashes the values of {:?} (hash_value: true); runtime limits hash the keys of hashed_keys only: add {:?} to hashed_keys to set a runtime limit on it",
-                    node.full_key, entry.key, entry.key
+                    node.full_key(), entry.key, entry.key
                 )));
             }
         }

@@ -214,7 +214,8 @@ fn keeps_raw_what_the_rule_hashes(
     let (Some(runtime), Some(node)) = (runtime, domain.find(&descriptor.entries)) else {
         return false;
     };
-    let raw = node.path.iter().zip(&descriptor.entries).find(|(step, e)| {
+    let path = node.path();
+    let raw = path.iter().zip(&descriptor.entries).find(|(step, e)| {
         step.flags.hash_value
             && runtime.options.is_sensitive(&e.key, true)
             && !runtime.options.is_sensitive(&e.key, false)
@@ -228,9 +229,9 @@ fn keeps_raw_what_the_rule_hashes(
     {
         tracing::warn!(
             id = set.record.id,
-            rule = %node.full_key,
+            rule = %node.full_key(),
             "runtime limit {} ignored: rule '{}' now hashes the values of {:?} (hash_value: true), which the limit keeps raw; delete it, or add {:?} to hashed_keys and set it again",
-            set.record.id, node.full_key, entry.key, entry.key
+            set.record.id, node.full_key(), entry.key, entry.key
         );
     }
     true
@@ -503,21 +504,21 @@ pub(super) fn key_values<'a>(
     node: Option<&'a Node>,
     options: &Options,
 ) -> Small<Cow<'a, str>> {
-    let path = node.map_or(&[][..], |n| &n.path[..]);
+    let path = node.map(Node::path).unwrap_or_default();
     descriptor
         .entries
         .iter()
         .enumerate()
         .map(
-            |(i, e)| match path.get(i).and_then(PathStep::shared_value) {
+            |(i, e)| match path.get(i).and_then(|step| step.shared_value()) {
                 Some(pattern) => pattern.into(),
-                None => options.show(&e.key, &e.value, hashed_at(path, i)),
+                None => options.show(&e.key, &e.value, hashed_at(&path, i)),
             },
         )
         .collect()
 }
 
 /// Whether the rule says `hash_value` at level `i` of its path (no path: a request override).
-pub(super) fn hashed_at(path: &[PathStep], i: usize) -> bool {
+pub(super) fn hashed_at(path: &[&PathStep], i: usize) -> bool {
     path.get(i).is_some_and(|step| step.flags.hash_value)
 }

@@ -3,7 +3,7 @@
 //!
 //! Offender names are built in one buffer per thread, reused from request to request.
 
-use std::{borrow::Cow, sync::Arc, time::Duration};
+use std::{sync::Arc, time::Duration};
 
 use super::{
     plan, status::Verdict, Code, Descriptor, LimitError, Limiter, Options, Request, Response,
@@ -140,13 +140,13 @@ impl Limiter {
         descriptor: &Descriptor,
         node: Option<&Node>,
     ) -> Arc<RuleCounters> {
-        let rule = rule_label(node, domain, descriptor, &self.options);
+        let rule = rule_label(node, descriptor, &self.options);
         match rule.request_values_of {
             // Request values in the label: at most so many series per rule, then one for the rest.
             Some(written) => self.options.metrics.rule_within(
                 domain,
                 &rule.text,
-                written,
+                &written,
                 self.options.metric_values_per_rule,
             ),
             None => {
@@ -162,14 +162,14 @@ impl Limiter {
     /// Counts a denied descriptor in `/debug/top`, named by the domain, then its `key=value` entries,
     /// sensitive values hashed.
     fn record_offender(&self, domain: &str, descriptor: &Descriptor, node: Option<&Node>) {
-        let path = node.map_or(&[][..], |n| &n.path[..]);
+        let path = node.map(Node::path).unwrap_or_default();
         let mut name = SCRATCH.take();
         name.clear();
         name.push_str(domain);
         for (i, e) in descriptor.entries.iter().enumerate() {
             let value = self
                 .options
-                .show(&e.key, &e.value, plan::hashed_at(path, i));
+                .show(&e.key, &e.value, plan::hashed_at(&path, i));
             name.push(' ');
             name.push_str(&e.key);
             name.push('=');
@@ -220,17 +220,17 @@ impl Limiter {
 }
 
 /// The `rule` metric label of a descriptor.
-pub(super) struct RuleLabel<'a> {
-    pub text: Cow<'a, str>,
+pub(super) struct RuleLabel {
+    pub text: String,
     /// When the label carries request values: the rule's path as written, under which the number of
     /// such labels is bounded.
-    pub request_values_of: Option<&'a str>,
+    pub request_values_of: Option<String>,
 }
 
-impl<'a> From<&'a str> for RuleLabel<'a> {
-    fn from(text: &'a str) -> Self {
+impl From<String> for RuleLabel {
+    fn from(text: String) -> Self {
         Self {
-            text: text.into(),
+            text,
             request_values_of: None,
         }
     }
@@ -241,33 +241,29 @@ impl<'a> From<&'a str> for RuleLabel<'a> {
 /// matched by its key or a wildcard), sensitive values hashed. Every override is labelled `override`: its
 /// entry keys are the caller's to choose, so they never become label values. The rate limit quota
 /// service labels its buckets' rules with it too, so that both protocols' series of a rule join.
-pub(super) fn rule_label<'a>(
-    node: Option<&'a Node>,
-    domain: &str,
+pub(super) fn rule_label(
+    node: Option<&Node>,
     descriptor: &Descriptor,
     options: &Options,
-) -> RuleLabel<'a> {
+) -> RuleLabel {
     let Some(node) = node else {
-        return "override".into();
+        return "override".to_owned().into();
     };
-    let written = node
-        .full_key
-        .strip_prefix(domain)
-        .and_then(|p| p.strip_prefix('.'))
-        .unwrap_or(&node.full_key);
-    // Most rules: the path as written, borrowed from the rule without building anything.
+    let path = node.path();
+    let written = node.at.written_key();
+    // Most rules: the path as written.
     {
-        let written_sensitive = node.path.iter().any(|step| {
+        let written_sensitive = path.iter().any(|step| {
             !step.value.is_empty() && options.is_sensitive(&step.key, step.flags.hash_value)
         });
-        let any_to_metric = node.path.iter().any(|step| step.flags.value_to_metric);
+        let any_to_metric = path.iter().any(|step| step.flags.value_to_metric);
         if !node.flags.detailed_metric && !any_to_metric && !written_sensitive {
             return written.into();
         }
     }
     let mut from_any_request_value = false;
-    let mut parts = Vec::with_capacity(node.path.len());
-    for (i, step) in node.path.iter().enumerate() {
+    let mut parts = Vec::with_capacity(path.len());
+    for (i, step) in path.iter().enumerate() {
         let (key, value) = (&*step.key, &*step.value);
         let hashed = step.flags.hash_value;
         let request_value = descriptor.entries.get(i).map_or("", |e| e.value.as_str());
@@ -289,7 +285,7 @@ pub(super) fn rule_label<'a>(
         });
     }
     RuleLabel {
-        text: parts.join(".").into(),
+        text: parts.join("."),
         request_values_of: from_any_request_value.then_some(written),
     }
 }

@@ -9,7 +9,9 @@ use std::sync::Arc;
 
 use super::{
     error::{BuildError, LimitField, RuleError},
-    model::{Level, Limit, Node, PathStep, RuleSet, MAX_WINDOW_SECS, SLIDING_LOG_MAX_LIMIT},
+    model::{
+        Level, Limit, Node, PathStep, RulePath, RuleSet, MAX_WINDOW_SECS, SLIDING_LOG_MAX_LIMIT,
+    },
     pattern::{Cidr, Wildcard, CIDR_PREFIX},
     unit::Unit,
     yaml::{DescriptorSpec, DomainFile, RateLimitSpec},
@@ -55,16 +57,20 @@ impl RuleSet {
         if self.domains.contains_key(&file.domain) && !merge_domains {
             return Err(RuleError::DuplicateDomain(file.domain.clone()));
         }
+        let name: Arc<str> = file.domain.as_str().into();
         let domain = self.domains.entry(file.domain.clone()).or_default();
         add_level(
             &mut domain.root,
             &file.descriptors,
-            &file.domain,
-            &[],
+            &name,
+            None,
             default_algorithm,
         )
     }
 }
+
+/// A rule's name for a message, built only when a message needs it.
+type RuleName<'a> = &'a dyn Fn() -> String;
 
 /// How a node's written value meets a request's value, which decides where in its level it goes.
 enum ValueMatch {
@@ -79,10 +85,10 @@ enum ValueMatch {
 }
 
 impl ValueMatch {
-    fn of(spec: &DescriptorSpec, full_key: &str) -> Result<ValueMatch, RuleError> {
+    fn of(spec: &DescriptorSpec, rule: RuleName<'_>) -> Result<ValueMatch, RuleError> {
         if let Some(net) = spec.value.strip_prefix(CIDR_PREFIX) {
             let cidr = Cidr::parse(net).map_err(|source| RuleError::MalformedCidr {
-                rule: full_key.into(),
+                rule: rule(),
                 value: spec.value.clone(),
                 source,
             })?;
@@ -99,42 +105,62 @@ impl ValueMatch {
 }
 
 /// Compiles the descriptors written at one depth under one parent into `level`, their children with
-/// them. `parent_key` and `parent_path` are the parent's `full_key` and `path` (the domain's name and
-/// nothing at the top).
+/// them. `parent` is the parent rule's path (`None` at the top of `domain`). A rule's full key is built
+/// only for a message: built for every rule, it made the time to compile grow with depth times rules.
 fn add_level(
     level: &mut Level,
     specs: &[DescriptorSpec],
-    parent_key: &str,
-    parent_path: &[PathStep],
+    domain: &Arc<str>,
+    parent: Option<&Arc<RulePath>>,
     default_algorithm: Algorithm,
 ) -> Result<(), RuleError> {
     for spec in specs {
         if spec.key.is_empty() {
             return Err(RuleError::EmptyKey);
         }
+        let step = PathStep {
+            key: spec.key.as_str().into(),
+            value: spec.value.as_str().into(),
+            flags: spec.flags,
+        };
+        let at = match parent {
+            Some(parent) => RulePath::under(parent, step),
+            None => RulePath::top(domain.clone(), step),
+        };
+        let name = || at.full_key();
+        // The reference service keys a level by this string, so `key: a_b` and `key: a, value: b` are
+        // duplicates there; they stay duplicates here, with its message, although matching tells them
+        // apart.
         let composite = if spec.value.is_empty() {
             spec.key.clone()
         } else {
             format!("{}_{}", spec.key, spec.value)
         };
-        let full_key = format!("{parent_key}.{composite}");
-        if level.has_composite(&composite) {
-            return Err(RuleError::DuplicateKey(full_key));
+        if level.composites.contains_key(composite.as_str()) {
+            return Err(RuleError::DuplicateKey(name()));
         }
-        let limits = compile_limits(spec, &full_key, default_algorithm)?;
-        let value_match = ValueMatch::of(spec, &full_key)?;
+        let limits = compile_limits(spec, &name, default_algorithm)?;
+        let value_match = ValueMatch::of(spec, &name)?;
         if spec.flags.share_threshold && matches!(value_match, ValueMatch::Any | ValueMatch::Exact)
         {
             return Err(RuleError::ShareThresholdWithoutWildcard(composite));
         }
-        let mut node = new_node(spec, full_key, limits, parent_path);
+        let mut node = Node {
+            limits,
+            flags: spec.flags,
+            at,
+            metadata: spec.metadata.clone().map(Arc::new),
+            children: Level::default(),
+            counters: Default::default(),
+        };
         add_level(
             &mut node.children,
             &spec.descriptors,
-            &node.full_key,
-            &node.path,
+            domain,
+            Some(&node.at),
             default_algorithm,
         )?;
+        level.composites.insert(composite.into(), ());
         level.insert(spec, value_match, node);
     }
     // CIDRs longest prefix first, in file order among equal prefixes (a stable sort): once per level,
@@ -147,54 +173,7 @@ fn add_level(
     Ok(())
 }
 
-/// The node `spec` describes, without its children.
-fn new_node(
-    spec: &DescriptorSpec,
-    full_key: String,
-    limits: Vec<Limit>,
-    parent_path: &[PathStep],
-) -> Node {
-    let step = PathStep {
-        key: spec.key.as_str().into(),
-        value: spec.value.as_str().into(),
-        flags: spec.flags,
-    };
-    Node {
-        full_key: full_key.into(),
-        limits,
-        flags: spec.flags,
-        path: parent_path.iter().cloned().chain([step]).collect(),
-        metadata: spec.metadata.clone().map(Arc::new),
-        children: Level::default(),
-        counters: Default::default(),
-    }
-}
-
 impl Level {
-    /// Whether a node of this level already has the reference service's composite key (`key_value`, or
-    /// `key` without a value). The reference keys a level by that string, so `key: a_b` and
-    /// `key: a, value: b` are duplicates there; they stay duplicates here, with its message, although
-    /// matching tells them apart. Tries each `_` of the composite as the place key and value meet.
-    fn has_composite(&self, composite: &str) -> bool {
-        if self
-            .keys
-            .get(composite)
-            .is_some_and(|k| k.default.is_some())
-        {
-            return true;
-        }
-        composite
-            .char_indices()
-            .filter(|&(_, c)| c == '_')
-            .any(|(at, _)| {
-                let (key, value) = (&composite[..at], &composite[at + 1..]);
-                !value.is_empty()
-                    && self.keys.get(key).is_some_and(|k| {
-                        k.values.contains_key(value) || k.patterns.contains_key(value)
-                    })
-            })
-    }
-
     /// Adds the node `spec` describes where its kind of value belongs: wildcards in file order, CIDRs
     /// too until `add_level` orders them.
     fn insert(&mut self, spec: &DescriptorSpec, value_match: ValueMatch, node: Node) {
@@ -217,24 +196,24 @@ impl Level {
 /// The limits of a rule: its `rate_limit` first, then its `rate_limits`.
 fn compile_limits(
     spec: &DescriptorSpec,
-    full_key: &str,
+    rule: RuleName<'_>,
     default_algorithm: Algorithm,
 ) -> Result<Vec<Limit>, RuleError> {
     let mut limits = Vec::with_capacity(1 + spec.rate_limits.len());
     if let Some(rate_limit) = &spec.rate_limit {
         limits.push(compile_limit(
             rate_limit,
-            full_key,
+            rule,
             LimitField::RateLimit,
             default_algorithm,
         )?);
     }
     for (i, rate_limit) in spec.rate_limits.iter().enumerate() {
         let field = LimitField::RateLimits(i);
-        let limit = compile_limit(rate_limit, full_key, field, default_algorithm)?;
+        let limit = compile_limit(rate_limit, rule, field, default_algorithm)?;
         if limit.unlimited {
             return Err(RuleError::UnlimitedInRateLimits {
-                rule: full_key.into(),
+                rule: rule(),
                 field,
             });
         }
@@ -256,44 +235,49 @@ pub fn compile_runtime_limit(
             field: LimitField::RateLimit,
         });
     }
-    compile_limit(spec, rule, LimitField::RateLimit, default_algorithm)
+    compile_limit(
+        spec,
+        &|| rule.to_owned(),
+        LimitField::RateLimit,
+        default_algorithm,
+    )
 }
 
 /// One limit of the rule `rule`, written at `field`.
 fn compile_limit(
     spec: &RateLimitSpec,
-    rule: &str,
+    rule: RuleName<'_>,
     field: LimitField,
     default_algorithm: Algorithm,
 ) -> Result<Limit, RuleError> {
     let algorithm =
         algorithm_of(spec, default_algorithm).ok_or_else(|| RuleError::UnknownAlgorithm {
-            rule: rule.into(),
+            rule: rule(),
             field,
             name: spec.algorithm.clone(),
         })?;
     if spec.burst.is_some() && !algorithm.uses_burst() {
         return Err(RuleError::BurstWithoutBucket {
-            rule: rule.into(),
+            rule: rule(),
             field,
             algorithm,
         });
     }
     if spec.count_over_limit && spec.unlimited {
         return Err(RuleError::CountOverUnlimited {
-            rule: rule.into(),
+            rule: rule(),
             field,
         });
     }
     let unit_multiplier =
         unit_multiplier_of(spec).map_err(|written| RuleError::UnitMultiplier {
-            rule: rule.into(),
+            rule: rule(),
             field,
             written,
         })?;
     if algorithm == Algorithm::SlidingLog && spec.requests_per_unit > SLIDING_LOG_MAX_LIMIT {
         return Err(RuleError::SlidingLogTooLarge {
-            rule: rule.into(),
+            rule: rule(),
             field,
         });
     }
@@ -361,7 +345,7 @@ fn replaces_of(spec: &RateLimitSpec, name: Option<&str>) -> Result<Box<[Arc<str>
 
 /// Refuses a limit whose window, or whose time to refill a full burst, is longer than [`MAX_WINDOW_SECS`].
 fn check_window(
-    rule: &str,
+    rule: RuleName<'_>,
     field: LimitField,
     unit: Unit,
     unit_multiplier: u32,
@@ -372,7 +356,7 @@ fn check_window(
     let window_secs = unit.seconds() * u64::from(unit_multiplier);
     if window_secs > MAX_WINDOW_SECS {
         return Err(RuleError::WindowTooLong {
-            rule: rule.into(),
+            rule: rule(),
             field,
             unit_multiplier,
             unit,
@@ -390,7 +374,7 @@ fn check_window(
             > u128::from(MAX_WINDOW_SECS) * u128::from(per_window)
         {
             return Err(RuleError::RefillTooLong {
-                rule: rule.into(),
+                rule: rule(),
                 field,
                 burst,
                 per_window,

@@ -77,9 +77,7 @@ mod tests {
     }
 
     fn hit(set: &RuleSet, entries: &[E]) -> Option<String> {
-        set.domains["d"]
-            .find(entries)
-            .map(|n| n.full_key.to_string())
+        set.domains["d"].find(entries).map(Node::full_key)
     }
 
     const TREE: &str = r#"

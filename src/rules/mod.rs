@@ -42,7 +42,8 @@ pub use flags::RuleFlags;
 pub use loader::{load, Fingerprint, Loaded};
 pub use matcher::EntryRef;
 pub use model::{
-    Domain, KeyNodes, Level, Limit, Node, PathStep, RuleMap, RuleSet, MAX_WINDOW_SECS,
+    Domain, KeyNodes, Level, Limit, Node, Path, PathStep, RuleMap, RulePath, RuleSet,
+    MAX_WINDOW_SECS,
 };
 pub use options::{ConfigType, RulesSettings, Source, DEFAULT_MAX_YAML_NODES};
 pub use pattern::{Cidr, CidrError, Wildcard};

@@ -5,6 +5,8 @@
 
 use std::{collections::HashMap, sync::Arc};
 
+use smallvec::SmallVec;
+
 use super::{
     flags::RuleFlags,
     pattern::{Cidr, Wildcard},
@@ -57,15 +59,13 @@ pub const MAX_WINDOW_SECS: u64 = 10 * 365 * 86_400;
 /// A descriptor node of the rules tree.
 #[derive(Debug, Clone)]
 pub struct Node {
-    /// `domain.key_value.key` path of the node, as `/rlconfig` and error messages name it.
-    pub full_key: Box<str>,
     /// The limits of the node: its `rate_limit` first, then its `rate_limits`. A node without limits and
     /// without children is an allow-list entry.
     pub limits: Vec<Limit>,
-    /// The rule's own yes/no settings (those of the last step of `path`).
+    /// The rule's own yes/no settings (those of its own step).
     pub flags: RuleFlags,
-    /// Each level from the domain down to this node, as written in the rules: the last is the node's own.
-    pub path: Box<[PathStep]>,
+    /// Where the node is written: its own level, and its parent's path, shared (see [`RulePath`]).
+    pub at: Arc<RulePath>,
     /// Free-form metadata of the rule.
     pub metadata: Option<Arc<serde_json::Map<String, serde_json::Value>>>,
     /// Nested descriptors.
@@ -73,6 +73,93 @@ pub struct Node {
     /// The rule's counters in the metrics, held here once found, as the reference keeps a rule's stats
     /// with the rule: recording a decision under the rule then looks nothing up.
     pub counters: HeldCounters,
+}
+
+/// A node's levels from the domain down, its own last: what matching a request's entries by position
+/// reads. Built from the shared links, without allocating for rules up to 8 levels deep.
+pub type Path<'a> = SmallVec<[&'a PathStep; 8]>;
+
+/// Where a rule is written: its own level and the path above it. A node's path shares its parent's, so a
+/// rule costs its own key and value however deep it is written: copied per node, a path grew with depth
+/// times the rules below, and a few hundred kilobytes of rules with a long key near the top took
+/// gigabytes.
+#[derive(Debug)]
+pub struct RulePath {
+    pub step: PathStep,
+    above: Above,
+}
+
+/// What is above a level: the domain, or the parent rule's path.
+#[derive(Debug)]
+enum Above {
+    Domain(Arc<str>),
+    Rule(Arc<RulePath>),
+}
+
+impl RulePath {
+    /// A top-level rule of `domain`.
+    pub fn top(domain: Arc<str>, step: PathStep) -> Arc<RulePath> {
+        Arc::new(RulePath {
+            step,
+            above: Above::Domain(domain),
+        })
+    }
+
+    /// A rule nested under `parent`.
+    pub fn under(parent: &Arc<RulePath>, step: PathStep) -> Arc<RulePath> {
+        Arc::new(RulePath {
+            step,
+            above: Above::Rule(parent.clone()),
+        })
+    }
+
+    /// Each level from the domain down, this one last.
+    pub fn steps(&self) -> Path<'_> {
+        let mut steps = Path::new();
+        let mut at = self;
+        loop {
+            steps.push(&at.step);
+            match &at.above {
+                Above::Domain(_) => break,
+                Above::Rule(parent) => at = parent,
+            }
+        }
+        steps.reverse();
+        steps
+    }
+
+    /// The domain the rule belongs to.
+    pub fn domain(&self) -> &str {
+        let mut at = self;
+        loop {
+            match &at.above {
+                Above::Domain(domain) => return domain,
+                Above::Rule(parent) => at = parent,
+            }
+        }
+    }
+
+    /// `key_value.key...` from the top level down, as the reference service names a rule within its
+    /// domain. Built on each call: error messages, metric labels found once, and operators' tools ask.
+    pub fn written_key(&self) -> String {
+        let mut out = String::new();
+        for (i, step) in self.steps().into_iter().enumerate() {
+            if i > 0 {
+                out.push('.');
+            }
+            out.push_str(&step.key);
+            if !step.value.is_empty() {
+                out.push('_');
+                out.push_str(&step.value);
+            }
+        }
+        out
+    }
+
+    /// `domain.key_value.key...`: the rule's full key, as `/rlconfig` and error messages name it.
+    pub fn full_key(&self) -> String {
+        format!("{}.{}", self.domain(), self.written_key())
+    }
 }
 
 /// One level of a rule's path: the `key` and `value` written there, and that level's flags, which shape
@@ -100,6 +187,9 @@ impl PathStep {
 #[derive(Debug, Clone, Default)]
 pub struct Level {
     pub keys: RuleMap<Box<str>, KeyNodes>,
+    /// The reference service's composite key (`key_value`, or `key` alone) of every node of the level,
+    /// by which it finds duplicates (see `compile`).
+    pub(super) composites: RuleMap<Box<str>, ()>,
 }
 
 /// The nodes of one level that share a `key`, by how their value matches the request's value.
@@ -140,7 +230,7 @@ impl KeyNodes {
             .iter()
             .map(|(_, n)| n)
             .chain(self.wildcards.iter().map(|(_, n)| n))
-            .find(|n| n.path.last().is_some_and(|step| &*step.value == value))
+            .find(|n| &*n.at.step.value == value)
     }
 }
 
@@ -178,5 +268,15 @@ impl Node {
     /// The node's first limit (its `rate_limit`), if any.
     pub fn limit(&self) -> Option<&Limit> {
         self.limits.first()
+    }
+
+    /// Each level from the domain down, the node's own last (see [`RulePath::steps`]).
+    pub fn path(&self) -> Path<'_> {
+        self.at.steps()
+    }
+
+    /// `domain.key_value.key...` (see [`RulePath::full_key`]).
+    pub fn full_key(&self) -> String {
+        self.at.full_key()
     }
 }

@@ -48,7 +48,7 @@ fn describe_level(domain: &str, level: &Level, show: ShowValue<'_>, out: &mut Ve
 /// `domain.key_value.key...`, each written value shown as `show` says.
 fn rule_name(domain: &str, node: &Node, show: ShowValue<'_>) -> String {
     let mut out = domain.to_owned();
-    for step in &node.path {
+    for step in node.path() {
         out.push('.');
         out.push_str(&step.key);
         if !step.value.is_empty() {

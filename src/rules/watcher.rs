@@ -63,19 +63,29 @@ impl Publisher {
     /// Counts a successful load and swaps it in if it differs from the rules served (by fingerprint);
     /// returns whether the rules changed.
     pub fn publish(&self, loaded: Loaded) -> bool {
-        let stats = &self.stats;
-        stats.successes.fetch_add(1, Ordering::Relaxed);
-        if self.rules.snapshot().is_some()
-            && stats.fingerprint.load(Ordering::Relaxed) == loaded.fingerprint
-        {
+        if self.already_serves(loaded.fingerprint) {
             return false;
         }
+        let stats = &self.stats;
+        stats.successes.fetch_add(1, Ordering::Relaxed);
         stats
             .fingerprint
             .store(loaded.fingerprint, Ordering::Relaxed);
         (self.on_loaded)(&loaded);
         self.rules.replace(loaded.rules);
         true
+    }
+
+    /// Whether the rules served have this fingerprint: a load of the same sources would change nothing,
+    /// so it is counted as a successful load without being compiled.
+    pub fn already_serves(&self, fingerprint: u64) -> bool {
+        let stats = &self.stats;
+        let serves = self.rules.snapshot().is_some()
+            && stats.fingerprint.load(Ordering::Relaxed) == fingerprint;
+        if serves {
+            stats.successes.fetch_add(1, Ordering::Relaxed);
+        }
+        serves
     }
 
     /// Counts a refused load; the rules served stay as they are.
@@ -299,5 +309,33 @@ mod tests {
                 "{kind:?} {path}"
             );
         }
+    }
+
+    #[test]
+    fn a_load_of_the_rules_served_changes_nothing_and_counts_as_a_success() {
+        let rules = Arc::new(Rules::default());
+        let stats = Arc::new(ReloadStats::default());
+        let announced = Arc::new(AtomicU64::new(0));
+        let seen = announced.clone();
+        let on_loaded: OnLoaded = Box::new(move |_| {
+            seen.fetch_add(1, Ordering::Relaxed);
+        });
+        let publisher = Publisher::new(rules.clone(), stats.clone(), on_loaded);
+        let loaded = |fingerprint| Loaded {
+            rules: super::super::RuleSet::default(),
+            files: Vec::new(),
+            fingerprint,
+        };
+        // Nothing served yet: not even a fingerprint of 0 is served.
+        assert!(!publisher.already_serves(0));
+        assert!(publisher.publish(loaded(7)));
+        assert!(publisher.already_serves(7));
+        assert!(!publisher.already_serves(8));
+        assert!(!publisher.publish(loaded(7)));
+        assert!(publisher.publish(loaded(8)));
+        // Four loads succeeded (two of them changed nothing); two were announced and swapped in.
+        assert_eq!(stats.successes.load(Ordering::Relaxed), 4);
+        assert_eq!(announced.load(Ordering::Relaxed), 2);
+        assert_eq!(stats.fingerprint.load(Ordering::Relaxed), 8);
     }
 }

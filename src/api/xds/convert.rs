@@ -27,6 +27,9 @@ pub enum RefusedSet {
     Type { index: usize, type_url: String },
     #[error("resource {index}: not a valid RateLimitConfig: {reason}")]
     Decode { index: usize, reason: String },
+    /// Compiling stopped before it finished (the service is shutting down).
+    #[error("the rules were not compiled: {0}")]
+    Interrupted(String),
     /// The rules themselves, with the message a rules file would get, prefixed by the resource's name.
     #[error(transparent)]
     Rules(#[from] LoadError),
@@ -39,10 +42,20 @@ pub struct Compile {
     pub default_algorithm: Algorithm,
 }
 
+/// A hash of a response's resources as they came, in order: equal fingerprints, equal rules. Taken
+/// before anything is decoded, so that a set sent again is known without compiling it.
+pub fn fingerprint(resources: &[prost_types::Any]) -> u64 {
+    let mut fingerprint = Fingerprint::default();
+    for resource in resources {
+        fingerprint.add(resource.type_url.as_bytes());
+        fingerprint.add(&resource.value);
+    }
+    fingerprint.finish()
+}
+
 /// The rule set of a response's resources, compiled whole.
 pub fn rule_set(resources: &[prost_types::Any], compile: Compile) -> Result<Loaded, RefusedSet> {
     let mut parsed = Vec::with_capacity(resources.len());
-    let mut fingerprint = Fingerprint::default();
     for (index, resource) in resources.iter().enumerate() {
         if resource.type_url != RATE_LIMIT_CONFIG_TYPE {
             return Err(RefusedSet::Type {
@@ -61,8 +74,6 @@ pub fn rule_set(resources: &[prost_types::Any], compile: Compile) -> Result<Load
         } else {
             config.name.clone()
         };
-        fingerprint.add(name.as_bytes());
-        fingerprint.add(&resource.value);
         let file = domain_file(&config).map_err(|source| LoadError::Parse {
             file: name.clone(),
             source,
@@ -71,7 +82,7 @@ pub fn rule_set(resources: &[prost_types::Any], compile: Compile) -> Result<Load
     }
     Loaded::build(
         parsed,
-        fingerprint.finish(),
+        fingerprint(resources),
         compile.merge_domains,
         compile.default_algorithm,
     )
@@ -328,5 +339,11 @@ mod tests {
         let print = |c: &RateLimitConfig| rule_set(&[any(c)], COMPILE).unwrap().fingerprint;
         assert_eq!(print(&a), print(&a));
         assert_ne!(print(&a), print(&b));
+        // Known before compiling, from the resources as they came; their order counts.
+        assert_eq!(fingerprint(&[any(&a)]), print(&a));
+        assert_ne!(
+            fingerprint(&[any(&a), any(&b)]),
+            fingerprint(&[any(&b), any(&a)])
+        );
     }
 }

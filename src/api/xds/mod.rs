@@ -33,7 +33,7 @@ use tokio_util::sync::CancellationToken;
 
 pub use self::{
     backoff::Backoff,
-    convert::{domain_file, rule_set, Compile, RefusedSet},
+    convert::{domain_file, fingerprint, rule_set, Compile, RefusedSet},
     options::{BackoffSettings, XdsSettings, DEFAULT_MAX_MESSAGE_BYTES},
 };
 use crate::{
@@ -188,7 +188,7 @@ impl XdsClient {
                         answered = true;
                         self.connected.store(true, Ordering::Relaxed);
                     }
-                    let reply = self.answer(response, applied);
+                    let reply = self.answer(response, applied).await;
                     if requests.send(reply).await.is_err() {
                         break "the request stream closed".to_owned();
                     }
@@ -200,8 +200,11 @@ impl XdsClient {
         Ended { answered, reason }
     }
 
-    /// Applies one response and returns its ACK, or its NACK when the rule set is refused.
-    fn answer(&self, response: DiscoveryResponse, applied: &mut String) -> DiscoveryRequest {
+    /// Applies one response and returns its ACK, or its NACK when the rule set is refused. A set the
+    /// service already serves (sent again on a new stream, or by a control plane that resends) is ACKed
+    /// without being compiled; another is compiled off the runtime's workers, since a large one takes
+    /// seconds that requests would otherwise wait through.
+    async fn answer(&self, response: DiscoveryResponse, applied: &mut String) -> DiscoveryRequest {
         let version = response.version_info.as_str();
         if response.type_url != RATE_LIMIT_CONFIG_TYPE {
             let reason = format!(
@@ -211,7 +214,24 @@ impl XdsClient {
             tracing::warn!(version, "xDS response refused: {reason}");
             return self.request(&response.type_url, "", &response.nonce, Some(reason));
         }
-        match rule_set(&response.resources, self.compile) {
+        if self
+            .publisher
+            .already_serves(fingerprint(&response.resources))
+        {
+            tracing::info!(
+                version,
+                changed = false,
+                "xDS rules version {version} applied: the rules served already"
+            );
+            *applied = response.version_info.clone();
+            return self.request(RATE_LIMIT_CONFIG_TYPE, version, &response.nonce, None);
+        }
+        let compile = self.compile;
+        let resources = response.resources;
+        let compiled = tokio::task::spawn_blocking(move || rule_set(&resources, compile))
+            .await
+            .unwrap_or_else(|join| Err(RefusedSet::Interrupted(join.to_string())));
+        match compiled {
             Ok(loaded) => {
                 let domains = loaded.rules.domains.len();
                 let changed = self.publisher.publish(loaded);

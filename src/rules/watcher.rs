@@ -187,7 +187,10 @@ impl RulesWatch {
             // before loading, so that what changes from here on is noticed.
             let _ = self.watcher.unwatch(&self.watched.root);
             self.watch_paths();
-            if reload(&self.source, &publisher) {
+            // Reading, parsing and compiling a large folder takes a while: off the request workers.
+            let (source, on) = (self.source.clone(), publisher.clone());
+            let reloaded = tokio::task::spawn_blocking(move || reload(&source, &on)).await;
+            if reloaded.unwrap_or(false) {
                 tracing::warn!(path = %self.source.root.display(), "rules reloaded");
             }
         }

@@ -196,9 +196,22 @@ async fn warmed_client(addr: std::net::SocketAddr, user: &str, name: &str) -> Cl
     client
 }
 
+/// The service's own count of calls it did not answer within their deadline.
+fn past_deadline(replica: &Running) -> u64 {
+    metric(
+        &http_request(replica.http, "GET", "/metrics", "").1,
+        "ratelimitd_calls_past_deadline_total{grpc_method=\"ShouldRateLimit\"}",
+    )
+}
+
 /// The calls with a 20 ms deadline made during a fault, as (code, how long it took, when into the
-/// fault it was made): all answered by the policy but for a rare one a stalled machine made late.
-fn assert_short_calls_answered_in_time(name: &str, seen: Vec<(String, Duration, Duration)>) {
+/// fault it was made), and how many of them the service itself counted as not answered within their
+/// deadline: all answered by the policy but for a rare one a stalled machine made late.
+fn assert_short_calls_answered_in_time(
+    name: &str,
+    seen: Vec<(String, Duration, Duration)>,
+    late_by_service: u64,
+) {
     let mut answered = 0;
     let mut missed = Vec::new();
     for (code, took, at) in seen {
@@ -209,18 +222,26 @@ fn assert_short_calls_answered_in_time(name: &str, seen: Vec<(String, Duration, 
             other => panic!("{name}: a 20 ms call {at:?} into the fault got {other}"),
         }
     }
+    let calls = answered + missed.len();
     eprintln!(
-        "{name}: {answered} calls with a 20 ms deadline answered by the policy, {} cut by the client's deadline {missed:?}",
+        "{name}: {answered} calls with a 20 ms deadline answered by the policy, {} cut by the client's deadline {missed:?}, {late_by_service} not answered in time by the service's own count",
         missed.len()
     );
     assert!(answered >= 40, "{name}: only {answered} short calls");
     // ratelimitd answers 10 ms before a 20 ms deadline; on two shared cores running a debug build, a
-    // scheduling stall can still delay a rare answer past it. More than one in a hundred is a bug.
+    // scheduling stall can still delay a rare answer past it. More than one in a hundred is a bug: by
+    // the service's own count, answered after the deadline from the call's arrival or never answered.
     assert!(
-        missed.len() * 100 <= answered,
-        "{name}: {} of {} calls with a 20 ms deadline were not answered in time: {missed:?}",
+        late_by_service * 100 <= calls as u64,
+        "{name}: the service did not answer {late_by_service} of {calls} calls with a 20 ms deadline in time; the client cut {missed:?}"
+    );
+    // The client's timer also runs while the request and the answer wait for this host's cores, the
+    // test's own runtime included: when the host stalls, it cuts calls the service answered in time.
+    // Many of them are not a stall.
+    assert!(
+        missed.len() * 10 <= calls,
+        "{name}: {} of {calls} calls with a 20 ms deadline were cut by the client: {missed:?}",
         missed.len(),
-        answered + missed.len()
     );
 }
 
@@ -260,6 +281,7 @@ async fn answered_by_policy_through(
         short_clients.push(warmed_client(replica.grpc, &format!("warm{c}"), name).await);
     }
 
+    let late_before = past_deadline(&replica);
     start(redis);
     let fault_at = Instant::now();
     // While the fault holds: one caller with a long deadline, and callers with Envoy's 20 ms.
@@ -309,7 +331,10 @@ async fn answered_by_policy_through(
     for caller in short {
         seen.extend(caller.await.unwrap());
     }
-    assert_short_calls_answered_in_time(name, seen);
+    // A call the client cut is counted by the service once its cancel arrives.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let late = past_deadline(&replica) - late_before;
+    assert_short_calls_answered_in_time(name, seen, late);
     let (code, took) = ask(
         &mut client,
         &[("user", "later")],

@@ -504,7 +504,12 @@ pub(super) fn key_values<'a>(
     node: Option<&'a Node>,
     options: &Options,
 ) -> Small<Cow<'a, str>> {
-    let path = node.map(Node::path).unwrap_or_default();
+    // Most rules neither share nor hash a level's value themselves: their keys need nothing from the
+    // path (the values of `hashed_keys` are hashed either way, by `show`).
+    let path = node
+        .filter(|n| !n.at.values_as_sent())
+        .map(Node::path)
+        .unwrap_or_default();
     descriptor
         .entries
         .iter()

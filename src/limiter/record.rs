@@ -3,13 +3,13 @@
 //!
 //! Offender names are built in one buffer per thread, reused from request to request.
 
-use std::{sync::Arc, time::Duration};
+use std::{borrow::Cow, sync::Arc, time::Duration};
 
 use super::{
     plan, status::Verdict, Code, Descriptor, LimitError, Limiter, Options, Request, Response,
 };
 use crate::{
-    rules::Node,
+    rules::{written_key, Node},
     store::Role,
     telemetry::{
         metrics::{HeldCounters, Histogram, RuleCounter, RuleCounters, StripedCounter},
@@ -221,14 +221,14 @@ impl Limiter {
 
 /// The `rule` metric label of a descriptor.
 pub(super) struct RuleLabel {
-    pub text: String,
+    pub text: Cow<'static, str>,
     /// When the label carries request values: the rule's path as written, under which the number of
     /// such labels is bounded.
     pub request_values_of: Option<String>,
 }
 
-impl From<String> for RuleLabel {
-    fn from(text: String) -> Self {
+impl From<Cow<'static, str>> for RuleLabel {
+    fn from(text: Cow<'static, str>) -> Self {
         Self {
             text,
             request_values_of: None,
@@ -247,10 +247,9 @@ pub(super) fn rule_label(
     options: &Options,
 ) -> RuleLabel {
     let Some(node) = node else {
-        return "override".to_owned().into();
+        return Cow::Borrowed("override").into();
     };
     let path = node.path();
-    let written = node.at.written_key();
     // Most rules: the path as written.
     {
         let written_sensitive = path.iter().any(|step| {
@@ -258,7 +257,7 @@ pub(super) fn rule_label(
         });
         let any_to_metric = path.iter().any(|step| step.flags.value_to_metric);
         if !node.flags.detailed_metric && !any_to_metric && !written_sensitive {
-            return written.into();
+            return Cow::<'static, str>::Owned(written_key(&path)).into();
         }
     }
     let mut from_any_request_value = false;
@@ -285,7 +284,7 @@ pub(super) fn rule_label(
         });
     }
     RuleLabel {
-        text: parts.join("."),
-        request_values_of: from_any_request_value.then_some(written),
+        text: parts.join(".").into(),
+        request_values_of: from_any_request_value.then(|| written_key(&path)),
     }
 }

@@ -42,6 +42,9 @@ impl RuleSet {
                     error,
                 })?;
         }
+        for domain in set.domains.values_mut() {
+            domain.root.forget_composites();
+        }
         Ok(set)
     }
 
@@ -174,6 +177,22 @@ fn add_level(
 }
 
 impl Level {
+    /// Drops the composite keys of this level and those below, which only finding duplicates needs.
+    fn forget_composites(&mut self) {
+        self.composites = Default::default();
+        for same_key in self.keys.values_mut() {
+            let nodes = same_key
+                .values
+                .values_mut()
+                .chain(same_key.cidrs.iter_mut().map(|(_, n)| n))
+                .chain(same_key.wildcards.iter_mut().map(|(_, n)| n))
+                .chain(same_key.default.iter_mut());
+            for node in nodes {
+                node.children.forget_composites();
+            }
+        }
+    }
+
     /// Adds the node `spec` describes where its kind of value belongs: wildcards in file order, CIDRs
     /// too until `add_level` orders them.
     fn insert(&mut self, spec: &DescriptorSpec, value_match: ValueMatch, node: Node) {

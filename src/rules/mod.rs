@@ -42,7 +42,7 @@ pub use flags::RuleFlags;
 pub use loader::{load, Fingerprint, Loaded};
 pub use matcher::EntryRef;
 pub use model::{
-    Domain, KeyNodes, Level, Limit, Node, Path, PathStep, RuleMap, RulePath, RuleSet,
+    written_key, Domain, KeyNodes, Level, Limit, Node, Path, PathStep, RuleMap, RulePath, RuleSet,
     MAX_WINDOW_SECS,
 };
 pub use options::{ConfigType, RulesSettings, Source, DEFAULT_MAX_YAML_NODES};

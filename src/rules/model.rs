@@ -87,6 +87,24 @@ pub type Path<'a> = SmallVec<[&'a PathStep; 8]>;
 pub struct RulePath {
     pub step: PathStep,
     above: Above,
+    /// See [`RulePath::values_as_sent`].
+    values_as_sent: bool,
+}
+
+/// `key_value.key...` of the levels `steps`, as the reference service names a rule within its domain.
+pub fn written_key(steps: &[&PathStep]) -> String {
+    let mut out = String::new();
+    for (i, step) in steps.iter().enumerate() {
+        if i > 0 {
+            out.push('.');
+        }
+        out.push_str(&step.key);
+        if !step.value.is_empty() {
+            out.push('_');
+            out.push_str(&step.value);
+        }
+    }
+    out
 }
 
 /// What is above a level: the domain, or the parent rule's path.
@@ -100,6 +118,7 @@ impl RulePath {
     /// A top-level rule of `domain`.
     pub fn top(domain: Arc<str>, step: PathStep) -> Arc<RulePath> {
         Arc::new(RulePath {
+            values_as_sent: step.value_as_sent(),
             step,
             above: Above::Domain(domain),
         })
@@ -108,9 +127,16 @@ impl RulePath {
     /// A rule nested under `parent`.
     pub fn under(parent: &Arc<RulePath>, step: PathStep) -> Arc<RulePath> {
         Arc::new(RulePath {
+            values_as_sent: parent.values_as_sent && step.value_as_sent(),
             step,
             above: Above::Rule(parent.clone()),
         })
+    }
+
+    /// Whether no level down to this one shares its value's counter (`share_threshold`) or hashes its
+    /// value (`hash_value`): what lets a request's counter keys be built without reading the path.
+    pub fn values_as_sent(&self) -> bool {
+        self.values_as_sent
     }
 
     /// Each level from the domain down, this one last.
@@ -140,20 +166,9 @@ impl RulePath {
     }
 
     /// `key_value.key...` from the top level down, as the reference service names a rule within its
-    /// domain. Built on each call: error messages, metric labels found once, and operators' tools ask.
+    /// domain. Built on each call, for messages, operators' tools and metric labels.
     pub fn written_key(&self) -> String {
-        let mut out = String::new();
-        for (i, step) in self.steps().into_iter().enumerate() {
-            if i > 0 {
-                out.push('.');
-            }
-            out.push_str(&step.key);
-            if !step.value.is_empty() {
-                out.push('_');
-                out.push_str(&step.value);
-            }
-        }
-        out
+        written_key(&self.steps())
     }
 
     /// `domain.key_value.key...`: the rule's full key, as `/rlconfig` and error messages name it.
@@ -179,6 +194,12 @@ impl PathStep {
     pub fn shared_value(&self) -> Option<&str> {
         self.flags.share_threshold.then_some(&*self.value)
     }
+
+    /// Whether the rule leaves the request's value at this level as it is for counter keys: neither
+    /// shared among the values the level matches nor hashed.
+    fn value_as_sent(&self) -> bool {
+        !self.flags.share_threshold && !self.flags.hash_value
+    }
 }
 
 /// The descriptor nodes at one depth under one parent, grouped by their `key`: a request entry only ever
@@ -188,7 +209,7 @@ impl PathStep {
 pub struct Level {
     pub keys: RuleMap<Box<str>, KeyNodes>,
     /// The reference service's composite key (`key_value`, or `key` alone) of every node of the level,
-    /// by which it finds duplicates (see `compile`).
+    /// by which it finds duplicates (see `compile`); emptied once the rules are built.
     pub(super) composites: RuleMap<Box<str>, ()>,
 }
 

@@ -189,9 +189,16 @@ impl RulesWatch {
             self.watch_paths();
             // Reading, parsing and compiling a large folder takes a while: off the request workers.
             let (source, on) = (self.source.clone(), publisher.clone());
-            let reloaded = tokio::task::spawn_blocking(move || reload(&source, &on)).await;
-            if reloaded.unwrap_or(false) {
-                tracing::warn!(path = %self.source.root.display(), "rules reloaded");
+            match tokio::task::spawn_blocking(move || reload(&source, &on)).await {
+                Ok(true) => {
+                    tracing::warn!(path = %self.source.root.display(), "rules reloaded");
+                }
+                Ok(false) => {}
+                // A bug in loading: the rules served stay, and the failure is counted and told.
+                Err(err) => {
+                    publisher.refuse();
+                    tracing::error!(path = %self.source.root.display(), "Error loading new configuration: {err}");
+                }
             }
         }
     }

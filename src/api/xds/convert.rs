@@ -27,7 +27,7 @@ pub enum RefusedSet {
     Type { index: usize, type_url: String },
     #[error("resource {index}: not a valid RateLimitConfig: {reason}")]
     Decode { index: usize, reason: String },
-    /// Compiling stopped before it finished (the service is shutting down).
+    /// Compiling failed without an answer (a bug: it panicked).
     #[error("the rules were not compiled: {0}")]
     Interrupted(String),
     /// The rules themselves, with the message a rules file would get, prefixed by the resource's name.

@@ -82,6 +82,9 @@ pub struct XdsClient {
     compile: Compile,
     /// True while a stream is open and answered: `ratelimitd_xds_connected`.
     connected: Arc<AtomicBool>,
+    /// The fingerprint of the last set refused, and why: the same set sent again is refused again
+    /// without compiling it.
+    refused: std::sync::Mutex<Option<(u64, String)>>,
 }
 
 /// How one stream ended.
@@ -98,6 +101,7 @@ impl XdsClient {
             publisher,
             compile,
             connected: Arc::default(),
+            refused: Default::default(),
         }
     }
 
@@ -202,8 +206,9 @@ impl XdsClient {
 
     /// Applies one response and returns its ACK, or its NACK when the rule set is refused. A set the
     /// service already serves (sent again on a new stream, or by a control plane that resends) is ACKed
-    /// without being compiled; another is compiled off the runtime's workers, since a large one takes
-    /// seconds that requests would otherwise wait through.
+    /// without being compiled, and the set refused last is refused again with its message; another is
+    /// compiled off the runtime's workers, since a large one takes seconds that requests would
+    /// otherwise wait through.
     async fn answer(&self, response: DiscoveryResponse, applied: &mut String) -> DiscoveryRequest {
         let version = response.version_info.as_str();
         if response.type_url != RATE_LIMIT_CONFIG_TYPE {
@@ -214,10 +219,8 @@ impl XdsClient {
             tracing::warn!(version, "xDS response refused: {reason}");
             return self.request(&response.type_url, "", &response.nonce, Some(reason));
         }
-        if self
-            .publisher
-            .already_serves(fingerprint(&response.resources))
-        {
+        let print = fingerprint(&response.resources);
+        if self.publisher.already_serves(print) {
             tracing::info!(
                 version,
                 changed = false,
@@ -226,11 +229,21 @@ impl XdsClient {
             *applied = response.version_info.clone();
             return self.request(RATE_LIMIT_CONFIG_TYPE, version, &response.nonce, None);
         }
-        let compile = self.compile;
-        let resources = response.resources;
-        let compiled = tokio::task::spawn_blocking(move || rule_set(&resources, compile))
-            .await
-            .unwrap_or_else(|join| Err(RefusedSet::Interrupted(join.to_string())));
+        let known = (self.refused.lock().unwrap_or_else(|p| p.into_inner()))
+            .as_ref()
+            .filter(|(refused, _)| *refused == print)
+            .map(|(_, message)| message.clone());
+        let compiled = match known {
+            Some(message) => Err(message),
+            None => {
+                let compile = self.compile;
+                let resources = response.resources;
+                tokio::task::spawn_blocking(move || rule_set(&resources, compile))
+                    .await
+                    .unwrap_or_else(|join| Err(RefusedSet::Interrupted(join.to_string())))
+                    .map_err(|err| err.to_string())
+            }
+        };
         match compiled {
             Ok(loaded) => {
                 let domains = loaded.rules.domains.len();
@@ -244,18 +257,20 @@ impl XdsClient {
                 *applied = response.version_info.clone();
                 self.request(RATE_LIMIT_CONFIG_TYPE, version, &response.nonce, None)
             }
-            Err(err) => {
+            Err(message) => {
                 self.publisher.refuse();
                 tracing::error!(
                     version,
                     applied = %applied,
-                    "Error loading new configuration: {err}"
+                    "Error loading new configuration: {message}"
                 );
+                *self.refused.lock().unwrap_or_else(|p| p.into_inner()) =
+                    Some((print, message.clone()));
                 self.request(
                     RATE_LIMIT_CONFIG_TYPE,
                     applied,
                     &response.nonce,
-                    Some(err.to_string()),
+                    Some(message),
                 )
             }
         }

@@ -66,7 +66,7 @@ impl MethodStatsLayer {
                     ),
                     past_deadline: metrics.striped_counter(
                         "ratelimitd_calls_past_deadline_total",
-                        "Unary gRPC calls with a deadline (grpc-timeout) not answered within it: answered later than it after their arrival, or dropped unanswered (the caller gave up, or the connection closed).",
+                        "Unary gRPC calls with a deadline (grpc-timeout) not answered within it: answered later than it after their arrival, or dropped unanswered at it (cut by the caller).",
                         labels(),
                     ),
                 }
@@ -159,12 +159,16 @@ impl Timing {
 }
 
 impl Drop for Timing {
-    /// A call with a deadline dropped unanswered (its caller gave up on it, or its connection closed)
-    /// was not answered in time either. Its caller's timer, not the service's clock, says when: the
-    /// cancel of a call cut at its deadline arrives a little less than the deadline after the call did.
+    /// A call dropped unanswered at its deadline (its caller's timer cut it) was not answered in time
+    /// either. The caller's timer started before the call arrived, so its cancel comes a little before
+    /// the deadline by the service's clock: within a tenth of it (at least 2 ms) counts. A call given up
+    /// earlier was given up for another reason (its own caller went away), not for waiting.
     fn drop(&mut self) {
-        if self.deadline.is_some() {
-            self.methods[self.i].past_deadline.add(1);
+        if let Some(deadline) = self.deadline {
+            let slack = (deadline / 10).max(Duration::from_millis(2));
+            if self.start.elapsed() + slack >= deadline {
+                self.methods[self.i].past_deadline.add(1);
+            }
         }
     }
 }
@@ -235,11 +239,14 @@ mod tests {
         // Answered after it.
         answer(call(Some("10m"), Duration::from_millis(30))).await;
         assert_eq!(past_deadline(&metrics), 1);
-        // Given up by the caller unanswered: counted whenever the cancel comes.
-        let pending = stats.call(call(Some("1S"), Duration::from_secs(60)));
+        // Cut by the caller at its deadline, unanswered: counted, also when the cancel comes a little
+        // early by the service's clock (the caller's timer started before the call arrived).
+        let pending = stats.call(call(Some("20m"), Duration::from_secs(60)));
+        tokio::time::sleep(Duration::from_millis(19)).await;
         drop(pending);
         assert_eq!(past_deadline(&metrics), 2);
-        // Without a deadline, a call given up is not one answered late.
+        // Given up long before its deadline, or without one: not a call answered late.
+        drop(stats.call(call(Some("10S"), Duration::from_secs(60))));
         drop(stats.call(call(None, Duration::from_secs(60))));
         assert_eq!(past_deadline(&metrics), 2);
     }

@@ -59,7 +59,7 @@ struct StreamState {
     domain: Option<Arc<str>>,
     buckets: HashMap<BucketSlot, Tracked>,
     /// Actions not sent yet, the latest per bucket, in the order they were first queued.
-    pending: Vec<(BucketSlot, Action)>,
+    pending: Pending,
     next_bucket: u64,
     /// No more actions: the stream ended.
     closed: bool,
@@ -192,7 +192,7 @@ impl Stream {
             let mut state = lock(&self.inner.state);
             // A merged report: the last assignment again, unless a newer one waits to be sent.
             for (slot, strategy) in resent {
-                if !state.pending.iter().any(|(s, _)| *s == slot) {
+                if !state.pending.has(&slot) {
                     state.queue(slot, quota.assign(strategy));
                     queued = true;
                 }
@@ -415,10 +415,42 @@ impl StreamState {
         if self.closed {
             return;
         }
-        match self.pending.iter_mut().find(|(s, _)| *s == slot) {
-            Some(entry) => entry.1 = action,
-            None => self.pending.push((slot, action)),
+        self.pending.put(slot, action);
+    }
+}
+
+/// Actions not sent yet, the latest per bucket, in the order each bucket was first queued. Found by
+/// bucket through an index: a report of many buckets looked each up in the list, which made it
+/// quadratic (900 buckets in one report took 150 ms of CPU).
+#[derive(Debug, Default)]
+struct Pending {
+    actions: Vec<(BucketSlot, Action)>,
+    at: HashMap<BucketSlot, usize>,
+}
+
+impl Pending {
+    fn has(&self, slot: &BucketSlot) -> bool {
+        self.at.contains_key(slot)
+    }
+
+    fn put(&mut self, slot: BucketSlot, action: Action) {
+        match self.at.get(&slot) {
+            Some(&i) => self.actions[i].1 = action,
+            None => {
+                self.at.insert(slot.clone(), self.actions.len());
+                self.actions.push((slot, action));
+            }
         }
+    }
+
+    fn is_empty(&self) -> bool {
+        self.actions.is_empty()
+    }
+
+    /// Every pending action, in order; none is pending after.
+    fn take(&mut self) -> Vec<(BucketSlot, Action)> {
+        self.at.clear();
+        std::mem::take(&mut self.actions)
     }
 }
 
@@ -431,7 +463,7 @@ impl StreamInner {
             {
                 let mut state = lock(&self.state);
                 if !state.pending.is_empty() {
-                    let pending = std::mem::take(&mut state.pending);
+                    let pending = state.pending.take();
                     return Some(
                         pending
                             .into_iter()

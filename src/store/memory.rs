@@ -6,10 +6,12 @@
 //! Counters carry their expiry (end of window); [`MemoryStore::sweep`] reclaims expired ones, so memory
 //! follows the live keys, not the keys ever seen. The number of counters is bounded by `max_keys`: when
 //! full, expired counters are reclaimed first, and if none can be, the batch fails with
-//! [`StoreError::Full`] without touching anything.
+//! [`StoreError::Full`] without touching anything. A full store looks for expired counters at most
+//! every [`ROOM_SWEEP_EVERY_MS`]: a sweep reads every counter, and a store kept full of live ones
+//! (callers creating counters faster than they expire) would otherwise read them all for each new one.
 
 use std::{
-    sync::atomic::{AtomicUsize, Ordering},
+    sync::atomic::{AtomicU64, AtomicUsize, Ordering},
     time::Duration,
 };
 
@@ -31,6 +33,9 @@ type Small<T> = SmallVec<[T; 8]>;
 
 const SHARDS: usize = 64;
 
+/// Least time between two sweeps a full store makes to find room, in milliseconds.
+pub const ROOM_SWEEP_EVERY_MS: u64 = 100;
+
 #[derive(Debug, Clone)]
 struct Entry {
     state: State,
@@ -44,6 +49,8 @@ pub struct MemoryStore {
     counters: Sharded<Entry>,
     max_keys: usize,
     len: AtomicUsize,
+    /// When a full store last swept for room (`u64::MAX`: never).
+    room_swept_ms: AtomicU64,
     /// The runtime limits set by operators, kept here like the counters (see `store::operator`).
     pub(super) records: LocalRecords,
 }
@@ -54,6 +61,7 @@ impl MemoryStore {
             counters: Sharded::new(SHARDS),
             max_keys,
             len: AtomicUsize::new(0),
+            room_swept_ms: AtomicU64::new(u64::MAX),
             records: LocalRecords::default(),
         }
     }
@@ -116,6 +124,9 @@ impl MemoryStore {
             }
             self.len.fetch_sub(new_keys, Ordering::Relaxed);
             if attempt == 0 {
+                if !self.room_sweep_due(now_ms) {
+                    break;
+                }
                 for shard in held.shards_mut() {
                     self.purge(shard, now_ms);
                 }
@@ -133,6 +144,18 @@ impl MemoryStore {
         Err(StoreError::Full {
             max_keys: self.max_keys,
         })
+    }
+
+    /// Whether a full store may sweep for room at `now_ms`: once per [`ROOM_SWEEP_EVERY_MS`], by
+    /// whichever request asks first (the others meanwhile are refused at once), and again at once
+    /// after the clock steps back.
+    fn room_sweep_due(&self, now_ms: u64) -> bool {
+        let last = self.room_swept_ms.load(Ordering::Relaxed);
+        let due = now_ms < last || now_ms - last >= ROOM_SWEEP_EVERY_MS;
+        due && self
+            .room_swept_ms
+            .compare_exchange(last, now_ms, Ordering::Relaxed, Ordering::Relaxed)
+            .is_ok()
     }
 
     fn apply_now(&self, batch: &Batch, now_ms: u64) -> Result<Applied, StoreError> {
@@ -472,6 +495,27 @@ mod tests {
         assert_eq!(store.len(), 1);
         assert_eq!(store.sweep(12_000), 1);
         assert!(store.is_empty());
+    }
+
+    #[test]
+    fn a_full_store_looks_for_room_at_most_every_tenth_of_a_second() {
+        let store = MemoryStore::new(2);
+        let one = |k: &str, window_secs| Batch {
+            checks: vec![check(k, 5, window_secs, 1, Role::Enforce)],
+            consume_on_deny: false,
+            known_denied: false,
+        };
+        // `a_` ends at 11 s, `b_` lives on.
+        store.apply_now(&one("a_", 1), 10_000).unwrap();
+        store.apply_now(&one("b_", 60), 10_000).unwrap();
+        // Full of live counters: the sweep finds nothing.
+        assert!(store.apply_now(&one("c_", 60), 10_950).is_err());
+        // `a_` has ended, but the store swept 60 ms ago: refused without reading every counter.
+        assert!(store.apply_now(&one("c_", 60), 11_010).is_err());
+        assert_eq!(store.len(), 2);
+        // A tenth of a second on, it sweeps again and finds `a_`'s room.
+        assert!(!store.apply_now(&one("c_", 60), 11_050).unwrap().denied);
+        assert_eq!(store.len(), 2);
     }
 
     #[test]

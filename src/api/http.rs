@@ -136,13 +136,20 @@ async fn decide_json(State(state): State<AppState>, body: Bytes) -> Response {
     }
 }
 
-/// The loaded rules, one line each.
+/// The loaded rules, one line each. Written beside the request workers: the lines of a large rule set
+/// take a while to build and sort.
 async fn rlconfig(State(state): State<AppState>) -> Response {
-    let text: String = state
-        .limiter
-        .describe_rules()
-        .into_iter()
-        .map(|line| line + "\n")
-        .collect();
-    ([(header::CONTENT_TYPE, "text/plain; charset=utf-8")], text).into_response()
+    let limiter = state.limiter.clone();
+    let written = tokio::task::spawn_blocking(move || {
+        limiter
+            .describe_rules()
+            .into_iter()
+            .map(|line| line + "\n")
+            .collect::<String>()
+    })
+    .await;
+    match written {
+        Ok(text) => ([(header::CONTENT_TYPE, "text/plain; charset=utf-8")], text).into_response(),
+        Err(err) => (StatusCode::INTERNAL_SERVER_ERROR, format!("{err}\n")).into_response(),
+    }
 }

@@ -91,6 +91,9 @@ fn auth_hint(message: &str, topology: RedisTopology) -> &'static str {
     }
 }
 
+/// How long a wait for a client's connection listens before reading its state again.
+const CONNECTED_CHECK_EVERY: Duration = Duration::from_millis(100);
+
 impl Backend {
     /// Builds the pool and starts connecting in the background; it does not wait for Redis. Commands
     /// still unanswered after `command_timeout` are abandoned by the client, never replayed after a
@@ -204,7 +207,15 @@ impl Backend {
     /// Waits until every connection is up and the scripts are loaded.
     pub async fn ready(&self, scripts: &[Script; 2]) -> Result<(), StoreError> {
         for client in self.pool.clients() {
-            client.wait_for_connect().await.map_err(redis_error)?;
+            // The client's wait reads its state, then listens for the next connection: one made in
+            // between is missed, and the wait would never end (a replica up but never serving). It is
+            // given a tenth of a second at a time, and the state read again.
+            while !client.is_connected() {
+                let next = tokio::time::timeout(CONNECTED_CHECK_EVERY, client.wait_for_connect());
+                if let Ok(connected) = next.await {
+                    connected.map_err(redis_error)?;
+                }
+            }
         }
         load_scripts(self.pool.next(), scripts)
             .await

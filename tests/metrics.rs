@@ -287,3 +287,28 @@ async fn a_huge_hits_addend_never_turns_hit_counters_back() {
     }
     s.stop().await;
 }
+
+/// A call decided after the deadline its caller sent (`grpc-timeout`) is counted as one Envoy gave up
+/// on; one decided within it, or sent without one, is not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_decided_after_their_deadline_are_counted() {
+    let s = TestServer::start(&[("web.yaml", RULES)], |_| {}).await;
+    let mut c = s.client().await;
+    let late = r#"ratelimitd_calls_past_deadline_total{grpc_method="ShouldRateLimit"}"#;
+    // The deadline as a header alone, so that the client's own timer cuts nothing.
+    let sent = |timeout: Option<&'static str>| {
+        let mut call = tonic::Request::new(request("web", vec![descriptor(&[("user", "u")])]));
+        if let Some(timeout) = timeout {
+            call.metadata_mut()
+                .insert("grpc-timeout", timeout.parse().unwrap());
+        }
+        call
+    };
+    c.should_rate_limit(sent(Some("10S"))).await.unwrap();
+    c.should_rate_limit(sent(None)).await.unwrap();
+    assert_eq!(sample(&s.http("GET", "/metrics", "").await.1, late), 0.0);
+    // A nanosecond: no decision fits in it (answered or not, it is late).
+    let _ = c.should_rate_limit(sent(Some("1n"))).await;
+    assert_eq!(sample(&s.http("GET", "/metrics", "").await.1, late), 1.0);
+    s.stop().await;
+}

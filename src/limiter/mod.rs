@@ -245,6 +245,7 @@ impl Limiter {
     ) -> Result<Response, LimitError> {
         // One reading of the clock for the answer's time and its deadline.
         let started = tokio::time::Instant::now();
+        let due_by = record::DueBy::new(&self.series.past_deadline, started, timeout);
         let due = timeout.map(|timeout| started + timeout);
         let result = match self.in_flight.enter() {
             // Past the bound, answering at once beats queueing: the caller's own deadline would pass
@@ -266,7 +267,9 @@ impl Limiter {
                     .unwrap_or(Err(LimitError::Deadline(limit)))
             }
         };
-        self.record_answer(&result, started.elapsed());
+        let took = started.elapsed();
+        due_by.decided(took);
+        self.record_answer(&result, took);
         result
     }
 

@@ -5,12 +5,13 @@
 //! several limits per rule, CIDR values) with messages naming the file, the rule and the field. A file
 //! either compiles whole or the build fails with the first error.
 
-use std::sync::Arc;
+use std::{collections::HashMap, sync::Arc};
 
 use super::{
     error::{BuildError, LimitField, RuleError},
     model::{
-        Level, Limit, Node, PathStep, RulePath, RuleSet, MAX_WINDOW_SECS, SLIDING_LOG_MAX_LIMIT,
+        Level, Limit, Node, PathStep, RuleMap, RulePath, RuleSet, MAX_WINDOW_SECS,
+        SLIDING_LOG_MAX_LIMIT,
     },
     pattern::{Cidr, Wildcard, CIDR_PREFIX},
     unit::Unit,
@@ -35,15 +36,15 @@ impl RuleSet {
         default_algorithm: Algorithm,
     ) -> Result<RuleSet, BuildError> {
         let mut set = RuleSet::default();
+        // The composite keys of each domain's top level, which files merged into one domain share.
+        let mut tops: HashMap<&str, Composites> = HashMap::new();
         for (file_name, file) in files {
-            set.add_file(file, merge_domains, default_algorithm)
+            let top = tops.entry(file.domain.as_str()).or_default();
+            set.add_file(file, top, merge_domains, default_algorithm)
                 .map_err(|error| BuildError {
                     file: file_name.clone(),
                     error,
                 })?;
-        }
-        for domain in set.domains.values_mut() {
-            domain.root.forget_composites();
         }
         Ok(set)
     }
@@ -51,6 +52,7 @@ impl RuleSet {
     fn add_file(
         &mut self,
         file: &DomainFile,
+        top: &mut Composites,
         merge_domains: bool,
         default_algorithm: Algorithm,
     ) -> Result<(), RuleError> {
@@ -64,6 +66,7 @@ impl RuleSet {
         let domain = self.domains.entry(file.domain.clone()).or_default();
         add_level(
             &mut domain.root,
+            top,
             &file.descriptors,
             &name,
             None,
@@ -71,6 +74,10 @@ impl RuleSet {
         )
     }
 }
+
+/// The reference service's composite keys (`key_value`, or `key` alone) of a level's nodes, by which it
+/// finds duplicates; needed only while the level is built.
+type Composites = RuleMap<Box<str>, ()>;
 
 /// A rule's name for a message, built only when a message needs it.
 type RuleName<'a> = &'a dyn Fn() -> String;
@@ -108,10 +115,12 @@ impl ValueMatch {
 }
 
 /// Compiles the descriptors written at one depth under one parent into `level`, their children with
-/// them. `parent` is the parent rule's path (`None` at the top of `domain`). A rule's full key is built
-/// only for a message: built for every rule, it made the time to compile grow with depth times rules.
+/// them; `composites` are those of the nodes `level` holds already. `parent` is the parent rule's path
+/// (`None` at the top of `domain`). A rule's full key is built only for a message: built for every
+/// rule, it made the time to compile grow with depth times rules.
 fn add_level(
     level: &mut Level,
+    composites: &mut Composites,
     specs: &[DescriptorSpec],
     domain: &Arc<str>,
     parent: Option<&Arc<RulePath>>,
@@ -139,7 +148,7 @@ fn add_level(
         } else {
             format!("{}_{}", spec.key, spec.value)
         };
-        if level.composites.contains_key(composite.as_str()) {
+        if composites.contains_key(composite.as_str()) {
             return Err(RuleError::DuplicateKey(name()));
         }
         let limits = compile_limits(spec, &name, default_algorithm)?;
@@ -158,12 +167,13 @@ fn add_level(
         };
         add_level(
             &mut node.children,
+            &mut Composites::default(),
             &spec.descriptors,
             domain,
             Some(&node.at),
             default_algorithm,
         )?;
-        level.composites.insert(composite.into(), ());
+        composites.insert(composite.into(), ());
         level.insert(spec, value_match, node);
     }
     // CIDRs longest prefix first, in file order among equal prefixes (a stable sort): once per level,
@@ -177,22 +187,6 @@ fn add_level(
 }
 
 impl Level {
-    /// Drops the composite keys of this level and those below, which only finding duplicates needs.
-    fn forget_composites(&mut self) {
-        self.composites = Default::default();
-        for same_key in self.keys.values_mut() {
-            let nodes = same_key
-                .values
-                .values_mut()
-                .chain(same_key.cidrs.iter_mut().map(|(_, n)| n))
-                .chain(same_key.wildcards.iter_mut().map(|(_, n)| n))
-                .chain(same_key.default.iter_mut());
-            for node in nodes {
-                node.children.forget_composites();
-            }
-        }
-    }
-
     /// Adds the node `spec` describes where its kind of value belongs: wildcards in file order, CIDRs
     /// too until `add_level` orders them.
     fn insert(&mut self, spec: &DescriptorSpec, value_match: ValueMatch, node: Node) {

@@ -208,9 +208,6 @@ impl PathStep {
 #[derive(Debug, Clone, Default)]
 pub struct Level {
     pub keys: RuleMap<Box<str>, KeyNodes>,
-    /// The reference service's composite key (`key_value`, or `key` alone) of every node of the level,
-    /// by which it finds duplicates (see `compile`); emptied once the rules are built.
-    pub(super) composites: RuleMap<Box<str>, ()>,
 }
 
 /// The nodes of one level that share a `key`, by how their value matches the request's value.

@@ -3,65 +3,22 @@
 //! parsing some 330 000 YAML nodes keeps a core busy for seconds in a debug build, which would disturb the
 //! timing-sensitive tests of `tests/cli.rs` running beside it.
 
+mod common;
+
 use std::{
-    alloc::{GlobalAlloc, Layout, System},
-    cell::Cell,
     process::Command,
-    sync::atomic::{AtomicBool, Ordering},
     time::{Duration, Instant},
 };
+
+use common::measure::{bytes_allocated, Measuring};
 
 use ratelimitd::{
     limiter::Entry,
     rules::{DescriptorSpec, DomainFile, RateLimitSpec, RuleSet},
 };
 
-/// Counts the bytes the measuring thread allocates, so that the other tests of this file, running
-/// beside it, are not counted.
-struct Measuring;
-
-thread_local! {
-    static MEASURED: Cell<Option<usize>> = const { Cell::new(None) };
-}
-
-/// Whether any thread measures: the other threads then skip the thread-local lookup.
-static ANY: AtomicBool = AtomicBool::new(false);
-
-fn count(bytes: usize) {
-    if ANY.load(Ordering::Relaxed) {
-        MEASURED.with(|m| {
-            if let Some(total) = m.get() {
-                m.set(Some(total + bytes));
-            }
-        });
-    }
-}
-
-unsafe impl GlobalAlloc for Measuring {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        count(layout.size());
-        unsafe { System.alloc(layout) }
-    }
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        unsafe { System.dealloc(ptr, layout) }
-    }
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        count(new_size);
-        unsafe { System.realloc(ptr, layout, new_size) }
-    }
-}
-
 #[global_allocator]
 static GLOBAL: Measuring = Measuring;
-
-/// What `f` returns, and the bytes this thread allocated while it ran.
-fn bytes_allocated<T>(f: impl FnOnce() -> T) -> (T, usize) {
-    MEASURED.with(|m| m.set(Some(0)));
-    ANY.store(true, Ordering::SeqCst);
-    let out = f();
-    let bytes = MEASURED.with(|m| m.take()).unwrap_or(0);
-    (out, bytes)
-}
 
 fn check_config(dir: &std::path::Path, env: &[(&str, &str)]) -> std::process::Output {
     Command::new(env!("CARGO_BIN_EXE_ratelimitd"))

@@ -4,17 +4,17 @@
 
 mod common;
 
-use std::{sync::Arc, time::Duration};
+use std::time::Duration;
 
 use common::{
     now_ms,
     redis::{RedisCluster, RedisProcess},
-    ALGORITHMS,
+    redis_store, ALGORITHMS,
 };
 use ratelimitd::{
     algorithm::{self, Algorithm, Params},
-    settings::{RedisSettings, RedisTopology},
-    store::{Applied, Batch, Check, CounterStore, Deadline, MemoryStore, RedisStore, Role, Store},
+    settings::RedisTopology,
+    store::{Applied, Batch, Check, CounterStore, Deadline, MemoryStore, Role, Store},
 };
 
 /// A store, an algorithm, and the prefix that keeps one scenario's keys apart from the others'.
@@ -596,22 +596,6 @@ async fn operator_calls(store: &Store) {
         .unwrap();
     assert_eq!(left.records.len(), 1, "announced: read again, unchanged");
     assert_ne!(left.generation, deleted.generation);
-}
-
-async fn redis_store(url: String, topology: RedisTopology) -> Arc<RedisStore> {
-    let settings = RedisSettings {
-        url,
-        topology,
-        timeout: Duration::from_secs(2),
-        pool_size: 2,
-        ..RedisSettings::default()
-    };
-    let store = RedisStore::connect(&settings, None, 0, Duration::from_secs(1)).unwrap();
-    tokio::time::timeout(Duration::from_secs(20), store.ready())
-        .await
-        .expect("redis ready in time")
-        .unwrap();
-    store
 }
 
 #[tokio::test]

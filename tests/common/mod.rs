@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod certs;
+pub mod measure;
 pub mod redis;
 pub mod rlqs;
 pub mod statsd;
@@ -29,6 +30,27 @@ use tokio::{net::TcpListener, task::JoinHandle};
 use tokio_util::sync::CancellationToken;
 use tonic::transport::Channel;
 use tonic_health::pb::health_check_response::ServingStatus;
+
+/// A Redis store on `url`, connected and ready, as the service builds one (2 s timeout, 2 connections).
+pub async fn redis_store(
+    url: String,
+    topology: ratelimitd::settings::RedisTopology,
+) -> Arc<ratelimitd::store::RedisStore> {
+    let settings = ratelimitd::settings::RedisSettings {
+        url,
+        topology,
+        timeout: Duration::from_secs(2),
+        pool_size: 2,
+        ..Default::default()
+    };
+    let store =
+        ratelimitd::store::RedisStore::connect(&settings, None, 0, Duration::from_secs(1)).unwrap();
+    tokio::time::timeout(Duration::from_secs(20), store.ready())
+        .await
+        .expect("redis ready in time")
+        .unwrap();
+    store
+}
 
 /// Milliseconds since the Unix epoch, as the stores take the time.
 pub fn now_ms() -> u64 {

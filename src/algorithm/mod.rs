@@ -13,8 +13,9 @@
 //! the excess back, every cost is denied, a check-only cost of 0 included.
 
 pub mod fixed_window;
+pub mod sliding_log;
 
-use std::collections::VecDeque;
+pub use sliding_log::{Log, Record, SLIDING_LOG_ENTRIES_PER_HIT};
 
 /// How a limit counts.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
@@ -24,7 +25,8 @@ pub enum Algorithm {
     FixedWindow,
     /// Current window plus the previous one weighted by how much of it still overlaps the sliding window.
     SlidingWindow,
-    /// One entry per hit; exact over any window, memory proportional to the hits in a window.
+    /// One entry per counted request; exact over any window, memory proportional to the requests in a
+    /// window.
     SlidingLog,
     /// A bucket of `burst` tokens refilled at `limit` per window.
     TokenBucket,
@@ -147,9 +149,8 @@ pub enum State {
         current: u64,
         previous: u64,
     },
-    /// The requests still inside the window, oldest first: when each was counted (ms) and its cost.
-    /// One entry per request, whatever its cost, so memory follows requests, never hits.
-    SlidingLog(VecDeque<(u64, u64)>),
+    /// The requests still inside the window, oldest first: when each was counted and its cost.
+    SlidingLog(Log),
     /// Tokens left at `last_ms`.
     TokenBucket { tokens: f64, last_ms: u64 },
     /// Theoretical arrival time, in microseconds.
@@ -168,6 +169,32 @@ pub struct Decision {
     pub retry_ms: u64,
 }
 
+/// What a decision changes in a counter's state.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Next {
+    /// The state becomes this one.
+    Set(State),
+    /// The sliding log drops the entries that left the window and records these hits at now, in place.
+    Log(Record),
+}
+
+impl Next {
+    /// The state once this change is made to `state` (`None`: nothing stored yet).
+    pub fn apply(self, p: &Params, state: Option<State>, now_ms: u64) -> State {
+        match self {
+            Self::Set(state) => state,
+            Self::Log(record) => {
+                let mut log = match state {
+                    Some(State::SlidingLog(log)) => log,
+                    _ => Log::default(),
+                };
+                log.record(p, record, now_ms);
+                State::SlidingLog(log)
+            }
+        }
+    }
+}
+
 /// Decides `cost` against `state` at `now_ms`. Returns the decision and, when the cost changes the
 /// state, the state once it is consumed: an allowed cost above 0, or any cost on a fixed window, whose
 /// counter counts every hit it is given (as the reference service does when asked to count denied
@@ -179,16 +206,52 @@ pub fn decide(
     now_ms: u64,
     cost: u64,
 ) -> (Decision, Option<State>) {
+    let (decision, next) = decide_after(p, state, None, now_ms, cost);
+    (
+        decision,
+        next.map(|next| next.apply(p, state.cloned(), now_ms)),
+    )
+}
+
+/// [`decide`] for a store that changes state in place: `state` is the state as stored and `earlier`
+/// what earlier checks of the same request will change in it; returns what this check changes on top
+/// (a sliding log's hits accumulate, never copying the log).
+pub fn decide_after(
+    p: &Params,
+    state: Option<&State>,
+    earlier: Option<&Next>,
+    now_ms: u64,
+    cost: u64,
+) -> (Decision, Option<Next>) {
+    let state = match earlier {
+        Some(Next::Set(state)) => Some(state),
+        _ => state,
+    };
     let (decision, next) = match p.algorithm {
-        Algorithm::FixedWindow => fixed(p, state, now_ms, cost),
-        Algorithm::SlidingWindow => sliding_window(p, state, now_ms, cost),
-        Algorithm::SlidingLog => sliding_log(p, state, now_ms, cost),
-        Algorithm::TokenBucket => token_bucket(p, state, now_ms, cost),
-        Algorithm::Gcra => gcra(p, state, now_ms, cost),
+        Algorithm::FixedWindow => wrap(fixed(p, state, now_ms, cost)),
+        Algorithm::SlidingWindow => wrap(sliding_window(p, state, now_ms, cost)),
+        Algorithm::SlidingLog => {
+            let log = match state {
+                Some(State::SlidingLog(log)) => Some(log),
+                _ => None,
+            };
+            let earlier = match earlier {
+                Some(Next::Log(record)) => *record,
+                _ => Record::default(),
+            };
+            let (decision, record) = sliding_log::decide(p, log, earlier, now_ms, cost);
+            (decision, Next::Log(record))
+        }
+        Algorithm::TokenBucket => wrap(token_bucket(p, state, now_ms, cost)),
+        Algorithm::Gcra => wrap(gcra(p, state, now_ms, cost)),
     };
     let changes = cost > 0
         && (decision.allowed || p.algorithm == Algorithm::FixedWindow || p.count_over_limit);
     (decision, changes.then_some(next))
+}
+
+fn wrap((decision, state): (Decision, State)) -> (Decision, Next) {
+    (decision, Next::Set(state))
 }
 
 /// What a counter holds at an instant, as an operator reads it: nothing here changes it.
@@ -232,11 +295,7 @@ pub fn usage(p: &Params, state: Option<&State>, now_ms: u64) -> Usage {
                 0.0
             }
         }
-        Some(State::SlidingLog(entries)) => entries
-            .iter()
-            .filter(|&&(t, _)| t + p.window_ms > now_ms)
-            .map(|&(_, c)| c as f64)
-            .sum(),
+        Some(State::SlidingLog(log)) => log.live_hits(p.window_ms, now_ms) as f64,
         Some(State::TokenBucket { tokens, last_ms }) => {
             let refilled =
                 now_ms.saturating_sub(*last_ms) as f64 * p.limit as f64 / p.window_ms as f64;
@@ -260,9 +319,7 @@ pub fn expires_at_ms(p: &Params, state: &State, now_ms: u64) -> u64 {
     match state {
         State::FixedWindow { start_ms, .. } => start_ms + p.window_ms,
         State::SlidingWindow { start_ms, .. } => start_ms + 2 * p.window_ms,
-        State::SlidingLog(entries) => entries
-            .back()
-            .map_or(now_ms, |&(last, _)| last + p.window_ms),
+        State::SlidingLog(log) => log.newest_ms().map_or(now_ms, |last| last + p.window_ms),
         State::TokenBucket { tokens, last_ms } => {
             last_ms
                 + ((p.burst as f64 - tokens).max(0.0) * p.window_ms as f64 / p.limit.max(1) as f64)
@@ -390,91 +447,6 @@ fn sliding_window_wait(p: &Params, current: u64, previous: u64, elapsed: u64, co
         (w - (limit - cost) * w / current as f64).max(0.0)
     };
     (left_in_window + t).ceil() as u64
-}
-
-/// Most entries a sliding log that counts over its limit keeps, per hit of its limit: beyond, the
-/// newest entry takes the new hits and moves to now, so memory stays bounded and the hits it holds leave
-/// the window no sooner than they would have on their own.
-pub const SLIDING_LOG_ENTRIES_PER_HIT: u64 = 2;
-
-fn sliding_log(p: &Params, state: Option<&State>, now_ms: u64, cost: u64) -> (Decision, State) {
-    let empty = VecDeque::new();
-    let entries = match state {
-        Some(State::SlidingLog(entries)) => entries,
-        _ => &empty,
-    };
-    // Entries before these have left the window; the log is read in place and copied only when a
-    // cost is added to it.
-    let gone = entries.partition_point(|&(t, _)| t + p.window_ms <= now_ms);
-    let live = entries.range(gone..);
-    let count = live
-        .clone()
-        .fold(0u64, |sum, &(_, c)| sum.saturating_add(c));
-    let allowed = count.saturating_add(cost) <= p.limit;
-    let retry_ms = if allowed {
-        0
-    } else if cost > p.limit {
-        p.window_ms
-    } else {
-        // Enough of the oldest requests must leave the window to free `count + cost - limit` hits.
-        let must_leave = count + cost - p.limit;
-        let mut left = 0u64;
-        live.clone()
-            .find(|&&(_, c)| {
-                left = left.saturating_add(c);
-                left >= must_leave
-            })
-            .map_or(p.window_ms, |&(t, _)| t + p.window_ms - now_ms)
-    };
-    // Hits recorded: the cost when allowed; counting over the limit, as much of it as the debt holds.
-    let added = if allowed {
-        cost
-    } else if p.count_over_limit {
-        cost.min(p.limit.saturating_add(p.debt()).saturating_sub(count))
-    } else {
-        0
-    };
-    let next = if (allowed || p.count_over_limit) && cost > 0 {
-        let mut next = VecDeque::with_capacity(entries.len() - gone + 1);
-        next.extend(live.clone().copied());
-        if added > 0 {
-            record(p, &mut next, now_ms, added);
-        }
-        next
-    } else {
-        // Unused: `decide` keeps the state as it is.
-        VecDeque::new()
-    };
-    let last = if added > 0 {
-        Some(now_ms)
-    } else {
-        live.clone().next_back().map(|&(t, _)| t)
-    };
-    let reset_ms = last.map_or(0, |last| last + p.window_ms - now_ms);
-    (
-        Decision {
-            allowed,
-            remaining: if allowed { p.limit - count - cost } else { 0 },
-            reset_ms,
-            retry_ms,
-        },
-        State::SlidingLog(next),
-    )
-}
-
-/// Records `hits` counted at `now_ms` in a log of live entries. A log that counts over its limit puts
-/// them in its newest entry when that one was counted at this same instant, or when the log already holds
-/// [`SLIDING_LOG_ENTRIES_PER_HIT`] x limit entries (the entry then moves to now); so does the Redis
-/// script, which keeps the same entries.
-fn record(p: &Params, log: &mut VecDeque<(u64, u64)>, now_ms: u64, hits: u64) {
-    let most = p.limit.saturating_mul(SLIDING_LOG_ENTRIES_PER_HIT);
-    let full = log.len() as u64 >= most;
-    match log.back_mut() {
-        Some(newest) if p.count_over_limit && (newest.0 == now_ms || full) => {
-            *newest = (now_ms, newest.1 + hits);
-        }
-        _ => log.push_back((now_ms, hits)),
-    }
 }
 
 fn token_bucket(p: &Params, state: Option<&State>, now_ms: u64, cost: u64) -> (Decision, State) {

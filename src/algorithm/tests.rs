@@ -311,7 +311,7 @@ fn one_huge_report_goes_no_further_than_the_debt_bound() {
             State::FixedWindow { count, .. } => assert_eq!(*count, 100 + debt),
             State::SlidingWindow { current, .. } => assert_eq!(*current, 100 + debt),
             State::SlidingLog(log) => {
-                assert_eq!(log.iter().map(|e| e.1).sum::<u64>(), 100 + debt);
+                assert_eq!(log.entries().map(|e| e.1).sum::<u64>(), 100 + debt);
                 assert_eq!(log.len(), 1, "one instant, one entry");
             }
             State::TokenBucket { tokens, .. } => assert_eq!(*tokens, -(debt as f64)),
@@ -344,10 +344,10 @@ fn a_sliding_log_that_counts_over_keeps_at_most_two_entries_per_hit_of_its_limit
         panic!("a log")
     };
     assert_eq!(log.len(), 10);
-    assert_eq!(log.iter().map(|e| e.1).sum::<u64>(), 40);
+    assert_eq!(log.entries().map(|e| e.1).sum::<u64>(), 40);
     assert_eq!(
-        log.back().unwrap(),
-        &(1_000_039, 31),
+        log.entries().next_back().unwrap(),
+        (1_000_039, 31),
         "the newest took the rest in"
     );
     // 35 hits must leave before a hit fits: the newest entry leaves a whole window after its last hit.

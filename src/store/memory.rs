@@ -24,7 +24,7 @@ use super::{
     Applied, Batch, Check, CounterStore, Deadline, Outcome, StoreError, StoreHealth,
 };
 use crate::{
-    algorithm::{self, Decision, State},
+    algorithm::{self, Decision, Next, State},
     clock::Clock,
 };
 
@@ -214,14 +214,27 @@ impl MemoryStore {
         self.reserve(new_keys, held, now_ms)?;
         let mut added = 0;
         for (i, check) in checks.iter().enumerate() {
-            let Some(state) = decided[i].next.take() else {
+            let Some(next) = decided[i].next.take() else {
                 continue;
             };
+            let p = &check.params;
+            // A sliding log still in use changes in place; any other state is stored whole.
+            if let Next::Log(record) = next {
+                if let Some(Entry {
+                    state: State::SlidingLog(log),
+                    expires_at_ms,
+                }) = held.get_mut(i).filter(|e| e.expires_at_ms > now_ms)
+                {
+                    log.record(p, record, now_ms);
+                    *expires_at_ms = log.newest_ms().map_or(now_ms, |at| at + p.window_ms);
+                    continue;
+                }
+            }
+            let state = next.apply(p, None, now_ms);
             let entry = Entry {
-                expires_at_ms: algorithm::expires_at_ms(&check.params, &state, now_ms),
+                expires_at_ms: algorithm::expires_at_ms(p, &state, now_ms),
                 state,
             };
-            // Later checks of the same key overwrite earlier ones, in request order.
             added += usize::from(held.insert(i, entry));
         }
         // Making room may have reclaimed an expired counter of this very batch, which was then stored
@@ -236,8 +249,9 @@ impl MemoryStore {
 /// One check decided, before anything is written.
 struct Decided {
     decision: Decision,
-    /// The state to store when the request consumes; none when the check changes nothing.
-    next: Option<State>,
+    /// What the check changes when the request consumes; none when it changes nothing, or when a later
+    /// check of the same key in the request takes its change in.
+    next: Option<Next>,
     /// The check stores a key that is not stored yet: it writes the key first in the batch (no earlier
     /// check of the key changed it) and no entry is there, expired or not (an expired one is
     /// overwritten in place). Only such keys need room.
@@ -277,18 +291,21 @@ fn decide_in_order(
         let earlier = (0..i)
             .rev()
             .find(|&j| decided[j].next.is_some() && held.same_key(i, j));
-        let (state, stored) = match earlier {
-            Some(j) => (decided[j].next.as_ref(), true),
-            None => {
-                let stored = held.get(i);
-                (live_state(stored, now_ms), stored.is_some())
-            }
-        };
-        let (decision, next) =
-            algorithm::decide(&check.params, state, now_ms, check.bounded_cost());
+        let stored = held.get(i);
+        let (decision, next) = algorithm::decide_after(
+            &check.params,
+            live_state(stored, now_ms),
+            earlier.and_then(|j| decided[j].next.as_ref()),
+            now_ms,
+            check.bounded_cost(),
+        );
+        // This check's change includes the earlier one's, and is stored instead.
+        if let (Some(j), Some(_)) = (earlier, &next) {
+            decided[j].next = None;
+        }
         decided.push(Decided {
             decision,
-            new_key: !stored && next.is_some(),
+            new_key: earlier.is_none() && stored.is_none() && next.is_some(),
             next,
         });
     }

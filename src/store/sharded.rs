@@ -63,6 +63,12 @@ impl<V> Shard<V> {
             .map(|(_, _, v)| v)
     }
 
+    pub fn get_mut(&mut self, key: Hashed<'_>) -> Option<&mut V> {
+        self.table
+            .find_mut(key.hash, |slot| key.is_in(slot))
+            .map(|(_, _, v)| v)
+    }
+
     /// Stores `value` under `key`, replacing what was there; whether the key is new here.
     pub fn insert(&mut self, key: Hashed<'_>, value: V) -> bool {
         match self
@@ -197,6 +203,13 @@ impl<'a, V> Held<'a, '_, V> {
     /// The value of the `key`-th key given.
     pub fn get(&self, key: usize) -> Option<&V> {
         self.shard(key).get(self.keys[key].0)
+    }
+
+    /// The value of the `key`-th key given, to change in place.
+    pub fn get_mut(&mut self, key: usize) -> Option<&mut V> {
+        let (hashed, shard) = self.keys[key];
+        let at = self.guards.partition_point(|(i, _)| *i < shard);
+        self.guards[at].1.get_mut(hashed)
     }
 
     /// Whether the `a`-th and `b`-th keys given are the same key (their hashes tell most apart).

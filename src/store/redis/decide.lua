@@ -36,7 +36,7 @@
 --          four, allowed (1/0), remaining, reset (ms), retry (ms); then per lease wanted, the hits
 --          granted }
 --   status 0: decided. status 1: a fixed-window start of the request disagrees with this server's clock;
---   nothing of that request was read or written, and the caller retries it with keys for the server time.
+--   nothing of that request was counted, and the caller retries it with keys for the server time.
 --   A call whose integers came packed is answered packed: the same integers as one msgpack array, one
 --   bulk string for the client to read, not one RESP integer each.
 --
@@ -52,7 +52,12 @@
 --
 -- A sliding-log key is a sorted set of entries `<time>:<seq>:<hits>` scored by their time (members
 -- `<time>:<seq>` of earlier versions count 1 each). One call adds at most one entry per key, holding every
--- hit the call counted on it at that instant: memory follows calls, never the hits they carry.
+-- hit the call counted on it at that instant: memory follows calls, never the hits they carry. Beside the
+-- entries, the member `hits` is scored minus the hits they hold, so that it sorts before all of them: a
+-- call reads it together with the entries that have left the window (and removes those), so a decision
+-- costs the entries that left since the last call, not the whole log. The oldest live entries are read
+-- only to tell a denied request its wait, and only as many as that wait needs, 256 at most. A log without `hits` (new,
+-- or written by an earlier version, which drops it) is read whole once and gets it.
 --
 -- A check of a limit that counts over its limit (usage reported after the fact) is counted whatever its
 -- request's decision: also when it is over its limit, and when another check denies the request (it is
@@ -174,10 +179,10 @@ end
 -- A request is decided only if every fixed-window spec it uses is for this server's window (`skipped`
 -- otherwise). The algorithm of each key (nil: the call does not need the key) is its first check's: a
 -- key's name says its algorithm (src/store/keys.rs), so all of its checks have the same one. A key of
--- skipped requests only is read and left as it is.
+-- skipped requests only is read and left as it is (but for sliding-log entries that left the window).
 local ckey, cspec, ccost = {}, {}, {}
 local rflags, rfirst, rlast = {}, {}, {}
-local skipped, kalg = {}, {}
+local skipped, kalg, kspec = {}, {}, {}
 local requests, c = count(2), 0
 for r = 1, requests do
   -- The request's flags and its number of checks, read in place (this loop runs for every request).
@@ -197,7 +202,7 @@ for r = 1, requests do
     c = c + 1
     ckey[c], cspec[c], ccost[c] = k, s, N[at + 3]
     at = at + 3
-    if kalg[k] == nil then kalg[k] = alg[s] end
+    if kalg[k] == nil then kalg[k], kspec[k] = alg[s], s end
     if not valid[s] then skip = true end
   end
   rflags[r], rfirst[r], rlast[r] = flags, first, c
@@ -228,11 +233,108 @@ end
 --   fixed window: count | sliding window: window start, count, previous count | sliding log: (the
 --   second) hits this call added, (the third) how many of the newest stored entries this call's entry
 --   took in | token bucket: tokens, time counted | GCRA: theoretical arrival (us)
--- A sliding log's stored entries are kept in logt/logc/logm (times ascending: time, hits, member) and
--- never change in the call.
 -- `base`: a string key's value as read (nil: none).
 local s1, s2, s3, has = {}, {}, {}, {}
-local base, logt, logc, logm = {}, {}, {}, {}
+local base = {}
+
+-- A sliding log as stored, which never changes in the call: `lg_w` the window it was read for,
+-- `lg_total` the hits of all its entries, `lg_gone` and `lg_gone_n` the hits and number of those that
+-- have left the window, `lg_kept` whether the `hits` member was there. `lg_all` holds every entry (times
+-- ascending: times, hits, members) when the log is short or was read whole; else `lg_old` holds the
+-- oldest entries still in the window that were read, and the others are read when needed.
+local lg_w, lg_total, lg_gone, lg_gone_n, lg_kept, lg_all, lg_old = {}, {}, {}, {}, {}, {}, {}
+-- Entries read with the `hits` member: a short log is read whole in that one command.
+local LOG_HEAD = 8
+-- A denied cost's wait is looked for among this many of the oldest entries at most; past them it is
+-- when the last of them leaves (algorithm::sliding_log::WAIT_ENTRIES).
+local LOG_WAIT = 256
+
+-- The entries of a sliding log's reply `v` (member, score pairs) from its item `j` on.
+local function log_entries(v, j)
+  local times, costs, members = {}, {}, {}
+  for i = j, #v, 2 do
+    local n = #times + 1
+    times[n] = tonumber(v[i + 1])
+    costs[n] = tonumber(string.match(v[i], '^%d+:%d+:(%d+)$')) or 1
+    members[n] = v[i]
+  end
+  return times, costs, members
+end
+
+local function read_log(k, w)
+  local name = key[k]
+  local v = redis.call('ZRANGE', name, 0, LOG_HEAD, 'WITHSCORES')
+  local kept = v[1] == 'hits'
+  local whole = #v < 2 * (LOG_HEAD + 1)
+  if not kept and not whole then
+    v, whole = redis.call('ZRANGEBYSCORE', name, '-inf', '+inf', 'WITHSCORES'), true
+  end
+  local total = 0
+  if kept then total = -tonumber(v[2]) end
+  local times, costs, members = log_entries(v, kept and 3 or 1)
+  local gone, gone_n = 0, 0
+  for j = 1, #times do
+    if not kept then total = total + costs[j] end
+    if times[j] + w <= now then gone, gone_n = gone + costs[j], j end
+  end
+  if whole then lg_all[k] = { times, costs, members }
+  else
+    if gone_n == #times then
+      -- More may have left: they are counted (and go when the log is written), not kept.
+      local more = redis.call('ZRANGEBYSCORE', name, '-inf', now - w, 'WITHSCORES', 'LIMIT', LOG_HEAD + 1, -1)
+      for j = 1, #more, 2 do
+        gone = gone + (tonumber(string.match(more[j], '^%d+:%d+:(%d+)$')) or 1)
+        gone_n = gone_n + 1
+      end
+    end
+    lg_old[k] = { { unpack(times, gone_n + 1) }, { unpack(costs, gone_n + 1) } }
+  end
+  lg_w[k], lg_total[k], lg_gone[k], lg_gone_n[k], lg_kept[k] = w, total, gone, gone_n, kept
+end
+
+-- The newest stored entry still in the window: its time, hits and member (nil: none).
+local lg_newest = {}
+local function log_newest(k)
+  local e = lg_newest[k]
+  if e == nil then
+    e = false
+    local all = lg_all[k]
+    if all then
+      local n = #all[1]
+      if n > lg_gone_n[k] then e = { all[1][n], all[2][n], all[3][n] } end
+    else
+      local v = redis.call('ZRANGE', key[k], -1, -1, 'WITHSCORES')
+      if v[1] and v[1] ~= 'hits' and tonumber(v[2]) + lg_w[k] > now then
+        e = { tonumber(v[2]), tonumber(string.match(v[1], '^%d+:%d+:(%d+)$')) or 1, v[1] }
+      end
+    end
+    lg_newest[k] = e
+  end
+  if e then return e[1], e[2], e[3] end
+  return nil
+end
+
+-- How many stored entries are still in the window.
+local function log_live_n(k)
+  local all = lg_all[k]
+  if all then return #all[1] - lg_gone_n[k] end
+  return redis.call('ZCARD', key[k]) - 1 - lg_gone_n[k]
+end
+
+-- The oldest stored entries still in the window, at least `n` of them when there are as many: their
+-- times and hits, and the first and last place of them in those arrays.
+local function log_oldest(k, n)
+  local all = lg_all[k]
+  if all then return all[1], all[2], lg_gone_n[k] + 1, #all[1] end
+  local old = lg_old[k]
+  if #old[1] < n then
+    local v = redis.call('ZRANGEBYSCORE', key[k], '(' .. (now - lg_w[k]), '+inf', 'WITHSCORES', 'LIMIT', 0, n)
+    local times, costs = log_entries(v, 1)
+    old = { times, costs }
+    lg_old[k] = old
+  end
+  return old[1], old[2], 1, #old[1]
+end
 
 -- Read every needed key: string keys one MGET per group, the others one command each.
 local first = 1
@@ -279,14 +381,7 @@ for g = 1, #groups do
         local v = redis.call('HMGET', key[k], 't', 'l')
         if v[1] then has[k] = true; s1[k], s2[k] = tonumber(v[1]), tonumber(v[2]) end
       elseif a == 2 then
-        local v = redis.call('ZRANGEBYSCORE', key[k], '-inf', '+inf', 'WITHSCORES')
-        local times, costs, members = {}, {}, {}
-        for j = 1, #v, 2 do
-          times[#times + 1] = tonumber(v[j + 1])
-          costs[#costs + 1] = tonumber(string.match(v[j], '^%d+:%d+:(%d+)$')) or 1
-          members[#members + 1] = v[j]
-        end
-        logt[k], logc[k], logm[k] = times, costs, members
+        read_log(k, win[kspec[k]])
         -- Its state starts with nothing added by this call, whether or not the key existed.
         has[k], s2[k], s3[k] = true, 0, 0
       end
@@ -298,20 +393,6 @@ end
 local function ceil0(x)
   if x < 0 then return 0 end
   return ceil(x)
-end
-
--- The stored sliding-log entries a window of `w` still sees: the first of them and their hits (kept
--- for the key's window; a second window on the same key is counted afresh).
-local live_from, live_hits, live_w = {}, {}, {}
-local function log_live(k, w)
-  if live_w[k] ~= w then
-    local times, costs = logt[k], logc[k]
-    local from, hits = 1, 0
-    while from <= #times and times[from] + w <= now do from = from + 1 end
-    for j = from, #times do hits = hits + costs[j] end
-    live_from[k], live_hits[k], live_w[k] = from, hits, w
-  end
-  return live_from[k], live_hits[k]
 end
 
 -- The algorithms but the fixed window, by id: decide(s, k, has, a, b, c, cost) returns allowed,
@@ -364,22 +445,26 @@ end
 -- many of the newest stored entries its entry took in; the stored entries are read in place.
 decide[2] = function(s, k, _, _, added, absorbed, cost)
   local w, lim = win[s], limit[s]
-  local from, live = log_live(k, w)
-  local times, costs = logt[k], logc[k]
-  local count = live + added
+  local count = lg_total[k] - lg_gone[k] + added
   local allowed = count + cost <= lim
   local retry = 0
   if not allowed then
     if cost > lim then retry = w
     else
       -- Enough of the oldest hits must leave the window to free `count + cost - limit`; the ones this
-      -- call counted (and the entries it took in) leave last, a whole window from now.
+      -- call counted (and the entry it took in) leave last, a whole window from now. Each entry holds a
+      -- hit at least, so that many entries are enough; past LOG_WAIT of them, the wait is when the
+      -- last of those leaves.
       local must_leave, left = count + cost - lim, 0
+      local times, costs, first, last = log_oldest(k, min(must_leave, LOG_WAIT + 1))
+      if absorbed > 0 then last = min(last, first + log_live_n(k) - absorbed - 1) end
+      local scanned = min(last, first + LOG_WAIT - 1)
       retry = w
-      for j = from, #times - absorbed do
+      for j = first, scanned do
         left = left + costs[j]
         if left >= must_leave then retry = times[j] + w - now; break end
       end
+      if left < must_leave and last > scanned then retry = times[scanned] + w - now end
     end
   end
   -- Hits recorded: the cost when allowed; counting over the limit, as much of it as the debt holds.
@@ -391,16 +476,17 @@ decide[2] = function(s, k, _, _, added, absorbed, cost)
     if over[s] and added == 0 then
       -- The newest stored entry takes them in when it was counted at this same instant, or when the log
       -- holds 2 x limit entries already (algorithm::SLIDING_LOG_ENTRIES_PER_HIT); it moves to now.
-      local stored = #times - from + 1 - absorbed
-      if stored > 0 and (times[#times - absorbed] == now or stored >= 2 * lim) then
-        absorbed = absorbed + 1
-      end
+      local newest = log_newest(k)
+      if newest and (newest == now or log_live_n(k) >= 2 * lim) then absorbed = 1 end
     end
     after = added + hits
   end
   local reset = 0
   if after > 0 then reset = w
-  elseif from <= #times then reset = times[#times] + w - now end
+  else
+    local newest = log_newest(k)
+    if newest then reset = newest + w - now end
+  end
   local remaining = 0
   if allowed then remaining = lim - count - cost end
   return allowed, remaining, reset, retry, nil, after, absorbed
@@ -466,6 +552,31 @@ local function str(n)
   return s
 end
 
+-- Writes a sliding log back: the entries that left the window go, the hits this call `added` get an
+-- entry at now (taking in the newest stored one when `absorbed`), and `hits` is set to what is left. A
+-- log read without entries added or gone is left as it is, unless `hits` was missing.
+local function save_log(k, added, absorbed)
+  local name, w = key[k], lg_w[k]
+  local total = lg_total[k]
+  if added == 0 and lg_gone_n[k] == 0 and (lg_kept[k] or total == 0) then return end
+  if lg_gone_n[k] > 0 then
+    redis.call('ZREMRANGEBYSCORE', name, '(0', now - w)
+    total = total - lg_gone[k]
+  end
+  if added > 0 then
+    local held = added
+    if absorbed > 0 then
+      local _, hits, member = log_newest(k)
+      held = held + hits
+      redis.call('ZREM', name, member)
+    end
+    total = total + added
+    redis.call('ZADD', name, now, now .. ':' .. t[2] .. ':' .. held, -total, 'hits')
+    redis.call('PEXPIRE', name, str(w))
+  elseif total > 0 then redis.call('ZADD', name, -total, 'hits')
+  else redis.call('DEL', name) end
+end
+
 -- Writes a key's state back, with its expiry; `s` is the spec of the last check that changed it. A
 -- fixed window's counter is written where this is called.
 local function save(k, s)
@@ -474,19 +585,7 @@ local function save(k, s)
     redis.call('HSET', name, 's', str(s1[k]), 'c', str(s2[k]), 'p', str(s3[k]))
     redis.call('PEXPIRE', name, str(s1[k] + 2 * w - now))
   elseif a == 2 then
-    if s2[k] > 0 then
-      if #logt[k] > 0 and logt[k][1] + w <= now then
-        redis.call('ZREMRANGEBYSCORE', name, '-inf', now - w)
-      end
-      -- The stored entries this call's entry took in move into it.
-      local held, last = s2[k], #logt[k]
-      for j = last - s3[k] + 1, last do
-        held = held + logc[k][j]
-        redis.call('ZREM', name, logm[k][j])
-      end
-      redis.call('ZADD', name, now, now .. ':' .. t[2] .. ':' .. held)
-      redis.call('PEXPIRE', name, str(w))
-    end
+    save_log(k, s2[k], s3[k])
   elseif a == 3 then
     -- Until the bucket is full again (as the memory store keeps it): one that never refills
     -- (requests_per_unit 0) keeps its state for burst x window, not for a moment.
@@ -704,6 +803,10 @@ for k, s in pairs(dirty) do
   else
     save(k, s)
   end
+end
+-- Sliding logs the call only read: what left the window goes now, not on every later call.
+for k in pairs(lg_w) do
+  if not dirty[k] then save_log(k, 0, 0) end
 end
 for w = 1, #wants do rn = rn + 1; reply[rn] = granted[wants[w]] or 0 end
 if packed_call then return cmsgpack.pack(reply) end

@@ -14,7 +14,7 @@ use std::sync::LazyLock;
 
 use super::{backend::Backend, redis_error, RedisStore};
 use crate::{
-    algorithm::{Algorithm, State},
+    algorithm::{Algorithm, Log, State},
     store::{
         keys,
         operator::{Read, RecordKeys, Records},
@@ -172,17 +172,15 @@ impl RedisStore {
                 )
                 .await?;
                 let v = items(reply);
-                let entries: std::collections::VecDeque<(u64, u64)> = v
-                    .chunks_exact(2)
-                    .filter_map(|pair| {
-                        let member = text(&pair[0])?;
-                        let time = number::<f64>(&pair[1])? as u64;
-                        // `<time>:<seq>:<hits>`, or `<time>:<seq>` (1 hit) from earlier versions.
-                        let hits = member.splitn(3, ':').nth(2).and_then(|h| h.parse().ok());
-                        Some((time, hits.unwrap_or(1)))
-                    })
-                    .collect();
-                (!entries.is_empty()).then_some(State::SlidingLog(entries))
+                let log = Log::from_entries(v.chunks_exact(2).filter_map(|pair| {
+                    // `hits`, the hits the entries hold, is not an entry (see decide.lua).
+                    let member = text(&pair[0]).filter(|m| *m != "hits")?;
+                    let time = number::<f64>(&pair[1])? as u64;
+                    // `<time>:<seq>:<hits>`, or `<time>:<seq>` (1 hit) from earlier versions.
+                    let hits = member.splitn(3, ':').nth(2).and_then(|h| h.parse().ok());
+                    Some((time, hits.unwrap_or(1)))
+                }));
+                (!log.is_empty()).then_some(State::SlidingLog(log))
             }
         })
     }

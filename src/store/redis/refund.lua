@@ -37,6 +37,8 @@ for i = 1, #KEYS do
           if held > hits then
             redis.call('ZADD', key, stamp, stamp .. ':' .. (seq or 0) .. ':' .. (held - hits))
           end
+          -- The log's `hits` member, scored minus the hits it holds (see decide.lua), follows.
+          if redis.call('ZSCORE', key, 'hits') then redis.call('ZINCRBY', key, hits, 'hits') end
           break
         end
       end

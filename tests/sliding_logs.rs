@@ -1,0 +1,282 @@
+//! Sliding logs on Redis: a decision costs the entries that left the window since the last call, not
+//! the whole log, however many entries it holds; a log written by an earlier version (without the
+//! `hits` member that holds the entries' sum) is counted whole once and kept from then on; and that
+//! sum stays the entries' sum through expiry, budgets, denied requests and Cluster refunds. On the memory
+//! store, a hit changes the log in place rather than copying it.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{
+    measure::{bytes_allocated, Measuring},
+    now_ms,
+    redis::{RedisCluster, RedisProcess},
+    redis_store,
+};
+use ratelimitd::{
+    algorithm::{Algorithm, Params},
+    settings::RedisTopology,
+    store::{Applied, Batch, Check, CounterStore, Deadline, MemoryStore, Role, Store},
+};
+
+#[global_allocator]
+static GLOBAL: Measuring = Measuring;
+
+const HOUR_MS: u64 = 3_600_000;
+
+fn log_check(key: &str, limit: u64, window_ms: u64, cost: u64) -> Check {
+    Check {
+        key: key.into(),
+        params: Params {
+            algorithm: Algorithm::SlidingLog,
+            limit,
+            window_ms,
+            burst: limit,
+            count_over_limit: false,
+        },
+        cost,
+        role: Role::Enforce,
+        per_second: false,
+        reported: false,
+    }
+}
+
+async fn apply(store: &Store, checks: Vec<Check>, consume_on_deny: bool) -> Applied {
+    let batch = Batch {
+        checks,
+        consume_on_deny,
+        known_denied: false,
+    };
+    store
+        .apply(&batch, now_ms(), Deadline::within(Duration::from_secs(10)))
+        .await
+        .expect("the store decides")
+}
+
+/// The Redis key a check's counter went to.
+fn redis_key(redis: &RedisProcess, pattern: &str) -> String {
+    let found = redis.cli(&["--scan", "--pattern", pattern]);
+    let keys: Vec<&str> = found.lines().collect();
+    assert_eq!(keys.len(), 1, "one key for {pattern}: {keys:?}");
+    keys[0].to_string()
+}
+
+/// Redis's time per script call since the last `CONFIG RESETSTAT`, in microseconds.
+fn script_usec_per_call(redis: &RedisProcess) -> f64 {
+    let stats = redis.cli(&["INFO", "commandstats"]);
+    stats
+        .lines()
+        .find(|l| l.starts_with("cmdstat_evalsha:"))
+        .and_then(|l| l.split("usec_per_call=").nth(1))
+        .and_then(|v| v.split(',').next())
+        .and_then(|v| v.parse().ok())
+        .expect("script calls counted")
+}
+
+/// Fills a log as an earlier version leaves it: 50 000 live entries of one hit each, 36 ms apart over
+/// the last half hour, 5 000 that have left an hour's window, and no `hits` member. Returns Redis's
+/// time when it wrote them.
+fn fill_as_an_earlier_version(redis: &RedisProcess, key: &str) -> u64 {
+    let script = "local t = redis.call('TIME')
+        local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+        for i = 0, 49999 do
+          local at = now - 1800000 + i * 36
+          redis.call('ZADD', KEYS[1], at, at .. ':' .. i .. ':1')
+        end
+        for i = 0, 4999 do
+          local at = now - 3700000 + i
+          redis.call('ZADD', KEYS[1], at, at .. ':' .. i .. ':1')
+        end
+        redis.call('ZREM', KEYS[1], 'hits')
+        return now";
+    redis.cli(&["EVAL", script, "1", key]).parse().unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_log_is_decided_by_what_changed_not_by_its_length() {
+    let redis = RedisProcess::start(&[]);
+    let store = Store::Redis(redis_store(redis.addr(), RedisTopology::Single).await);
+    let long = |limit, cost| log_check("long:", limit, HOUR_MS, cost);
+
+    let first = apply(&store, vec![long(100_000, 1)], false).await;
+    assert_eq!(first.outcomes[0].remaining, 99_999);
+    let key = redis_key(&redis, "*long:*");
+    let filled_at = fill_as_an_earlier_version(&redis, &key);
+
+    // Counted whole once: the 50 000 live entries and the first request's, not the 5 000 that left.
+    let counted = apply(&store, vec![long(100_000, 1)], false).await;
+    assert_eq!(counted.outcomes[0].remaining, 100_000 - 50_001 - 1);
+    assert_eq!(
+        redis.cli(&["ZCOUNT", &key, "(0", "+inf"]),
+        "50002",
+        "the entries that left the window are gone"
+    );
+    assert_eq!(redis.cli(&["ZSCORE", &key, "hits"]), "-50002");
+
+    // From now on each call costs about what a call on a short log costs.
+    assert_eq!(redis.cli(&["CONFIG", "RESETSTAT"]), "OK");
+    for i in 1..=100 {
+        let answer = apply(&store, vec![long(100_000, 1)], false).await;
+        assert_eq!(answer.outcomes[0].remaining, 100_000 - 50_002 - i);
+    }
+    let long_usec = script_usec_per_call(&redis);
+    apply(
+        &store,
+        vec![log_check("short:", 100_000, HOUR_MS, 1)],
+        false,
+    )
+    .await;
+    assert_eq!(redis.cli(&["CONFIG", "RESETSTAT"]), "OK");
+    for _ in 0..100 {
+        apply(
+            &store,
+            vec![log_check("short:", 100_000, HOUR_MS, 1)],
+            false,
+        )
+        .await;
+    }
+    let short_usec = script_usec_per_call(&redis);
+    eprintln!("Redis time per call: {long_usec} us on 50 000 entries, {short_usec} us on a few");
+    assert!(
+        long_usec < 10.0 * short_usec.max(5.0),
+        "a call on 50 000 entries took {long_usec} us, on a few {short_usec} us"
+    );
+
+    // A denied request's wait reads the oldest entries it needs: with a limit of 50 000 on the 50 102
+    // hits held, 103 must leave, the 103rd oldest entry being the last of them.
+    let denied = apply(&store, vec![long(50_000, 1)], false).await;
+    assert!(!denied.outcomes[0].allowed);
+    let leaves_at = filled_at - 1_800_000 + 102 * 36 + HOUR_MS;
+    let waited = now_ms().saturating_sub(filled_at) + 1_000;
+    let retry = denied.outcomes[0].retry_ms;
+    assert!(
+        retry <= leaves_at - filled_at && retry + waited >= leaves_at - filled_at,
+        "retry {retry} ms; the entry leaves {} ms after the fill",
+        leaves_at - filled_at
+    );
+    // A cost that would need 50 102 hits to leave is told the wait of the 256th oldest entry (no later
+    // than the real one), having read 257 entries, not 50 102.
+    assert_eq!(redis.cli(&["CONFIG", "RESETSTAT"]), "OK");
+    let denied = apply(&store, vec![long(100_000, 100_000)], false).await;
+    assert!(!denied.outcomes[0].allowed);
+    let leaves_at = filled_at - 1_800_000 + 255 * 36 + HOUR_MS;
+    let waited = now_ms().saturating_sub(filled_at) + 1_000;
+    let retry = denied.outcomes[0].retry_ms;
+    assert!(
+        retry <= leaves_at - filled_at && retry + waited >= leaves_at - filled_at,
+        "retry {retry} ms; the 256th entry leaves {} ms after the fill",
+        leaves_at - filled_at
+    );
+    let denied_usec = script_usec_per_call(&redis);
+    eprintln!("a denied cost of the whole limit: {denied_usec} us");
+    assert!(
+        denied_usec < 20.0 * short_usec.max(5.0),
+        "a denied cost of the whole limit took {denied_usec} us"
+    );
+    // Denied and read only: nothing changed.
+    assert_eq!(redis.cli(&["ZSCORE", &key, "hits"]), "-50102");
+}
+
+/// Random requests on short windows, with budgets and denials: after each, every log's `hits` member
+/// holds minus the sum of its entries. On a Cluster, a log's slot gives back what another slot's denial
+/// undoes, and the member follows.
+async fn the_sum_follows_the_entries(store: &Store, nodes: &[&RedisProcess], seed: u64) {
+    use rand::{rngs::SmallRng, Rng, SeedableRng};
+    let mut rng = SmallRng::seed_from_u64(seed);
+    for step in 0..200 {
+        let mut checks = Vec::new();
+        for _ in 0..rng.random_range(1..=3) {
+            let key = ["a", "b", "c", "d"][rng.random_range(0..4)];
+            let cost = [0, 1, 1, 2, 3, 7][rng.random_range(0..6)];
+            let mut check = log_check(&format!("sum{seed}:{key}"), 6, 300, cost);
+            check.params.count_over_limit = key == "d";
+            checks.push(check);
+        }
+        if rng.random_bool(0.3) {
+            // A fixed window in another slot that soon denies: on a Cluster, what the logs' slots
+            // consumed for the request is given back.
+            checks.push(Check::fixed_window(
+                format!("deny{seed}_"),
+                20,
+                3600,
+                1,
+                Role::Enforce,
+            ));
+        }
+        apply(store, checks, rng.random_bool(0.2)).await;
+        for node in nodes {
+            for key in node
+                .cli(&["--scan", "--pattern", &format!("*sum{seed}:*")])
+                .lines()
+            {
+                let members = node.cli(&["ZRANGE", key, "0", "-1", "WITHSCORES"]);
+                let lines: Vec<&str> = members.lines().collect();
+                let mut held = 0i64;
+                let mut sum = None;
+                for pair in lines.chunks(2) {
+                    if pair[0] == "hits" {
+                        sum = Some(-pair[1].parse::<i64>().unwrap());
+                    } else {
+                        held += pair[0].rsplit(':').next().unwrap().parse::<i64>().unwrap();
+                    }
+                }
+                if held > 0 || sum.is_some() {
+                    assert_eq!(sum, Some(held), "step {step}, {key}: {members}");
+                }
+            }
+        }
+        if rng.random_bool(0.2) {
+            tokio::time::sleep(Duration::from_millis(rng.random_range(50..300))).await;
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sum_follows_the_entries_on_redis() {
+    let redis = RedisProcess::start(&[]);
+    let store = Store::Redis(redis_store(redis.addr(), RedisTopology::Single).await);
+    the_sum_follows_the_entries(&store, &[&redis], 1).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sum_follows_the_entries_on_a_cluster() {
+    let cluster = RedisCluster::start(false);
+    let store = Store::Redis(redis_store(cluster.url(), RedisTopology::Cluster).await);
+    let nodes: Vec<&RedisProcess> = cluster.masters.iter().collect();
+    the_sum_follows_the_entries(&store, &nodes, 2).await;
+}
+
+#[test]
+fn on_the_memory_store_a_log_grows_by_its_entries_not_by_copies() {
+    let store = Store::Memory(MemoryStore::new(100));
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    let t0 = now_ms();
+    let check = || log_check("memory:", 100_000, HOUR_MS, 1);
+    let decide = |at: u64| {
+        let batch = Batch {
+            checks: vec![check()],
+            consume_on_deny: false,
+            known_denied: false,
+        };
+        runtime
+            .block_on(store.apply(&batch, at, Deadline::within(Duration::from_secs(1))))
+            .unwrap()
+    };
+    // 20 000 requests a millisecond apart: 20 000 entries of 16 bytes. Copying the log for each hit
+    // would allocate 20 000^2 / 2 entries, 3.2 GB.
+    let (last, bytes) = bytes_allocated(|| {
+        let mut last = None;
+        for i in 0..20_000 {
+            last = Some(decide(t0 + i));
+        }
+        last.unwrap()
+    });
+    assert_eq!(last.outcomes[0].remaining, 80_000);
+    assert!(bytes < 16 << 20, "{bytes} bytes allocated for 20 000 hits");
+    // An hour after the first, the first 5 000 have left the window and go.
+    let later = decide(t0 + HOUR_MS + 4_999);
+    assert_eq!(later.outcomes[0].remaining, 100_000 - 15_000 - 1);
+}

@@ -83,10 +83,37 @@ impl Log {
         self.entries[i].1.wrapping_sub(self.total_at(i))
     }
 
-    /// The first entry still in a window of `window_ms` at `now_ms`.
+    /// The first entry still in a window of `window_ms` at `now_ms`. Searched from the front in growing
+    /// steps: few entries have left since the last hit, and those are the ones near the front, so a hit
+    /// reads a few entries there rather than probing the whole log.
     fn first_live(&self, window_ms: u64, now_ms: u64) -> usize {
-        self.entries
-            .partition_point(|&(at, _)| at.saturating_add(window_ms) <= now_ms)
+        let len = self.entries.len();
+        let gone = |i: usize| self.entries[i].0.saturating_add(window_ms) <= now_ms;
+        if len == 0 || !gone(0) {
+            return 0;
+        }
+        // Entry `low` has left; the first that has not is in (low, high].
+        let (mut low, mut step) = (0, 1);
+        let mut high = loop {
+            let next = low + step;
+            if next >= len {
+                break len;
+            }
+            if !gone(next) {
+                break next;
+            }
+            (low, step) = (next, step * 2);
+        };
+        low += 1;
+        while low < high {
+            let mid = low + (high - low) / 2;
+            if gone(mid) {
+                low = mid + 1;
+            } else {
+                high = mid;
+            }
+        }
+        low
     }
 
     /// The hits counted in the window at `now_ms`.

@@ -274,6 +274,7 @@ fn on_the_memory_store_a_log_grows_by_its_entries_not_by_copies() {
         }
         last.unwrap()
     });
+    eprintln!("20 000 hits on one log: {bytes} bytes allocated");
     assert_eq!(last.outcomes[0].remaining, 80_000);
     assert!(bytes < 16 << 20, "{bytes} bytes allocated for 20 000 hits");
     // An hour after the first, the first 5 000 have left the window and go.

@@ -1,5 +1,6 @@
 //! The hot path, piece by piece: rule matching, counter key building, every algorithm on the memory
-//! store, and one whole in-process decision. `cargo bench --bench hot_path`.
+//! store, one whole in-process decision, and the deny cache when it is full. `cargo bench --bench
+//! hot_path`.
 
 use std::{hint::black_box, sync::Arc};
 
@@ -9,7 +10,9 @@ use ratelimitd::{
     clock::Clock,
     limiter::{Descriptor, Entry, Limiter, Options, Request},
     rules::{parse_file, RuleSet, Rules},
-    store::{keys, Batch, Check, CounterStore, Deadline, MemoryStore, Role, Store},
+    store::{
+        keys, Batch, Check, CounterStore, Deadline, DenyCache, MemoryStore, Outcome, Role, Store,
+    },
 };
 
 const RULES: &str = include_str!("../examples/config/edge.yaml");
@@ -187,12 +190,45 @@ fn statsd(c: &mut Criterion) {
     });
 }
 
+/// A denial on a new key when the deny cache is full of live ones (an hour-long window's denials: what a
+/// caller sending costs above the limit on fresh keys leaves): it is not remembered, and finding that out
+/// should not cost a read of the whole shard.
+fn deny_cache(c: &mut Criterion) {
+    let cache = DenyCache::new(400_000);
+    let params = Params {
+        algorithm: Algorithm::FixedWindow,
+        limit: 10,
+        window_ms: 3_600_000,
+        burst: 10,
+        count_over_limit: false,
+    };
+    let denied = Outcome {
+        allowed: false,
+        remaining: 0,
+        reset_after: 3_600,
+        retry_after: 3_600,
+        retry_ms: 3_600_000,
+    };
+    let now = Clock::System.now_millis();
+    for i in 0..400_000 {
+        cache.insert(&format!("held_{i}_"), params, 11, denied, now);
+    }
+    let mut i = 0u64;
+    c.bench_function("deny cache/a new denial, cache full of live ones", |b| {
+        b.iter(|| {
+            i += 1;
+            cache.insert(&format!("new_{i}_"), params, 11, denied, now + i / 1_000);
+        })
+    });
+}
+
 criterion_group!(
     benches,
     matching,
     key_building,
     algorithms,
     end_to_end,
-    statsd
+    statsd,
+    deny_cache
 );
 criterion_main!(benches);

@@ -16,7 +16,13 @@
 //! [`DenyCached`] puts the cache in front of a store: it is itself a [`CounterStore`], answers the checks
 //! it remembers and asks the store about the rest.
 
-use std::{future::Future, sync::Arc};
+use std::{
+    future::Future,
+    sync::{
+        atomic::{AtomicU64, Ordering},
+        Arc,
+    },
+};
 
 use smallvec::{smallvec, SmallVec};
 
@@ -30,6 +36,12 @@ use crate::algorithm::Params;
 type Small<T> = SmallVec<[T; 8]>;
 
 const SHARDS: usize = 16;
+
+/// A full shard is swept for expired denials at most this often: a sweep reads the whole shard, and a
+/// cache kept full of live denials (costs above the limit on fresh keys) would otherwise be read whole for
+/// every new denial. Until the next sweep, new denials are asked of the store again, as when nothing
+/// expired.
+pub const SWEEP_EVERY_MS: u64 = 100;
 
 #[derive(Debug, Clone)]
 struct Entry {
@@ -47,6 +59,9 @@ struct Entry {
 pub struct DenyCache {
     entries: Sharded<Entry>,
     per_shard: usize,
+    /// When each shard was last swept for room (ms; `u64::MAX`: never). Read and written under the
+    /// shard's lock.
+    swept_ms: [AtomicU64; SHARDS],
 }
 
 impl DenyCache {
@@ -54,6 +69,7 @@ impl DenyCache {
         Self {
             entries: Sharded::new(SHARDS),
             per_shard: max_entries.div_ceil(SHARDS).max(1),
+            swept_ms: std::array::from_fn(|_| AtomicU64::new(u64::MAX)),
         }
     }
 
@@ -94,11 +110,19 @@ impl DenyCache {
             since_ms: sent_ms,
         };
         let key = self.entries.hash(key);
-        let mut shard = self.entries.lock_of(key);
+        let index = self.entries.shard_of(key);
+        let mut shard = self.entries.lock(index);
         if shard.len() >= self.per_shard && shard.get(key).is_none() {
+            // Full: room is made from expired denials, once per SWEEP_EVERY_MS (and at once after the
+            // clock stepped back); otherwise this one is simply asked of the store again next time.
+            let swept = &self.swept_ms[index];
+            let last = swept.load(Ordering::Relaxed);
+            if last <= sent_ms && sent_ms - last < SWEEP_EVERY_MS {
+                return;
+            }
+            swept.store(sent_ms, Ordering::Relaxed);
             shard.retain(|e| e.until_ms > sent_ms);
             if shard.len() >= self.per_shard {
-                // Full of live denials: this one is simply asked of the store again next time.
                 return;
             }
         }
@@ -473,5 +497,38 @@ mod tests {
             cache.insert(&format!("k{i}"), params(5), 1, denied(60_000), 0);
         }
         assert!(cache.len() <= 32, "{}", cache.len());
+    }
+
+    #[test]
+    fn a_full_cache_is_swept_for_room_at_most_every_100_ms() {
+        // One entry per shard: every shard full after one denial that lasts 50 ms.
+        let cache = DenyCache::new(SHARDS);
+        let mut keys = (0..).map(|i| format!("k{i}"));
+        while cache.len() < SHARDS {
+            let key = keys.next().unwrap();
+            cache.insert(&key, params(5), 1, denied(50), 1_000);
+        }
+        // Every new denial now sweeps its shard once: nothing has expired, nothing is remembered.
+        let newcomers: Vec<String> = keys.take(400).collect();
+        for key in &newcomers {
+            cache.insert(key, params(5), 1, denied(60_000), 1_000);
+        }
+        assert_eq!(cache.len(), SHARDS);
+        // The old denials expire at 1 050; until 1 100 no shard is swept again, so none makes room.
+        for key in &newcomers {
+            cache.insert(key, params(5), 1, denied(60_000), 1_060);
+            assert!(cache.lookup(key, &params(5), 1, 1_060).is_none());
+        }
+        assert_eq!(cache.len(), SHARDS);
+        // From 1 100 on, a full shard is swept and the expired denial gives its place.
+        for key in &newcomers {
+            cache.insert(key, params(5), 1, denied(60_000), 1_100);
+        }
+        assert_eq!(cache.len(), SHARDS);
+        let remembered = newcomers
+            .iter()
+            .filter(|k| cache.lookup(k, &params(5), 1, 1_100).is_some())
+            .count();
+        assert_eq!(remembered, SHARDS, "one newcomer per shard");
     }
 }

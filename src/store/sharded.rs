@@ -136,7 +136,7 @@ impl<V> Sharded<V> {
 
     /// The index of the shard `key` lives in: from the hash's high half, which the shard's own table
     /// does not use to place it.
-    fn shard_of(&self, key: Hashed<'_>) -> usize {
+    pub fn shard_of(&self, key: Hashed<'_>) -> usize {
         ((key.hash >> 32) as usize) % self.shards.len()
     }
 

@@ -110,7 +110,7 @@ async fn healthcheck(State(state): State<AppState>) -> Response {
 /// request that cannot be read or decided as sent, 503 when the service cannot decide
 /// ([`to_http_status`]).
 async fn decide_json(State(state): State<AppState>, body: Bytes) -> Response {
-    let request = match json::parse_request(&body) {
+    let request = match json::parse_request(&body, state.limiter.request_limits()) {
         Ok(r) => r,
         Err(err) => {
             tracing::debug!(error = %err, "bad /json request");

@@ -3,134 +3,410 @@
 //! Requests accept both the lowerCamelCase JSON names and the proto field names, enums by name or
 //! number, and 64-bit integers as numbers or strings, as protobuf JSON parsers do; unknown fields are
 //! refused. Responses use lowerCamelCase, enum names, durations like `"58s"`, and omit default values.
+//!
+//! A request is read field by field as it is parsed, never into a generic JSON tree (which costs up to
+//! a hundred times the body's size), and refused as soon as it holds more descriptors or entries than
+//! `request_limits` allows: what a body can make the service allocate stays close to its own size.
 
+use std::{borrow::Cow, fmt, marker::PhantomData};
+
+use serde::de::{self, DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
 use serde_json::{json, Map, Value};
 
 use crate::{
-    limiter::{self, Code, LimitOverride},
+    limiter::{self, Code, LimitOverride, RequestLimits},
     rules::Unit,
 };
 
 /// Parses a protobuf-JSON `RateLimitRequest`.
-pub fn parse_request(body: &[u8]) -> Result<limiter::Request, String> {
-    let value: Value = serde_json::from_slice(body).map_err(|e| format!("invalid JSON: {e}"))?;
-    let obj = object(&value, "RateLimitRequest")?;
-    let mut request = limiter::Request::default();
-    for (name, v) in obj {
-        match name.as_str() {
-            "domain" => request.domain = string(v, "domain")?,
-            "descriptors" => {
-                for d in array(v, "descriptors")? {
-                    request.descriptors.push(descriptor(d)?);
-                }
-            }
-            "hitsAddend" | "hits_addend" => {
-                request.hits_addend = u32::try_from(integer(v, "hitsAddend")?)
-                    .map_err(|_| "hitsAddend: out of range for uint32".to_string())?
-            }
-            other => return Err(format!("unknown field {other:?} in RateLimitRequest")),
-        }
+pub fn parse_request(body: &[u8], limits: &RequestLimits) -> Result<limiter::Request, String> {
+    let mut parser = serde_json::Deserializer::from_slice(body);
+    let read = Nullable::<limiter::Request>::new(limits)
+        .deserialize(&mut parser)
+        .and_then(|request| parser.end().map(|()| request));
+    match read {
+        Ok(Some(request)) => Ok(request),
+        Ok(None) => Err("RateLimitRequest: expected a JSON object".into()),
+        Err(e) if e.classify() == serde_json::error::Category::Data => Err(e.to_string()),
+        Err(e) => Err(format!("invalid JSON: {e}")),
     }
-    Ok(request)
 }
 
-fn descriptor(value: &Value) -> Result<limiter::Descriptor, String> {
-    let mut d = limiter::Descriptor::default();
-    for (name, v) in object(value, "RateLimitDescriptor")? {
-        match name.as_str() {
+/// A message read from a JSON object, field by field.
+trait Message: Default {
+    const NAME: &'static str;
+
+    /// Reads field `name`'s value from `map` into `self`; false when the message has no such field.
+    fn field<'de, A: MapAccess<'de>>(
+        &mut self,
+        name: &str,
+        map: &mut A,
+        limits: &RequestLimits,
+    ) -> Result<bool, A::Error>;
+}
+
+impl Message for limiter::Request {
+    const NAME: &'static str = "RateLimitRequest";
+
+    fn field<'de, A: MapAccess<'de>>(
+        &mut self,
+        name: &str,
+        map: &mut A,
+        limits: &RequestLimits,
+    ) -> Result<bool, A::Error> {
+        match name {
+            "domain" => self.domain = string(map, "domain")?,
+            "descriptors" => {
+                self.descriptors = map.next_value_seed(List {
+                    field: "descriptors",
+                    most: (limits.max_descriptors, "request_limits.max_descriptors"),
+                    limits,
+                    item: PhantomData,
+                })?
+            }
+            "hitsAddend" | "hits_addend" => {
+                self.hits_addend = u32::try_from(integer(map, "hitsAddend")?)
+                    .map_err(|_| de::Error::custom("hitsAddend: out of range for uint32"))?
+            }
+            _ => return Ok(false),
+        }
+        Ok(true)
+    }
+}
+
+impl Message for limiter::Descriptor {
+    const NAME: &'static str = "RateLimitDescriptor";
+
+    fn field<'de, A: MapAccess<'de>>(
+        &mut self,
+        name: &str,
+        map: &mut A,
+        limits: &RequestLimits,
+    ) -> Result<bool, A::Error> {
+        match name {
             "entries" => {
-                for e in array(v, "entries")? {
-                    let mut entry = limiter::Entry::default();
-                    for (name, v) in object(e, "Entry")? {
-                        match name.as_str() {
-                            "key" => entry.key = string(v, "key")?,
-                            "value" => entry.value = string(v, "value")?,
-                            other => return Err(format!("unknown field {other:?} in Entry")),
-                        }
-                    }
-                    d.entries.push(entry);
-                }
+                self.entries = map.next_value_seed(List {
+                    field: "entries",
+                    most: (limits.max_entries, "request_limits.max_entries"),
+                    limits,
+                    item: PhantomData,
+                })?
             }
             "limit" => {
-                if !v.is_null() {
-                    d.limit = Some(limit_override(v)?);
-                }
+                self.limit = map
+                    .next_value_seed(Nullable::<Override>::new(limits))?
+                    .map(|o| o.0)
             }
             "hitsAddend" | "hits_addend" => {
-                if !v.is_null() {
-                    d.hits_addend = Some(integer(v, "hitsAddend")?);
+                let hits = map.next_value_seed(Scalar("hitsAddend", "a non-negative integer"))?;
+                if !matches!(hits, Token::Null) {
+                    self.hits_addend = Some(hits.integer("hitsAddend")?);
                 }
             }
-            other => return Err(format!("unknown field {other:?} in RateLimitDescriptor")),
+            _ => return Ok(false),
         }
+        Ok(true)
     }
-    Ok(d)
 }
 
-fn limit_override(value: &Value) -> Result<LimitOverride, String> {
-    let mut over = LimitOverride {
-        requests_per_unit: 0,
-        unit: None,
-    };
-    for (name, v) in object(value, "RateLimitOverride")? {
-        match name.as_str() {
+impl Message for limiter::Entry {
+    const NAME: &'static str = "Entry";
+
+    fn field<'de, A: MapAccess<'de>>(
+        &mut self,
+        name: &str,
+        map: &mut A,
+        _: &RequestLimits,
+    ) -> Result<bool, A::Error> {
+        match name {
+            "key" => self.key = string(map, "key")?,
+            "value" => self.value = string(map, "value")?,
+            _ => return Ok(false),
+        }
+        Ok(true)
+    }
+}
+
+/// `RateLimitOverride`, which has no default of its own.
+struct Override(LimitOverride);
+
+impl Default for Override {
+    fn default() -> Self {
+        Self(LimitOverride {
+            requests_per_unit: 0,
+            unit: None,
+        })
+    }
+}
+
+impl Message for Override {
+    const NAME: &'static str = "RateLimitOverride";
+
+    fn field<'de, A: MapAccess<'de>>(
+        &mut self,
+        name: &str,
+        map: &mut A,
+        _: &RequestLimits,
+    ) -> Result<bool, A::Error> {
+        match name {
             "requestsPerUnit" | "requests_per_unit" => {
-                over.requests_per_unit = u32::try_from(integer(v, "requestsPerUnit")?)
-                    .map_err(|_| "requestsPerUnit: out of range for uint32".to_string())?
+                self.0.requests_per_unit = u32::try_from(integer(map, "requestsPerUnit")?)
+                    .map_err(|_| de::Error::custom("requestsPerUnit: out of range for uint32"))?
             }
             "unit" => {
-                over.unit = match v {
-                    Value::String(s) if s == "UNKNOWN" => None,
-                    Value::String(s) => Some(
-                        Unit::from_name(s)
+                self.0.unit = match map.next_value_seed(Scalar("unit", "an enum name or number"))? {
+                    Token::Str(s) if s == "UNKNOWN" => None,
+                    Token::Str(s) => Some(
+                        Unit::from_name(&s)
                             .filter(|_| s.chars().all(|c| c.is_ascii_uppercase()))
-                            .ok_or_else(|| format!("unit: unknown enum value {s:?}"))?,
+                            .ok_or_else(|| {
+                                de::Error::custom(format!("unit: unknown enum value {s:?}"))
+                            })?,
                     ),
-                    Value::Number(_) => i32::try_from(integer(v, "unit")?)
-                        .ok()
-                        .and_then(Unit::from_wire),
-                    Value::Null => None,
-                    _ => return Err("unit: expected an enum name or number".into()),
+                    Token::Unsigned(n) => i32::try_from(n).ok().and_then(Unit::from_wire),
+                    Token::Null => None,
+                    _ => return Err(de::Error::custom("unit: expected an enum name or number")),
                 }
             }
-            other => return Err(format!("unknown field {other:?} in RateLimitOverride")),
+            _ => return Ok(false),
+        }
+        Ok(true)
+    }
+}
+
+/// A string field's value (`null` reads as empty).
+fn string<'de, A: MapAccess<'de>>(map: &mut A, field: &'static str) -> Result<String, A::Error> {
+    match map.next_value_seed(Scalar(field, "a string"))? {
+        Token::Str(s) => Ok(s.into_owned()),
+        Token::Null => Ok(String::new()),
+        _ => Err(de::Error::custom(format!("{field}: expected a string"))),
+    }
+}
+
+/// A non-negative integer field's value, as a JSON number or a decimal string (`null` reads as 0).
+fn integer<'de, A: MapAccess<'de>>(map: &mut A, field: &'static str) -> Result<u64, A::Error> {
+    map.next_value_seed(Scalar(field, "a non-negative integer"))?
+        .integer(field)
+}
+
+/// A JSON value that is not an object or an array.
+enum Token<'de> {
+    Str(Cow<'de, str>),
+    Unsigned(u64),
+    Null,
+    Other,
+}
+
+impl Token<'_> {
+    fn integer<E: de::Error>(self, field: &str) -> Result<u64, E> {
+        let wrong = || E::custom(format!("{field}: expected a non-negative integer"));
+        match self {
+            Token::Unsigned(n) => Ok(n),
+            Token::Str(s) => s.parse().map_err(|_| wrong()),
+            Token::Null => Ok(0),
+            Token::Other => Err(wrong()),
         }
     }
-    Ok(over)
 }
 
-fn object<'a>(v: &'a Value, what: &str) -> Result<&'a Map<String, Value>, String> {
-    v.as_object()
-        .ok_or_else(|| format!("{what}: expected a JSON object"))
-}
+/// Reads a [`Token`] for a field (its name, and what it expects, for the error an object or an array
+/// gets at once).
+struct Scalar(&'static str, &'static str);
 
-fn array<'a>(v: &'a Value, field: &str) -> Result<&'a [Value], String> {
-    match v {
-        Value::Array(items) => Ok(items),
-        Value::Null => Ok(&[]),
-        _ => Err(format!("{field}: expected a JSON array")),
+impl<'de> DeserializeSeed<'de> for Scalar {
+    type Value = Token<'de>;
+
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Token<'de>, D::Error> {
+        d.deserialize_any(self)
     }
 }
 
-fn string(v: &Value, field: &str) -> Result<String, String> {
-    match v {
-        Value::String(s) => Ok(s.clone()),
-        Value::Null => Ok(String::new()),
-        _ => Err(format!("{field}: expected a string")),
+impl<'de> Visitor<'de> for Scalar {
+    type Value = Token<'de>;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.0, self.1)
+    }
+    fn visit_borrowed_str<E: de::Error>(self, v: &'de str) -> Result<Token<'de>, E> {
+        Ok(Token::Str(Cow::Borrowed(v)))
+    }
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<Token<'de>, E> {
+        Ok(Token::Str(Cow::Owned(v.to_owned())))
+    }
+    fn visit_u64<E: de::Error>(self, v: u64) -> Result<Token<'de>, E> {
+        Ok(Token::Unsigned(v))
+    }
+    fn visit_i64<E: de::Error>(self, _: i64) -> Result<Token<'de>, E> {
+        Ok(Token::Other)
+    }
+    fn visit_f64<E: de::Error>(self, _: f64) -> Result<Token<'de>, E> {
+        Ok(Token::Other)
+    }
+    fn visit_bool<E: de::Error>(self, _: bool) -> Result<Token<'de>, E> {
+        Ok(Token::Other)
+    }
+    fn visit_unit<E: de::Error>(self) -> Result<Token<'de>, E> {
+        Ok(Token::Null)
+    }
+    fn visit_seq<A: SeqAccess<'de>>(self, _: A) -> Result<Token<'de>, A::Error> {
+        Err(de::Error::custom(format!(
+            "{}: expected {}",
+            self.0, self.1
+        )))
+    }
+    fn visit_map<A: MapAccess<'de>>(self, _: A) -> Result<Token<'de>, A::Error> {
+        Err(de::Error::custom(format!(
+            "{}: expected {}",
+            self.0, self.1
+        )))
     }
 }
 
-/// A non-negative integer, as a JSON number or a decimal string.
-fn integer(v: &Value, field: &str) -> Result<u64, String> {
-    match v {
-        Value::Number(n) => n
-            .as_u64()
-            .ok_or_else(|| format!("{field}: expected a non-negative integer")),
-        Value::String(s) => s
-            .parse()
-            .map_err(|_| format!("{field}: expected a non-negative integer")),
-        Value::Null => Ok(0),
-        _ => Err(format!("{field}: expected a non-negative integer")),
+/// A field name, borrowed from the body unless it holds escapes.
+struct Name<'de>(Cow<'de, str>);
+
+impl<'de> de::Deserialize<'de> for Name<'de> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        match Scalar("a field name", "a string").deserialize(d)? {
+            Token::Str(s) => Ok(Name(s)),
+            _ => Err(de::Error::custom("a field name: expected a string")),
+        }
+    }
+}
+
+/// A message, or `None` for `null`.
+struct Nullable<'l, M> {
+    limits: &'l RequestLimits,
+    message: PhantomData<M>,
+}
+
+impl<'l, M> Nullable<'l, M> {
+    fn new(limits: &'l RequestLimits) -> Self {
+        Self {
+            limits,
+            message: PhantomData,
+        }
+    }
+}
+
+impl<'de, M: Message> DeserializeSeed<'de> for Nullable<'_, M> {
+    type Value = Option<M>;
+
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Option<M>, D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de, M: Message> Visitor<'de> for Nullable<'_, M> {
+    type Value = Option<M>;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: a JSON object", M::NAME)
+    }
+    fn visit_unit<E: de::Error>(self) -> Result<Option<M>, E> {
+        Ok(None)
+    }
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Option<M>, A::Error> {
+        let mut message = M::default();
+        while let Some(Name(name)) = map.next_key()? {
+            if !message.field(&name, &mut map, self.limits)? {
+                return Err(de::Error::custom(format!(
+                    "unknown field {name:?} in {}",
+                    M::NAME
+                )));
+            }
+        }
+        Ok(Some(message))
+    }
+    fn visit_str<E: de::Error>(self, _: &str) -> Result<Option<M>, E> {
+        Err(not_an_object::<M, E>())
+    }
+    fn visit_u64<E: de::Error>(self, _: u64) -> Result<Option<M>, E> {
+        Err(not_an_object::<M, E>())
+    }
+    fn visit_i64<E: de::Error>(self, _: i64) -> Result<Option<M>, E> {
+        Err(not_an_object::<M, E>())
+    }
+    fn visit_f64<E: de::Error>(self, _: f64) -> Result<Option<M>, E> {
+        Err(not_an_object::<M, E>())
+    }
+    fn visit_bool<E: de::Error>(self, _: bool) -> Result<Option<M>, E> {
+        Err(not_an_object::<M, E>())
+    }
+    fn visit_seq<A: SeqAccess<'de>>(self, _: A) -> Result<Option<M>, A::Error> {
+        Err(not_an_object::<M, A::Error>())
+    }
+}
+
+fn not_an_object<M: Message, E: de::Error>() -> E {
+    E::custom(format!("{}: expected a JSON object", M::NAME))
+}
+
+/// A repeated message field (`null` reads as empty), refused past its most items.
+struct List<'l, M> {
+    field: &'static str,
+    most: (usize, &'static str),
+    limits: &'l RequestLimits,
+    item: PhantomData<M>,
+}
+
+impl<'de, M: Message> DeserializeSeed<'de> for List<'_, M> {
+    type Value = Vec<M>;
+
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Vec<M>, D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de, M: Message> Visitor<'de> for List<'_, M> {
+    type Value = Vec<M>;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: a JSON array", self.field)
+    }
+    fn visit_unit<E: de::Error>(self) -> Result<Vec<M>, E> {
+        Ok(Vec::new())
+    }
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Vec<M>, A::Error> {
+        let (most, setting) = self.most;
+        let mut items = Vec::new();
+        while let Some(item) = seq.next_element_seed(Nullable::<M>::new(self.limits))? {
+            let Some(item) = item else {
+                return Err(not_an_object::<M, A::Error>());
+            };
+            if items.len() == most {
+                return Err(de::Error::custom(format!(
+                    "{}: more than {most} ({setting})",
+                    self.field
+                )));
+            }
+            items.push(item);
+        }
+        Ok(items)
+    }
+    fn visit_str<E: de::Error>(self, _: &str) -> Result<Vec<M>, E> {
+        Err(self.not_an_array())
+    }
+    fn visit_u64<E: de::Error>(self, _: u64) -> Result<Vec<M>, E> {
+        Err(self.not_an_array())
+    }
+    fn visit_i64<E: de::Error>(self, _: i64) -> Result<Vec<M>, E> {
+        Err(self.not_an_array())
+    }
+    fn visit_f64<E: de::Error>(self, _: f64) -> Result<Vec<M>, E> {
+        Err(self.not_an_array())
+    }
+    fn visit_bool<E: de::Error>(self, _: bool) -> Result<Vec<M>, E> {
+        Err(self.not_an_array())
+    }
+    fn visit_map<A: MapAccess<'de>>(self, _: A) -> Result<Vec<M>, A::Error> {
+        Err(self.not_an_array())
+    }
+}
+
+impl<M> List<'_, M> {
+    fn not_an_array<E: de::Error>(&self) -> E {
+        E::custom(format!("{}: expected a JSON array", self.field))
     }
 }
 
@@ -193,9 +469,13 @@ mod tests {
     use super::*;
     use crate::limiter::{CurrentLimit, DescriptorStatus};
 
+    fn parse(body: &[u8]) -> Result<limiter::Request, String> {
+        parse_request(body, &RequestLimits::default())
+    }
+
     #[test]
     fn requests_accept_json_and_proto_names() {
-        let r = parse_request(
+        let r = parse(
             br#"{"domain":"d","hits_addend":2,"descriptors":[{"entries":[{"key":"k","value":"v"}],"limit":{"requestsPerUnit":"5","unit":"HOUR"},"hitsAddend":"0"}]}"#,
         )
         .unwrap();
@@ -211,7 +491,7 @@ mod tests {
                 unit: Some(Unit::Hour)
             })
         );
-        let r = parse_request(br#"{"domain":"d","descriptors":[{"limit":{"unit":7}}]}"#).unwrap();
+        let r = parse(br#"{"domain":"d","descriptors":[{"limit":{"unit":7}}]}"#).unwrap();
         assert_eq!(r.descriptors[0].limit.unwrap().unit, Some(Unit::Week));
     }
 
@@ -226,10 +506,62 @@ mod tests {
                 br#"{"descriptors":[{"limit":{"unit":"FORTNIGHT"}}]}"#,
                 "FORTNIGHT",
             ),
+            (
+                br#"{"descriptors":[null]}"#,
+                "RateLimitDescriptor: expected a JSON object",
+            ),
+            (
+                br#"{"descriptors":{}}"#,
+                "descriptors: expected a JSON array",
+            ),
+            (
+                br#"{"descriptors":[{"entries":[{"key":[1]}]}]}"#,
+                "key: expected a string",
+            ),
+            (
+                br#"{"descriptors":[{"hitsAddend":1.5}]}"#,
+                "hitsAddend: expected a non-negative integer",
+            ),
+            (
+                br#"{"descriptors":[{"wat":{"deep":[1,2,3]}}]}"#,
+                "unknown field \"wat\" in RateLimitDescriptor",
+            ),
+            (br#"[]"#, "RateLimitRequest: expected a JSON object"),
+            (br#"null"#, "RateLimitRequest: expected a JSON object"),
+            (br#"{"domain":"d"} {}"#, "invalid JSON"),
         ] {
-            let err = parse_request(body).unwrap_err();
+            let err = parse(body).unwrap_err();
             assert!(err.contains(want), "{err}");
         }
+    }
+
+    #[test]
+    fn more_descriptors_or_entries_than_allowed_are_refused_while_reading() {
+        let limits = RequestLimits {
+            max_descriptors: 2,
+            max_entries: 1,
+            ..RequestLimits::default()
+        };
+        let two = br#"{"descriptors":[{"entries":[{"key":"a"}]},{}]}"#;
+        assert_eq!(parse_request(two, &limits).unwrap().descriptors.len(), 2);
+        let err = parse_request(br#"{"descriptors":[{},{},{}]}"#, &limits).unwrap_err();
+        assert!(
+            err.contains("descriptors: more than 2 (request_limits.max_descriptors)"),
+            "{err}"
+        );
+        let err = parse_request(br#"{"descriptors":[{"entries":[{},{}]}]}"#, &limits).unwrap_err();
+        assert!(
+            err.contains("entries: more than 1 (request_limits.max_entries)"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn escaped_names_and_values_are_read() {
+        let r = parse(br#"{"dom\u0061in":"d\u00e9","descriptors":[{"entries":[{"key":"k","value":"a\"b"}]}]}"#)
+            .unwrap();
+        assert_eq!(r.domain, "d\u{e9}");
+        assert_eq!(r.descriptors[0].entries[0].value, "a\"b");
     }
 
     #[test]

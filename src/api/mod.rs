@@ -8,7 +8,7 @@ pub mod grpc;
 pub mod health;
 pub mod http;
 pub mod http1;
-mod json;
+pub mod json;
 pub mod method_stats;
 pub mod rlqs;
 pub mod tls;

@@ -34,7 +34,7 @@ impl RateLimitApi {
 }
 
 /// The header Envoy sends its filter timeout in, as the call's deadline.
-const GRPC_TIMEOUT: http::HeaderName = http::HeaderName::from_static("grpc-timeout");
+pub(crate) const GRPC_TIMEOUT: http::HeaderName = http::HeaderName::from_static("grpc-timeout");
 /// The status and message of an answer that is a status alone (trailers-only).
 const GRPC_STATUS: http::HeaderName = http::HeaderName::from_static("grpc-status");
 const GRPC_MESSAGE: http::HeaderName = http::HeaderName::from_static("grpc-message");
@@ -94,7 +94,7 @@ impl RateLimitService for RateLimitApi {
 }
 
 /// The `grpc-timeout` header: at most eight digits and a unit (`H`, `M`, `S`, `m`, `u`, `n`).
-fn parse_grpc_timeout(text: &str) -> Option<std::time::Duration> {
+pub(crate) fn parse_grpc_timeout(text: &str) -> Option<std::time::Duration> {
     use std::time::Duration;
     let (&unit, digits) = text.as_bytes().split_last()?;
     if digits.is_empty() || digits.len() > 8 || !digits.iter().all(u8::is_ascii_digit) {

@@ -4,17 +4,25 @@
 //! with a `grpc_method` label). A tower layer in front of the gRPC services: the series are made once,
 //! so a call costs a path comparison, a counter increment and a histogram observation (both striped: no
 //! cache line shared between cores).
+//!
+//! A `ShouldRateLimit` call that carries a deadline (`grpc-timeout`, which Envoy always sends) and is not
+//! answered within it is counted in `ratelimitd_calls_past_deadline_total`: answered after it, or cut at
+//! it before an answer, wherever it was then (waiting for its body, decoding, deciding). Here rather than
+//! in the limiter, which sees a call only once it is read: a call that waits for a worker past its
+//! deadline is exactly the one an overloaded replica fails to count.
 
 use std::{
     future::Future,
     pin::Pin,
     sync::Arc,
     task::{ready, Context, Poll},
+    time::Duration,
 };
 
 use tokio::time::Instant;
 use tonic::codegen::http;
 
+use super::grpc::{parse_grpc_timeout, GRPC_TIMEOUT};
 use crate::telemetry::{
     metrics::{Histogram, StripedCounter},
     Metrics,
@@ -35,6 +43,8 @@ struct MethodSeries {
     path: &'static str,
     calls: Arc<StripedCounter>,
     time: Arc<Histogram>,
+    /// Calls not answered within their deadline (ShouldRateLimit only).
+    late: Option<Arc<StripedCounter>>,
 }
 
 /// Counts and times every unary call.
@@ -61,6 +71,13 @@ impl MethodStatsLayer {
                         "Time to answer a unary gRPC call, by method.",
                         labels(),
                     ),
+                    late: (*method == "ShouldRateLimit").then(|| {
+                        metrics.striped_counter(
+                            "ratelimitd_calls_past_deadline_total",
+                            "Unary gRPC calls with a deadline (grpc-timeout) not answered within it: answered after it, or cut at it before an answer (by the caller's timer or the server's).",
+                            labels(),
+                        )
+                    }),
                 }
             })
             .collect();
@@ -101,12 +118,61 @@ where
     fn call(&mut self, request: http::Request<B>) -> Self::Future {
         let path = request.uri().path();
         let timing = self.methods.iter().position(|m| m.path == path).map(|i| {
-            self.methods[i].calls.add(1);
-            (self.methods.clone(), i, Instant::now())
+            let method = &self.methods[i];
+            method.calls.add(1);
+            let timeout = method.late.as_ref().and_then(|_| {
+                let header = request.headers().get(&GRPC_TIMEOUT)?;
+                parse_grpc_timeout(header.to_str().ok()?)
+            });
+            Timing {
+                methods: self.methods.clone(),
+                method: i,
+                start: Instant::now(),
+                timeout,
+            }
         });
         Timed {
             answer: self.inner.call(request),
             timing,
+        }
+    }
+}
+
+/// One call of a method in [`UNARY`], until it is answered.
+struct Timing {
+    methods: Arc<[MethodSeries]>,
+    method: usize,
+    start: Instant,
+    /// The call's deadline, while it is not answered (ShouldRateLimit only).
+    timeout: Option<Duration>,
+}
+
+impl Timing {
+    fn answered(mut self) {
+        let took = self.start.elapsed();
+        let method = &self.methods[self.method];
+        method.time.observe(took);
+        if let Some(late) = &method.late {
+            if self.timeout.take().is_some_and(|timeout| took > timeout) {
+                late.add(1);
+            }
+        }
+    }
+}
+
+impl Drop for Timing {
+    /// A call dropped unanswered at its deadline was cut by a timer (the caller's, or tonic's for the
+    /// caller's deadline). The caller's timer started before the call arrived, so its cancel comes a
+    /// little before the deadline by this clock: within a tenth of it (at least 2 ms) counts. A call
+    /// given up earlier was given up for another reason (its own caller went away), not for waiting.
+    fn drop(&mut self) {
+        if let Some(timeout) = self.timeout {
+            let slack = (timeout / 10).max(Duration::from_millis(2));
+            if let Some(late) = &self.methods[self.method].late {
+                if self.start.elapsed() + slack >= timeout {
+                    late.add(1);
+                }
+            }
         }
     }
 }
@@ -117,7 +183,7 @@ pin_project_lite::pin_project! {
     pub struct Timed<F> {
         #[pin]
         answer: F,
-        timing: Option<(Arc<[MethodSeries]>, usize, Instant)>,
+        timing: Option<Timing>,
     }
 }
 
@@ -127,9 +193,48 @@ impl<F: Future> Future for Timed<F> {
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
         let this = self.project();
         let answer = ready!(this.answer.poll(cx));
-        if let Some((methods, i, start)) = this.timing.take() {
-            methods[i].time.observe(start.elapsed());
+        if let Some(timing) = this.timing.take() {
+            timing.answered();
         }
         Poll::Ready(answer)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn calls_not_answered_within_their_deadline_are_counted() {
+        let metrics = Metrics::new();
+        let layer = MethodStatsLayer::new(&metrics);
+        let late = layer.methods[0].late.clone().unwrap();
+        let call = |timeout: Option<Duration>| Timing {
+            methods: layer.methods.clone(),
+            method: 0,
+            start: Instant::now(),
+            timeout,
+        };
+        // Answered within the deadline, or without one: not counted.
+        call(Some(Duration::from_secs(1))).answered();
+        call(None).answered();
+        assert_eq!(late.get(), 0);
+        // Answered after it: counted once.
+        let slow = call(Some(Duration::from_millis(5)));
+        tokio::time::sleep(Duration::from_millis(6)).await;
+        slow.answered();
+        assert_eq!(late.get(), 1);
+        // Cut at its deadline, unanswered: counted, also when the cancel comes a little early by this
+        // clock (the caller's timer started before the call arrived).
+        let cut = call(Some(Duration::from_millis(20)));
+        tokio::time::sleep(Duration::from_millis(19)).await;
+        drop(cut);
+        assert_eq!(late.get(), 2);
+        // Given up long before its deadline, or without one: not a call answered late.
+        drop(call(Some(Duration::from_secs(10))));
+        drop(call(None));
+        assert_eq!(late.get(), 2);
+        // The health check has no such count.
+        assert!(layer.methods[1].late.is_none());
     }
 }

@@ -245,7 +245,6 @@ impl Limiter {
     ) -> Result<Response, LimitError> {
         // One reading of the clock for the answer's time and its deadline.
         let started = tokio::time::Instant::now();
-        let due_by = record::DueBy::new(&self.series.past_deadline, started, timeout);
         let due = timeout.map(|timeout| started + timeout);
         let result = match self.in_flight.enter() {
             // Past the bound, answering at once beats queueing: the caller's own deadline would pass
@@ -268,7 +267,6 @@ impl Limiter {
             }
         };
         let took = started.elapsed();
-        due_by.decided(took);
         self.record_answer(&result, took);
         result
     }

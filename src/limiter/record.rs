@@ -31,7 +31,6 @@ pub(super) struct Series {
     requests_ok: Arc<StripedCounter>,
     requests_over_limit: Arc<StripedCounter>,
     requests_error: Arc<StripedCounter>,
-    pub(super) past_deadline: Arc<StripedCounter>,
 }
 
 impl Series {
@@ -53,54 +52,6 @@ impl Series {
             requests_ok: requests("ok"),
             requests_over_limit: requests("over_limit"),
             requests_error: requests("error"),
-            past_deadline: metrics.striped_counter(
-                "ratelimitd_calls_past_deadline_total",
-                "Unary gRPC calls with a deadline (grpc-timeout) not answered within it: decided later than it after they reached the limiter, or dropped undecided at it (cut by the caller).",
-                vec![("grpc_method", "ShouldRateLimit".to_string())],
-            ),
-        }
-    }
-}
-
-/// A call with a deadline, until it is decided: counted in `ratelimitd_calls_past_deadline_total` when
-/// it is decided after its deadline, or dropped undecided at it (its caller's timer cut it). The
-/// caller's timer started before the call arrived, so its cancel comes a little before the deadline by
-/// this clock: within a tenth of it (at least 2 ms) counts. A call given up earlier was given up for
-/// another reason (its own caller went away), not for waiting.
-pub(super) struct DueBy<'a> {
-    late: &'a StripedCounter,
-    started: tokio::time::Instant,
-    timeout: Option<Duration>,
-}
-
-impl<'a> DueBy<'a> {
-    pub(super) fn new(
-        late: &'a StripedCounter,
-        started: tokio::time::Instant,
-        timeout: Option<Duration>,
-    ) -> Self {
-        Self {
-            late,
-            started,
-            timeout,
-        }
-    }
-
-    /// The call was decided, `took` after it started.
-    pub(super) fn decided(mut self, took: Duration) {
-        if self.timeout.take().is_some_and(|timeout| took > timeout) {
-            self.late.add(1);
-        }
-    }
-}
-
-impl Drop for DueBy<'_> {
-    fn drop(&mut self) {
-        if let Some(timeout) = self.timeout {
-            let slack = (timeout / 10).max(Duration::from_millis(2));
-            if self.started.elapsed() + slack >= timeout {
-                self.late.add(1);
-            }
         }
     }
 }
@@ -335,35 +286,5 @@ pub(super) fn rule_label(
     RuleLabel {
         text: parts.join(".").into(),
         request_values_of: from_any_request_value.then(|| written_key(&path)),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[tokio::test]
-    async fn calls_not_decided_within_their_deadline_are_counted() {
-        let metrics = Metrics::new();
-        let late = Series::new(&metrics).past_deadline;
-        let due =
-            |timeout: Option<Duration>| DueBy::new(&late, tokio::time::Instant::now(), timeout);
-        // Decided within the deadline, or without one: not counted.
-        due(Some(Duration::from_secs(1))).decided(Duration::from_millis(1));
-        due(None).decided(Duration::from_secs(60));
-        assert_eq!(late.get(), 0);
-        // Decided after it: counted once.
-        due(Some(Duration::from_millis(20))).decided(Duration::from_millis(21));
-        assert_eq!(late.get(), 1);
-        // Cut by the caller at its deadline, undecided: counted, also when the cancel comes a little
-        // early by this clock (the caller's timer started before the call arrived).
-        let cut = due(Some(Duration::from_millis(20)));
-        tokio::time::sleep(Duration::from_millis(19)).await;
-        drop(cut);
-        assert_eq!(late.get(), 2);
-        // Given up long before its deadline, or without one: not a call answered late.
-        drop(due(Some(Duration::from_secs(10))));
-        drop(due(None));
-        assert_eq!(late.get(), 2);
     }
 }

@@ -239,10 +239,10 @@ local base = {}
 
 -- A sliding log as stored, which never changes in the call: `lg_w` the window it was read for,
 -- `lg_total` the hits of all its entries, `lg_gone` and `lg_gone_n` the hits and number of those that
--- have left the window, `lg_kept` whether the `hits` member was there. `lg_all` holds every entry (times
+-- have left the window, `lg_fix` whether the `hits` member is missing or wrong. `lg_all` holds every entry (times
 -- ascending: times, hits, members) when the log is short or was read whole; else `lg_old` holds the
 -- oldest entries still in the window that were read, and the others are read when needed.
-local lg_w, lg_total, lg_gone, lg_gone_n, lg_kept, lg_all, lg_old = {}, {}, {}, {}, {}, {}, {}
+local lg_w, lg_total, lg_gone, lg_gone_n, lg_fix, lg_all, lg_old = {}, {}, {}, {}, {}, {}, {}
 -- Entries read with the `hits` member: a short log is read whole in that one command.
 local LOG_HEAD = 8
 -- A denied cost's wait is looked for among this many of the oldest entries at most; past them it is
@@ -272,10 +272,17 @@ local function read_log(k, w)
   local total = 0
   if kept then total = -tonumber(v[2]) end
   local times, costs, members = log_entries(v, kept and 3 or 1)
-  local gone, gone_n = 0, 0
+  local gone, gone_n, sum = 0, 0, 0
   for j = 1, #times do
-    if not kept then total = total + costs[j] end
+    sum = sum + costs[j]
     if times[j] + w <= now then gone, gone_n = gone + costs[j], j end
+  end
+  -- Every entry read: their sum is the truth, and `hits` is set again if it says otherwise (a Cluster
+  -- refund by an earlier version leaves it as it was, during an upgrade).
+  local fix = not kept and sum > 0
+  if whole then
+    fix = sum ~= total
+    total = sum
   end
   if whole then lg_all[k] = { times, costs, members }
   else
@@ -289,7 +296,7 @@ local function read_log(k, w)
     end
     lg_old[k] = { { unpack(times, gone_n + 1) }, { unpack(costs, gone_n + 1) } }
   end
-  lg_w[k], lg_total[k], lg_gone[k], lg_gone_n[k], lg_kept[k] = w, total, gone, gone_n, kept
+  lg_w[k], lg_total[k], lg_gone[k], lg_gone_n[k], lg_fix[k] = w, total, gone, gone_n, fix
 end
 
 -- The newest stored entry still in the window: its time, hits and member (nil: none).
@@ -558,7 +565,7 @@ end
 local function save_log(k, added, absorbed)
   local name, w = key[k], lg_w[k]
   local total = lg_total[k]
-  if added == 0 and lg_gone_n[k] == 0 and (lg_kept[k] or total == 0) then return end
+  if added == 0 and lg_gone_n[k] == 0 and not lg_fix[k] then return end
   if lg_gone_n[k] > 0 then
     redis.call('ZREMRANGEBYSCORE', name, '(0', now - w)
     total = total - lg_gone[k]

@@ -274,6 +274,33 @@ impl<'de> de::Deserialize<'de> for Name<'de> {
     }
 }
 
+/// Visitor methods refusing a string, a number or a boolean with `$refuse`, an expression of the
+/// visitor (`$this`) that makes the error.
+macro_rules! refuse_scalars {
+    ($value:ty, |$this:ident| $refuse:expr) => {
+        fn visit_str<E: de::Error>(self, _: &str) -> Result<$value, E> {
+            let $this = self;
+            Err($refuse)
+        }
+        fn visit_u64<E: de::Error>(self, _: u64) -> Result<$value, E> {
+            let $this = self;
+            Err($refuse)
+        }
+        fn visit_i64<E: de::Error>(self, _: i64) -> Result<$value, E> {
+            let $this = self;
+            Err($refuse)
+        }
+        fn visit_f64<E: de::Error>(self, _: f64) -> Result<$value, E> {
+            let $this = self;
+            Err($refuse)
+        }
+        fn visit_bool<E: de::Error>(self, _: bool) -> Result<$value, E> {
+            let $this = self;
+            Err($refuse)
+        }
+    };
+}
+
 /// A message, or `None` for `null`.
 struct Nullable<'l, M> {
     limits: &'l RequestLimits,
@@ -318,21 +345,7 @@ impl<'de, M: Message> Visitor<'de> for Nullable<'_, M> {
         }
         Ok(Some(message))
     }
-    fn visit_str<E: de::Error>(self, _: &str) -> Result<Option<M>, E> {
-        Err(not_an_object::<M, E>())
-    }
-    fn visit_u64<E: de::Error>(self, _: u64) -> Result<Option<M>, E> {
-        Err(not_an_object::<M, E>())
-    }
-    fn visit_i64<E: de::Error>(self, _: i64) -> Result<Option<M>, E> {
-        Err(not_an_object::<M, E>())
-    }
-    fn visit_f64<E: de::Error>(self, _: f64) -> Result<Option<M>, E> {
-        Err(not_an_object::<M, E>())
-    }
-    fn visit_bool<E: de::Error>(self, _: bool) -> Result<Option<M>, E> {
-        Err(not_an_object::<M, E>())
-    }
+    refuse_scalars!(Option<M>, |_this| not_an_object::<M, _>());
     fn visit_seq<A: SeqAccess<'de>>(self, _: A) -> Result<Option<M>, A::Error> {
         Err(not_an_object::<M, A::Error>())
     }
@@ -384,21 +397,7 @@ impl<'de, M: Message> Visitor<'de> for List<'_, M> {
         }
         Ok(items)
     }
-    fn visit_str<E: de::Error>(self, _: &str) -> Result<Vec<M>, E> {
-        Err(self.not_an_array())
-    }
-    fn visit_u64<E: de::Error>(self, _: u64) -> Result<Vec<M>, E> {
-        Err(self.not_an_array())
-    }
-    fn visit_i64<E: de::Error>(self, _: i64) -> Result<Vec<M>, E> {
-        Err(self.not_an_array())
-    }
-    fn visit_f64<E: de::Error>(self, _: f64) -> Result<Vec<M>, E> {
-        Err(self.not_an_array())
-    }
-    fn visit_bool<E: de::Error>(self, _: bool) -> Result<Vec<M>, E> {
-        Err(self.not_an_array())
-    }
+    refuse_scalars!(Vec<M>, |this| this.not_an_array());
     fn visit_map<A: MapAccess<'de>>(self, _: A) -> Result<Vec<M>, A::Error> {
         Err(self.not_an_array())
     }

@@ -203,6 +203,78 @@ async fn a_short_log_whose_sum_went_wrong_is_counted_from_its_entries() {
     );
 }
 
+/// The Redis ACL user SECURITY.md listed before sliding logs were read in part: no ZRANGE, ZSCORE or
+/// ZINCRBY.
+const EARLIER_ACL: &str = "ACL SETUSER earlier on >earlier-pass resetkeys ~* resetchannels -@all \
+    +evalsha +eval +script|load +script|exists +ping +time +info +hello +select +client|setname \
+    +get +mget +set +incrby +decrby +expire +pexpire +del +exists +hget +hmget +hset \
+    +zadd +zrangebyscore +zremrangebyscore +zrem +zcard +cluster|slots +hgetall +hdel";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_user_set_up_for_earlier_versions_still_decides_sliding_logs() {
+    let redis = RedisProcess::start(&[]);
+    let acl: Vec<&str> = EARLIER_ACL
+        .split_whitespace()
+        .filter(|w| *w != "\\")
+        .collect();
+    assert_eq!(redis.cli(&acl), "OK");
+    let settings = ratelimitd::settings::RedisSettings {
+        url: redis.addr(),
+        topology: RedisTopology::Single,
+        auth: ratelimitd::store::redis::Secret("earlier:earlier-pass".into()),
+        timeout: Duration::from_secs(2),
+        ..Default::default()
+    };
+    let store =
+        ratelimitd::store::RedisStore::connect(&settings, None, 0, Duration::from_secs(1)).unwrap();
+    tokio::time::timeout(Duration::from_secs(20), store.ready())
+        .await
+        .expect("redis ready in time")
+        .unwrap();
+    let store = Store::Redis(store);
+    let check = |cost| log_check("earlier:", 3, HOUR_MS, cost);
+    for left in [2, 1, 0] {
+        let answer = apply(&store, vec![check(1)], false).await;
+        assert_eq!(answer.outcomes[0].remaining, left);
+    }
+    let denied = apply(&store, vec![check(1)], false).await;
+    assert!(!denied.outcomes[0].allowed);
+    assert!(denied.outcomes[0].retry_ms > HOUR_MS - 10_000);
+    let key = redis_key(&redis, "*earlier:*");
+    assert_eq!(redis.cli(&["ZSCORE", &key, "hits"]), "-3");
+
+    // A Cluster refund as that user: the sum cannot be read or moved, so it goes, and the next call
+    // counts the log from its entries.
+    let newest = redis.cli(&["ZRANGE", &key, "-1", "-1", "WITHSCORES"]);
+    let stamp = newest.lines().nth(1).unwrap().to_string();
+    let refund = include_str!("../src/store/redis/refund.lua");
+    let args = [
+        "--user",
+        "earlier",
+        "--pass",
+        "earlier-pass",
+        "--no-auth-warning",
+        "EVAL",
+        refund,
+        "1",
+        &key,
+        &stamp,
+        "2",
+        "1",
+        "3600000",
+        "3",
+        "3",
+    ];
+    assert_eq!(common::redis::cli(redis.port, &args), "0");
+    assert_eq!(redis.cli(&["ZSCORE", &key, "hits"]), "");
+    let answer = apply(&store, vec![check(1)], false).await;
+    assert_eq!(
+        answer.outcomes[0].remaining, 0,
+        "2 hits held, 1 more allowed"
+    );
+    assert_eq!(redis.cli(&["ZSCORE", &key, "hits"]), "-3");
+}
+
 /// Random requests on short windows, with budgets and denials: after each, every log's `hits` member
 /// holds minus the sum of its entries. On a Cluster, a log's slot gives back what another slot's denial
 /// undoes, and the member follows.

@@ -263,12 +263,14 @@ end
 
 local function read_log(k, w)
   local name = key[k]
-  local v = redis.call('ZRANGE', name, 0, LOG_HEAD, 'WITHSCORES')
-  local kept = v[1] == 'hits'
-  local whole = #v < 2 * (LOG_HEAD + 1)
-  if not kept and not whole then
+  -- A Redis ACL user set up for earlier versions may lack ZRANGE (ZRANGEBYSCORE is what they used):
+  -- the log is then read whole, as they read it, and decided the same.
+  local v = redis.pcall('ZRANGE', name, 0, LOG_HEAD, 'WITHSCORES')
+  local whole = v.err ~= nil or #v < 2 * (LOG_HEAD + 1)
+  if v.err or (v[1] ~= 'hits' and not whole) then
     v, whole = redis.call('ZRANGEBYSCORE', name, '-inf', '+inf', 'WITHSCORES'), true
   end
+  local kept = v[1] == 'hits'
   local total = 0
   if kept then total = -tonumber(v[2]) end
   local times, costs, members = log_entries(v, kept and 3 or 1)

@@ -37,8 +37,16 @@ for i = 1, #KEYS do
           if held > hits then
             redis.call('ZADD', key, stamp, stamp .. ':' .. (seq or 0) .. ':' .. (held - hits))
           end
-          -- The log's `hits` member, scored minus the hits it holds (see decide.lua), follows.
-          if redis.call('ZSCORE', key, 'hits') then redis.call('ZINCRBY', key, hits, 'hits') end
+          -- The log's `hits` member, scored minus the hits it holds (see decide.lua), follows. A Redis
+          -- ACL user set up for earlier versions may lack ZSCORE or ZINCRBY: the member then goes, and the
+          -- next call counts the log whole.
+          local held_sum = redis.pcall('ZSCORE', key, 'hits')
+          if type(held_sum) == 'table' and held_sum.err then
+            redis.call('ZREM', key, 'hits')
+          elseif held_sum then
+            local moved = redis.pcall('ZINCRBY', key, hits, 'hits')
+            if type(moved) == 'table' and moved.err then redis.call('ZREM', key, 'hits') end
+          end
           break
         end
       end

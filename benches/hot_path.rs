@@ -50,6 +50,20 @@ fn matching(c: &mut Criterion) {
     c.bench_function("match/wildcard", |b| {
         b.iter(|| black_box(domain.find(black_box(&wildcard)).is_some()))
     });
+    // A level of 10 000 wildcards, each needing its own literal somewhere in the value, and a 1 KiB
+    // value that matches the last of them.
+    let mut many = String::from("domain: many\ndescriptors:\n");
+    for i in 0..10_000 {
+        many.push_str(&format!(
+            "  - key: path\n    value: \"*seg{i}/*\"\n    rate_limit: {{unit: minute, requests_per_unit: 10}}\n"
+        ));
+    }
+    let set = RuleSet::build(&[("many.yaml".into(), parse_file(&many).unwrap())], false).unwrap();
+    let value = format!("{}seg9999/", "x".repeat(1015));
+    let long = entries(&[("path", value.as_str())]);
+    c.bench_function("match/1 KiB value, 10 000 wildcards", |b| {
+        b.iter(|| black_box(set.domains["many"].find(black_box(&long)).is_some()))
+    });
 }
 
 fn key_building(c: &mut Criterion) {

@@ -13,7 +13,7 @@ use super::{
         Level, Limit, Node, PathStep, RuleMap, RulePath, RuleSet, MAX_WINDOW_SECS,
         SLIDING_LOG_MAX_LIMIT,
     },
-    pattern::{Cidr, Wildcard, CIDR_PREFIX},
+    pattern::{Cidr, Wildcard, WildcardIndex, CIDR_PREFIX},
     unit::Unit,
     yaml::{DescriptorSpec, DomainFile, RateLimitSpec},
 };
@@ -182,6 +182,7 @@ fn add_level(
         same_key
             .cidrs
             .sort_by_key(|(cidr, _)| std::cmp::Reverse(cidr.prefix()));
+        same_key.wildcard_index = WildcardIndex::build(same_key.wildcards.iter().map(|(w, _)| w));
     }
     Ok(())
 }

@@ -50,7 +50,7 @@ impl Level {
                 }
             }
         }
-        if let Some((_, node)) = nodes.wildcards.iter().find(|(w, _)| w.matches(value)) {
+        if let Some(node) = nodes.wildcard(value) {
             return Some(node);
         }
         nodes.default.as_ref()

@@ -9,7 +9,7 @@ use smallvec::SmallVec;
 
 use super::{
     flags::RuleFlags,
-    pattern::{Cidr, Wildcard},
+    pattern::{Cidr, Wildcard, WildcardIndex},
     unit::Unit,
 };
 use crate::{
@@ -219,6 +219,8 @@ pub struct KeyNodes {
     pub cidrs: Vec<(Cidr, Node)>,
     /// Wildcard-valued nodes, in file order; the pattern is matched against the value alone.
     pub wildcards: Vec<(Wildcard, Node)>,
+    /// `wildcards` indexed by the literal part each needs, when there are many of them.
+    pub(super) wildcard_index: Option<WildcardIndex>,
     /// The node written without a value: any value.
     pub default: Option<Node>,
     /// The written values of `cidrs` and `wildcards`, so that a rule's duplicate is found without a
@@ -239,6 +241,15 @@ impl Level {
 }
 
 impl KeyNodes {
+    /// The first wildcard node, in file order, whose pattern matches `value`.
+    pub(super) fn wildcard(&self, value: &str) -> Option<&Node> {
+        let at = match &self.wildcard_index {
+            Some(index) => index.first_match(&self.wildcards, value)?,
+            None => self.wildcards.iter().position(|(w, _)| w.matches(value))?,
+        };
+        Some(&self.wildcards[at].1)
+    }
+
     /// The `cidr:` or wildcard node whose value is written exactly so.
     pub(super) fn written(&self, value: &str) -> Option<&Node> {
         if !self.patterns.contains_key(value) {

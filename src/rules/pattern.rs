@@ -1,7 +1,9 @@
 //! The value patterns a rule may be written with besides a plain value: `cidr:` networks matched against
 //! client addresses, and `*` wildcards.
 
-use std::net::IpAddr;
+use std::{collections::HashMap, net::IpAddr};
+
+use aho_corasick::{AhoCorasick, MatchKind};
 
 /// Rule values starting with this are networks matched against client addresses.
 pub const CIDR_PREFIX: &str = "cidr:";
@@ -113,6 +115,11 @@ impl Wildcard {
         &self.pattern
     }
 
+    /// The longest of the pattern's literal parts: any text it matches contains it.
+    fn anchor(&self) -> &str {
+        self.parts.iter().max_by_key(|p| p.len()).map_or("", |p| p)
+    }
+
     /// Whether the whole of `text` fits the pattern.
     pub fn matches(&self, text: &str) -> bool {
         let parts = &self.parts;
@@ -137,9 +144,127 @@ impl Wildcard {
     }
 }
 
+/// The wildcards of one level, indexed by the literal part each needs (its anchor), so that a value is
+/// tried only against the patterns whose anchor it contains: one pass over the value, not one per
+/// pattern. Built for levels of many wildcards; a few are tried one by one.
+#[derive(Debug, Clone)]
+pub struct WildcardIndex {
+    anchors: AhoCorasick,
+    /// For each anchor, the patterns that need it (their places in file order, ascending).
+    patterns: Vec<Vec<u32>>,
+    /// The first pattern, in file order, without any literal part (`*`): it matches every value.
+    any: Option<u32>,
+}
+
+impl WildcardIndex {
+    /// Fewer wildcards than this are tried one by one.
+    pub const FROM: usize = 32;
+
+    pub fn build<'a>(wildcards: impl ExactSizeIterator<Item = &'a Wildcard>) -> Option<Self> {
+        if wildcards.len() < Self::FROM {
+            return None;
+        }
+        let (mut texts, mut patterns, mut any) = (Vec::new(), Vec::<Vec<u32>>::new(), None);
+        let mut at: HashMap<&str, usize> = HashMap::new();
+        for (i, wildcard) in wildcards.enumerate() {
+            let i = u32::try_from(i).ok()?;
+            let anchor = wildcard.anchor();
+            if anchor.is_empty() {
+                any = any.or(Some(i));
+                continue;
+            }
+            let slot = *at.entry(anchor).or_insert_with(|| {
+                texts.push(anchor);
+                patterns.push(Vec::new());
+                texts.len() - 1
+            });
+            patterns[slot].push(i);
+        }
+        let anchors = AhoCorasick::builder()
+            .match_kind(MatchKind::Standard)
+            .build(&texts)
+            .ok()?;
+        Some(Self {
+            anchors,
+            patterns,
+            any,
+        })
+    }
+
+    /// The place, in file order, of the first of `wildcards` (the ones this index was built from) that
+    /// matches `value`.
+    pub fn first_match<T>(&self, wildcards: &[(Wildcard, T)], value: &str) -> Option<usize> {
+        let mut best = self.any;
+        // An anchor found again (it occurs more than once) has had its patterns tried.
+        let mut tried = vec![0u64; 0];
+        for found in self.anchors.find_overlapping_iter(value) {
+            let anchor = found.pattern().as_usize();
+            if tried.is_empty() {
+                tried.resize(self.patterns.len().div_ceil(64), 0);
+            }
+            let (word, bit) = (anchor / 64, 1u64 << (anchor % 64));
+            if tried[word] & bit != 0 {
+                continue;
+            }
+            tried[word] |= bit;
+            for &i in &self.patterns[anchor] {
+                if best.is_some_and(|best| i >= best) {
+                    break;
+                }
+                if wildcards[i as usize].0.matches(value) {
+                    best = Some(i);
+                    break;
+                }
+            }
+        }
+        best.map(|i| i as usize)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_index_finds_the_first_matching_wildcard_in_file_order() {
+        use rand::{rngs::SmallRng, Rng, SeedableRng};
+        let mut rng = SmallRng::seed_from_u64(3);
+        let word = |rng: &mut SmallRng, most: usize| -> String {
+            (0..rng.random_range(0..=most))
+                .map(|_| ['a', 'b', 'c', '*'][rng.random_range(0..4)])
+                .collect()
+        };
+        for round in 0..200 {
+            let wildcards: Vec<(Wildcard, ())> = (0..rng.random_range(32..80))
+                .map(|_| {
+                    let mut pattern = word(&mut rng, 6);
+                    pattern.insert(rng.random_range(0..=pattern.len()), '*');
+                    (Wildcard::new(&pattern), ())
+                })
+                .collect();
+            let index = WildcardIndex::build(wildcards.iter().map(|(w, _)| w)).unwrap();
+            for _ in 0..50 {
+                let value: String = word(&mut rng, 12).replace('*', "");
+                let plain = wildcards.iter().position(|(w, _)| w.matches(&value));
+                assert_eq!(
+                    index.first_match(&wildcards, &value),
+                    plain,
+                    "round {round}, {value:?} against {:?}",
+                    wildcards
+                        .iter()
+                        .map(|(w, _)| w.pattern())
+                        .collect::<Vec<_>>()
+                );
+            }
+        }
+        let few: Vec<Wildcard> = (0..WildcardIndex::FROM - 1)
+            .map(|_| Wildcard::new("a*"))
+            .collect();
+        assert!(
+            WildcardIndex::build(few.iter()).is_none(),
+            "a few are tried one by one"
+        );
+    }
 
     #[test]
     fn wildcard_patterns_follow_the_reference_examples() {

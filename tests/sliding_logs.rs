@@ -12,7 +12,7 @@ use common::{
     measure::{bytes_allocated, Measuring},
     now_ms,
     redis::{RedisCluster, RedisProcess},
-    redis_store,
+    redis_store, redis_store_as,
 };
 use ratelimitd::{
     algorithm::{Algorithm, Params},
@@ -218,19 +218,7 @@ async fn a_redis_user_set_up_for_earlier_versions_still_decides_sliding_logs() {
         .filter(|w| *w != "\\")
         .collect();
     assert_eq!(redis.cli(&acl), "OK");
-    let settings = ratelimitd::settings::RedisSettings {
-        url: redis.addr(),
-        topology: RedisTopology::Single,
-        auth: ratelimitd::store::redis::Secret("earlier:earlier-pass".into()),
-        timeout: Duration::from_secs(2),
-        ..Default::default()
-    };
-    let store =
-        ratelimitd::store::RedisStore::connect(&settings, None, 0, Duration::from_secs(1)).unwrap();
-    tokio::time::timeout(Duration::from_secs(20), store.ready())
-        .await
-        .expect("redis ready in time")
-        .unwrap();
+    let store = redis_store_as(redis.addr(), RedisTopology::Single, "earlier:earlier-pass").await;
     let store = Store::Redis(store);
     let check = |cost| log_check("earlier:", 3, HOUR_MS, cost);
     for left in [2, 1, 0] {

@@ -36,9 +36,19 @@ pub async fn redis_store(
     url: String,
     topology: ratelimitd::settings::RedisTopology,
 ) -> Arc<ratelimitd::store::RedisStore> {
+    redis_store_as(url, topology, "").await
+}
+
+/// [`redis_store`] with `auth` (`password`, or `user:password`).
+pub async fn redis_store_as(
+    url: String,
+    topology: ratelimitd::settings::RedisTopology,
+    auth: &str,
+) -> Arc<ratelimitd::store::RedisStore> {
     let settings = ratelimitd::settings::RedisSettings {
         url,
         topology,
+        auth: ratelimitd::store::redis::Secret(auth.into()),
         timeout: Duration::from_secs(2),
         pool_size: 2,
         ..Default::default()

@@ -56,8 +56,8 @@
 -- entries, the member `hits` is scored minus the hits they hold, so that it sorts before all of them: a
 -- call reads it together with the entries that have left the window (and removes those), so a decision
 -- costs the entries that left since the last call, not the whole log. The oldest live entries are read
--- only to tell a denied request its wait, and only as many as that wait needs, 256 at most. A log without `hits` (new,
--- or written by an earlier version, which drops it) is read whole once and gets it.
+-- only to tell a denied request its wait, and only as many as that wait needs, 256 at most. A log
+-- without `hits` (new, or written by an earlier version, which drops it) is read whole once and gets it.
 --
 -- A check of a limit that counts over its limit (usage reported after the fact) is counted whatever its
 -- request's decision: also when it is over its limit, and when another check denies the request (it is
@@ -239,9 +239,9 @@ local base = {}
 
 -- A sliding log as stored, which never changes in the call: `lg_w` the window it was read for,
 -- `lg_total` the hits of all its entries, `lg_gone` and `lg_gone_n` the hits and number of those that
--- have left the window, `lg_fix` whether the `hits` member is missing or wrong. `lg_all` holds every entry (times
--- ascending: times, hits, members) when the log is short or was read whole; else `lg_old` holds the
--- oldest entries still in the window that were read, and the others are read when needed.
+-- have left the window, `lg_fix` whether the `hits` member is missing or wrong. `lg_all` holds every
+-- entry (times ascending: times, hits, members) when the log is short or was read whole; else `lg_old`
+-- holds the oldest entries still in the window that were read, and the others are read when needed.
 local lg_w, lg_total, lg_gone, lg_gone_n, lg_fix, lg_all, lg_old = {}, {}, {}, {}, {}, {}, {}
 -- Entries read with the `hits` member: a short log is read whole in that one command.
 local LOG_HEAD = 8
@@ -249,14 +249,17 @@ local LOG_HEAD = 8
 -- when the last of them leaves (algorithm::sliding_log::WAIT_ENTRIES).
 local LOG_WAIT = 256
 
+-- The hits an entry holds, from its member `<time>:<seq>:<hits>` (`<time>:<seq>` of earlier versions: 1).
+local function entry_hits(member)
+  return tonumber(string.match(member, '^%d+:%d+:(%d+)$')) or 1
+end
+
 -- The entries of a sliding log's reply `v` (member, score pairs) from its item `j` on.
 local function log_entries(v, j)
   local times, costs, members = {}, {}, {}
   for i = j, #v, 2 do
     local n = #times + 1
-    times[n] = tonumber(v[i + 1])
-    costs[n] = tonumber(string.match(v[i], '^%d+:%d+:(%d+)$')) or 1
-    members[n] = v[i]
+    times[n], costs[n], members[n] = tonumber(v[i + 1]), entry_hits(v[i]), v[i]
   end
   return times, costs, members
 end
@@ -283,17 +286,14 @@ local function read_log(k, w)
   -- refund by an earlier version leaves it as it was, during an upgrade).
   local fix = not kept and sum > 0
   if whole then
-    fix = sum ~= total
-    total = sum
-  end
-  if whole then lg_all[k] = { times, costs, members }
+    fix, total = sum ~= total, sum
+    lg_all[k] = { times, costs, members }
   else
     if gone_n == #times then
       -- More may have left: they are counted (and go when the log is written), not kept.
       local more = redis.call('ZRANGEBYSCORE', name, '-inf', now - w, 'WITHSCORES', 'LIMIT', LOG_HEAD + 1, -1)
       for j = 1, #more, 2 do
-        gone = gone + (tonumber(string.match(more[j], '^%d+:%d+:(%d+)$')) or 1)
-        gone_n = gone_n + 1
+        gone, gone_n = gone + entry_hits(more[j]), gone_n + 1
       end
     end
     lg_old[k] = { { unpack(times, gone_n + 1) }, { unpack(costs, gone_n + 1) } }
@@ -314,7 +314,7 @@ local function log_newest(k)
     else
       local v = redis.call('ZRANGE', key[k], -1, -1, 'WITHSCORES')
       if v[1] and v[1] ~= 'hits' and tonumber(v[2]) + lg_w[k] > now then
-        e = { tonumber(v[2]), tonumber(string.match(v[1], '^%d+:%d+:(%d+)$')) or 1, v[1] }
+        e = { tonumber(v[2]), entry_hits(v[1]), v[1] }
       end
     end
     lg_newest[k] = e
@@ -563,7 +563,7 @@ end
 
 -- Writes a sliding log back: the entries that left the window go, the hits this call `added` get an
 -- entry at now (taking in the newest stored one when `absorbed`), and `hits` is set to what is left. A
--- log read without entries added or gone is left as it is, unless `hits` was missing.
+-- log read without entries added or gone is left as it is, unless `hits` was missing or wrong.
 local function save_log(k, added, absorbed)
   local name, w = key[k], lg_w[k]
   local total = lg_total[k]

@@ -266,8 +266,7 @@ impl Limiter {
                     .unwrap_or(Err(LimitError::Deadline(limit)))
             }
         };
-        let took = started.elapsed();
-        self.record_answer(&result, took);
+        self.record_answer(&result, started.elapsed());
         result
     }
 

@@ -220,14 +220,12 @@ impl MemoryStore {
             let p = &check.params;
             // A sliding log still in use changes in place; any other state is stored whole.
             if let Next::Log(record) = next {
-                if let Some(Entry {
-                    state: State::SlidingLog(log),
-                    expires_at_ms,
-                }) = held.get_mut(i).filter(|e| e.expires_at_ms > now_ms)
-                {
-                    log.record(p, record, now_ms);
-                    *expires_at_ms = log.newest_ms().map_or(now_ms, |at| at + p.window_ms);
-                    continue;
+                if let Some(entry) = held.get_mut(i).filter(|e| e.expires_at_ms > now_ms) {
+                    if let State::SlidingLog(log) = &mut entry.state {
+                        log.record(p, record, now_ms);
+                        entry.expires_at_ms = algorithm::expires_at_ms(p, &entry.state, now_ms);
+                        continue;
+                    }
                 }
             }
             let state = next.apply(p, None, now_ms);

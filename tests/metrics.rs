@@ -288,8 +288,8 @@ async fn a_huge_hits_addend_never_turns_hit_counters_back() {
     s.stop().await;
 }
 
-/// A call decided after the deadline its caller sent (`grpc-timeout`) is counted as one Envoy gave up
-/// on; one decided within it, or sent without one, is not.
+/// A call not answered within the deadline its caller sent (`grpc-timeout`) is counted as one Envoy
+/// gave up on; one answered within it, or sent without one, is not.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn calls_decided_after_their_deadline_are_counted() {
     let s = TestServer::start(&[("web.yaml", RULES)], |_| {}).await;

@@ -202,39 +202,68 @@ impl<F: Future> Future for Timed<F> {
 
 #[cfg(test)]
 mod tests {
+    use std::{convert::Infallible, time::Duration};
+
+    use tower::{Layer, Service, ServiceExt};
+
     use super::*;
+
+    /// A call to a service that answers after `takes`, with `grpc-timeout: timeout` when given.
+    fn call(path: &str, timeout: Option<&str>, takes: Duration) -> http::Request<()> {
+        let mut request = http::Request::builder().uri(path);
+        if let Some(timeout) = timeout {
+            request = request.header("grpc-timeout", timeout);
+        }
+        let mut request = request.body(()).unwrap();
+        request.extensions_mut().insert(takes);
+        request
+    }
+
+    fn past_deadline(metrics: &Metrics) -> u64 {
+        let text = metrics.render();
+        text.lines()
+            .find_map(|l| {
+                l.strip_prefix(
+                    "ratelimitd_calls_past_deadline_total{grpc_method=\"ShouldRateLimit\"} ",
+                )
+            })
+            .map_or(0, |n| n.parse().unwrap())
+    }
 
     #[tokio::test]
     async fn calls_not_answered_within_their_deadline_are_counted() {
         let metrics = Metrics::new();
-        let layer = MethodStatsLayer::new(&metrics);
-        let late = layer.methods[0].late.clone().unwrap();
-        let call = |timeout: Option<Duration>| Timing {
-            methods: layer.methods.clone(),
-            method: 0,
-            start: Instant::now(),
-            timeout,
+        let answering = tower::service_fn(|request: http::Request<()>| async move {
+            let takes = *request.extensions().get::<Duration>().unwrap();
+            tokio::time::sleep(takes).await;
+            Ok::<_, Infallible>(())
+        });
+        let mut stats = MethodStatsLayer::new(&metrics).layer(answering);
+        let answer = |request| {
+            let stats = stats.clone();
+            async move { stats.oneshot(request).await.unwrap() }
         };
+        let rls = UNARY[0].0;
+
         // Answered within the deadline, or without one: not counted.
-        call(Some(Duration::from_secs(1))).answered();
-        call(None).answered();
-        assert_eq!(late.get(), 0);
-        // Answered after it: counted once.
-        let slow = call(Some(Duration::from_millis(5)));
-        tokio::time::sleep(Duration::from_millis(6)).await;
-        slow.answered();
-        assert_eq!(late.get(), 1);
-        // Cut at its deadline, unanswered: counted, also when the cancel comes a little early by this
-        // clock (the caller's timer started before the call arrived).
-        let cut = call(Some(Duration::from_millis(20)));
+        answer(call(rls, Some("1S"), Duration::ZERO)).await;
+        answer(call(rls, None, Duration::from_millis(30))).await;
+        assert_eq!(past_deadline(&metrics), 0);
+        // Answered after it.
+        answer(call(rls, Some("10m"), Duration::from_millis(30))).await;
+        assert_eq!(past_deadline(&metrics), 1);
+        // A health check answered after its deadline is not a rate limit call.
+        answer(call(UNARY[1].0, Some("10m"), Duration::from_millis(30))).await;
+        assert_eq!(past_deadline(&metrics), 1);
+        // Cut at its deadline, unanswered: counted, also when the cancel comes a little early by the
+        // service's clock (the caller's timer started before the call arrived).
+        let pending = stats.call(call(rls, Some("20m"), Duration::from_secs(60)));
         tokio::time::sleep(Duration::from_millis(19)).await;
-        drop(cut);
-        assert_eq!(late.get(), 2);
+        drop(pending);
+        assert_eq!(past_deadline(&metrics), 2);
         // Given up long before its deadline, or without one: not a call answered late.
-        drop(call(Some(Duration::from_secs(10))));
-        drop(call(None));
-        assert_eq!(late.get(), 2);
-        // The health check has no such count.
-        assert!(layer.methods[1].late.is_none());
+        drop(stats.call(call(rls, Some("10S"), Duration::from_secs(60))));
+        drop(stats.call(call(rls, None, Duration::from_secs(60))));
+        assert_eq!(past_deadline(&metrics), 2);
     }
 }

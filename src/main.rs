@@ -419,25 +419,38 @@ fn serve(settings: Settings) -> ExitCode {
     })
 }
 
-/// Cancels `shutdown` on SIGTERM or SIGINT.
-async fn cancel_on_signal(shutdown: CancellationToken) {
+/// Cancels `shutdown` on SIGTERM or SIGINT. The signals are taken over when this is called, before the
+/// service answers its first call, not when the returned future first runs: a SIGTERM in between (a
+/// busy machine, a pod stopped as it starts) would otherwise end the process at once, undrained.
+fn cancel_on_signal(shutdown: CancellationToken) -> impl std::future::Future<Output = ()> {
     #[cfg(unix)]
     {
         use tokio::signal::unix::{signal, SignalKind};
-        match signal(SignalKind::terminate()) {
-            Ok(mut term) => {
-                tokio::select! {
-                    _ = term.recv() => {}
-                    _ = tokio::signal::ctrl_c() => {}
+        let term = signal(SignalKind::terminate())
+            .map_err(|err| {
+                tracing::warn!("cannot watch SIGTERM ({err}); only SIGINT stops the service")
+            })
+            .ok();
+        let interrupt = signal(SignalKind::interrupt()).ok();
+        async move {
+            let received = |signal: Option<tokio::signal::unix::Signal>| async move {
+                match signal {
+                    Some(mut signal) => {
+                        signal.recv().await;
+                    }
+                    None => std::future::pending().await,
                 }
+            };
+            tokio::select! {
+                _ = received(term) => {}
+                _ = received(interrupt) => {}
             }
-            Err(err) => {
-                tracing::warn!("cannot watch SIGTERM ({err}); only SIGINT stops the service");
-                let _ = tokio::signal::ctrl_c().await;
-            }
+            shutdown.cancel();
         }
     }
     #[cfg(not(unix))]
-    let _ = tokio::signal::ctrl_c().await;
-    shutdown.cancel();
+    async move {
+        let _ = tokio::signal::ctrl_c().await;
+        shutdown.cancel();
+    }
 }

@@ -15,7 +15,7 @@ use common::{
     redis_store, redis_store_as,
 };
 use ratelimitd::{
-    algorithm::{Algorithm, Params},
+    algorithm::{self, Algorithm, Params},
     settings::RedisTopology,
     store::{Applied, Batch, Check, CounterStore, Deadline, MemoryStore, Role, Store},
 };
@@ -72,6 +72,27 @@ fn script_usec_per_call(redis: &RedisProcess) -> f64 {
         .and_then(|v| v.split(',').next())
         .and_then(|v| v.parse().ok())
         .expect("script calls counted")
+}
+
+/// Redis's time in every command since the last `CONFIG RESETSTAT`, in microseconds.
+fn usec_in_commands(redis: &RedisProcess) -> u64 {
+    let stats = redis.cli(&["INFO", "commandstats"]);
+    stats
+        .lines()
+        .filter(|l| !l.starts_with("cmdstat_info:") && !l.starts_with("cmdstat_config:"))
+        .filter_map(|l| l.split("usec=").nth(1))
+        .filter_map(|v| v.split(',').next()?.parse::<u64>().ok())
+        .sum()
+}
+
+/// What the operators' API shows of a check's counter (`inspect`), at the server's time.
+async fn inspect(store: &Store, check: Check) -> (algorithm::Usage, u64) {
+    let read = store
+        .read(std::slice::from_ref(&check), now_ms())
+        .await
+        .expect("the store reads");
+    let usage = algorithm::usage(&check.params, read.states[0].as_ref(), read.now_ms);
+    (usage, read.now_ms)
 }
 
 /// Fills a log as an earlier version leaves it: 50 000 live entries of one hit each, 36 ms apart over
@@ -203,6 +224,59 @@ async fn a_short_log_whose_sum_went_wrong_is_counted_from_its_entries() {
     );
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inspecting_a_long_log_reads_what_a_decision_would() {
+    let redis = RedisProcess::start(&[]);
+    let store = Store::Redis(redis_store(redis.addr(), RedisTopology::Single).await);
+    let long = |window_ms| log_check("long:", 100_000, window_ms, 0);
+    apply(&store, vec![log_check("long:", 100_000, HOUR_MS, 1)], false).await;
+    let key = redis_key(&redis, "*long:*");
+    let filled_at = fill_as_an_earlier_version(&redis, &key);
+    apply(&store, vec![log_check("long:", 100_000, HOUR_MS, 1)], false).await;
+    assert_eq!(redis.cli(&["ZSCORE", &key, "hits"]), "-50002");
+
+    let (usage, _) = inspect(&store, long(HOUR_MS)).await;
+    assert_eq!(usage.used, 50_002.0);
+    assert_eq!(usage.remaining, 100_000 - 50_002);
+    let since = now_ms().saturating_sub(filled_at) + 1_000;
+    assert!(
+        usage.reset_ms <= HOUR_MS && usage.reset_ms + since >= HOUR_MS,
+        "reset in {} ms: an hour after the newest hit",
+        usage.reset_ms
+    );
+    // Through a window of 1 000 s, the 22 000-odd oldest entries have left it: counted beyond the
+    // oldest eight read with the sum.
+    let (usage, at) = inspect(&store, long(1_000_000)).await;
+    let live = (0..50_000u64)
+        .filter(|i| filled_at - 1_800_000 + i * 36 > at - 1_000_000)
+        .count() as f64;
+    assert_eq!(usage.used, live + 2.0);
+    // Nothing changed: inspecting is reading.
+    assert_eq!(redis.cli(&["ZSCORE", &key, "hits"]), "-50002");
+    assert_eq!(redis.cli(&["ZCARD", &key]), "50003");
+
+    // Redis's time for an inspect of the long log is about that of a log of three entries.
+    assert_eq!(redis.cli(&["CONFIG", "RESETSTAT"]), "OK");
+    for _ in 0..20 {
+        inspect(&store, long(HOUR_MS)).await;
+    }
+    let long_usec = usec_in_commands(&redis) as f64 / 20.0;
+    for _ in 0..3 {
+        apply(&store, vec![log_check("short:", 100, HOUR_MS, 1)], false).await;
+    }
+    assert_eq!(redis.cli(&["CONFIG", "RESETSTAT"]), "OK");
+    for _ in 0..20 {
+        let (usage, _) = inspect(&store, log_check("short:", 100, HOUR_MS, 0)).await;
+        assert_eq!(usage.used, 3.0);
+    }
+    let short_usec = usec_in_commands(&redis) as f64 / 20.0;
+    eprintln!("Redis time per inspect: {long_usec} us on 50 002 entries, {short_usec} us on 3");
+    assert!(
+        long_usec < 10.0 * short_usec.max(5.0),
+        "an inspect of 50 002 entries took {long_usec} us, of 3 {short_usec} us"
+    );
+}
+
 /// The Redis ACL user SECURITY.md listed before sliding logs were read in part: no ZRANGE, ZSCORE or
 /// ZINCRBY.
 const EARLIER_ACL: &str = "ACL SETUSER earlier on >earlier-pass resetkeys ~* resetchannels -@all \
@@ -261,6 +335,8 @@ async fn a_redis_user_set_up_for_earlier_versions_still_decides_sliding_logs() {
         "2 hits held, 1 more allowed"
     );
     assert_eq!(redis.cli(&["ZSCORE", &key, "hits"]), "-3");
+    // The operators' API reads the log whole, as that user may.
+    assert_eq!(inspect(&store, check(0)).await.0.used, 3.0);
 }
 
 /// Random requests on short windows, with budgets and denials: after each, every log's `hits` member

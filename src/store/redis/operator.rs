@@ -1,9 +1,10 @@
 //! The operators' API on Redis (see `store::operator`): counters read and cleared with plain commands,
-//! one per key (each routed to its slot's server on Cluster), at the server's time; runtime limit records
-//! in a hash beside their generation, both under the hash tag `{ratelimitd}`, changed together by
-//! `records.lua`. Each command waits at most `redis.timeout`. Besides what requests use, the API needs
-//! `+hgetall +hdel` of the least-privilege ACL user (SECURITY.md), once a runtime limit has been set
-//! (until then a replica reads only the generation, with GET).
+//! one per key (a sliding log's one to three), each routed to its slot's server on Cluster, at the
+//! server's time; runtime limit records in a hash beside their generation, both under the hash tag
+//! `{ratelimitd}`, changed together by `records.lua`. Each command waits at most `redis.timeout`.
+//! Besides what requests use, the API needs `+hgetall +hdel` of the least-privilege ACL user
+//! (SECURITY.md), once a runtime limit has been set (until then a replica reads only the generation,
+//! with GET).
 
 use fred::{
     prelude::*,
@@ -100,6 +101,27 @@ fn items(value: Value) -> Vec<Value> {
     }
 }
 
+/// The entries `decide.lua` reads with the `hits` member (its LOG_HEAD).
+const LOG_HEAD: usize = 8;
+
+/// A sliding log's entries (time in ms, hits) in a reply of member and score pairs, without the `hits`
+/// member that holds their sum (see decide.lua).
+fn log_entries(v: &[Value]) -> impl Iterator<Item = (u64, u64)> + '_ {
+    v.chunks_exact(2).filter_map(|pair| {
+        let member = text(&pair[0]).filter(|m| m != "hits")?;
+        let time = number::<f64>(&pair[1])? as u64;
+        // `<time>:<seq>:<hits>`, or `<time>:<seq>` (1 hit) from earlier versions.
+        let hits = member.splitn(3, ':').nth(2).and_then(|h| h.parse().ok());
+        Some((time, hits.unwrap_or(1)))
+    })
+}
+
+/// A sliding log read whole (nothing stored: `None`).
+fn whole_log(v: &[Value]) -> Option<State> {
+    let log = Log::from_entries(log_entries(v));
+    (!log.is_empty()).then_some(State::SlidingLog(log))
+}
+
 impl RedisStore {
     /// The main Redis's time, in milliseconds since the epoch.
     async fn server_ms(&self) -> Result<u64, StoreError> {
@@ -164,25 +186,76 @@ impl RedisStore {
                 }
             }
             Algorithm::SlidingLog => {
-                let reply = on_key(
+                self.log_state(backend, &key, check.params.window_ms, now_ms)
+                    .await?
+            }
+        })
+    }
+
+    /// A sliding log as `usage` reads it, in as few entries as `decide.lua` reads for a decision: the
+    /// `hits` member and the oldest entries, then only those that left the window beyond them, and the
+    /// newest. The entries between the oldest read and the newest are summed into the newest, which
+    /// leaves the hits in the window and the reset exact. A short log, a log an earlier version wrote
+    /// (no `hits`) and a Redis user without ZRANGE read the whole log, as a decision does.
+    async fn log_state(
+        &self,
+        backend: &Backend,
+        key: &str,
+        window_ms: u64,
+        now_ms: u64,
+    ) -> Result<Option<State>, StoreError> {
+        let last = LOG_HEAD.to_string();
+        let head = on_key(backend, "ZRANGE", key, &["0", &last, "WITHSCORES"]).await;
+        let head = match head.map(items) {
+            Ok(v) if v.len() < 2 * (LOG_HEAD + 1) => return Ok(whole_log(&v)),
+            Ok(v) if text(&v[0]).as_deref() == Some("hits") => v,
+            Err(StoreError::Timeout(after)) => return Err(StoreError::Timeout(after)),
+            _ => {
+                let all = on_key(
                     backend,
                     "ZRANGEBYSCORE",
-                    &key,
+                    key,
                     &["-inf", "+inf", "WITHSCORES"],
                 )
                 .await?;
-                let v = items(reply);
-                let log = Log::from_entries(v.chunks_exact(2).filter_map(|pair| {
-                    // `hits`, the hits the entries hold, is not an entry (see decide.lua).
-                    let member = text(&pair[0]).filter(|m| *m != "hits")?;
-                    let time = number::<f64>(&pair[1])? as u64;
-                    // `<time>:<seq>:<hits>`, or `<time>:<seq>` (1 hit) from earlier versions.
-                    let hits = member.splitn(3, ':').nth(2).and_then(|h| h.parse().ok());
-                    Some((time, hits.unwrap_or(1)))
-                }));
-                (!log.is_empty()).then_some(State::SlidingLog(log))
+                return Ok(whole_log(&items(all)));
             }
-        })
+        };
+        let total = number::<f64>(&head[1]).map_or(0, |sum| -sum as u64);
+        let gone_at = now_ms.saturating_sub(window_ms);
+        let oldest: Vec<(u64, u64)> = log_entries(&head[2..]).collect();
+        let mut gone: u64 = oldest.iter().filter(|e| e.0 <= gone_at).map(|e| e.1).sum();
+        if oldest.iter().all(|e| e.0 <= gone_at) {
+            let offset = (LOG_HEAD + 1).to_string();
+            let more = on_key(
+                backend,
+                "ZRANGEBYSCORE",
+                key,
+                &[
+                    "-inf",
+                    &gone_at.to_string(),
+                    "WITHSCORES",
+                    "LIMIT",
+                    &offset,
+                    "-1",
+                ],
+            )
+            .await?;
+            gone += log_entries(&items(more)).map(|e| e.1).sum::<u64>();
+        }
+        let newest = items(on_key(backend, "ZRANGE", key, &["-1", "-1", "WITHSCORES"]).await?);
+        let Some((newest_ms, _)) = log_entries(&newest).next().filter(|e| e.0 > gone_at) else {
+            return Ok(None);
+        };
+        let live: Vec<(u64, u64)> = oldest.into_iter().filter(|e| e.0 > gone_at).collect();
+        let rest = total
+            .saturating_sub(gone)
+            .saturating_sub(live.iter().map(|e| e.1).sum());
+        let log = Log::from_entries(
+            live.into_iter()
+                .chain((rest > 0).then_some((newest_ms, rest))),
+        );
+        Ok((!log.is_empty()).then_some(State::SlidingLog(log)))
     }
 
     /// Deletes each check's counter (a fixed window's current one); returns how many existed. A fixed

@@ -1,6 +1,7 @@
 //! A big rules file through `ratelimitd check-config`: within the default YAML node budget it loads, past
-//! `rules.max_yaml_nodes` it is refused naming the file and the setting. In a file of its own because
-//! parsing some 330 000 YAML nodes keeps a core busy for seconds in a debug build, which would disturb the
+//! `rules.max_yaml_nodes` it is refused naming the file and the setting; and through a running service,
+//! whose `/rlconfig` is written once for all the callers that ask. In a file of its own because parsing
+//! some 330 000 YAML nodes keeps a core busy for seconds in a debug build, which would disturb the
 //! timing-sensitive tests of `tests/cli.rs` running beside it.
 
 mod common;
@@ -201,5 +202,59 @@ fn a_key_of_many_underscores_loads_at_once() {
     assert_eq!(
         String::from_utf8_lossy(&out.stdout),
         "all rate limit configs ok\n"
+    );
+}
+
+/// The most memory the process `pid` has held so far, in bytes.
+fn peak_bytes(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let kb = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .expect("VmHWM in /proc/PID/status");
+    kb * 1024
+}
+
+#[test]
+fn many_callers_of_rlconfig_at_once_share_one_text() {
+    // 10 000 rules of two levels under keys of 200 bytes: 20 000 lines, 7.7 MB of text.
+    let dir = tempfile::tempdir().unwrap();
+    let (tenant, path) = ("t".repeat(200), "p".repeat(200));
+    let mut text = String::from("domain: big\ndescriptors:\n");
+    for i in 0..10_000 {
+        text.push_str(&format!(
+            "  - key: {tenant}\n    value: v{i}\n    rate_limit: {{unit: second, requests_per_unit: 10}}\n    \
+             descriptors:\n      - key: {path}\n        rate_limit: {{unit: minute, requests_per_unit: 100}}\n"
+        ));
+    }
+    std::fs::write(dir.path().join("big.yaml"), text).unwrap();
+    let running = common::start_binary(&mut common::binary(dir.path()));
+    assert!(running.serving_within(Duration::from_secs(60)));
+
+    let (code, one) = common::http_request(running.http, "GET", "/rlconfig", "");
+    assert_eq!(code, 200);
+    assert_eq!(one.lines().count(), 20_000);
+    let before = peak_bytes(running.child.id());
+    let callers: Vec<_> = (0..32)
+        .map(|_| {
+            let http = running.http;
+            std::thread::spawn(move || common::http_request(http, "GET", "/rlconfig", ""))
+        })
+        .collect();
+    for caller in callers {
+        let (code, text) = caller.join().unwrap();
+        assert_eq!(code, 200);
+        assert!(text == one, "every caller is shown the same rules");
+    }
+    let grown = peak_bytes(running.child.id()).saturating_sub(before);
+    eprintln!(
+        "32 callers of a {} byte /rlconfig: the process grew by {grown} bytes at most",
+        one.len()
+    );
+    assert!(
+        grown < 4 * one.len() as u64,
+        "32 callers of a {} byte /rlconfig grew the process by {grown} bytes",
+        one.len()
     );
 }

@@ -1,7 +1,7 @@
 //! The HTTP side port: `/healthcheck`, `/json` and `/rlconfig`, as the reference service serves them, and
 //! `/metrics` (Prometheus text format).
 
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 
 use axum::{
     body::Bytes,
@@ -15,6 +15,7 @@ use axum::{
 use super::{health::Health, json, to_http_status};
 use crate::{
     limiter::{Code, Limiter},
+    rules::RuleSet,
     telemetry::Metrics,
 };
 
@@ -23,6 +24,16 @@ struct AppState {
     limiter: Arc<Limiter>,
     health: Arc<Health>,
     metrics: Arc<Metrics>,
+    rules_text: Arc<tokio::sync::Mutex<RulesText>>,
+}
+
+/// `/rlconfig`'s text and the rules it was written from: written once per rules snapshot, however many
+/// callers ask for it, so that a caller asking again and again (or many at once) costs a copy of the
+/// text's handle, not the rule set's lines each time.
+#[derive(Debug, Default)]
+struct RulesText {
+    of: Weak<RuleSet>,
+    text: Bytes,
 }
 
 /// The HTTP routes.
@@ -42,6 +53,7 @@ pub fn router(limiter: Arc<Limiter>, health: Arc<Health>, metrics: Arc<Metrics>)
             limiter,
             health,
             metrics,
+            rules_text: Arc::default(),
         })
 }
 
@@ -136,19 +148,35 @@ async fn decide_json(State(state): State<AppState>, body: Bytes) -> Response {
     }
 }
 
-/// The loaded rules, one line each. Written beside the request workers: the lines of a large rule set
-/// take a while to build and sort.
+/// The loaded rules, one line each. Written beside the request workers (the lines of a large rule set
+/// take a while to build and sort), once per rules snapshot: callers that ask meanwhile wait for it, and
+/// a caller that leaves does not stop it.
 async fn rlconfig(State(state): State<AppState>) -> Response {
-    let limiter = state.limiter.clone();
-    let written = tokio::task::spawn_blocking(move || {
-        limiter
-            .describe_rules()
-            .into_iter()
-            .map(|line| line + "\n")
-            .collect::<String>()
-    })
-    .await;
-    match written {
+    let text = match state.limiter.rules_snapshot() {
+        None => Ok(Bytes::new()),
+        Some(rules) => {
+            let mut cached = state.rules_text.clone().lock_owned().await;
+            if Weak::ptr_eq(&cached.of, &Arc::downgrade(&rules)) {
+                Ok(cached.text.clone())
+            } else {
+                let limiter = state.limiter.clone();
+                tokio::task::spawn_blocking(move || {
+                    let mut text = String::new();
+                    for line in limiter.describe_rules(&rules) {
+                        text.push_str(&line);
+                        text.push('\n');
+                    }
+                    *cached = RulesText {
+                        of: Arc::downgrade(&rules),
+                        text: text.into(),
+                    };
+                    cached.text.clone()
+                })
+                .await
+            }
+        }
+    };
+    match text {
         Ok(text) => ([(header::CONTENT_TYPE, "text/plain; charset=utf-8")], text).into_response(),
         Err(err) => (StatusCode::INTERNAL_SERVER_ERROR, format!("{err}\n")).into_response(),
     }

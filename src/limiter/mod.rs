@@ -221,11 +221,13 @@ impl Limiter {
         }
     }
 
-    /// The loaded rules, one line each, sensitive values hashed: what `/rlconfig` shows.
-    pub fn describe_rules(&self) -> Vec<String> {
-        let Some(rules) = self.rules.snapshot() else {
-            return Vec::new();
-        };
+    /// The rules loaded now (`None`: none ever were).
+    pub fn rules_snapshot(&self) -> Option<Arc<RuleSet>> {
+        self.rules.snapshot()
+    }
+
+    /// `rules`, one line each, sensitive values hashed: what `/rlconfig` shows.
+    pub fn describe_rules(&self, rules: &RuleSet) -> Vec<String> {
         rules
             .describe_with(&|key, value, hashed| self.options.show(key, value, hashed).into_owned())
     }

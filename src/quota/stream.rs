@@ -76,6 +76,9 @@ struct Tracked {
     rule: Option<TrackedRule>,
     /// The last strategy sent with a grant, and that grant.
     sent: Option<(Strategy, f64)>,
+    /// The blanket rule (ALLOW_ALL, DENY_ALL) last sent while no grant was: with `sent`, what a merged
+    /// report is answered with.
+    blanket: Option<Strategy>,
     /// Version of the last assignment sent: an older one is never sent after it.
     sent_version: u64,
     /// What the Envoy can have admitted since its last report, by the token buckets it was sent; `None`
@@ -205,12 +208,16 @@ impl Stream {
                     {
                         tracked.reported_at = None;
                         tracked.merged = (0, 0);
+                        tracked.blanket = None;
                     }
                     if let (Action::Assign { strategy, .. }, Some(tracked)) =
                         (&action, state.buckets.get_mut(&slot))
                     {
                         if Admissible::of(strategy).is_none() {
                             tracked.admissible = None;
+                        }
+                        if tracked.sent.is_none() {
+                            tracked.blanket = Some(*strategy);
                         }
                     }
                     state.queue(slot, action);
@@ -312,6 +319,7 @@ impl Stream {
                         reported_at: None,
                         rule: None,
                         sent: None,
+                        blanket: None,
                         sent_version: 0,
                         admissible: None,
                         target: 0.0,
@@ -331,7 +339,7 @@ impl Stream {
                     allowed.saturating_add(usage.allowed),
                     denied.saturating_add(usage.denied),
                 );
-                if let Some((strategy, _)) = tracked.sent {
+                if let Some(strategy) = tracked.sent.map(|(s, _)| s).or(tracked.blanket) {
                     resent.push((slot, strategy));
                 }
                 continue;

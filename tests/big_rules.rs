@@ -1,6 +1,7 @@
 //! A big rules file through `ratelimitd check-config`: within the default YAML node budget it loads, past
 //! `rules.max_yaml_nodes` it is refused naming the file and the setting; and through a running service,
-//! whose `/rlconfig` is written once for all the callers that ask. In a file of its own because parsing
+//! whose `/rlconfig` is written once for all the callers that ask, and `/metrics` once or twice for all
+//! the scrapes that come at once. In a file of its own because parsing
 //! some 330 000 YAML nodes keeps a core busy for seconds in a debug build, which would disturb the
 //! timing-sensitive tests of `tests/cli.rs` running beside it.
 
@@ -216,10 +217,8 @@ fn peak_bytes(pid: u32) -> u64 {
     kb * 1024
 }
 
-#[test]
-fn many_callers_of_rlconfig_at_once_share_one_text() {
-    // 10 000 rules of two levels under keys of 200 bytes: 20 000 lines, 7.7 MB of text.
-    let dir = tempfile::tempdir().unwrap();
+/// 10 000 rules of two levels under keys of 200 bytes (`t...` = `v<i>`, then `p...`), started.
+fn serving_wide_rules(dir: &std::path::Path) -> common::Running {
     let (tenant, path) = ("t".repeat(200), "p".repeat(200));
     let mut text = String::from("domain: big\ndescriptors:\n");
     for i in 0..10_000 {
@@ -228,33 +227,98 @@ fn many_callers_of_rlconfig_at_once_share_one_text() {
              descriptors:\n      - key: {path}\n        rate_limit: {{unit: minute, requests_per_unit: 100}}\n"
         ));
     }
-    std::fs::write(dir.path().join("big.yaml"), text).unwrap();
-    let running = common::start_binary(&mut common::binary(dir.path()));
+    std::fs::write(dir.join("big.yaml"), text).unwrap();
+    let running = common::start_binary(&mut common::binary(dir));
     assert!(running.serving_within(Duration::from_secs(60)));
+    running
+}
 
-    let (code, one) = common::http_request(running.http, "GET", "/rlconfig", "");
+/// `path` asked by 32 callers at once after one caller: each is answered 200 with what `same` says of
+/// the first answer; returns the first answer and how much the process's peak memory grew meanwhile.
+fn asked_at_once(
+    running: &common::Running,
+    path: &'static str,
+    same: impl Fn(&str, &str) -> bool,
+) -> (String, u64) {
+    let (code, one) = common::http_request(running.http, "GET", path, "");
     assert_eq!(code, 200);
-    assert_eq!(one.lines().count(), 20_000);
     let before = peak_bytes(running.child.id());
     let callers: Vec<_> = (0..32)
         .map(|_| {
             let http = running.http;
-            std::thread::spawn(move || common::http_request(http, "GET", "/rlconfig", ""))
+            std::thread::spawn(move || common::http_request(http, "GET", path, ""))
         })
         .collect();
     for caller in callers {
         let (code, text) = caller.join().unwrap();
         assert_eq!(code, 200);
-        assert!(text == one, "every caller is shown the same rules");
+        assert!(same(&one, &text), "{path}: an answer unlike the first");
     }
     let grown = peak_bytes(running.child.id()).saturating_sub(before);
     eprintln!(
-        "32 callers of a {} byte /rlconfig: the process grew by {grown} bytes at most",
+        "32 callers of a {} byte {path}: the process grew by {grown} bytes at most",
         one.len()
     );
+    (one, grown)
+}
+
+#[test]
+fn many_callers_of_rlconfig_at_once_share_one_text() {
+    let dir = tempfile::tempdir().unwrap();
+    let running = serving_wide_rules(dir.path());
+    let (one, grown) = asked_at_once(&running, "/rlconfig", |a, b| a == b);
+    assert_eq!(one.lines().count(), 20_000);
     assert!(
         grown < 4 * one.len() as u64,
         "32 callers of a {} byte /rlconfig grew the process by {grown} bytes",
         one.len()
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_scrapes_at_once_cost_a_writing_or_two_and_each_holds_what_came_before_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let running = serving_wide_rules(dir.path());
+    let (tenant, path) = ("t".repeat(200), "p".repeat(200));
+    let mut client =
+        ratelimitd::proto::RateLimitServiceClient::connect(format!("http://{}", running.grpc))
+            .await
+            .unwrap();
+    // A hit on every nested rule: 10 000 rule series.
+    for first in (0..10_000).step_by(32) {
+        let descriptors = (first..first + 32)
+            .map(|i| common::descriptor(&[(&tenant, &format!("v{i}")), (&path, "x")]))
+            .collect();
+        client
+            .should_rate_limit(common::request("big", descriptors))
+            .await
+            .unwrap();
+    }
+    let series = |text: &str| {
+        text.lines()
+            .filter(|l| l.starts_with("ratelimit_service_rate_limit_total_hits{"))
+            .count()
+    };
+    let (one, grown) = asked_at_once(&running, "/metrics", |a, b| series(a) == series(b));
+    assert_eq!(series(&one), 10_000);
+    assert!(
+        grown < 4 * one.len() as u64,
+        "32 scrapes of {} bytes grew the process by {grown} bytes",
+        one.len()
+    );
+
+    // One after the other, each scrape shows the hit made just before it.
+    let hits_line = format!("rule=\"{tenant}_v7\"}} ");
+    for want in 1..4 {
+        let request = common::request("big", vec![common::descriptor(&[(&tenant, "v7")])]);
+        client.should_rate_limit(request).await.unwrap();
+        let (_, text) = common::http_request(running.http, "GET", "/metrics", "");
+        let total = text
+            .lines()
+            .find(|l| {
+                l.starts_with("ratelimit_service_rate_limit_total_hits{") && l.contains(&hits_line)
+            })
+            .and_then(|l| l.rsplit(' ').next()?.parse::<u64>().ok());
+        assert_eq!(total, Some(want), "after hit {want}");
+    }
 }

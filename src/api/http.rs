@@ -1,7 +1,10 @@
 //! The HTTP side port: `/healthcheck`, `/json` and `/rlconfig`, as the reference service serves them, and
 //! `/metrics` (Prometheus text format).
 
-use std::sync::{Arc, Weak};
+use std::{
+    sync::{Arc, Weak},
+    time::Instant,
+};
 
 use axum::{
     body::Bytes,
@@ -23,7 +26,7 @@ use crate::{
 struct AppState {
     limiter: Arc<Limiter>,
     health: Arc<Health>,
-    metrics: Arc<Metrics>,
+    metrics_text: MetricsText,
     rules_text: Arc<tokio::sync::Mutex<RulesText>>,
 }
 
@@ -52,31 +55,71 @@ pub fn router(limiter: Arc<Limiter>, health: Arc<Health>, metrics: Arc<Metrics>)
         .with_state(AppState {
             limiter,
             health,
-            metrics,
+            metrics_text: MetricsText::new(metrics),
             rules_text: Arc::default(),
         })
 }
 
 /// The routes of the separate Prometheus listener: the metrics on `path`.
 pub fn metrics_router(metrics: Arc<Metrics>, path: &str) -> Router {
+    let text = MetricsText::new(metrics);
     Router::new().route(
         path,
         get(move || {
-            let metrics = metrics.clone();
-            async move { prometheus_text(&metrics) }
+            let text = text.clone();
+            async move { text.answer().await }
         }),
     )
 }
 
-fn prometheus_text(metrics: &Metrics) -> Response {
-    (
-        [(
-            header::CONTENT_TYPE,
-            "text/plain; version=0.0.4; charset=utf-8",
-        )],
-        metrics.render(),
-    )
-        .into_response()
+/// The metrics in Prometheus's text format, written beside the request workers and one writing at a
+/// time: a caller is answered with a writing that began after it asked (so it holds everything counted
+/// before the call), and callers that ask during one share the next. However many ask at once, they
+/// cost two writings at most and keep no request worker from deciding.
+#[derive(Debug, Clone)]
+struct MetricsText {
+    metrics: Arc<Metrics>,
+    /// The last writing: when it began, and its text.
+    last: Arc<tokio::sync::Mutex<Option<(Instant, Bytes)>>>,
+}
+
+impl MetricsText {
+    fn new(metrics: Arc<Metrics>) -> Self {
+        Self {
+            metrics,
+            last: Arc::default(),
+        }
+    }
+
+    async fn answer(&self) -> Response {
+        let asked = Instant::now();
+        let mut last = self.last.clone().lock_owned().await;
+        let text = match &*last {
+            Some((began, text)) if *began >= asked => Ok(text.clone()),
+            _ => {
+                let metrics = self.metrics.clone();
+                // Run to its end even when the caller leaves, for those waiting on it.
+                tokio::task::spawn_blocking(move || {
+                    let began = Instant::now();
+                    let text = Bytes::from(metrics.render());
+                    *last = Some((began, text.clone()));
+                    text
+                })
+                .await
+            }
+        };
+        match text {
+            Ok(text) => (
+                [(
+                    header::CONTENT_TYPE,
+                    "text/plain; version=0.0.4; charset=utf-8",
+                )],
+                text,
+            )
+                .into_response(),
+            Err(err) => (StatusCode::INTERNAL_SERVER_ERROR, format!("{err}\n")).into_response(),
+        }
+    }
 }
 
 /// The most denied descriptors of the last one to two intervals, as JSON; `?limit=N` (default 20).
@@ -106,7 +149,7 @@ async fn top_offenders(
 
 /// Prometheus text format.
 async fn render_metrics(State(state): State<AppState>) -> Response {
-    prometheus_text(&state.metrics)
+    state.metrics_text.answer().await
 }
 
 /// 200 `OK` while serving, 500 otherwise.

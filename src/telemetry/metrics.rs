@@ -479,16 +479,20 @@ impl Metrics {
     pub fn render(&self) -> String {
         let mut out = String::new();
         {
-            let rules = self.rules.read().unwrap_or_else(|p| p.into_inner());
-            let mut sorted: Vec<(&str, &str, &RuleCounters)> = rules
+            // Copied out under the lock and sorted after it: a rule's first hit, which takes the lock
+            // to add the rule, does not wait for a whole rendering.
+            let mut sorted: Vec<(Box<str>, Box<str>, Arc<RuleCounters>)> = self
+                .rules
+                .read()
+                .unwrap_or_else(|p| p.into_inner())
                 .iter()
                 .flat_map(|(domain, rules)| {
                     rules
                         .iter()
-                        .map(move |(rule, c)| (&**domain, &**rule, c.as_ref()))
+                        .map(move |(rule, c)| (domain.clone(), rule.clone(), c.clone()))
                 })
                 .collect();
-            sorted.sort_by(|a, b| (a.0, a.1).cmp(&(b.0, b.1)));
+            sorted.sort_by(|a, b| (&a.0, &a.1).cmp(&(&b.0, &b.1)));
             for (name, help, counter) in RULE_FAMILIES {
                 let _ = writeln!(out, "# HELP {name} {help}");
                 let _ = writeln!(out, "# TYPE {name} counter");

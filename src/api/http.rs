@@ -2,7 +2,10 @@
 //! `/metrics` (Prometheus text format).
 
 use std::{
-    sync::{Arc, Weak},
+    sync::{
+        atomic::{AtomicUsize, Ordering},
+        Arc, Weak,
+    },
     time::Instant,
 };
 
@@ -79,8 +82,10 @@ pub fn metrics_router(metrics: Arc<Metrics>, path: &str) -> Router {
 #[derive(Debug, Clone)]
 struct MetricsText {
     metrics: Arc<Metrics>,
-    /// The last writing: when it began, and its text.
+    /// The last writing, when callers were waiting for it: when it began, and its text.
     last: Arc<tokio::sync::Mutex<Option<(Instant, Bytes)>>>,
+    /// Callers asking now.
+    asking: Arc<AtomicUsize>,
 }
 
 impl MetricsText {
@@ -88,21 +93,30 @@ impl MetricsText {
         Self {
             metrics,
             last: Arc::default(),
+            asking: Arc::default(),
         }
     }
 
     async fn answer(&self) -> Response {
         let asked = Instant::now();
+        let _asking = Asking::new(&self.asking);
         let mut last = self.last.clone().lock_owned().await;
-        let text = match &*last {
-            Some((began, text)) if *began >= asked => Ok(text.clone()),
+        let text = match last.take() {
+            Some((began, text)) if began >= asked => {
+                if self.asking.load(Ordering::SeqCst) > 1 {
+                    *last = Some((began, text.clone()));
+                }
+                Ok(text)
+            }
             _ => {
-                let metrics = self.metrics.clone();
+                let (metrics, asking) = (self.metrics.clone(), self.asking.clone());
                 // Run to its end even when the caller leaves, for those waiting on it.
                 tokio::task::spawn_blocking(move || {
                     let began = Instant::now();
+                    // Only callers that asked before it began may take it: kept while there are any.
+                    let others = asking.load(Ordering::SeqCst) > 1;
                     let text = Bytes::from(metrics.render());
-                    *last = Some((began, text.clone()));
+                    *last = others.then(|| (began, text.clone()));
                     text
                 })
                 .await
@@ -119,6 +133,22 @@ impl MetricsText {
                 .into_response(),
             Err(err) => (StatusCode::INTERNAL_SERVER_ERROR, format!("{err}\n")).into_response(),
         }
+    }
+}
+
+/// One caller counted among those asking, until it is answered or leaves.
+struct Asking(Arc<AtomicUsize>);
+
+impl Asking {
+    fn new(asking: &Arc<AtomicUsize>) -> Self {
+        asking.fetch_add(1, Ordering::SeqCst);
+        Self(asking.clone())
+    }
+}
+
+impl Drop for Asking {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
     }
 }
 

@@ -444,3 +444,148 @@ fn the_soft_open_files_limit_is_raised_to_the_hard_one_at_start() {
     let log = running.log.lock().unwrap().clone();
     assert!(log.contains("RLIMIT_NOFILE"), "{log}");
 }
+
+/// A gRPC call opened on `client` to `path` that sends `first` as its request's only bytes so far;
+/// its answer, and the stream to send more on.
+fn open_call(
+    client: &mut h2::client::SendRequest<bytes::Bytes>,
+    path: &str,
+    first: &[u8],
+) -> (h2::client::ResponseFuture, h2::SendStream<bytes::Bytes>) {
+    let head = tonic::codegen::http::Request::post(format!("http://ratelimitd{path}"))
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+        .body(())
+        .unwrap();
+    let (answer, mut send) = client.send_request(head, false).unwrap();
+    send.send_data(bytes::Bytes::copy_from_slice(first), false)
+        .unwrap();
+    (answer, send)
+}
+
+/// The grpc-status an answer ends with: in its head (an error answered at once), else its trailers.
+async fn grpc_status(answer: h2::client::ResponseFuture) -> Option<String> {
+    let answer = answer.await.ok()?;
+    if let Some(status) = answer.headers().get("grpc-status") {
+        return Some(status.to_str().unwrap().to_owned());
+    }
+    let mut body = answer.into_body();
+    while let Some(data) = body.data().await {
+        let _ = body.flow_control().release_capacity(data.ok()?.len());
+    }
+    let trailers = body.trailers().await.ok()??;
+    Some(trailers.get("grpc-status")?.to_str().unwrap().to_owned())
+}
+
+/// A gRPC message: the prefix (not compressed, its length) and `payload`.
+fn grpc_message(payload: &[u8]) -> Vec<u8> {
+    let mut message = vec![0];
+    message.extend_from_slice(&(payload.len() as u32).to_be_bytes());
+    message.extend_from_slice(payload);
+    message
+}
+
+/// The most memory the process `pid` has held so far, in bytes.
+fn peak_bytes(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let kb = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .expect("VmHWM in /proc/PID/status");
+    kb * 1024
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_that_declare_large_messages_and_send_nothing_more_hold_no_memory_and_end_in_time() {
+    // The service as started with nothing set: its default bounds.
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("l.yaml"), RULES).unwrap();
+    let running = common::start_binary(&mut common::binary(dir.path()));
+    assert!(running.serving_within(Duration::from_secs(20)));
+    let tcp = tokio::net::TcpStream::connect(running.grpc).await.unwrap();
+    let (client, connection) = h2::client::handshake(tcp).await.unwrap();
+    tokio::spawn(connection);
+
+    // 400 calls on one connection, each sending the 5-byte prefix of its message and nothing more.
+    const HEALTH: &str = "/grpc.health.v1.Health/Check";
+    const DECIDE: &str = "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit";
+    const QUOTA: &str =
+        "/envoy.service.rate_limit_quota.v3.RateLimitQuotaService/StreamRateLimitQuotas";
+    let kinds: [(&str, u32, &str); 4] = [
+        // Past the 16 KiB a health check takes: refused at once (INVALID_ARGUMENT, as every refusal).
+        (HEALTH, 1 << 20, "3"),
+        // Within their bounds (16 KiB, 64 KiB, 1 MiB): waited for until grpc.message_timeout (10 s by
+        // default), then DEADLINE_EXCEEDED.
+        (HEALTH, 10, "4"),
+        (DECIDE, 60_000, "4"),
+        (QUOTA, 1 << 20, "4"),
+    ];
+    let before = peak_bytes(running.child.id());
+    let began = Instant::now();
+    let mut calls = Vec::new();
+    for i in 0..400 {
+        let (path, declared, _) = kinds[i % 4];
+        let mut prefix = vec![0];
+        prefix.extend_from_slice(&declared.to_be_bytes());
+        let mut ready = client.clone().ready().await.unwrap();
+        calls.push(open_call(&mut ready, path, &prefix));
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let grown = peak_bytes(running.child.id()).saturating_sub(before);
+    eprintln!("400 calls declaring up to 1 MiB each: the process grew by {grown} bytes");
+    assert!(
+        grown < 64 << 20,
+        "400 calls declaring up to 1 MiB each grew the process by {grown} bytes"
+    );
+
+    for (i, (answer, _send)) in calls.into_iter().enumerate() {
+        let (path, declared, want) = kinds[i % 4];
+        let status = tokio::time::timeout(Duration::from_secs(30), grpc_status(answer))
+            .await
+            .expect("answered within 30 s");
+        assert_eq!(status.as_deref(), Some(want), "{path} declaring {declared}");
+        if want == "4" {
+            let took = began.elapsed();
+            assert!(
+                took >= Duration::from_secs(9) && took < Duration::from_secs(25),
+                "{path} declaring {declared} ended {took:?} after the calls began"
+            );
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_sent_in_pieces_is_decided_once_it_is_whole() {
+    use prost::Message;
+    let server = TestServer::start(&[("l.yaml", RULES)], |_| {}).await;
+    let tcp = tokio::net::TcpStream::connect(server.grpc_addr)
+        .await
+        .unwrap();
+    let (client, connection) = h2::client::handshake(tcp).await.unwrap();
+    tokio::spawn(connection);
+    let message =
+        grpc_message(&request("l", vec![descriptor(&[("user", "pieces")])]).encode_to_vec());
+    let mut client = client.ready().await.unwrap();
+    // The prefix and 3 bytes, then the rest 300 ms later, then the end of the request.
+    let (answer, mut send) = open_call(
+        &mut client,
+        "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit",
+        &message[..8],
+    );
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    send.send_data(bytes::Bytes::copy_from_slice(&message[8..]), true)
+        .unwrap();
+    let answer = answer.await.unwrap();
+    assert_eq!(answer.status(), 200);
+    let mut body = answer.into_body();
+    let mut bytes = Vec::new();
+    while let Some(data) = body.data().await {
+        bytes.extend_from_slice(&data.unwrap());
+    }
+    let trailers = body.trailers().await.unwrap().unwrap();
+    assert_eq!(trailers["grpc-status"], "0");
+    let response = ratelimitd::proto::RateLimitResponse::decode(&bytes[5..]).unwrap();
+    assert_eq!(response.statuses[0].limit_remaining, 999);
+    server.stop().await;
+}

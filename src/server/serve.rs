@@ -18,7 +18,10 @@ use super::{Listeners, ServerError, Tasks};
 use crate::{
     api::{
         admin,
-        conn::{Acceptor, Bounds, ConnectionAge, TrackCallsLayer},
+        conn::{
+            Acceptor, Bounds, ConnectionAge, TrackCallsLayer, WholeMessagesLayer, QUOTA_STREAM,
+            SHOULD_RATE_LIMIT,
+        },
         grpc::RateLimitApi,
         health::Health,
         http, http1,
@@ -205,6 +208,23 @@ fn serve_admin(
     Ok(())
 }
 
+/// The largest request message of health checks and reflection: a service's name, a file's or a
+/// symbol's (tonic's default would take 4 MiB).
+const SMALL_MESSAGE_BYTES: usize = 16 * 1024;
+
+/// The largest request message of the decisions and of the quota streams (the other services take
+/// [`SMALL_MESSAGE_BYTES`]).
+fn largest_messages(settings: &Settings, services: &Services) -> Arc<[(&'static str, usize)]> {
+    let quota = services
+        .quota
+        .as_ref()
+        .map_or(0, |quota| quota.settings().max_message_bytes);
+    Arc::new([
+        (SHOULD_RATE_LIMIT, settings.request_limits.max_message_bytes),
+        (QUOTA_STREAM, quota),
+    ])
+}
+
 /// The reflection services' builder: the rate limit API and the health service.
 fn reflection_builder() -> tonic_reflection::server::Builder<'static> {
     tonic_reflection::server::Builder::configure()
@@ -238,11 +258,19 @@ fn serve_grpc(
         .layer(tower::util::MapResponseLayer::new(
             crate::api::grpc::refusals_are_invalid_argument,
         ))
-        .add_service(HealthServer::new(HealthService::from_health_reporter(
-            services.reporter.clone(),
-        )))
-        .add_service(reflection_v1)
-        .add_service(reflection_v1alpha)
+        .layer(WholeMessagesLayer {
+            timeout: settings.grpc.message_timeout,
+            largest: largest_messages(settings, services),
+            largest_otherwise: SMALL_MESSAGE_BYTES,
+        })
+        .add_service(
+            HealthServer::new(HealthService::from_health_reporter(
+                services.reporter.clone(),
+            ))
+            .max_decoding_message_size(SMALL_MESSAGE_BYTES),
+        )
+        .add_service(reflection_v1.max_decoding_message_size(SMALL_MESSAGE_BYTES))
+        .add_service(reflection_v1alpha.max_decoding_message_size(SMALL_MESSAGE_BYTES))
         .add_service(
             RateLimitApi::new(services.limiter.clone())
                 .into_server()

@@ -96,6 +96,11 @@ pub struct GrpcSettings {
     /// carries no GOAWAY: a call sent at the very moment of the close fails as on any lost connection.
     #[serde(with = "crate::duration")]
     pub idle_timeout: Duration,
+    /// A call's request must arrive within this long (default `10s`): a unary request whole, to its
+    /// end, from when the server first waits for it; in a stream (RLQS, reflection), each message from
+    /// its first byte. Otherwise the call ends with DEADLINE_EXCEEDED.
+    #[serde(with = "crate::duration")]
+    pub message_timeout: Duration,
     /// After this long without a frame from the client, the server sends an HTTP/2 PING (default `1m`)...
     #[serde(with = "crate::duration")]
     pub keepalive_interval: Duration,
@@ -114,6 +119,7 @@ impl Default for GrpcSettings {
             max_connection_age_grace: Duration::from_secs(3600),
             handshake_timeout: Duration::from_secs(10),
             idle_timeout: Duration::from_secs(300),
+            message_timeout: Duration::from_secs(10),
             keepalive_interval: Duration::from_secs(60),
             keepalive_timeout: Duration::from_secs(20),
         }

@@ -228,12 +228,14 @@ fn listener_bounds_have_defaults_are_set_by_name_and_refuse_zero() {
         (
             s.grpc.handshake_timeout,
             s.grpc.idle_timeout,
+            s.grpc.message_timeout,
             s.grpc.keepalive_interval,
             s.grpc.keepalive_timeout
         ),
         (
             Duration::from_secs(10),
             Duration::from_secs(300),
+            Duration::from_secs(10),
             Duration::from_secs(60),
             Duration::from_secs(20)
         )
@@ -303,6 +305,11 @@ fn listener_bounds_have_defaults_are_set_by_name_and_refuse_zero() {
             "0s",
         ),
         ("RATELIMITD_GRPC__IDLE_TIMEOUT", "grpc.idle_timeout", "0s"),
+        (
+            "RATELIMITD_GRPC__MESSAGE_TIMEOUT",
+            "grpc.message_timeout",
+            "0s",
+        ),
         (
             "RATELIMITD_GRPC__KEEPALIVE_INTERVAL",
             "grpc.keepalive_interval",

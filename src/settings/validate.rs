@@ -299,6 +299,7 @@ impl Settings {
             ("overload.deadline", self.overload.deadline),
             ("grpc.handshake_timeout", self.grpc.handshake_timeout),
             ("grpc.idle_timeout", self.grpc.idle_timeout),
+            ("grpc.message_timeout", self.grpc.message_timeout),
             ("grpc.keepalive_interval", self.grpc.keepalive_interval),
             ("grpc.keepalive_timeout", self.grpc.keepalive_timeout),
             ("http.header_read_timeout", self.http.header_read_timeout),

@@ -17,6 +17,9 @@
 //!   tell idleness: HTTP/2 keep-alive PINGs flow on idle connections.
 //! - **Stall** (HTTP). A connection that moves no byte either way for `http.idle_timeout` is closed: a
 //!   stalled upload, a client that stops reading its answer.
+//! - **Messages** (gRPC). A request's messages reach tonic only once each has arrived in full, and a
+//!   request must arrive within `grpc.message_timeout` ([`WholeMessagesLayer`]): a call that declares a
+//!   large message and sends nothing more holds neither memory nor its connection.
 //! - **Cut-off** (gRPC age). Connections are recycled by age (`grpc.max_connection_age`): tonic closes
 //!   them gracefully at the age (HTTP/2 GOAWAY), and each connection is cut at the age plus the grace,
 //!   whatever still runs on it. tonic's own `max_connection_age_grace` is not used: with it set, tonic
@@ -31,15 +34,20 @@
 //!   connection arms from them; `deadline` holds the timers, `preface` follows the HTTP/2 preface.
 //! - `calls` — the calls in flight on each connection ([`TrackCallsLayer`], [`Activity`]).
 //! - `io` — the connection as the servers see it ([`Counted`], [`ConnectionInfo`]).
+//! - `messages` — request messages whole and in time ([`WholeMessagesLayer`]).
 
 mod accept;
 mod bounds;
 mod calls;
 mod deadline;
 mod io;
+mod messages;
 mod preface;
 
 pub use accept::{Acceptor, Closing, Place};
 pub use bounds::{Bounds, ConnectionAge};
 pub use calls::{Activity, CallGuard, Guarded, TrackCalls, TrackCallsLayer, TrackedCall};
 pub use io::{ConnectionInfo, Counted};
+pub use messages::{
+    WholeMessages, WholeMessagesLayer, WholeMessagesService, QUOTA_STREAM, SHOULD_RATE_LIMIT,
+};

@@ -1,0 +1,270 @@
+//! gRPC request messages handed to tonic only once they have arrived in full, and only for so long.
+//!
+//! A gRPC message starts with five bytes: a compression flag and its length. tonic reserves that length
+//! as soon as it reads them, so a caller that sends the five bytes of a large message and nothing more
+//! made the server hold the whole size for nothing: a thousand such calls on one connection, declaring
+//! 4 MiB each, held 2 GB. Here the bytes of a message are held as they come (memory follows what was
+//! sent) and given to tonic together, the length with them. A length past every service's bound passes
+//! at once, for tonic to refuse with its own message.
+//!
+//! And a request must not take for ever: a call whose request is one message (every method but the
+//! streams of RLQS and reflection) must send it and end its side of the stream within
+//! `grpc.message_timeout` of the server first waiting for it (tonic reads a unary request to its end
+//! before the service sees it); in a stream, once a message's first byte is here, the rest must follow
+//! within that long. Otherwise the call ends with DEADLINE_EXCEEDED: half-sent calls no longer keep
+//! their connection busy (and their memory held) until its age.
+
+use std::{
+    future::Future,
+    pin::Pin,
+    sync::Arc,
+    task::{Context, Poll},
+    time::Duration,
+};
+
+use bytes::BytesMut;
+use http_body::Frame;
+use tokio::time::Sleep;
+use tonic::{body::Body, codegen::http, Status};
+
+/// The decision method.
+pub const SHOULD_RATE_LIMIT: &str = "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit";
+/// The rate limit quota service's stream.
+pub const QUOTA_STREAM: &str =
+    "/envoy.service.rate_limit_quota.v3.RateLimitQuotaService/StreamRateLimitQuotas";
+
+/// The methods whose request is a stream of messages, with no bound between them.
+const STREAMED: &[&str] = &[
+    QUOTA_STREAM,
+    "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+    "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+];
+
+/// The compression flag and the length before each message.
+const PREFIX: usize = 5;
+
+/// Wraps every request's body in [`WholeMessages`].
+#[derive(Debug, Clone)]
+pub struct WholeMessagesLayer {
+    /// `grpc.message_timeout`.
+    pub timeout: Duration,
+    /// The largest message a method takes, by path, and of the others: a longer one passes at once, for
+    /// tonic to refuse (each service's own bound, set on it, says the same).
+    pub largest: Arc<[(&'static str, usize)]>,
+    pub largest_otherwise: usize,
+}
+
+impl<S> tower::Layer<S> for WholeMessagesLayer {
+    type Service = WholeMessagesService<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        WholeMessagesService {
+            inner,
+            bounds: self.clone(),
+        }
+    }
+}
+
+/// The service of [`WholeMessagesLayer`].
+#[derive(Debug, Clone)]
+pub struct WholeMessagesService<S> {
+    inner: S,
+    bounds: WholeMessagesLayer,
+}
+
+impl<S> tower::Service<http::Request<Body>> for WholeMessagesService<S>
+where
+    S: tower::Service<http::Request<Body>>,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = S::Future;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: http::Request<Body>) -> Self::Future {
+        let path = request.uri().path();
+        let streamed = STREAMED.contains(&path);
+        let largest = self
+            .bounds
+            .largest
+            .iter()
+            .find(|(method, _)| *method == path)
+            .map_or(self.bounds.largest_otherwise, |&(_, largest)| largest);
+        let timeout = self.bounds.timeout;
+        self.inner.call(request.map(|body| {
+            Body::new(WholeMessages {
+                body,
+                held: BytesMut::new(),
+                trailers: None,
+                timer: None,
+                timeout,
+                largest,
+                unary: !streamed,
+                passing: false,
+                ended: false,
+            })
+        }))
+    }
+}
+
+/// A request body that yields each gRPC message whole (see the module's comment).
+#[derive(Debug)]
+pub struct WholeMessages {
+    body: Body,
+    /// What has come of a message not yet whole.
+    held: BytesMut,
+    /// Trailers that came while a message was held, given after it.
+    trailers: Option<http::HeaderMap>,
+    /// Armed while waiting for a message's bytes.
+    timer: Option<Pin<Box<Sleep>>>,
+    timeout: Duration,
+    largest: usize,
+    /// A unary request: bounded from the first wait to its end, not only within a message.
+    unary: bool,
+    /// Past a message longer than `largest`: everything passes as it comes.
+    passing: bool,
+    /// The body has ended.
+    ended: bool,
+}
+
+/// How long the whole messages at the front of `bytes` are together (0: none).
+fn whole(bytes: &[u8]) -> usize {
+    let mut at = 0;
+    while let Some(prefix) = bytes.get(at..at + PREFIX) {
+        let len = u32::from_be_bytes([prefix[1], prefix[2], prefix[3], prefix[4]]) as usize;
+        match (at + PREFIX).checked_add(len) {
+            Some(end) if end <= bytes.len() => at = end,
+            _ => break,
+        }
+    }
+    at
+}
+
+/// The length the first message of `bytes` declares, once its prefix is there.
+fn declared(bytes: &[u8]) -> Option<usize> {
+    let prefix = bytes.get(..PREFIX)?;
+    Some(u32::from_be_bytes([prefix[1], prefix[2], prefix[3], prefix[4]]) as usize)
+}
+
+type Polled = Poll<Option<Result<Frame<bytes::Bytes>, Status>>>;
+
+impl WholeMessages {
+    /// The first `upto` bytes held, as one frame.
+    fn give(&mut self, upto: usize) -> Polled {
+        let data = self.held.split_to(upto).freeze();
+        self.given(data)
+    }
+
+    /// `data`, a frame of whole messages (or of any bytes, once passing).
+    fn given(&mut self, data: bytes::Bytes) -> Polled {
+        if !self.unary {
+            self.timer = None;
+        }
+        Poll::Ready(Some(Ok(Frame::data(data))))
+    }
+
+    /// Whether the wait for a message's bytes has lasted `timeout`, arming the timer on its first call.
+    fn waited_too_long(&mut self, cx: &mut Context<'_>) -> bool {
+        let timeout = self.timeout;
+        let timer = self
+            .timer
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep(timeout)));
+        timer.as_mut().poll(cx).is_ready()
+    }
+}
+
+impl http_body::Body for WholeMessages {
+    type Data = bytes::Bytes;
+    type Error = Status;
+
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Polled {
+        let this = &mut *self;
+        loop {
+            let ready = whole(&this.held);
+            if ready > 0 {
+                return this.give(ready);
+            }
+            if !this.passing && declared(&this.held).is_some_and(|len| len > this.largest) {
+                this.passing = true;
+            }
+            if (this.passing || this.ended || this.trailers.is_some()) && !this.held.is_empty() {
+                let all = this.held.len();
+                return this.give(all);
+            }
+            if let Some(trailers) = this.trailers.take() {
+                return Poll::Ready(Some(Ok(Frame::trailers(trailers))));
+            }
+            if this.ended {
+                return Poll::Ready(None);
+            }
+            let frame = match Pin::new(&mut this.body).poll_frame(cx) {
+                Poll::Ready(Some(Ok(frame))) => frame,
+                Poll::Ready(Some(Err(status))) => return Poll::Ready(Some(Err(status))),
+                Poll::Ready(None) => {
+                    this.ended = true;
+                    continue;
+                }
+                Poll::Pending => {
+                    let waiting = this.unary || !this.held.is_empty();
+                    if waiting && !this.passing && this.waited_too_long(cx) {
+                        this.held.clear();
+                        this.ended = true;
+                        return Poll::Ready(Some(Err(Status::deadline_exceeded(format!(
+                            "the request did not arrive in full within grpc.message_timeout ({:?})",
+                            this.timeout
+                        )))));
+                    }
+                    return Poll::Pending;
+                }
+            };
+            match frame.into_data() {
+                // The usual request: whole messages in one piece, given as they are.
+                Ok(data)
+                    if this.passing || (this.held.is_empty() && whole(&data) == data.len()) =>
+                {
+                    return this.given(data);
+                }
+                Ok(data) => this.held.extend_from_slice(&data),
+                Err(frame) => {
+                    if let Ok(trailers) = frame.into_trailers() {
+                        this.trailers = Some(trailers);
+                    }
+                }
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.held.is_empty() && self.trailers.is_none() && (self.ended || self.body.is_end_stream())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn message(len: usize) -> Vec<u8> {
+        let mut m = vec![0];
+        m.extend_from_slice(&(len as u32).to_be_bytes());
+        m.extend(std::iter::repeat_n(7u8, len));
+        m
+    }
+
+    #[test]
+    fn whole_messages_are_measured_by_their_prefixes() {
+        assert_eq!(whole(&[]), 0);
+        assert_eq!(whole(&message(0)), 5);
+        assert_eq!(whole(&message(3)), 8);
+        assert_eq!(whole(&message(3)[..7]), 0);
+        let two = [message(3), message(2)].concat();
+        assert_eq!(whole(&two), 15);
+        assert_eq!(whole(&two[..12]), 8);
+        assert_eq!(declared(&message(300)[..5]), Some(300));
+        assert_eq!(declared(&message(300)[..4]), None);
+        // A length at u32's end cannot overflow the sum.
+        assert_eq!(whole(&[0, 255, 255, 255, 255, 1]), 0);
+    }
+}

@@ -6,7 +6,13 @@
 //! capacity` times is guaranteed to be listed. Two sketches alternate every `interval`, so the list
 //! covers between one and two intervals of history and forgets older attacks.
 
-use std::{collections::HashMap, sync::Mutex, time::Duration};
+use std::{
+    borrow::Cow,
+    collections::HashMap,
+    hash::{Hash, Hasher},
+    sync::Mutex,
+    time::Duration,
+};
 
 use tokio::time::Instant;
 
@@ -14,6 +20,31 @@ use tokio::time::Instant;
 struct Sketch {
     /// descriptor -> (count, error)
     entries: HashMap<String, (u64, u64)>,
+}
+
+/// A descriptor longer than this is kept as its first [`NAME_KEPT`] bytes, its length and a hash of it
+/// (distinct descriptors stay distinct): a request may carry 64 KiB of them, and the sketch keeps its
+/// names for a whole interval and copies them into every list.
+const NAME_BYTES: usize = 512;
+const NAME_KEPT: usize = 448;
+
+/// `descriptor` as the sketch keeps it.
+fn name(descriptor: &str) -> Cow<'_, str> {
+    if descriptor.len() <= NAME_BYTES {
+        return Cow::Borrowed(descriptor);
+    }
+    let mut end = NAME_KEPT;
+    while !descriptor.is_char_boundary(end) {
+        end -= 1;
+    }
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    descriptor.hash(&mut hasher);
+    Cow::Owned(format!(
+        "{}... ({} bytes, #{:016x})",
+        &descriptor[..end],
+        descriptor.len(),
+        hasher.finish()
+    ))
 }
 
 impl Sketch {
@@ -109,7 +140,8 @@ impl TopOffenders {
     /// Counts one denial of a descriptor.
     pub fn denied(&self, descriptor: &str) {
         let capacity = self.capacity;
-        self.window().current.add(descriptor, capacity);
+        let name = name(descriptor);
+        self.window().current.add(&name, capacity);
     }
 
     /// The most denied descriptors of the last one to two intervals, most denied first.
@@ -123,21 +155,18 @@ impl TopOffenders {
                 e.1 += error;
             }
         }
-        let mut out: Vec<Offender> = merged
+        // Sorted by reference; only the names listed are copied.
+        let mut sorted: Vec<(&str, (u64, u64))> = merged.into_iter().collect();
+        sorted.sort_unstable_by(|a, b| b.1 .0.cmp(&a.1 .0).then_with(|| a.0.cmp(b.0)));
+        sorted
             .into_iter()
+            .take(limit)
             .map(|(descriptor, (denied, error))| Offender {
                 descriptor: descriptor.to_owned(),
                 denied,
                 error,
             })
-            .collect();
-        out.sort_by(|a, b| {
-            b.denied
-                .cmp(&a.denied)
-                .then_with(|| a.descriptor.cmp(&b.descriptor))
-        });
-        out.truncate(limit);
-        out
+            .collect()
     }
 }
 
@@ -171,5 +200,42 @@ mod tests {
         );
         tokio::time::advance(Duration::from_secs(60)).await;
         assert!(top.top(1).is_empty(), "forgotten after two quiet intervals");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn long_descriptors_are_kept_short_and_apart() {
+        let top = TopOffenders::new(10, Duration::from_secs(60));
+        let long = |last: &str| format!("d {}={last}", "k".repeat(40_000));
+        for _ in 0..3 {
+            top.denied(&long("a"));
+        }
+        top.denied(&long("b"));
+        top.denied("d user=short");
+        let list = top.top(10);
+        assert_eq!(list.len(), 3);
+        assert_eq!(list[0].denied, 3, "{:?}", list[0].descriptor);
+        assert_eq!(list[1].denied, 1);
+        assert_ne!(list[0].descriptor, list[1].descriptor);
+        for long in &list[..2] {
+            assert!(
+                long.descriptor.len() <= NAME_BYTES,
+                "{}",
+                long.descriptor.len()
+            );
+            assert!(long.descriptor.starts_with("d kkk"));
+            assert!(
+                long.descriptor.contains("(40004 bytes, #"),
+                "{}",
+                long.descriptor
+            );
+        }
+        assert!(list.iter().any(|o| o.descriptor == "d user=short"));
+        // Cut at a character's boundary.
+        let wide = format!("d u={}", "é".repeat(1_000));
+        top.denied(&wide);
+        assert!(top
+            .top(10)
+            .iter()
+            .any(|o| o.descriptor.starts_with("d u=é")));
     }
 }

@@ -227,7 +227,8 @@ pub enum BackendKind {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct MemorySettings {
-    /// Most counters held at once (default 1 000 000, about 100 bytes each). When the bound is reached and
+    /// Most counters held at once (default 1 000 000, about 100 bytes each); a counter whose key is longer
+    /// than 1 KiB counts once per started KiB of it. When the bound is reached and
     /// no expired counter can be reclaimed, requests needing a new counter fail with UNAVAILABLE
     /// ("memory store full") rather than evicting live counters, so no count is ever lost silently.
     pub max_keys: usize,

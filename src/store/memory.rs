@@ -4,7 +4,9 @@
 //! deadlock), decides every check, and consumes only when the request is allowed: atomic per request.
 //! Checks of limits that count over their limit are counted whatever the request's decision.
 //! Counters carry their expiry (end of window); [`MemoryStore::sweep`] reclaims expired ones, so memory
-//! follows the live keys, not the keys ever seen. The number of counters is bounded by `max_keys`: when
+//! follows the live keys, not the keys ever seen. The number of counters is bounded by `max_keys`, a
+//! counter whose key is longer than [`KEY_BYTES`] counting once per started [`KEY_BYTES`] of it (a
+//! request may carry keys of up to 32 KiB, so a bound in counters alone would be one of 32 GB): when
 //! full, expired counters are reclaimed first, and if none can be, the batch fails with
 //! [`StoreError::Full`] without touching anything. A full store looks for expired counters at most
 //! every [`ROOM_SWEEP_EVERY_MS`]: a sweep reads every counter, and a store kept full of live ones
@@ -36,11 +38,21 @@ const SHARDS: usize = 64;
 /// Least time between two sweeps a full store makes to find room, in milliseconds.
 pub const ROOM_SWEEP_EVERY_MS: u64 = 100;
 
+/// Key bytes a counter counts for once against `max_keys`.
+pub const KEY_BYTES: usize = 1024;
+
+/// How many times a counter of this key counts against `max_keys`.
+fn weight(key: &str) -> usize {
+    key.len().div_ceil(KEY_BYTES).max(1)
+}
+
 #[derive(Debug, Clone)]
 struct Entry {
     state: State,
     /// Milliseconds since the epoch after which the state means nothing and may be dropped.
     expires_at_ms: u64,
+    /// How many times it counts against `max_keys` ([`weight`] of its key).
+    weight: u32,
 }
 
 /// Counters in memory. Exact for one replica; replicas do not share it.
@@ -49,6 +61,8 @@ pub struct MemoryStore {
     counters: Sharded<Entry>,
     max_keys: usize,
     len: AtomicUsize,
+    /// The counters' weights summed: what `max_keys` bounds.
+    weight: AtomicUsize,
     /// When a full store last swept for room (`u64::MAX`: never).
     room_swept_ms: AtomicU64,
     /// The runtime limits set by operators, kept here like the counters (see `store::operator`).
@@ -61,6 +75,7 @@ impl MemoryStore {
             counters: Sharded::new(SHARDS),
             max_keys,
             len: AtomicUsize::new(0),
+            weight: AtomicUsize::new(0),
             room_swept_ms: AtomicU64::new(u64::MAX),
             records: LocalRecords::default(),
         }
@@ -75,11 +90,13 @@ impl MemoryStore {
     /// Forgets a counter (an operator's reset); whether there was one.
     pub fn forget(&self, key: &str) -> bool {
         let key = self.counters.hash(key);
-        let removed = self.counters.lock_of(key).remove(key).is_some();
-        if removed {
+        let removed = self.counters.lock_of(key).remove(key);
+        if let Some(entry) = &removed {
             self.len.fetch_sub(1, Ordering::Relaxed);
+            self.weight
+                .fetch_sub(entry.weight as usize, Ordering::Relaxed);
         }
-        removed
+        removed.is_some()
     }
 
     /// Number of counters held, expired or not.
@@ -101,16 +118,24 @@ impl MemoryStore {
 
     fn purge(&self, shard: &mut Shard<Entry>, now_ms: u64) -> usize {
         let before = shard.len();
-        shard.retain(|e| e.expires_at_ms > now_ms);
+        let mut weight = 0;
+        shard.retain(|e| {
+            let keep = e.expires_at_ms > now_ms;
+            if !keep {
+                weight += e.weight as usize;
+            }
+            keep
+        });
         let removed = before - shard.len();
         self.len.fetch_sub(removed, Ordering::Relaxed);
+        self.weight.fetch_sub(weight, Ordering::Relaxed);
         removed
     }
 
-    /// Reserves room for `new_keys` counters, reclaiming expired ones if needed.
+    /// Reserves room for `new_keys` counters weighing `new_weight`, reclaiming expired ones if needed.
     fn reserve(
         &self,
-        new_keys: usize,
+        (new_keys, new_weight): (usize, usize),
         held: &mut Held<'_, '_, Entry>,
         now_ms: u64,
     ) -> Result<(), StoreError> {
@@ -118,11 +143,12 @@ impl MemoryStore {
             return Ok(());
         }
         for attempt in 0..2 {
-            let before = self.len.fetch_add(new_keys, Ordering::Relaxed);
-            if before + new_keys <= self.max_keys {
+            let before = self.weight.fetch_add(new_weight, Ordering::Relaxed);
+            if before + new_weight <= self.max_keys {
+                self.len.fetch_add(new_keys, Ordering::Relaxed);
                 return Ok(());
             }
-            self.len.fetch_sub(new_keys, Ordering::Relaxed);
+            self.weight.fetch_sub(new_weight, Ordering::Relaxed);
             if attempt == 0 {
                 if !self.room_sweep_due(now_ms) {
                     break;
@@ -210,9 +236,13 @@ impl MemoryStore {
         held: &mut Held<'_, '_, Entry>,
         now_ms: u64,
     ) -> Result<(), StoreError> {
-        let new_keys = decided.iter().filter(|d| d.new_key).count();
-        self.reserve(new_keys, held, now_ms)?;
-        let mut added = 0;
+        let new = decided
+            .iter()
+            .zip(checks)
+            .filter(|(d, _)| d.new_key)
+            .fold((0, 0), |(n, w), (_, c)| (n + 1, w + weight(&c.key)));
+        self.reserve(new, held, now_ms)?;
+        let (mut added, mut added_weight) = (0, 0);
         for (i, check) in checks.iter().enumerate() {
             let Some(next) = decided[i].next.take() else {
                 continue;
@@ -229,16 +259,23 @@ impl MemoryStore {
                 }
             }
             let state = next.apply(p, None, now_ms);
+            let weight = weight(&check.key);
             let entry = Entry {
                 expires_at_ms: algorithm::expires_at_ms(p, &state, now_ms),
                 state,
+                weight: u32::try_from(weight).unwrap_or(u32::MAX),
             };
-            added += usize::from(held.insert(i, entry));
+            if held.insert(i, entry) {
+                added += 1;
+                added_weight += weight;
+            }
         }
         // Making room may have reclaimed an expired counter of this very batch, which was then stored
         // anew: counted here, so that the count stays the number of counters held.
-        if added > new_keys {
-            self.len.fetch_add(added - new_keys, Ordering::Relaxed);
+        if added > new.0 {
+            self.len.fetch_add(added - new.0, Ordering::Relaxed);
+            self.weight
+                .fetch_add(added_weight.saturating_sub(new.1), Ordering::Relaxed);
         }
         Ok(())
     }
@@ -510,6 +547,30 @@ mod tests {
         assert_eq!(store.len(), 1);
         assert_eq!(store.sweep(12_000), 1);
         assert!(store.is_empty());
+    }
+
+    #[test]
+    fn a_long_key_counts_once_per_kib_against_the_bound() {
+        let store = MemoryStore::new(4);
+        let one = |k: &str, window_secs| Batch {
+            checks: vec![check(k, 5, window_secs, 1, Role::Enforce)],
+            consume_on_deny: false,
+            known_denied: false,
+        };
+        let long = format!("{}_", "k".repeat(2 * KEY_BYTES + 1));
+        run(&store, &one(&long, 1), 10);
+        run(&store, &one("a_", 60), 10);
+        assert_eq!(store.len(), 2);
+        let err = store.apply_now(&one("b_", 60), 10).unwrap_err();
+        assert!(err.to_string().contains("memory.max_keys"), "{err}");
+        // The long key's window ends: its three places are free again.
+        assert_eq!(store.sweep(11_000), 1);
+        for k in ["b_", "c_", "d_"] {
+            assert!(store.apply_now(&one(k, 60), 11_000).is_ok(), "{k}");
+        }
+        assert!(store.apply_now(&one("e_", 60), 11_000).is_err());
+        assert!(store.forget("a_"));
+        assert!(store.apply_now(&one("e_", 60), 11_000).is_ok());
     }
 
     #[test]

@@ -203,7 +203,9 @@ impl Deadline {
 /// Why a store could not decide.
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum StoreError {
-    #[error("memory store full: {max_keys} counters in use (memory.max_keys)")]
+    #[error(
+        "memory store full: {max_keys} counters in use, each key past 1 KiB counting once per KiB (memory.max_keys)"
+    )]
     Full { max_keys: usize },
     #[error("{0}")]
     Backend(String),

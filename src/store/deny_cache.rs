@@ -19,7 +19,7 @@
 use std::{
     future::Future,
     sync::{
-        atomic::{AtomicU64, Ordering},
+        atomic::{AtomicU64, AtomicUsize, Ordering},
         Arc,
     },
 };
@@ -43,8 +43,20 @@ const SHARDS: usize = 16;
 /// expired.
 pub const SWEEP_EVERY_MS: u64 = 100;
 
+/// Bytes of key an entry holds for each place it takes in the cache: an entry is sized at 256 bytes
+/// (`LOCAL_CACHE_SIZE_IN_BYTES` / 256 entries), of which its key takes up to this many; a longer key (a
+/// request may ask for keys of up to 32 KiB) takes one more place per started this many bytes.
+const KEY_BYTES_PER_PLACE: usize = 128;
+
+/// How many places a denial of this key takes.
+fn places(key: &str) -> usize {
+    key.len().div_ceil(KEY_BYTES_PER_PLACE).max(1)
+}
+
 #[derive(Debug, Clone)]
 struct Entry {
+    /// The places it takes ([`places`] of its key).
+    places: u32,
     params: Params,
     cost: u64,
     /// Denied until this time (ms since the epoch, local clock).
@@ -58,7 +70,10 @@ struct Entry {
 #[derive(Debug)]
 pub struct DenyCache {
     entries: Sharded<Entry>,
+    /// Places in each shard: entries of keys up to [`KEY_BYTES_PER_PLACE`] bytes take one each.
     per_shard: usize,
+    /// Places taken in each shard. Read and written under the shard's lock.
+    taken: [AtomicUsize; SHARDS],
     /// When each shard was last swept for room (ms; `u64::MAX`: never). Read and written under the
     /// shard's lock.
     swept_ms: [AtomicU64; SHARDS],
@@ -69,6 +84,7 @@ impl DenyCache {
         Self {
             entries: Sharded::new(SHARDS),
             per_shard: max_entries.div_ceil(SHARDS).max(1),
+            taken: std::array::from_fn(|_| AtomicUsize::new(0)),
             swept_ms: std::array::from_fn(|_| AtomicU64::new(u64::MAX)),
         }
     }
@@ -76,12 +92,15 @@ impl DenyCache {
     /// The remembered denial of this check, if it still holds at `now_ms`.
     pub fn lookup(&self, key: &str, params: &Params, cost: u64, now_ms: u64) -> Option<Outcome> {
         let key = self.entries.hash(key);
-        let mut shard = self.entries.lock_of(key);
+        let index = self.entries.shard_of(key);
+        let mut shard = self.entries.lock(index);
         let entry = shard.get(key)?;
         // Past its end, or before its start: the clock stepped back, and only the store can say what
         // the denial is worth now.
         if now_ms >= entry.until_ms || now_ms < entry.since_ms {
-            shard.remove(key);
+            if let Some(gone) = shard.remove(key) {
+                self.taken[index].fetch_sub(gone.places as usize, Ordering::Relaxed);
+            }
             return None;
         }
         if entry.params != *params || cost < entry.cost {
@@ -102,7 +121,12 @@ impl DenyCache {
         if outcome.allowed || outcome.retry_ms == 0 {
             return;
         }
+        let places = places(key);
+        if places > self.per_shard {
+            return;
+        }
         let entry = Entry {
+            places: places as u32,
             params,
             cost,
             until_ms: sent_ms.saturating_add(outcome.retry_ms),
@@ -112,7 +136,9 @@ impl DenyCache {
         let key = self.entries.hash(key);
         let index = self.entries.shard_of(key);
         let mut shard = self.entries.lock(index);
-        if shard.len() >= self.per_shard && shard.get(key).is_none() {
+        let taken = &self.taken[index];
+        let fits = |taken: &AtomicUsize| taken.load(Ordering::Relaxed) + places <= self.per_shard;
+        if !fits(taken) && shard.get(key).is_none() {
             // Full: room is made from expired denials, once per SWEEP_EVERY_MS (and at once after the
             // clock stepped back); otherwise this one is simply asked of the store again next time.
             let swept = &self.swept_ms[index];
@@ -121,18 +147,30 @@ impl DenyCache {
                 return;
             }
             swept.store(sent_ms, Ordering::Relaxed);
-            shard.retain(|e| e.until_ms > sent_ms);
-            if shard.len() >= self.per_shard {
+            let mut freed = 0;
+            shard.retain(|e| {
+                let keep = e.until_ms > sent_ms;
+                if !keep {
+                    freed += e.places as usize;
+                }
+                keep
+            });
+            taken.fetch_sub(freed, Ordering::Relaxed);
+            if !fits(taken) {
                 return;
             }
         }
-        shard.insert(key, entry);
+        // A key already there is replaced in place: its places stay taken.
+        if shard.insert(key, entry) {
+            taken.fetch_add(places, Ordering::Relaxed);
+        }
     }
 
     /// Forgets everything (the rules changed).
     pub fn clear(&self) {
-        for mut shard in self.entries.each() {
+        for (mut shard, taken) in self.entries.each().zip(&self.taken) {
             shard.clear();
+            taken.store(0, Ordering::Relaxed);
         }
     }
 
@@ -497,6 +535,50 @@ mod tests {
             cache.insert(&format!("k{i}"), params(5), 1, denied(60_000), 0);
         }
         assert!(cache.len() <= 32, "{}", cache.len());
+    }
+
+    #[test]
+    fn long_keys_take_a_place_per_128_bytes_so_the_bound_holds_in_bytes() {
+        // 4 places a shard: a 300-byte key takes 3, so one such denial a shard at most.
+        let cache = DenyCache::new(4 * SHARDS);
+        let key = |i: usize| format!("{i:05}{}", "k".repeat(295));
+        for i in 0..1000 {
+            cache.insert(&key(i), params(5), 1, denied(60_000), 0);
+        }
+        assert!(cache.len() <= SHARDS, "{}", cache.len());
+        assert!(cache.len() > SHARDS / 2, "{}", cache.len());
+        // A key longer than a whole shard's places is never remembered, and takes nothing.
+        let huge = "h".repeat(4 * KEY_BYTES_PER_PLACE + 1);
+        cache.insert(&huge, params(5), 1, denied(60_000), 0);
+        assert!(cache.lookup(&huge, &params(5), 1, 10).is_none());
+        // Once they expire, short keys fill the places again, four a shard.
+        let short = DenyCache::new(4 * SHARDS);
+        for i in 0..1000 {
+            short.insert(&format!("k{i}"), params(5), 1, denied(60_000), 0);
+        }
+        assert_eq!(short.len(), 4 * SHARDS);
+        for i in 0..1000 {
+            cache.insert(&format!("k{i}"), params(5), 1, denied(60_000), 70_000);
+        }
+        assert_eq!(cache.len(), 4 * SHARDS, "the long keys' places were given back");
+
+        // A denial found expired by a lookup gives its place back too.
+        let one = DenyCache::new(SHARDS);
+        let mut keys = (0..).map(|i| format!("a{i}"));
+        let mut first = Vec::new();
+        while one.len() < SHARDS {
+            let key = keys.next().unwrap();
+            one.insert(&key, params(5), 1, denied(50), 0);
+            first.push(key);
+        }
+        for key in &first {
+            assert!(one.lookup(key, &params(5), 1, 100).is_none());
+        }
+        assert!(one.is_empty());
+        for key in keys.take(1000) {
+            one.insert(&key, params(5), 1, denied(60_000), 100);
+        }
+        assert_eq!(one.len(), SHARDS);
     }
 
     #[test]

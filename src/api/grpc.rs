@@ -202,6 +202,40 @@ pub fn to_wire(response: limiter::Response) -> RateLimitResponse {
     }
 }
 
+/// The rate limit service with tonic's refusals of its requests answered as [`refusals_are_invalid_argument`]
+/// says; the other services (health, reflection, RLQS) keep tonic's answers, which name no setting of ours.
+#[derive(Debug, Clone)]
+pub struct RefusalsAsInvalidArgument<S>(pub S);
+
+impl<S: tonic::server::NamedService> tonic::server::NamedService for RefusalsAsInvalidArgument<S> {
+    const NAME: &'static str = S::NAME;
+}
+
+type Answer = http::Response<tonic::body::Body>;
+
+impl<S, B> tower::Service<http::Request<B>> for RefusalsAsInvalidArgument<S>
+where
+    S: tower::Service<http::Request<B>, Response = Answer>,
+{
+    type Response = Answer;
+    type Error = S::Error;
+    type Future = futures_util::future::MapOk<S::Future, fn(Answer) -> Answer>;
+
+    fn poll_ready(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), S::Error>> {
+        self.0.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: http::Request<B>) -> Self::Future {
+        use futures_util::TryFutureExt;
+        self.0
+            .call(request)
+            .map_ok(refusals_are_invalid_argument as fn(Answer) -> Answer)
+    }
+}
+
 /// tonic refuses a request it cannot read before any handler sees it: over
 /// `request_limits.max_message_bytes` with OUT_OF_RANGE, malformed protobuf with INTERNAL. Callers get
 /// INVALID_ARGUMENT instead, naming the setting or what could not be decoded, like every other refusal of

@@ -22,7 +22,7 @@ use crate::{
             Acceptor, Bounds, ConnectionAge, TrackCallsLayer, WholeMessagesLayer, QUOTA_STREAM,
             SHOULD_RATE_LIMIT,
         },
-        grpc::RateLimitApi,
+        grpc::{RateLimitApi, RefusalsAsInvalidArgument},
         health::Health,
         http, http1,
         method_stats::MethodStatsLayer,
@@ -255,9 +255,6 @@ fn serve_grpc(
     let router = grpc_server(settings, &age)
         .layer(TrackCallsLayer)
         .layer(MethodStatsLayer::new(&services.metrics))
-        .layer(tower::util::MapResponseLayer::new(
-            crate::api::grpc::refusals_are_invalid_argument,
-        ))
         .layer(WholeMessagesLayer {
             timeout: settings.grpc.message_timeout,
             largest: largest_messages(settings, services),
@@ -271,11 +268,11 @@ fn serve_grpc(
         )
         .add_service(reflection_v1.max_decoding_message_size(SMALL_MESSAGE_BYTES))
         .add_service(reflection_v1alpha.max_decoding_message_size(SMALL_MESSAGE_BYTES))
-        .add_service(
+        .add_service(RefusalsAsInvalidArgument(
             RateLimitApi::new(services.limiter.clone())
                 .into_server()
                 .max_decoding_message_size(settings.request_limits.max_message_bytes),
-        )
+        ))
         // Its streams end when the drain begins, so that Envoys move to another replica at once.
         .add_optional_service(services.quota.clone().map(|quota| {
             RateLimitQuotaApi::new(quota, tasks.tracker.clone(), stop_accepting.clone())

@@ -560,7 +560,11 @@ mod tests {
         for i in 0..1000 {
             cache.insert(&format!("k{i}"), params(5), 1, denied(60_000), 70_000);
         }
-        assert_eq!(cache.len(), 4 * SHARDS, "the long keys' places were given back");
+        assert_eq!(
+            cache.len(),
+            4 * SHARDS,
+            "the long keys' places were given back"
+        );
 
         // A denial found expired by a lookup gives its place back too.
         let one = DenyCache::new(SHARDS);

@@ -206,17 +206,6 @@ fn a_key_of_many_underscores_loads_at_once() {
     );
 }
 
-/// The most memory the process `pid` has held so far, in bytes.
-fn peak_bytes(pid: u32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    let kb = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-        .expect("VmHWM in /proc/PID/status");
-    kb * 1024
-}
-
 /// 10 000 rules of two levels under keys of 200 bytes (`t...` = `v<i>`, then `p...`), started.
 fn serving_wide_rules(dir: &std::path::Path) -> common::Running {
     let (tenant, path) = ("t".repeat(200), "p".repeat(200));
@@ -242,7 +231,7 @@ fn asked_at_once(
 ) -> (String, u64) {
     let (code, one) = common::http_request(running.http, "GET", path, "");
     assert_eq!(code, 200);
-    let before = peak_bytes(running.child.id());
+    let before = common::measure::peak_bytes(running.child.id());
     let callers: Vec<_> = (0..32)
         .map(|_| {
             let http = running.http;
@@ -254,7 +243,7 @@ fn asked_at_once(
         assert_eq!(code, 200);
         assert!(same(&one, &text), "{path}: an answer unlike the first");
     }
-    let grown = peak_bytes(running.child.id()).saturating_sub(before);
+    let grown = common::measure::peak_bytes(running.child.id()).saturating_sub(before);
     eprintln!(
         "32 callers of a {} byte {path}: the process grew by {grown} bytes at most",
         one.len()

@@ -485,17 +485,6 @@ fn grpc_message(payload: &[u8]) -> Vec<u8> {
     message
 }
 
-/// The most memory the process `pid` has held so far, in bytes.
-fn peak_bytes(pid: u32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    let kb = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-        .expect("VmHWM in /proc/PID/status");
-    kb * 1024
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn calls_that_declare_large_messages_and_send_nothing_more_hold_no_memory_and_end_in_time() {
     // The service as started with nothing set: its default bounds.
@@ -521,7 +510,7 @@ async fn calls_that_declare_large_messages_and_send_nothing_more_hold_no_memory_
         (DECIDE, 60_000, "4"),
         (QUOTA, 1 << 20, "4"),
     ];
-    let before = peak_bytes(running.child.id());
+    let before = common::measure::peak_bytes(running.child.id());
     let began = Instant::now();
     let mut calls = Vec::new();
     for i in 0..400 {
@@ -532,7 +521,7 @@ async fn calls_that_declare_large_messages_and_send_nothing_more_hold_no_memory_
         calls.push(open_call(&mut ready, path, &prefix));
     }
     tokio::time::sleep(Duration::from_secs(2)).await;
-    let grown = peak_bytes(running.child.id()).saturating_sub(before);
+    let grown = common::measure::peak_bytes(running.child.id()).saturating_sub(before);
     eprintln!("400 calls declaring up to 1 MiB each: the process grew by {grown} bytes");
     assert!(
         grown < 64 << 20,

@@ -147,14 +147,7 @@ impl DenyCache {
                 return;
             }
             swept.store(sent_ms, Ordering::Relaxed);
-            let mut freed = 0;
-            shard.retain(|e| {
-                let keep = e.until_ms > sent_ms;
-                if !keep {
-                    freed += e.places as usize;
-                }
-                keep
-            });
+            let freed = shard.retain_weighed(|e| e.until_ms > sent_ms, |e| e.places as usize);
             taken.fetch_sub(freed, Ordering::Relaxed);
             if !fits(taken) {
                 return;

@@ -118,14 +118,7 @@ impl MemoryStore {
 
     fn purge(&self, shard: &mut Shard<Entry>, now_ms: u64) -> usize {
         let before = shard.len();
-        let mut weight = 0;
-        shard.retain(|e| {
-            let keep = e.expires_at_ms > now_ms;
-            if !keep {
-                weight += e.weight as usize;
-            }
-            keep
-        });
+        let weight = shard.retain_weighed(|e| e.expires_at_ms > now_ms, |e| e.weight as usize);
         let removed = before - shard.len();
         self.len.fetch_sub(removed, Ordering::Relaxed);
         self.weight.fetch_sub(weight, Ordering::Relaxed);

@@ -93,9 +93,21 @@ impl<V> Shard<V> {
             .map(|entry| entry.remove().0 .2)
     }
 
-    /// Keeps the entries for which `keep` is true.
-    pub fn retain(&mut self, mut keep: impl FnMut(&V) -> bool) {
-        self.table.retain(|(_, _, v)| keep(v));
+    /// Keeps the entries for which `keep` is true; returns the sum of `weight` over those dropped.
+    pub fn retain_weighed(
+        &mut self,
+        keep: impl Fn(&V) -> bool,
+        weight: impl Fn(&V) -> usize,
+    ) -> usize {
+        let mut dropped = 0;
+        self.table.retain(|(_, _, v)| {
+            let kept = keep(v);
+            if !kept {
+                dropped += weight(v);
+            }
+            kept
+        });
+        dropped
     }
 
     pub fn clear(&mut self) {
@@ -279,7 +291,9 @@ mod tests {
             .all(|(i, k)| shard.get(map.hash(k)) == Some(&(i as u32))));
         assert_eq!(shard.remove(map.hash(&keys[7])), Some(7));
         assert_eq!(shard.remove(map.hash(&keys[7])), None);
-        shard.retain(|v| v % 2 == 0);
+        // The odd ones go (one of them removed above), their values summed.
+        let dropped = shard.retain_weighed(|v| v % 2 == 0, |v| *v as usize);
+        assert_eq!(dropped, (1..1000).step_by(2).sum::<usize>() - 7);
         assert_eq!(shard.len(), 500);
         assert_eq!(shard.get(map.hash(&keys[10])), Some(&10));
     }

@@ -54,3 +54,14 @@ pub fn bytes_allocated<T>(f: impl FnOnce() -> T) -> (T, usize) {
     let bytes = MEASURED.with(|m| m.take()).unwrap_or(0);
     (out, bytes)
 }
+
+/// The most memory the process `pid` has held so far, in bytes (its `VmHWM`).
+pub fn peak_bytes(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let kb = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .expect("VmHWM in /proc/PID/status");
+    kb * 1024
+}

@@ -1,10 +1,10 @@
 //! The operators' API on Redis (see `store::operator`): counters read and cleared with plain commands,
-//! one per key (a sliding log's one to three), each routed to its slot's server on Cluster, at the
-//! server's time; runtime limit records in a hash beside their generation, both under the hash tag
-//! `{ratelimitd}`, changed together by `records.lua`. Each command waits at most `redis.timeout`.
-//! Besides what requests use, the API needs `+hgetall +hdel` of the least-privilege ACL user
-//! (SECURITY.md), once a runtime limit has been set (until then a replica reads only the generation,
-//! with GET).
+//! one per key (a sliding log read by `inspect_log.lua`, in one step), each routed to its slot's server
+//! on Cluster, at the server's time; runtime limit records in a hash beside their generation, both under
+//! the hash tag `{ratelimitd}`, changed together by `records.lua`. Each command waits at most
+//! `redis.timeout`. Besides what requests use, the API needs `+hgetall +hdel` of the least-privilege ACL
+//! user (SECURITY.md), once a runtime limit has been set (until then a replica reads only the
+//! generation, with GET).
 
 use fred::{
     prelude::*,
@@ -26,6 +26,10 @@ use crate::{
 /// Changes the records and their generation together (its header says how).
 static RECORDS_LUA: LazyLock<fred::types::scripts::Script> =
     LazyLock::new(|| fred::types::scripts::Script::from_lua(include_str!("records.lua")));
+
+/// Reads a sliding log for an inspect, changing nothing (its header says how).
+static INSPECT_LOG_LUA: LazyLock<fred::types::scripts::Script> =
+    LazyLock::new(|| fred::types::scripts::Script::from_lua(include_str!("inspect_log.lua")));
 
 /// Clears a counter that leases may hold hits of, and leaves its reset mark (its header says how).
 static RESET_LUA: LazyLock<fred::types::scripts::Script> =
@@ -192,11 +196,12 @@ impl RedisStore {
         })
     }
 
-    /// A sliding log as `usage` reads it, in as few entries as `decide.lua` reads for a decision: the
-    /// `hits` member and the oldest entries, then only those that left the window beyond them, and the
-    /// newest. The entries between the oldest read and the newest are summed into the newest, which
-    /// leaves the hits in the window and the reset exact. A short log, a log an earlier version wrote
-    /// (no `hits`) and a Redis user without ZRANGE read the whole log, as a decision does.
+    /// A sliding log as `usage` reads it, in as few entries as `decide.lua` reads for a decision, in one
+    /// step (`inspect_log.lua`): the `hits` member and the oldest entries, then only those that left the
+    /// window beyond them, and the newest. The entries between the oldest read and the newest are summed
+    /// into the newest, which leaves the hits in the window and the reset exact. A short log, a log an
+    /// earlier version wrote (no `hits`) and a Redis user without ZRANGE read the whole log, as a
+    /// decision does.
     async fn log_state(
         &self,
         backend: &Backend,
@@ -204,47 +209,46 @@ impl RedisStore {
         window_ms: u64,
         now_ms: u64,
     ) -> Result<Option<State>, StoreError> {
-        let last = LOG_HEAD.to_string();
-        let head = on_key(backend, "ZRANGE", key, &["0", &last, "WITHSCORES"]).await;
-        let head = match head.map(items) {
-            Ok(v) if v.len() < 2 * (LOG_HEAD + 1) => return Ok(whole_log(&v)),
-            Ok(v) if text(&v[0]).as_deref() == Some("hits") => v,
-            Err(StoreError::Timeout(after)) => return Err(StoreError::Timeout(after)),
-            _ => {
-                let all = on_key(
-                    backend,
-                    "ZRANGEBYSCORE",
-                    key,
-                    &["-inf", "+inf", "WITHSCORES"],
-                )
-                .await?;
-                return Ok(whole_log(&items(all)));
-            }
-        };
-        let total = number::<f64>(&head[1]).map_or(0, |sum| -sum as u64);
         let gone_at = now_ms.saturating_sub(window_ms);
-        let oldest: Vec<(u64, u64)> = log_entries(&head[2..]).collect();
-        let mut gone: u64 = oldest.iter().filter(|e| e.0 <= gone_at).map(|e| e.1).sum();
-        if oldest.iter().all(|e| e.0 <= gone_at) {
-            let offset = (LOG_HEAD + 1).to_string();
-            let more = on_key(
+        let client = backend.pool.next_connected();
+        let call = INSPECT_LOG_LUA.evalsha_with_reload::<Value, _, _>(
+            client,
+            vec![key.to_owned()],
+            vec![gone_at.to_string(), LOG_HEAD.to_string()],
+        );
+        let reply = match tokio::time::timeout(backend.timeout, call).await {
+            Ok(reply) => reply.map_err(redis_error)?,
+            Err(_) => return Err(StoreError::Timeout(backend.timeout)),
+        };
+        let parts: Vec<Vec<Value>> = match reply {
+            Value::Array(parts) if parts.len() == 3 => parts.into_iter().map(items).collect(),
+            other => return Err(unexpected("inspect_log.lua", &other)),
+        };
+        let (head, gone, newest) = (&parts[0], &parts[1], &parts[2]);
+        // Short (or none), or read whole for a user without ZRANGE (nothing else read then).
+        if head.len() < 2 * (LOG_HEAD + 1) || newest.is_empty() {
+            return Ok(whole_log(head));
+        }
+        // Written by an earlier version, without `hits`: counted whole, as a decision counts it.
+        if text(&head[0]).as_deref() != Some("hits") {
+            let all = on_key(
                 backend,
                 "ZRANGEBYSCORE",
                 key,
-                &[
-                    "-inf",
-                    &gone_at.to_string(),
-                    "WITHSCORES",
-                    "LIMIT",
-                    &offset,
-                    "-1",
-                ],
+                &["-inf", "+inf", "WITHSCORES"],
             )
             .await?;
-            gone += log_entries(&items(more)).map(|e| e.1).sum::<u64>();
+            return Ok(whole_log(&items(all)));
         }
-        let newest = items(on_key(backend, "ZRANGE", key, &["-1", "-1", "WITHSCORES"]).await?);
-        let Some((newest_ms, _)) = log_entries(&newest).next().filter(|e| e.0 > gone_at) else {
+        let total = number::<f64>(&head[1]).map_or(0, |sum| -sum as u64);
+        let oldest: Vec<(u64, u64)> = log_entries(&head[2..]).collect();
+        let gone: u64 = oldest
+            .iter()
+            .filter(|e| e.0 <= gone_at)
+            .map(|e| e.1)
+            .chain(log_entries(gone).map(|e| e.1))
+            .sum();
+        let Some((newest_ms, _)) = log_entries(newest).next().filter(|e| e.0 > gone_at) else {
             return Ok(None);
         };
         let live: Vec<(u64, u64)> = oldest.into_iter().filter(|e| e.0 > gone_at).collect();

@@ -102,7 +102,7 @@ impl MetricsText {
         let _asking = Asking::new(&self.asking);
         let mut last = self.last.clone().lock_owned().await;
         let text = match last.take() {
-            Some((began, text)) if began >= asked => {
+            Some((began, text)) if began > asked => {
                 if self.asking.load(Ordering::SeqCst) > 1 {
                     *last = Some((began, text.clone()));
                 }
@@ -225,10 +225,12 @@ async fn decide_json(State(state): State<AppState>, body: Bytes) -> Response {
 /// take a while to build and sort), once per rules snapshot: callers that ask meanwhile wait for it, and
 /// a caller that leaves does not stop it.
 async fn rlconfig(State(state): State<AppState>) -> Response {
+    let mut cached = state.rules_text.clone().lock_owned().await;
+    // The rules as they are once the lock is ours: a caller that waited never writes older rules over
+    // the text of newer ones.
     let text = match state.limiter.rules_snapshot() {
         None => Ok(Bytes::new()),
         Some(rules) => {
-            let mut cached = state.rules_text.clone().lock_owned().await;
             if Weak::ptr_eq(&cached.of, &Arc::downgrade(&rules)) {
                 Ok(cached.text.clone())
             } else {

@@ -201,6 +201,13 @@ impl Stream {
                 }
             }
             for (slot, action) in decided {
+                // Not answered (waiting for a share, the store failing): a merged report gets no old
+                // blanket rule either.
+                if action.is_none() {
+                    if let Some(tracked) = state.buckets.get_mut(&slot) {
+                        tracked.blanket = None;
+                    }
+                }
                 if let Some(action) = action {
                     // Envoy forgets an abandoned bucket: its next report of it is a subscription.
                     if let (Action::Abandon, Some(tracked)) =

@@ -204,7 +204,7 @@ impl Deadline {
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum StoreError {
     #[error(
-        "memory store full: {max_keys} counters in use, each key past 1 KiB counting once per KiB (memory.max_keys)"
+        "memory store full: memory.max_keys ({max_keys}) reached, a counter counting once per started KiB of its key"
     )]
     Full { max_keys: usize },
     #[error("{0}")]

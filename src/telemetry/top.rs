@@ -9,7 +9,7 @@
 use std::{
     borrow::Cow,
     collections::HashMap,
-    hash::{Hash, Hasher},
+    hash::{BuildHasher, RandomState},
     sync::Mutex,
     time::Duration,
 };
@@ -28,8 +28,9 @@ struct Sketch {
 const NAME_BYTES: usize = 512;
 const NAME_KEPT: usize = 448;
 
-/// `descriptor` as the sketch keeps it.
-fn name(descriptor: &str) -> Cow<'_, str> {
+/// `descriptor` as the sketch keeps it; `hasher` is seeded per sketch, so that nobody can work out two
+/// long descriptors whose names are the same.
+fn name<'d>(descriptor: &'d str, hasher: &RandomState) -> Cow<'d, str> {
     if descriptor.len() <= NAME_BYTES {
         return Cow::Borrowed(descriptor);
     }
@@ -37,13 +38,11 @@ fn name(descriptor: &str) -> Cow<'_, str> {
     while !descriptor.is_char_boundary(end) {
         end -= 1;
     }
-    let mut hasher = std::collections::hash_map::DefaultHasher::new();
-    descriptor.hash(&mut hasher);
     Cow::Owned(format!(
         "{}... ({} bytes, #{:016x})",
         &descriptor[..end],
         descriptor.len(),
-        hasher.finish()
+        hasher.hash_one(descriptor)
     ))
 }
 
@@ -93,6 +92,8 @@ pub struct TopOffenders {
     capacity: usize,
     interval: Duration,
     window: Mutex<Window>,
+    /// Hashes the descriptors too long to keep whole.
+    hasher: RandomState,
 }
 
 impl Default for TopOffenders {
@@ -112,6 +113,7 @@ impl TopOffenders {
                 previous: Sketch::default(),
                 started: Instant::now(),
             }),
+            hasher: RandomState::new(),
         }
     }
 
@@ -140,7 +142,7 @@ impl TopOffenders {
     /// Counts one denial of a descriptor.
     pub fn denied(&self, descriptor: &str) {
         let capacity = self.capacity;
-        let name = name(descriptor);
+        let name = name(descriptor, &self.hasher);
         self.window().current.add(&name, capacity);
     }
 

@@ -4,8 +4,8 @@
 //! as soon as it reads them, so a caller that sends the five bytes of a large message and nothing more
 //! made the server hold the whole size for nothing: a thousand such calls on one connection, declaring
 //! 4 MiB each, held 2 GB. Here the bytes of a message are held as they come (memory follows what was
-//! sent) and given to tonic together, the length with them. A length past every service's bound passes
-//! at once, for tonic to refuse with its own message.
+//! sent) and given to tonic together, the length with them. A length past the called method's bound
+//! (16 KiB for those not named) passes at once, for tonic to refuse with its own message.
 //!
 //! And a request must not take for ever: a call whose request is one message (every method but the
 //! streams of RLQS and reflection) must send it and end its side of the stream within
@@ -245,6 +245,140 @@ impl http_body::Body for WholeMessages {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use http_body::Body as _;
+    use std::{collections::VecDeque, task::Waker};
+
+    /// A body that answers each poll with the next of its steps, then ends.
+    struct Steps(VecDeque<Polled>);
+
+    impl http_body::Body for Steps {
+        type Data = bytes::Bytes;
+        type Error = Status;
+
+        fn poll_frame(mut self: Pin<&mut Self>, _: &mut Context<'_>) -> Polled {
+            self.0.pop_front().unwrap_or(Poll::Ready(None))
+        }
+    }
+
+    fn data(bytes: &[u8]) -> Polled {
+        Poll::Ready(Some(Ok(Frame::data(bytes::Bytes::copy_from_slice(bytes)))))
+    }
+
+    fn wrapped(steps: Vec<Polled>, unary: bool, largest: usize) -> WholeMessages {
+        WholeMessages {
+            body: Body::new(Steps(steps.into())),
+            held: BytesMut::new(),
+            trailers: None,
+            timer: None,
+            timeout: Duration::from_secs(10),
+            largest,
+            unary,
+            passing: false,
+            ended: false,
+        }
+    }
+
+    fn next(body: &mut WholeMessages) -> Polled {
+        let mut cx = Context::from_waker(Waker::noop());
+        Pin::new(body).poll_frame(&mut cx)
+    }
+
+    /// The bytes of a data frame, `None` for anything else.
+    fn bytes_of(polled: Polled) -> Option<Vec<u8>> {
+        match polled {
+            Poll::Ready(Some(Ok(frame))) => frame.into_data().ok().map(|d| d.to_vec()),
+            _ => None,
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_message_in_pieces_comes_out_whole_in_order_with_its_trailers_after_it() {
+        let (one, two) = (message(3), message(4));
+        let both = [one.clone(), two.clone()].concat();
+        let mut trailers = http::HeaderMap::new();
+        trailers.insert("x-end", http::HeaderValue::from_static("1"));
+        let mut body = wrapped(
+            vec![
+                data(&both[..2]),
+                Poll::Pending,
+                data(&[]),
+                data(&both[2..10]),
+                Poll::Pending,
+                data(&both[10..14]),
+                Poll::Ready(Some(Ok(Frame::trailers(trailers)))),
+            ],
+            false,
+            1024,
+        );
+        assert!(next(&mut body).is_pending(), "two bytes of a prefix");
+        assert_eq!(
+            bytes_of(next(&mut body)),
+            Some(one),
+            "the first, once whole"
+        );
+        assert!(next(&mut body).is_pending());
+        // The second is 3 bytes short when the trailers come: what is held goes first, as it is.
+        assert_eq!(bytes_of(next(&mut body)), Some(two[..6].to_vec()));
+        match next(&mut body) {
+            Poll::Ready(Some(Ok(frame))) => assert!(frame.is_trailers()),
+            other => panic!("{other:?}"),
+        }
+        assert!(matches!(next(&mut body), Poll::Ready(None)));
+        assert!(body.is_end_stream());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn whole_messages_pass_as_they_are_and_a_length_past_the_bound_at_once() {
+        let two = [message(2), message(0)].concat();
+        let mut body = wrapped(vec![data(&two)], true, 1024);
+        assert_eq!(bytes_of(next(&mut body)), Some(two));
+        assert!(body.held.is_empty());
+        // Declared past the bound: the prefix goes on at once (tonic refuses it), and what follows too.
+        let big = message(2000);
+        let mut body = wrapped(vec![data(&big[..5]), data(&big[5..9])], true, 1024);
+        assert_eq!(bytes_of(next(&mut body)), Some(big[..5].to_vec()));
+        assert_eq!(bytes_of(next(&mut body)), Some(big[5..9].to_vec()));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_unary_request_and_a_begun_message_must_arrive_within_the_timeout() {
+        let timed_out = |polled: Polled| matches!(polled, Poll::Ready(Some(Err(status))) if status.code() == tonic::Code::DeadlineExceeded);
+        // Unary, nothing sent yet: bounded.
+        let mut body = wrapped(
+            vec![Poll::Pending, Poll::Pending, Poll::Pending],
+            true,
+            1024,
+        );
+        assert!(next(&mut body).is_pending());
+        tokio::time::advance(Duration::from_secs(9)).await;
+        assert!(next(&mut body).is_pending());
+        tokio::time::advance(Duration::from_secs(1)).await;
+        assert!(timed_out(next(&mut body)));
+        assert!(matches!(next(&mut body), Poll::Ready(None)));
+
+        // A stream between messages waits for ever; within a message, 10 s from the first wait.
+        let m = message(5);
+        let mut body = wrapped(
+            vec![
+                Poll::Pending,
+                data(&m),
+                Poll::Pending,
+                data(&m[..3]),
+                Poll::Pending,
+                Poll::Pending,
+            ],
+            false,
+            1024,
+        );
+        assert!(next(&mut body).is_pending());
+        tokio::time::advance(Duration::from_secs(60)).await;
+        assert_eq!(bytes_of(next(&mut body)), Some(m.clone()));
+        assert!(next(&mut body).is_pending());
+        tokio::time::advance(Duration::from_secs(60)).await;
+        assert!(next(&mut body).is_pending(), "three bytes held");
+        tokio::time::advance(Duration::from_secs(10)).await;
+        assert!(timed_out(next(&mut body)));
+    }
 
     fn message(len: usize) -> Vec<u8> {
         let mut m = vec![0];
@@ -264,7 +398,7 @@ mod tests {
         assert_eq!(whole(&two[..12]), 8);
         assert_eq!(declared(&message(300)[..5]), Some(300));
         assert_eq!(declared(&message(300)[..4]), None);
-        // A length at u32's end cannot overflow the sum.
+        // A length at u32's end is not there yet.
         assert_eq!(whole(&[0, 255, 255, 255, 255, 1]), 0);
     }
 }

@@ -57,17 +57,14 @@ impl Message for limiter::Request {
         match name {
             "domain" => self.domain = string(map, "domain")?,
             "descriptors" => {
-                self.descriptors = map.next_value_seed(List {
-                    field: "descriptors",
-                    most: (limits.max_descriptors, "request_limits.max_descriptors"),
+                self.descriptors = list(
+                    map,
+                    "descriptors",
+                    (limits.max_descriptors, "request_limits.max_descriptors"),
                     limits,
-                    item: PhantomData,
-                })?
+                )?
             }
-            "hitsAddend" | "hits_addend" => {
-                self.hits_addend = u32::try_from(integer(map, "hitsAddend")?)
-                    .map_err(|_| de::Error::custom("hitsAddend: out of range for uint32"))?
-            }
+            "hitsAddend" | "hits_addend" => self.hits_addend = uint32(map, "hitsAddend")?,
             _ => return Ok(false),
         }
         Ok(true)
@@ -85,12 +82,12 @@ impl Message for limiter::Descriptor {
     ) -> Result<bool, A::Error> {
         match name {
             "entries" => {
-                self.entries = map.next_value_seed(List {
-                    field: "entries",
-                    most: (limits.max_entries, "request_limits.max_entries"),
+                self.entries = list(
+                    map,
+                    "entries",
+                    (limits.max_entries, "request_limits.max_entries"),
                     limits,
-                    item: PhantomData,
-                })?
+                )?
             }
             "limit" => {
                 self.limit = map
@@ -150,8 +147,7 @@ impl Message for Override {
     ) -> Result<bool, A::Error> {
         match name {
             "requestsPerUnit" | "requests_per_unit" => {
-                self.0.requests_per_unit = u32::try_from(integer(map, "requestsPerUnit")?)
-                    .map_err(|_| de::Error::custom("requestsPerUnit: out of range for uint32"))?
+                self.0.requests_per_unit = uint32(map, "requestsPerUnit")?
             }
             "unit" => {
                 self.0.unit = match map.next_value_seed(Scalar("unit", "an enum name or number"))? {
@@ -187,6 +183,27 @@ fn string<'de, A: MapAccess<'de>>(map: &mut A, field: &'static str) -> Result<St
 fn integer<'de, A: MapAccess<'de>>(map: &mut A, field: &'static str) -> Result<u64, A::Error> {
     map.next_value_seed(Scalar(field, "a non-negative integer"))?
         .integer(field)
+}
+
+/// A `uint32` field's value, as [`integer`] reads it.
+fn uint32<'de, A: MapAccess<'de>>(map: &mut A, field: &'static str) -> Result<u32, A::Error> {
+    u32::try_from(integer(map, field)?)
+        .map_err(|_| de::Error::custom(format!("{field}: out of range for uint32")))
+}
+
+/// A repeated message field's value, refused past `most` items while it is read.
+fn list<'de, A: MapAccess<'de>, M: Message>(
+    map: &mut A,
+    field: &'static str,
+    most: (usize, &'static str),
+    limits: &RequestLimits,
+) -> Result<Vec<M>, A::Error> {
+    map.next_value_seed(List {
+        field,
+        most,
+        limits,
+        item: PhantomData,
+    })
 }
 
 /// A JSON value that is not an object or an array.

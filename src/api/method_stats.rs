@@ -22,7 +22,10 @@ use std::{
 use tokio::time::Instant;
 use tonic::codegen::http;
 
-use super::grpc::{parse_grpc_timeout, GRPC_TIMEOUT};
+use super::{
+    conn::SHOULD_RATE_LIMIT,
+    grpc::{parse_grpc_timeout, GRPC_TIMEOUT},
+};
 use crate::telemetry::{
     metrics::{Histogram, StripedCounter},
     Metrics,
@@ -30,10 +33,7 @@ use crate::telemetry::{
 
 /// The unary methods served, by HTTP/2 path, with the name their stats carry.
 const UNARY: &[(&str, &str)] = &[
-    (
-        "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit",
-        "ShouldRateLimit",
-    ),
+    (SHOULD_RATE_LIMIT, "ShouldRateLimit"),
     ("/grpc.health.v1.Health/Check", "Check"),
 ];
 

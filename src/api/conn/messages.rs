@@ -133,8 +133,7 @@ pub struct WholeMessages {
 /// How long the whole messages at the front of `bytes` are together (0: none).
 fn whole(bytes: &[u8]) -> usize {
     let mut at = 0;
-    while let Some(prefix) = bytes.get(at..at + PREFIX) {
-        let len = u32::from_be_bytes([prefix[1], prefix[2], prefix[3], prefix[4]]) as usize;
+    while let Some(len) = declared(&bytes[at..]) {
         match (at + PREFIX).checked_add(len) {
             Some(end) if end <= bytes.len() => at = end,
             _ => break,

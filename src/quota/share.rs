@@ -354,10 +354,12 @@ pub fn apply(bucket: &mut Bucket, now_ms: u64, call: &Call) -> Reply {
     let targets = targets(shared, &demands);
     let mut grants: Vec<f64> = members.values().map(|m| m.grant).collect();
     let counted: Vec<f64> = members.values().map(|m| m.counted(now_ms)).collect();
+    // `ids` is sorted (a map's keys): a call listing many members of a large bucket stays
+    // O(listed · log members).
     let index: Vec<Option<usize>> = call
         .members
         .iter()
-        .map(|l| ids.iter().position(|id| **id == l.id))
+        .map(|l| ids.binary_search(&&l.id).ok())
         .collect();
     let listed: Vec<usize> = index
         .iter()

@@ -22,9 +22,9 @@ use std::{
 
 use common::{
     ask, descriptor,
-    redis::RedisProcess,
+    redis::{command_calls, RedisProcess},
     request,
-    rlqs::{bucket, Bucket, Envoy, Fallback, Rate},
+    rlqs::{bucket, Bucket, Enforced, Envoy, Fallback, Rate},
     TestServer,
 };
 use ratelimitd::{clock::Clock, proto::rate_limit_response::Code};
@@ -470,6 +470,51 @@ async fn a_vanished_envoy_gives_its_share_back_after_its_ttl_on_one_replica() {
 #[tokio::test]
 async fn a_vanished_envoy_gives_its_share_back_after_its_ttl_on_two_replicas() {
     a_vanished_envoy_gives_its_share_back_after_its_ttl(Backend::Redis { replicas: 2 }).await;
+}
+
+/// Many Envoys of one bucket on one replica: a recomputation reads and writes every member of the
+/// bucket, so their reports share them, at most one per tenth of a report period (each one a
+/// `HGETALL` of the bucket in `share.lua`), and every Envoy is still answered and holds a share within
+/// the limit.
+#[tokio::test]
+async fn envoys_of_one_bucket_share_its_recomputations() {
+    let fleet = Fleet::start(Backend::Redis { replicas: 1 }).await;
+    let redis = fleet._redis.as_ref().expect("a Redis fleet");
+    let recomputations = || command_calls(&redis.cli(&["INFO", "commandstats"]), "hgetall");
+    let b = shared();
+    let envoys: Vec<Arc<Envoy>> = (0..40).map(|i| fleet.envoy(&format!("e{i}"), 0)).collect();
+    let before = recomputations();
+    let start = Instant::now();
+    for envoy in &envoys {
+        envoy.drive(b.clone(), Rate::new(2.0));
+    }
+    let largest = largest_sum(&envoys, &b, start + Duration::from_secs(3)).await;
+    let recomputed = recomputations() - before;
+    let elapsed = start.elapsed();
+    let answers: usize = envoys.iter().map(|e| e.received().len()).sum();
+    let holding = envoys
+        .iter()
+        .filter(|e| matches!(e.enforced(&b), Some(Enforced::Tokens { rate, .. }) if rate > 0.0))
+        .count();
+    eprintln!(
+        "40 Envoys of one bucket for {elapsed:.2?}: {recomputed} recomputations, {answers} assignments \
+         received, {holding} holding a share, largest sum of assigned rates {largest:.1}"
+    );
+    assert!(
+        largest <= LIMIT * (1.0 + 1e-9),
+        "assignments above the limit: {largest}"
+    );
+    assert_eq!(holding, envoys.len(), "every Envoy holds a share");
+    let most = elapsed.as_secs_f64() / (PERIOD.as_secs_f64() / 10.0) + 2.0;
+    assert!(
+        recomputed as f64 <= most,
+        "{recomputed} recomputations in {elapsed:?}: at most one per tenth of a period ({most:.0})"
+    );
+    assert!(
+        answers as u64 >= 3 * recomputed,
+        "{answers} assignments from {recomputed} recomputations"
+    );
+    fleet.stop().await;
 }
 
 /// Wall-clock seconds at instant `t`: fixed windows are aligned to the Unix epoch.

@@ -12,7 +12,8 @@
 //!    the tokens per second its Envoys may share (the rule's rate `limit / window`, less the rate at which
 //!    `ShouldRateLimit` callers spend a fixed window), and the members' grants, the reporting Envoy and
 //!    every other Envoy this replica streams to for the bucket listed, so that a share freed by one is
-//!    pushed to another at once;
+//!    pushed to another at once; at most once per tenth of a report period on this replica ([`gather`]):
+//!    the reports that come sooner wait for the next recomputation and are listed in it together;
 //! 4. each listed Envoy whose assignment changed, and the reporter always, is sent its grant as a token
 //!    bucket ([`strategy`]) with the TTL, on its stream.
 //!
@@ -21,12 +22,14 @@
 //!
 //! # Layout
 //! - `share`: the arithmetic of one bucket (pool, targets, grants), pure; `share.lua` mirrors it.
+//! - `gather`: when a bucket is recomputed on this replica, and which reports wait for it.
 //! - `state`: where the buckets live, in this process or in Redis.
 //! - `strategy`: a grant as the token bucket Envoy enforces.
 //! - `stream`: one Envoy's stream: its buckets, their demand, what was sent, the queue of actions.
 //! - `stats`: the metrics by domain and rule, and why buckets went unanswered.
 //! - `options`: the `rlqs.*` settings.
 
+mod gather;
 mod options;
 pub mod share;
 pub mod state;
@@ -49,6 +52,7 @@ use std::{
 };
 
 use self::{
+    gather::{Gathers, Turn},
     share::{Call, DemandUpdate, Given, LimitUse, Listed, Listing, WindowUse},
     stats::{rule_series, Stats, Unanswered},
     stream::{BucketSlot, StreamInner, TrackedUsage},
@@ -151,10 +155,50 @@ pub struct Quota {
     tracked_buckets: AtomicUsize,
     /// The streams of this replica by the buckets they report: whom a recomputation can push to.
     local: Mutex<HashMap<String, Vec<LocalMember>>>,
+    /// Reports that wait for their bucket's next recomputation here: one per tenth of a report period.
+    gathers: Gathers<Reporter>,
     /// Seconds of its grant a token bucket holds: a tenth of the report period, from 100 ms (so that
     /// requests that arrive unevenly are not denied for it) to a second.
     burst: f64,
     stats: Stats,
+}
+
+/// A report of a bucket, counted and waiting for the bucket's recomputation.
+#[derive(Debug)]
+struct Reporter {
+    listed: Listed,
+    stream: Arc<StreamInner>,
+    slot: BucketSlot,
+    /// Whether its stream had been sent a share of the bucket before.
+    had_share: bool,
+    /// The rule's limits, as its report left their counters.
+    uses: Vec<LimitUse>,
+}
+
+/// The limits as a recomputation of several reports sees them: the last report's, with the hits of
+/// every report counted in the same fixed window.
+fn merged_uses(reporters: &[Reporter]) -> Vec<LimitUse> {
+    let Some((last, earlier)) = reporters.split_last() else {
+        return Vec::new();
+    };
+    let mut uses = last.uses.clone();
+    for (k, limit) in uses.iter_mut().enumerate() {
+        let Some(window) = &mut limit.window else {
+            continue;
+        };
+        let mut added = window.added;
+        for r in earlier {
+            if let Some(Some(w)) = r.uses.get(k).map(|u| u.window) {
+                if w.start_ms == window.start_ms && w.window_ms == window.window_ms {
+                    added += w.added;
+                    window.used = window.used.max(w.used);
+                    window.elapsed_ms = window.elapsed_ms.max(w.elapsed_ms);
+                }
+            }
+        }
+        window.added = added;
+    }
+    uses
 }
 
 /// A bucket member this replica streams to.
@@ -174,6 +218,9 @@ impl Quota {
             open_streams: AtomicUsize::new(0),
             tracked_buckets: AtomicUsize::new(0),
             local: Mutex::new(HashMap::new()),
+            gathers: Gathers::new(
+                (parts.settings.report_period / 10).max(Duration::from_millis(1)),
+            ),
             burst: (parts.settings.report_period.as_secs_f64() / 10.0).clamp(0.1, 1.0),
             stats,
             parts,
@@ -215,10 +262,17 @@ impl Quota {
                 _ = stop.cancelled() => return,
                 () = tokio::time::sleep(every) => {
                     self.parts.shares.sweep();
+                    self.gathers.sweep();
                     self.prune_rules();
                 }
             }
         }
+    }
+
+    /// Longest a report's answers wait for one another before they go out: its buckets' next
+    /// recomputations here and their store calls.
+    fn answers_within(&self) -> Duration {
+        self.gathers.every().saturating_add(self.parts.store_wait)
     }
 
     /// Takes one of the replica's `rlqs.max_buckets` for a stream's new bucket; false when none is left.
@@ -257,15 +311,15 @@ impl Quota {
         }
     }
 
-    /// The other members of `key` this replica streams to that wait for a share: a recomputation can
-    /// give them one (the others are recomputed at their own reports).
-    fn locals(&self, key: &str, except: &str) -> Vec<LocalMember> {
+    /// The members of `key` this replica streams to that wait for a share, but for those in `except`
+    /// (sorted): a recomputation can give them one (the others are recomputed at their own reports).
+    fn locals(&self, key: &str, except: &[&str]) -> Vec<LocalMember> {
         let members: Vec<LocalMember> = lock(&self.local)
             .get(key)
             .map(|members| {
                 members
                     .iter()
-                    .filter(|m| &*m.member != except)
+                    .filter(|m| except.binary_search(&&*m.member).is_err())
                     .cloned()
                     .collect()
             })
@@ -322,7 +376,7 @@ impl Quota {
 
     /// Decides one bucket of a report.
     async fn decide(
-        &self,
+        self: &Arc<Self>,
         stream: &Arc<StreamInner>,
         domain: &Arc<str>,
         usage: TrackedUsage,
@@ -380,19 +434,86 @@ impl Quota {
         // A bucket that never got a share is a subscriber only once the store gives it one.
         let had_share = stream.sent_version(&usage.slot) > 0;
         let member = stream.track_rule(&usage.slot, &limits, &rule_stats, self);
-        let locals = self.locals(&limits.shares_key, &member);
-        let mut listed = vec![Listed {
-            id: member.to_string(),
-            demand: usage.demand,
-            listing: Listing::Reported,
-            sent_version: stream.sent_version(&usage.slot),
-        }];
+        let reporter = Reporter {
+            listed: Listed {
+                id: member.to_string(),
+                demand: usage.demand,
+                listing: Listing::Reported,
+                sent_version: stream.sent_version(&usage.slot),
+            },
+            stream: stream.clone(),
+            slot: usage.slot,
+            had_share,
+            uses,
+        };
+        match self.gathers.enter(&limits.shares_key, reporter) {
+            Turn::Now(reporter) => {
+                let mut actions = self
+                    .recompute(&limits.shares_key, vec![reporter], deadline)
+                    .await;
+                actions.pop().flatten()
+            }
+            Turn::Queued => {
+                stream.defer();
+                None
+            }
+            Turn::First { at } => {
+                stream.defer();
+                let (quota, key) = (self.clone(), limits.shares_key.clone());
+                tokio::spawn(async move {
+                    tokio::time::sleep_until(at).await;
+                    let reporters = quota.gathers.take(&key);
+                    let streams: Vec<_> = reporters
+                        .iter()
+                        .map(|r| (r.stream.clone(), r.slot.clone()))
+                        .collect();
+                    let deadline = Deadline::within(quota.parts.store_wait);
+                    let actions = quota.recompute(&key, reporters, deadline).await;
+                    for ((stream, slot), action) in streams.into_iter().zip(actions) {
+                        stream.settle(slot, action);
+                    }
+                });
+                None
+            }
+        }
+    }
+
+    /// Recomputes the bucket under `key` for the reports of `reporters` (of its members on this
+    /// replica), listing too the other members here that wait for a share, and pushes them what they
+    /// are given; the reporters' answers, in order.
+    async fn recompute(
+        &self,
+        key: &str,
+        mut reporters: Vec<Reporter>,
+        deadline: Deadline,
+    ) -> Vec<Option<Action>> {
+        // A member that reported twice while waiting is listed with its later report.
+        let mut answered = vec![true; reporters.len()];
+        let mut later = std::collections::HashSet::new();
+        for (r, answered) in reporters.iter().zip(answered.iter_mut()).rev() {
+            *answered = later.insert(r.listed.id.as_str());
+        }
+        drop(later);
+        let uses = merged_uses(&reporters);
+        let mut listed: Vec<Listed> = reporters
+            .iter_mut()
+            .zip(&answered)
+            .filter(|(_, answered)| **answered)
+            .map(|(r, _)| {
+                r.listed.sent_version = r.stream.sent_version(&r.slot);
+                r.listed.clone()
+            })
+            .collect();
+        let mut reported: Vec<&str> = listed.iter().map(|l| l.id.as_str()).collect();
+        reported.sort_unstable();
+        let locals = self.locals(key, &reported);
         listed.extend(locals.iter().map(|m| Listed {
             id: m.member.to_string(),
             demand: DemandUpdate::Keep,
             listing: Listing::Pushed,
             sent_version: m.stream.sent_version(&m.slot),
         }));
+        let listed_reporters = listed.len() - locals.len();
         let call = Call {
             limits: uses,
             counts_for_ms: duration_ms(
@@ -405,22 +526,23 @@ impl Quota {
             max_members: self.parts.settings.max_envoys_per_bucket,
             members: listed,
         };
-        let shared = self
-            .parts
-            .shares
-            .share_by(&limits.shares_key, &call, Some(deadline))
-            .await;
-        let reply = match shared {
+        let reply = match self.parts.shares.share_by(key, &call, Some(deadline)).await {
             Ok(reply) => reply,
             Err(err) => {
-                if !had_share {
-                    stream.forget_rule(&usage.slot, self);
-                }
                 tracing::debug!(error = %err, "rate limit quota shares not recomputed");
-                return self.store_failed();
+                return reporters
+                    .iter()
+                    .zip(&answered)
+                    .map(|(r, answered)| {
+                        if !r.had_share {
+                            r.stream.forget_rule(&r.slot, self);
+                        }
+                        answered.then(|| self.store_failed()).flatten()
+                    })
+                    .collect();
             }
         };
-        for (given, local) in reply.given[1..].iter().zip(&locals) {
+        for (given, local) in reply.given[listed_reporters..].iter().zip(&locals) {
             match *given {
                 Given::Share {
                     changed: true,
@@ -432,21 +554,31 @@ impl Quota {
                 Given::Full | Given::Gone => {}
             }
         }
-        match reply.given[0] {
-            Given::Share {
-                grant,
-                target,
-                version,
-                ..
-            } => stream.answer(&usage.slot, grant, target, version, self),
-            Given::Full => {
-                // Not a member of the bucket: neither a subscriber nor pushed to.
-                stream.forget_rule(&usage.slot, self);
-                self.stats.unanswered(Unanswered::BucketFull);
-                None
-            }
-            Given::Gone => None,
-        }
+        let mut given = reply.given[..listed_reporters].iter();
+        reporters
+            .iter()
+            .zip(&answered)
+            .map(|(r, answered)| {
+                if !answered {
+                    return None;
+                }
+                match *given.next()? {
+                    Given::Share {
+                        grant,
+                        target,
+                        version,
+                        ..
+                    } => r.stream.answer(&r.slot, grant, target, version, self),
+                    Given::Full => {
+                        // Not a member of the bucket: neither a subscriber nor pushed to.
+                        r.stream.forget_rule(&r.slot, self);
+                        self.stats.unanswered(Unanswered::BucketFull);
+                        None
+                    }
+                    Given::Gone => None,
+                }
+            })
+            .collect()
     }
 
     /// Adds `allowed` admitted hits to every counter of the rule, as `ShouldRateLimit` would have for

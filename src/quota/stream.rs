@@ -49,8 +49,10 @@ pub(super) struct StreamInner {
     /// `<replica>-<n>`; each bucket's member id adds the bucket's number in the stream.
     id: String,
     state: Mutex<StreamState>,
-    /// Woken when actions are pending or the stream ends.
+    /// Woken when actions are pending, a report's last answer came, or the stream ends.
     ready: Notify,
+    /// Longest time actions wait for answers still to come (see [`StreamState::awaiting`]).
+    hold_for: Duration,
 }
 
 #[derive(Debug, Default)]
@@ -63,6 +65,8 @@ struct StreamState {
     next_bucket: u64,
     /// No more actions: the stream ended.
     closed: bool,
+    /// Answers to its reports that wait for their buckets' next recomputation.
+    awaiting: usize,
 }
 
 /// What a stream knows of one of its buckets.
@@ -161,12 +165,13 @@ pub(super) struct TrackedUsage {
 impl Stream {
     pub(super) fn new(quota: Arc<Quota>, id: String) -> Self {
         Self {
-            quota,
             inner: Arc::new(StreamInner {
                 id,
                 state: Mutex::new(StreamState::default()),
                 ready: Notify::new(),
+                hold_for: quota.answers_within(),
             }),
+            quota,
         }
     }
 
@@ -201,35 +206,7 @@ impl Stream {
                 }
             }
             for (slot, action) in decided {
-                // Not answered (waiting for a share, the store failing): a merged report gets no old
-                // blanket rule either.
-                if action.is_none() {
-                    if let Some(tracked) = state.buckets.get_mut(&slot) {
-                        tracked.blanket = None;
-                    }
-                }
-                if let Some(action) = action {
-                    // Envoy forgets an abandoned bucket: its next report of it is a subscription.
-                    if let (Action::Abandon, Some(tracked)) =
-                        (&action, state.buckets.get_mut(&slot))
-                    {
-                        tracked.reported_at = None;
-                        tracked.merged = (0, 0);
-                        tracked.blanket = None;
-                    }
-                    if let (Action::Assign { strategy, .. }, Some(tracked)) =
-                        (&action, state.buckets.get_mut(&slot))
-                    {
-                        if Admissible::of(strategy).is_none() {
-                            tracked.admissible = None;
-                        }
-                        if tracked.sent.is_none() {
-                            tracked.blanket = Some(*strategy);
-                        }
-                    }
-                    state.queue(slot, action);
-                    queued = true;
-                }
+                queued |= state.settle(slot, action);
             }
         }
         if queued {
@@ -425,6 +402,39 @@ impl Actions {
 }
 
 impl StreamState {
+    /// Takes the answer to a report of the bucket in `slot` (`None`: not answered, or not yet); true
+    /// when an action was queued.
+    fn settle(&mut self, slot: BucketSlot, action: Option<Action>) -> bool {
+        let Some(action) = action else {
+            // Not answered (waiting for a share, the store failing): a merged report gets no old
+            // blanket rule either.
+            if let Some(tracked) = self.buckets.get_mut(&slot) {
+                tracked.blanket = None;
+            }
+            return false;
+        };
+        if let Some(tracked) = self.buckets.get_mut(&slot) {
+            match &action {
+                // Envoy forgets an abandoned bucket: its next report of it is a subscription.
+                Action::Abandon => {
+                    tracked.reported_at = None;
+                    tracked.merged = (0, 0);
+                    tracked.blanket = None;
+                }
+                Action::Assign { strategy, .. } => {
+                    if Admissible::of(strategy).is_none() {
+                        tracked.admissible = None;
+                    }
+                    if tracked.sent.is_none() {
+                        tracked.blanket = Some(*strategy);
+                    }
+                }
+            }
+        }
+        self.queue(slot, action);
+        true
+    }
+
     /// Queues `action`, replacing one not sent yet for the same bucket.
     fn queue(&mut self, slot: BucketSlot, action: Action) {
         if self.closed {
@@ -471,6 +481,7 @@ impl Pending {
 
 impl StreamInner {
     async fn next_actions(&self) -> Option<Vec<BucketAction>> {
+        let mut held: Option<Instant> = None;
         loop {
             let notified = self.ready.notified();
             tokio::pin!(notified);
@@ -478,22 +489,35 @@ impl StreamInner {
             {
                 let mut state = lock(&self.state);
                 if !state.pending.is_empty() {
-                    let pending = state.pending.take();
-                    return Some(
-                        pending
-                            .into_iter()
-                            .map(|((_, bucket), action)| BucketAction {
-                                bucket: (*bucket).clone(),
-                                action,
-                            })
-                            .collect(),
-                    );
-                }
-                if state.closed {
+                    // Answers still to come for a report are sent with the others, in one message,
+                    // unless they are late.
+                    let now = Instant::now();
+                    if state.awaiting == 0 || held.is_some_and(|until| now >= until) {
+                        let pending = state.pending.take();
+                        return Some(
+                            pending
+                                .into_iter()
+                                .map(|((_, bucket), action)| BucketAction {
+                                    bucket: (*bucket).clone(),
+                                    action,
+                                })
+                                .collect(),
+                        );
+                    }
+                    held.get_or_insert(now + self.hold_for);
+                } else if state.closed {
                     return None;
                 }
             }
-            notified.await;
+            match held {
+                Some(until) => {
+                    tokio::select! {
+                        () = &mut notified => {}
+                        () = tokio::time::sleep_until(until) => {}
+                    }
+                }
+                None => notified.await,
+            }
         }
     }
 
@@ -551,6 +575,23 @@ impl StreamInner {
             let held = t.sent.map_or(0.0, |(_, g)| g);
             t.target > held && significant(held, t.target)
         })
+    }
+
+    /// A report's answer will come with its bucket's next recomputation.
+    pub(super) fn defer(&self) {
+        lock(&self.state).awaiting += 1;
+    }
+
+    /// Takes the answer to a report of the bucket that waited for a later recomputation.
+    pub(super) fn settle(&self, slot: BucketSlot, action: Option<Action>) {
+        let wake = {
+            let mut state = lock(&self.state);
+            state.awaiting = state.awaiting.saturating_sub(1);
+            state.settle(slot, action) || state.awaiting == 0
+        };
+        if wake {
+            self.ready.notify_one();
+        }
     }
 
     /// Records the bucket's target from a recomputation that did not change its grant.

@@ -255,6 +255,55 @@ async fn a_report_that_comes_too_soon_is_merged_into_the_next() {
     s.stop().await;
 }
 
+/// Buckets another Envoy's report has just recomputed wait for their next recomputation (a tenth of a
+/// report period after it, one for all the reports that waited): a report of them is answered when
+/// that comes, every bucket in one response, as a report recomputed at once is.
+#[tokio::test]
+async fn a_report_that_waits_for_its_buckets_recomputations_is_answered_in_one_response() {
+    // Envoy's period: a tenth of it, 500 ms, is room enough for a busy machine to send the second
+    // report before the buckets are due again.
+    let s = start(|s| {
+        s.rlqs.report_period = Duration::from_secs(5);
+        s.rlqs.assignment_ttl = Duration::from_secs(15);
+    })
+    .await;
+    s.wait_serving(Duration::from_secs(5)).await;
+    let addresses: Vec<String> = (0..20).map(|i| format!("198.51.100.{i}")).collect();
+    let buckets: Vec<Vec<(&str, &str)>> = addresses
+        .iter()
+        .map(|a| vec![("remote_address", a.as_str()), ("path", "/login")])
+        .collect();
+    let rows: Vec<UsageRow<'_>> = buckets.iter().map(|b| (&b[..], 0, 1, 0)).collect();
+    let mut first = Raw::open(&s).await.unwrap();
+    let mut second = Raw::open(&s).await.unwrap();
+    first.report("edge", &rows);
+    let answered = actions(&first.next().await);
+    assert_eq!(answered.len(), 20, "recomputed at once: one response");
+    let sent = std::time::Instant::now();
+    second.report("edge", &rows);
+    let response = second.next().await;
+    let waited = sent.elapsed();
+    let got = actions(&response);
+    assert_eq!(
+        got.len(),
+        20,
+        "every bucket in one response, after {waited:?}"
+    );
+    for b in &buckets {
+        let (strategy, _) = got[&key(b)].expect("an assignment");
+        assert!(token_bucket(&strategy).tokens_per_fill.unwrap() > 0);
+    }
+    // Each bucket was recomputed less than 500 ms before, so these waited for the next.
+    assert!(
+        waited >= Duration::from_millis(100),
+        "answered after {waited:?}"
+    );
+    // Nothing was left for another response.
+    let more = tokio::time::timeout(Duration::from_millis(500), second.rx.message()).await;
+    assert!(more.is_err(), "another response: {more:?}");
+    s.stop().await;
+}
+
 #[tokio::test]
 async fn unlimited_unmatched_and_zero_limits_get_blanket_rules() {
     let s = start(|_| {}).await;

@@ -18,7 +18,9 @@
 //!    bucket ([`strategy`]) with the TTL, on its stream.
 //!
 //! Every stream, bucket and member is bounded by [`RlqsSettings`]; a stream's work is its own task, and
-//! all end when the server drains.
+//! all end when the server drains. A recomputation that reports wait for is a task of its own too, which
+//! ends within a tenth of a report period and one store call; what it answers a stream that ended is
+//! dropped, and such a stream's reports are not listed in it.
 //!
 //! # Layout
 //! - `share`: the arithmetic of one bucket (pool, targets, grants), pure; `share.lua` mirrors it.
@@ -163,40 +165,59 @@ pub struct Quota {
     stats: Stats,
 }
 
+/// What a bucket of a report is answered.
+#[derive(Debug)]
+pub(super) enum Decided {
+    /// Now: the action to queue (`None`: not answered).
+    Now(Option<Action>),
+    /// When its bucket's next recomputation here settles it on the stream.
+    Later,
+}
+
 /// A report of a bucket, counted and waiting for the bucket's recomputation.
 #[derive(Debug)]
 struct Reporter {
     listed: Listed,
     stream: Arc<StreamInner>,
     slot: BucketSlot,
-    /// Whether its stream had been sent a share of the bucket before.
-    had_share: bool,
     /// The rule's limits, as its report left their counters.
     uses: Vec<LimitUse>,
 }
 
-/// The limits as a recomputation of several reports sees them: the last report's, with the hits of
-/// every report counted in the same fixed window.
-fn merged_uses(reporters: &[Reporter]) -> Vec<LimitUse> {
-    let Some((last, earlier)) = reporters.split_last() else {
+/// The limits as a recomputation of several reports sees them: the last report's, each fixed window as
+/// the report that saw it latest left it, with the hits every report added to that window.
+fn merged_uses(reports: &[&[LimitUse]]) -> Vec<LimitUse> {
+    let Some(last) = reports.last() else {
         return Vec::new();
     };
-    let mut uses = last.uses.clone();
+    let mut uses = last.to_vec();
     for (k, limit) in uses.iter_mut().enumerate() {
-        let Some(window) = &mut limit.window else {
+        let Some(mut latest) = limit.window else {
             continue;
         };
-        let mut added = window.added;
-        for r in earlier {
-            if let Some(Some(w)) = r.uses.get(k).map(|u| u.window) {
-                if w.start_ms == window.start_ms && w.window_ms == window.window_ms {
-                    added += w.added;
-                    window.used = window.used.max(w.used);
-                    window.elapsed_ms = window.elapsed_ms.max(w.elapsed_ms);
-                }
+        // The same limit in the other reports (a reload may have changed the rule in between).
+        let (rate, window_ms) = (limit.rate, latest.window_ms);
+        let windows: Vec<WindowUse> = reports
+            .iter()
+            .filter_map(|r| r.get(k))
+            .filter(|u| u.rate == rate)
+            .filter_map(|u| u.window)
+            .filter(|w| w.window_ms == window_ms)
+            .collect();
+        for w in &windows {
+            if (w.start_ms, w.elapsed_ms) > (latest.start_ms, latest.elapsed_ms) {
+                latest = *w;
             }
         }
-        window.added = added;
+        let mut merged = WindowUse {
+            added: 0.0,
+            ..latest
+        };
+        for w in windows.iter().filter(|w| w.start_ms == latest.start_ms) {
+            merged.added += w.added;
+            merged.used = merged.used.max(w.used);
+        }
+        limit.window = Some(merged);
     }
     uses
 }
@@ -380,24 +401,24 @@ impl Quota {
         stream: &Arc<StreamInner>,
         domain: &Arc<str>,
         usage: TrackedUsage,
-    ) -> Option<Action> {
+    ) -> Decided {
         let rule = self.parts.limiter.resolve_bucket(domain, &usage.slot.1);
         let limits = match rule {
             BucketRule::NoRules => {
                 self.stats.unanswered(Unanswered::NoRules);
-                return None;
+                return Decided::Now(None);
             }
             BucketRule::Unmatched => {
-                return Some(if stream.forget_rule(&usage.slot, self) {
+                return Decided::Now(Some(if stream.forget_rule(&usage.slot, self) {
                     self.stats.abandoned.fetch_add(1, Ordering::Relaxed);
                     Action::Abandon
                 } else {
                     self.allow_all()
-                });
+                }));
             }
             BucketRule::Unlimited { .. } => {
                 stream.forget_rule(&usage.slot, self);
-                return Some(self.allow_all());
+                return Decided::Now(Some(self.allow_all()));
             }
             BucketRule::Limited(limits) => limits,
         };
@@ -416,12 +437,12 @@ impl Quota {
             Ok(charged) => charged,
             Err(err) => {
                 tracing::debug!(error = %err, "rate limit quota usage not counted");
-                return self.store_failed();
+                return Decided::Now(self.store_failed());
             }
         };
         if limits.shadow {
             stream.forget_rule(&usage.slot, self);
-            return Some(self.allow_all());
+            return Decided::Now(Some(self.allow_all()));
         }
         let uses = limit_uses(
             &limits,
@@ -431,34 +452,30 @@ impl Quota {
             usage.covers,
             self.parts.settings.report_period,
         );
-        // A bucket that never got a share is a subscriber only once the store gives it one.
-        let had_share = stream.sent_version(&usage.slot) > 0;
         let member = stream.track_rule(&usage.slot, &limits, &rule_stats, self);
         let reporter = Reporter {
             listed: Listed {
                 id: member.to_string(),
                 demand: usage.demand,
                 listing: Listing::Reported,
-                sent_version: stream.sent_version(&usage.slot),
+                sent_version: 0,
             },
             stream: stream.clone(),
             slot: usage.slot,
-            had_share,
             uses,
         };
+        // Counted before it can be taken: the recomputation that takes it may settle it at once.
+        stream.defer();
         match self.gathers.enter(&limits.shares_key, reporter) {
             Turn::Now(reporter) => {
+                stream.undefer(false);
                 let mut actions = self
                     .recompute(&limits.shares_key, vec![reporter], deadline)
                     .await;
-                actions.pop().flatten()
+                Decided::Now(actions.pop().flatten())
             }
-            Turn::Queued => {
-                stream.defer();
-                None
-            }
+            Turn::Queued => Decided::Later,
             Turn::First { at } => {
-                stream.defer();
                 let (quota, key) = (self.clone(), limits.shares_key.clone());
                 tokio::spawn(async move {
                     tokio::time::sleep_until(at).await;
@@ -473,7 +490,7 @@ impl Quota {
                         stream.settle(slot, action);
                     }
                 });
-                None
+                Decided::Later
             }
         }
     }
@@ -487,22 +504,23 @@ impl Quota {
         mut reporters: Vec<Reporter>,
         deadline: Deadline,
     ) -> Vec<Option<Action>> {
-        // A member that reported twice while waiting is listed with its later report.
+        // A member that reported twice while waiting is listed with its later report; one whose stream
+        // ended, or whose bucket now shares under another rule, is not listed (its hits still count).
         let mut answered = vec![true; reporters.len()];
         let mut later = std::collections::HashSet::new();
         for (r, answered) in reporters.iter().zip(answered.iter_mut()).rev() {
-            *answered = later.insert(r.listed.id.as_str());
+            *answered = later.insert(r.listed.id.as_str()) && r.stream.follows(&r.slot, key);
         }
         drop(later);
-        let uses = merged_uses(&reporters);
+        let uses = merged_uses(&reporters.iter().map(|r| &r.uses[..]).collect::<Vec<_>>());
+        for r in &mut reporters {
+            r.listed.sent_version = r.stream.sent_version(&r.slot);
+        }
         let mut listed: Vec<Listed> = reporters
-            .iter_mut()
+            .iter()
             .zip(&answered)
             .filter(|(_, answered)| **answered)
-            .map(|(r, _)| {
-                r.listed.sent_version = r.stream.sent_version(&r.slot);
-                r.listed.clone()
-            })
+            .map(|(r, _)| r.listed.clone())
             .collect();
         let mut reported: Vec<&str> = listed.iter().map(|l| l.id.as_str()).collect();
         reported.sort_unstable();
@@ -534,10 +552,15 @@ impl Quota {
                     .iter()
                     .zip(&answered)
                     .map(|(r, answered)| {
-                        if !r.had_share {
+                        if !answered {
+                            return None;
+                        }
+                        // A bucket that never got a share is a subscriber only once the store
+                        // gives it one.
+                        if r.listed.sent_version == 0 {
                             r.stream.forget_rule(&r.slot, self);
                         }
-                        answered.then(|| self.store_failed()).flatten()
+                        self.store_failed()
                     })
                     .collect();
             }
@@ -730,4 +753,75 @@ fn duration_ms(d: Duration) -> u64 {
 /// quota service leaves it whole).
 pub(crate) fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fixed(rate: f64, start_ms: u64, elapsed_ms: u64, used: f64, added: f64) -> LimitUse {
+        LimitUse {
+            rate,
+            window: Some(WindowUse {
+                start_ms,
+                used,
+                added,
+                window_ms: 1000,
+                elapsed_ms,
+                floor_ms: 200,
+            }),
+        }
+    }
+
+    #[test]
+    fn reports_sharing_a_recomputation_add_their_hits_to_the_window_seen_latest() {
+        let slow = [
+            fixed(100.0, 1000, 900, 80.0, 10.0),
+            LimitUse {
+                rate: 5.0,
+                window: None,
+            },
+        ];
+        let a = [
+            fixed(100.0, 2000, 100, 30.0, 20.0),
+            LimitUse {
+                rate: 5.0,
+                window: None,
+            },
+        ];
+        let b = [
+            fixed(100.0, 2000, 300, 60.0, 15.0),
+            LimitUse {
+                rate: 5.0,
+                window: None,
+            },
+        ];
+        // The report of the earlier window came last: the later window is still the one counted.
+        let merged = merged_uses(&[&a, &b, &slow]);
+        let w = merged[0].window.unwrap();
+        assert_eq!(
+            (w.start_ms, w.elapsed_ms, w.used, w.added),
+            (2000, 300, 60.0, 35.0)
+        );
+        assert_eq!(
+            merged[1],
+            LimitUse {
+                rate: 5.0,
+                window: None
+            }
+        );
+        // One report alone is taken as it is.
+        assert_eq!(merged_uses(&[&a]), a.to_vec());
+        // A limit that changed in between (another rate) is not mixed in.
+        let reloaded = [
+            fixed(50.0, 2000, 200, 10.0, 10.0),
+            LimitUse {
+                rate: 5.0,
+                window: None,
+            },
+        ];
+        let w = merged_uses(&[&a, &reloaded])[0].window.unwrap();
+        assert_eq!((w.used, w.added), (10.0, 10.0));
+        assert!(merged_uses(&[]).is_empty());
+    }
 }

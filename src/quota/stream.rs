@@ -25,8 +25,8 @@ use super::{
     lock,
     share::{significant, DemandUpdate},
     stats::{RuleStat, Unanswered},
-    strategy, Action, BucketAction, BucketId, LocalMember, Quota, Report, ReportError, Strategy,
-    Usage,
+    strategy, Action, BucketAction, BucketId, Decided, LocalMember, Quota, Report, ReportError,
+    Strategy, Usage,
 };
 use crate::limiter::{BucketLimits, RequestLimits};
 
@@ -65,8 +65,12 @@ struct StreamState {
     next_bucket: u64,
     /// No more actions: the stream ended.
     closed: bool,
-    /// Answers to its reports that wait for their buckets' next recomputation.
+    /// Answers still to come for its reports: one for each report being decided, and one for each
+    /// of its buckets that waits for a recomputation. Actions wait for them (see `next_actions`).
     awaiting: usize,
+    /// A pending action lowers a grant: the actions go out at once (the share it frees is handed to
+    /// others only a hold after it was sent).
+    urgent: bool,
 }
 
 /// What a stream knows of one of its buckets.
@@ -93,6 +97,8 @@ struct Tracked {
     target: f64,
     /// Requests allowed and denied in reports merged into the next (they came too soon after the last).
     merged: (u64, u64),
+    /// Its last assignment, not queued yet, lowers its grant: it goes out without waiting for others.
+    lowered: bool,
 }
 
 /// The token buckets an Envoy enforced since its last report, as a bound on what it can have admitted:
@@ -186,7 +192,9 @@ impl Stream {
         self.evict_idle();
         let (usages, resent) = self.track(&domain, report.usages, &limits);
         let (inner, domain) = (&self.inner, &domain);
-        let decided: Vec<(BucketSlot, Option<Action>)> = futures_util::stream::iter(usages)
+        // Its answers go out together: actions wait until it has queued them.
+        inner.defer();
+        let decided: Vec<(BucketSlot, Decided)> = futures_util::stream::iter(usages)
             .map(|usage| async move {
                 let slot = usage.slot.clone();
                 let action = quota.decide(inner, domain, usage).await;
@@ -205,13 +213,14 @@ impl Stream {
                     queued = true;
                 }
             }
-            for (slot, action) in decided {
-                queued |= state.settle(slot, action);
+            for (slot, decided) in decided {
+                // A bucket that waits for a recomputation is answered with it.
+                if let Decided::Now(action) = decided {
+                    queued |= state.settle(slot, action);
+                }
             }
         }
-        if queued {
-            self.inner.ready.notify_one();
-        }
+        self.inner.undefer(queued);
         Ok(())
     }
 
@@ -308,6 +317,7 @@ impl Stream {
                         admissible: None,
                         target: 0.0,
                         merged: (0, 0),
+                        lowered: false,
                     },
                 );
             }
@@ -440,6 +450,9 @@ impl StreamState {
         if self.closed {
             return;
         }
+        if let Some(tracked) = self.buckets.get_mut(&slot) {
+            self.urgent |= std::mem::take(&mut tracked.lowered);
+        }
         self.pending.put(slot, action);
     }
 }
@@ -489,10 +502,15 @@ impl StreamInner {
             {
                 let mut state = lock(&self.state);
                 if !state.pending.is_empty() {
-                    // Answers still to come for a report are sent with the others, in one message,
-                    // unless they are late.
+                    // Actions wait for the answers still to come of a report, so that they go out
+                    // in one message; not past `hold_for`, and not when one lowers a grant.
                     let now = Instant::now();
-                    if state.awaiting == 0 || held.is_some_and(|until| now >= until) {
+                    if state.awaiting == 0
+                        || state.urgent
+                        || state.closed
+                        || held.is_some_and(|until| now >= until)
+                    {
+                        state.urgent = false;
                         let pending = state.pending.take();
                         return Some(
                             pending
@@ -577,21 +595,41 @@ impl StreamInner {
         })
     }
 
-    /// A report's answer will come with its bucket's next recomputation.
+    /// An answer to come: a report being decided, or a bucket's that may wait for a recomputation.
+    /// Each is ended by [`Self::undefer`] or [`Self::settle`].
     pub(super) fn defer(&self) {
         lock(&self.state).awaiting += 1;
     }
 
-    /// Takes the answer to a report of the bucket that waited for a later recomputation.
-    pub(super) fn settle(&self, slot: BucketSlot, action: Option<Action>) {
+    /// An answer that was to come and will not (or was queued with `queued`).
+    pub(super) fn undefer(&self, queued: bool) {
         let wake = {
             let mut state = lock(&self.state);
+            debug_assert!(state.awaiting > 0, "an answer ended that was not to come");
             state.awaiting = state.awaiting.saturating_sub(1);
-            state.settle(slot, action) || state.awaiting == 0
+            queued || (state.awaiting == 0 && !state.pending.is_empty())
         };
         if wake {
             self.ready.notify_one();
         }
+    }
+
+    /// Takes the answer to a report of the bucket that waited for a later recomputation.
+    pub(super) fn settle(&self, slot: BucketSlot, action: Option<Action>) {
+        let queued = lock(&self.state).settle(slot, action);
+        self.undefer(queued);
+    }
+
+    /// Whether the stream is open and its bucket in `slot` still shares under `key`: a report that
+    /// waited for a recomputation is answered only then.
+    pub(super) fn follows(&self, slot: &BucketSlot, key: &str) -> bool {
+        let state = lock(&self.state);
+        !state.closed
+            && state
+                .buckets
+                .get(slot)
+                .and_then(|t| t.rule.as_ref())
+                .is_some_and(|r| r.shares_key == key)
     }
 
     /// Records the bucket's target from a recomputation that did not change its grant.
@@ -732,6 +770,7 @@ fn assignment(
         };
     }
     let before = tracked.sent.map_or(0.0, |(_, g)| g);
+    tracked.lowered = grant < before;
     if let Some(rule) = &tracked.rule {
         rule.stats.subscribe(0, grant - before);
     }

@@ -295,8 +295,12 @@ impl Stream {
             if !seen.insert(bucket.clone()) {
                 continue;
             }
-            let slot: BucketSlot = (domain.clone(), bucket.clone());
-            if !state.buckets.contains_key(&slot) {
+            let mut slot: BucketSlot = (domain.clone(), bucket.clone());
+            if let Some((known, _)) = state.buckets.get_key_value(&slot) {
+                // The stream's own handles from now on: the lookups of this report's decisions then
+                // compare pointers, not the bucket's entries.
+                slot = known.clone();
+            } else {
                 if state.buckets.len() >= settings.max_buckets_per_stream
                     || !self.quota.take_bucket()
                 {

@@ -275,20 +275,23 @@ impl Settings {
             })?;
             builder = builder.add_source(config::File::from_str(&text, format));
         }
-        let (prefixed, unknown) = prefixed_env(env)?;
+        let (mut prefixed, unknown) = prefixed_env(env)?;
+        let hashed_keys = prefixed.remove(HASHED_KEYS_VAR);
+        // Values stay text: a token, a password or a prefix made of digits is not a number to the
+        // settings it goes to (`0001` stays `0001`); numbers and booleans are read from text anyway.
         builder = builder.add_source(
             config::Environment::with_prefix("RATELIMITD")
                 .prefix_separator("_")
                 .separator("__")
-                .try_parsing(true)
-                .list_separator(",")
-                .with_list_parse_key("hashed_keys")
                 .source(Some(prefixed)),
         );
         let merged = builder.build().map_err(|e| from_config_error(file, e))?;
         let mut settings: Settings = merged
             .try_deserialize()
             .map_err(|e| from_config_error(file, e))?;
+        if let Some(list) = hashed_keys {
+            settings.hashed_keys = list_items(&list);
+        }
         reference_env::apply(&mut settings, env)?;
         settings.validate()?;
         settings.check_files_and_addresses()?;
@@ -310,6 +313,19 @@ impl Settings {
             BackendKind::Redis
         })
     }
+}
+
+/// The variable of the `hashed_keys` list: its items are separated by commas.
+const HASHED_KEYS_VAR: &str = "RATELIMITD_HASHED_KEYS";
+
+/// The items of a comma-separated list, each without the spaces around it; empty ones are no items
+/// (`a, b` is `a` and `b`; an empty value is an empty list).
+fn list_items(list: &str) -> Vec<String> {
+    list.split(',')
+        .map(str::trim)
+        .filter(|item| !item.is_empty())
+        .map(str::to_owned)
+        .collect()
 }
 
 /// The `RATELIMITD_*` variables that name a setting, to be read, and the names of those that do not, to

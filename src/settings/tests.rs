@@ -885,3 +885,35 @@ fn envoy_gateways_environment_loads_as_is() {
     );
     assert!(s.warnings.is_empty(), "{:?}", s.warnings);
 }
+
+#[test]
+fn ratelimitd_variables_keep_text_as_text_and_read_numbers_from_it() {
+    let s = Settings::load(
+        None,
+        &env(&[
+            ("RATELIMITD_ADMIN__ENABLED", "true"),
+            ("RATELIMITD_ADMIN__TOKEN", "00000000000000000001"),
+            ("RATELIMITD_HASH_SECRET", "0123"),
+            ("RATELIMITD_CACHE_KEY_PREFIX", "007"),
+            ("RATELIMITD_GRPC__PORT", "9090"),
+            ("RATELIMITD_RLQS__ENABLED", "false"),
+            ("RATELIMITD_RLQS__REPORT_PERIOD", "2s"),
+            ("RATELIMITD_HASHED_KEYS", "api_key, token ,,session"),
+        ]),
+    )
+    .unwrap();
+    // Digits are text to a token, a secret and a prefix: a number would have dropped the zeros.
+    assert_eq!(s.admin.token.0, "00000000000000000001");
+    assert_eq!(s.hash_secret.0, "0123");
+    assert_eq!(s.cache_key_prefix, "007");
+    assert!(s.admin.enabled);
+    assert_eq!(s.grpc.port, 9090);
+    assert!(!s.rlqs.enabled);
+    assert_eq!(s.rlqs.report_period, Duration::from_secs(2));
+    // Spaces around an item are not part of it, and empty items are none: `token` is hashed.
+    assert_eq!(s.hashed_keys, vec!["api_key", "token", "session"]);
+    let s = Settings::load(None, &env(&[("RATELIMITD_HASHED_KEYS", "")])).unwrap();
+    assert!(s.hashed_keys.is_empty(), "{:?}", s.hashed_keys);
+    let err = Settings::load(None, &env(&[("RATELIMITD_GRPC__PORT", "ninety")])).unwrap_err();
+    assert!(err.to_string().contains("grpc.port"), "{err}");
+}

@@ -33,10 +33,27 @@ async fn json_endpoint_answers_200_429_and_400() {
     let json: serde_json::Value = serde_json::from_str(&text).unwrap();
     assert_eq!(json["overallCode"], "OVER_LIMIT");
 
-    assert_eq!(s.http("POST", "/json", "{not json").await.0, 400);
-    assert_eq!(
-        s.http("POST", "/json", r#"{"domian":"web"}"#).await,
-        (400, "Bad Request\n".into())
+    let (code, text) = s.http("POST", "/json", "{not json").await;
+    assert_eq!(code, 400);
+    assert!(
+        text.starts_with("Bad Request: ") && text.contains("column"),
+        "{text}"
+    );
+    let (code, text) = s.http("POST", "/json", r#"{"domian":"web"}"#).await;
+    assert_eq!(code, 400);
+    assert!(
+        text.starts_with("Bad Request: ") && text.contains("domian"),
+        "{text}"
+    );
+    let many: Vec<String> = (0..70)
+        .map(|i| format!(r#"{{"entries":[{{"key":"user","value":"u{i}"}}]}}"#))
+        .collect();
+    let body = format!(r#"{{"domain":"web","descriptors":[{}]}}"#, many.join(","));
+    let (code, text) = s.http("POST", "/json", &body).await;
+    assert_eq!(code, 400);
+    assert!(
+        text.contains("request_limits.max_descriptors"),
+        "the reason names the bound: {text}"
     );
     let (code, text) = s
         .http("POST", "/json", r#"{"domain":"web","descriptors":[]}"#)

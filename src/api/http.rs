@@ -199,7 +199,8 @@ async fn decide_json(State(state): State<AppState>, body: Bytes) -> Response {
         Ok(r) => r,
         Err(err) => {
             tracing::debug!(error = %err, "bad /json request");
-            return (StatusCode::BAD_REQUEST, "Bad Request\n").into_response();
+            // The reference's words, and why.
+            return (StatusCode::BAD_REQUEST, format!("Bad Request: {err}\n")).into_response();
         }
     };
     match state.limiter.should_rate_limit(&request).await {

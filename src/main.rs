@@ -174,7 +174,18 @@ fn entry(text: &str) -> Result<(String, String), String> {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let env: HashMap<String, String> = std::env::vars().collect();
+    let mut env: HashMap<String, String> = std::env::vars().collect();
+    if let Some(Command::Admin(args)) = &cli.command {
+        if let Some(path) = &args.token_file {
+            // The flag's token stands in for the settings' own, which then need none of their own
+            // (and one they name is not in the way).
+            env.insert(
+                "RATELIMITD_ADMIN__TOKEN_FILE".into(),
+                path.display().to_string(),
+            );
+            env.insert("RATELIMITD_ADMIN__TOKEN".into(), String::new());
+        }
+    }
     let settings = match Settings::load(cli.config.as_deref(), &env) {
         Ok(s) => s,
         Err(err) => {
@@ -272,10 +283,11 @@ fn admin(settings: &Settings, args: AdminArgs) -> ExitCode {
         }
         Err(err) => {
             eprintln!("ratelimitd admin: {err}");
-            if err.is_unreachable() {
-                ExitCode::from(EXIT_UNREACHABLE)
-            } else {
-                ExitCode::FAILURE
+            match err {
+                client::ClientError::Unreachable { .. } => ExitCode::from(EXIT_UNREACHABLE),
+                // Its own flags (a URL, TLS files) cannot be used: as a wrong setting.
+                client::ClientError::Setup(_) => ExitCode::from(EXIT_BAD_SETTINGS),
+                client::ClientError::Refused { .. } => ExitCode::FAILURE,
             }
         }
     }
@@ -304,6 +316,13 @@ fn admin_client(settings: &Settings, args: &AdminArgs) -> Result<ClientSettings,
     };
     if token.is_empty() {
         return Err("no bearer token: give --token-file, or set admin.token_file or RATELIMITD_ADMIN__TOKEN".into());
+    }
+    if token.len() < ratelimitd::api::admin::MIN_TOKEN_BYTES {
+        return Err(format!(
+            "the bearer token is {} bytes: the operators' API takes tokens of at least {} bytes",
+            token.len(),
+            ratelimitd::api::admin::MIN_TOKEN_BYTES
+        ));
     }
     let operator = args
         .operator

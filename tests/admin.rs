@@ -227,7 +227,15 @@ async fn inspect_shows_the_counts_and_reset_frees_the_key(redis: Option<&RedisPr
     );
     assert_eq!(status, 400, "{answer}");
     let big = json!({ "domain": "api", "descriptor": descriptor("k", &"v".repeat(70_000)) });
-    assert_eq!(call(admin, "POST", "/v1/inspect", Some(TOKEN), &big).0, 413);
+    let (status, answer) = call(admin, "POST", "/v1/inspect", Some(TOKEN), &big);
+    assert_eq!(status, 413, "{answer}");
+    // Refused in JSON, as every refusal of the API is.
+    assert!(
+        answer["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("length limit")),
+        "{answer}"
+    );
     let out = cli(
         &files,
         &url,
@@ -966,6 +974,66 @@ fn the_api_needs_a_usable_token_and_stays_off_unless_enabled() {
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(64), "{out:?}");
+    // A token the API would refuse, and flags that cannot be used, are the same: 64, never sent.
+    let short = files.dir.path().join("short");
+    std::fs::write(&short, "short\n").unwrap();
+    let admin = |args: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_ratelimitd"))
+            .env_clear()
+            .arg("admin")
+            .args(args)
+            .output()
+            .unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let short = short.to_str().unwrap();
+    let token = files.token();
+    let token = token.to_str().unwrap();
+    let (code, err) = admin(&[
+        "--url",
+        "http://127.0.0.1:1",
+        "--token-file",
+        short,
+        "limits",
+        "list",
+    ]);
+    assert_eq!(code, Some(64), "{err}");
+    assert!(err.contains("at least 16 bytes"), "{err}");
+    let missing = missing.to_str().unwrap();
+    let (code, err) = admin(&[
+        "--url",
+        "https://127.0.0.1:1",
+        "--token-file",
+        token,
+        "--ca-cert",
+        missing,
+        "limits",
+        "list",
+    ]);
+    assert_eq!(code, Some(64), "{err}");
+    assert!(err.contains("--ca-cert"), "{err}");
+    let (code, err) = admin(&["--url", "notaurl", "--token-file", token, "limits", "list"]);
+    assert_eq!(code, Some(64), "{err}");
+    assert!(err.contains("--url"), "{err}");
+    // The settings a server runs with (its API on, its token given to it elsewhere) with the flag's
+    // token: the flag stands in, and the call goes out (here to no one: 69).
+    let settings = files.dir.path().join("settings.yaml");
+    std::fs::write(&settings, "admin:\n  enabled: true\n").unwrap();
+    let settings = settings.to_str().unwrap();
+    let (code, err) = admin(&[
+        "--config",
+        settings,
+        "--url",
+        "http://127.0.0.1:1",
+        "--token-file",
+        token,
+        "limits",
+        "list",
+    ]);
+    assert_eq!(code, Some(69), "{err}");
 }
 
 /// The limit a `/json` request was counted against (`current_limit`): requests per unit and name.

@@ -224,6 +224,15 @@ async fn send(settings: &ClientSettings, call: &Call) -> Result<Value, ClientErr
         url: settings.url.clone(),
         reason,
     };
+    // The client's own files first: one it cannot use is its configuration's fault, wherever the API is.
+    let tls = match url.tls {
+        true => Some((
+            ServerName::try_from(url.host.to_owned())
+                .map_err(|e| ClientError::Setup(format!("invalid host in --url: {e}")))?,
+            tokio_rustls::TlsConnector::from(Arc::new(tls_config(settings)?)),
+        )),
+        false => None,
+    };
     let tcp = TcpStream::connect((url.host, url.port))
         .await
         .map_err(|e| unreachable(e.to_string()))?;
@@ -237,10 +246,7 @@ async fn send(settings: &ClientSettings, call: &Call) -> Result<Value, ClientErr
         .header(header::CONTENT_TYPE, "application/json")
         .body(body.map_or_else(Body::empty, |b| Body::from(b.to_string())))
         .map_err(|e| ClientError::Setup(format!("cannot build the call: {e}")))?;
-    let (status, answer) = if url.tls {
-        let name = ServerName::try_from(url.host.to_owned())
-            .map_err(|e| ClientError::Setup(format!("invalid host in --url: {e}")))?;
-        let connector = tokio_rustls::TlsConnector::from(Arc::new(tls_config(settings)?));
+    let (status, answer) = if let Some((name, connector)) = tls {
         let stream = connector
             .connect(name, tcp)
             .await

@@ -41,7 +41,7 @@ use std::{
 
 use axum::{
     body::Bytes,
-    extract::{DefaultBodyLimit, Request, State},
+    extract::{DefaultBodyLimit, FromRequest, Request, State},
     http::{header, HeaderMap, StatusCode},
     middleware::{self, Next},
     response::{IntoResponse, Response},
@@ -94,6 +94,21 @@ pub fn router(state: AdminState, max_body_bytes: usize) -> Router {
         .layer(DefaultBodyLimit::max(max_body_bytes))
         .route_layer(middleware::from_fn_with_state(state.clone(), authorize))
         .with_state(state)
+}
+
+/// A call's body; one that cannot be read (larger than `admin.max_body_bytes`, cut short) is refused in
+/// JSON, as every refusal of the API is.
+struct Body(Bytes);
+
+impl<S: Send + Sync> FromRequest<S> for Body {
+    type Rejection = Response;
+
+    async fn from_request(request: Request, state: &S) -> Result<Self, Response> {
+        Bytes::from_request(request, state)
+            .await
+            .map(Body)
+            .map_err(|refused| error(refused.status(), refused.body_text()))
+    }
 }
 
 fn error(status: StatusCode, message: impl std::fmt::Display) -> Response {
@@ -411,7 +426,7 @@ fn limit_text(spec: &LimitSpec) -> String {
     text
 }
 
-async fn inspect(State(state): State<AdminState>, body: Bytes) -> Result<Response, Refused> {
+async fn inspect(State(state): State<AdminState>, Body(body): Body) -> Result<Response, Refused> {
     let call: TargetIn = parse(&body)?;
     let target = target(call.domain, call.descriptor)?;
     let inspection = state.limiter.inspect(&target).await?;
@@ -422,7 +437,7 @@ async fn reset(
     State(state): State<AdminState>,
     Extension(caller): Extension<Caller>,
     headers: HeaderMap,
-    body: Bytes,
+    Body(body): Body,
 ) -> Result<Response, Refused> {
     let who = Who {
         caller: &caller,
@@ -492,7 +507,7 @@ async fn set_limit(
     State(state): State<AdminState>,
     Extension(caller): Extension<Caller>,
     headers: HeaderMap,
-    body: Bytes,
+    Body(body): Body,
 ) -> Result<Response, Refused> {
     let who = Who {
         caller: &caller,
@@ -563,7 +578,7 @@ async fn delete_limit(
     State(state): State<AdminState>,
     Extension(caller): Extension<Caller>,
     headers: HeaderMap,
-    body: Bytes,
+    Body(body): Body,
 ) -> Result<Response, Refused> {
     let who = Who {
         caller: &caller,

@@ -56,6 +56,8 @@ async fn metrics_count_known_traffic_by_rule() {
         request("nowhere", vec![descriptor(&[("user", "x")])]),
     )
     .await;
+    // A /json body that is no request is an invalid request too, answered with an error.
+    assert_eq!(s.http("POST", "/json", "{not json").await.0, 400);
 
     let (code, text) = s.http("GET", "/metrics", "").await;
     assert_eq!(code, 200);
@@ -91,12 +93,12 @@ async fn metrics_count_known_traffic_by_rule() {
     for (metric, want) in [
         ("ratelimitd_requests_total{result=\"ok\"}", 7.0),
         ("ratelimitd_requests_total{result=\"over_limit\"}", 1.0),
-        ("ratelimitd_requests_total{result=\"error\"}", 1.0),
+        ("ratelimitd_requests_total{result=\"error\"}", 2.0),
         (
             "ratelimitd_request_errors_total{kind=\"invalid_request\"}",
-            1.0,
+            2.0,
         ),
-        ("rate_limit_check_duration_seconds_count", 9.0),
+        ("rate_limit_check_duration_seconds_count", 10.0),
         (
             "ratelimitd_backend_call_duration_seconds_count{backend=\"memory\"}",
             7.0,

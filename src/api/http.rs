@@ -195,9 +195,11 @@ async fn healthcheck(State(state): State<AppState>) -> Response {
 /// request that cannot be read or decided as sent, 503 when the service cannot decide
 /// ([`to_http_status`]).
 async fn decide_json(State(state): State<AppState>, body: Bytes) -> Response {
+    let began = std::time::Instant::now();
     let request = match json::parse_request(&body, state.limiter.request_limits()) {
         Ok(r) => r,
         Err(err) => {
+            state.limiter.record_unreadable(began.elapsed());
             tracing::debug!(error = %err, "bad /json request");
             // The reference's words, and why.
             return (StatusCode::BAD_REQUEST, format!("Bad Request: {err}\n")).into_response();

@@ -71,16 +71,29 @@ impl Limiter {
                     LimitError::Deadline(_) => "deadline",
                     _ => "invalid_request",
                 };
-                self.options.metrics.count(
-                    "ratelimitd_request_errors_total",
-                    "Requests answered with an error, by kind.",
-                    vec![("kind", kind.to_string())],
-                    1,
-                );
+                self.count_error(kind);
                 &self.series.requests_error
             }
         };
         requests.add(1);
+    }
+
+    /// Records a request refused before it could be read as one (a `/json` body that is no request, or
+    /// past `request_limits`): an invalid request, answered with an error, as one refused after it was
+    /// read is.
+    pub fn record_unreadable(&self, took: Duration) {
+        self.series.check_duration.observe(took);
+        self.count_error("invalid_request");
+        self.series.requests_error.add(1);
+    }
+
+    fn count_error(&self, kind: &str) {
+        self.options.metrics.count(
+            "ratelimitd_request_errors_total",
+            "Requests answered with an error, by kind.",
+            vec![("kind", kind.to_string())],
+            1,
+        );
     }
 
     /// Records a request for a domain no rules file declares (no domain label: request domains are not

@@ -276,7 +276,12 @@ impl Settings {
             builder = builder.add_source(config::File::from_str(&text, format));
         }
         let (mut prefixed, unknown) = prefixed_env(env)?;
-        let hashed_keys = prefixed.remove(HASHED_KEYS_VAR);
+        // Names are matched as the config crate matches them: in any case.
+        let hashed_keys = prefixed
+            .keys()
+            .find(|name| name.eq_ignore_ascii_case(HASHED_KEYS_VAR))
+            .cloned()
+            .and_then(|name| prefixed.remove(&name));
         // Values stay text: a token, a password or a prefix made of digits is not a number to the
         // settings it goes to (`0001` stays `0001`); numbers and booleans are read from text anyway.
         builder = builder.add_source(

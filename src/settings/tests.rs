@@ -914,6 +914,8 @@ fn ratelimitd_variables_keep_text_as_text_and_read_numbers_from_it() {
     assert_eq!(s.hashed_keys, vec!["api_key", "token", "session"]);
     let s = Settings::load(None, &env(&[("RATELIMITD_HASHED_KEYS", "")])).unwrap();
     assert!(s.hashed_keys.is_empty(), "{:?}", s.hashed_keys);
+    let s = Settings::load(None, &env(&[("RATELIMITD_hashed_keys", "a, b")])).unwrap();
+    assert_eq!(s.hashed_keys, vec!["a", "b"]);
     let err = Settings::load(None, &env(&[("RATELIMITD_GRPC__PORT", "ninety")])).unwrap_err();
     assert!(err.to_string().contains("grpc.port"), "{err}");
 }

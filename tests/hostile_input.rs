@@ -449,8 +449,9 @@ async fn garbage_on_the_wire_is_refused_and_the_server_keeps_serving() {
         "{}",
         status.message()
     );
-    let (code, _) = server.http("POST", "/json", &"x".repeat(1 << 20)).await;
+    let (code, text) = server.http("POST", "/json", &"x".repeat(1 << 20)).await;
     assert_eq!(code, 413);
+    assert!(text.contains("request_limits.max_message_bytes"), "{text}");
     // Still serving.
     let ok = client
         .should_rate_limit(common::request(

@@ -194,8 +194,29 @@ async fn healthcheck(State(state): State<AppState>) -> Response {
 /// A protobuf-JSON `RateLimitRequest` in, the response out: 200 for OK, 429 for OVER_LIMIT, 400 for a
 /// request that cannot be read or decided as sent, 503 when the service cannot decide
 /// ([`to_http_status`]).
-async fn decide_json(State(state): State<AppState>, body: Bytes) -> Response {
+async fn decide_json(
+    State(state): State<AppState>,
+    body: Result<Bytes, axum::extract::rejection::BytesRejection>,
+) -> Response {
     let began = std::time::Instant::now();
+    let body = match body {
+        Ok(body) => body,
+        // Larger than the bound, or cut short: counted as the requests that cannot be read are.
+        Err(refused) => {
+            state.limiter.record_unreadable(began.elapsed());
+            let status = refused.status();
+            let why = if status == StatusCode::PAYLOAD_TOO_LARGE {
+                let most = state.limiter.request_limits().max_message_bytes;
+                format!(
+                    "request body over {} bytes (four times request_limits.max_message_bytes)",
+                    most.saturating_mul(4)
+                )
+            } else {
+                refused.body_text()
+            };
+            return (status, format!("{why}\n")).into_response();
+        }
+    };
     let request = match json::parse_request(&body, state.limiter.request_limits()) {
         Ok(r) => r,
         Err(err) => {

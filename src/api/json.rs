@@ -156,7 +156,10 @@ impl Message for Override {
                         Unit::from_name(&s)
                             .filter(|_| s.chars().all(|c| c.is_ascii_uppercase()))
                             .ok_or_else(|| {
-                                de::Error::custom(format!("unit: unknown enum value {s:?}"))
+                                de::Error::custom(format!(
+                                    "unit: unknown enum value {:?}",
+                                    quoted(&s)
+                                ))
                             })?,
                     ),
                     Token::Unsigned(n) => i32::try_from(n).ok().and_then(Unit::from_wire),
@@ -355,7 +358,8 @@ impl<'de, M: Message> Visitor<'de> for Nullable<'_, M> {
         while let Some(Name(name)) = map.next_key()? {
             if !message.field(&name, &mut map, self.limits)? {
                 return Err(de::Error::custom(format!(
-                    "unknown field {name:?} in {}",
+                    "unknown field {:?} in {}",
+                    quoted(&name),
                     M::NAME
                 )));
             }
@@ -480,6 +484,17 @@ pub fn render_response(response: &limiter::Response) -> Value {
     Value::Object(out)
 }
 
+/// Text of the caller's that an error quotes, at most [`QUOTED_CHARS`] characters of it: an answer
+/// does not echo a whole body back.
+fn quoted(text: &str) -> Cow<'_, str> {
+    match text.char_indices().nth(QUOTED_CHARS) {
+        Some((end, _)) => Cow::Owned(format!("{}...", &text[..end])),
+        None => Cow::Borrowed(text),
+    }
+}
+
+const QUOTED_CHARS: usize = 64;
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -509,6 +524,21 @@ mod tests {
         );
         let r = parse(br#"{"domain":"d","descriptors":[{"limit":{"unit":7}}]}"#).unwrap();
         assert_eq!(r.descriptors[0].limit.unwrap().unit, Some(Unit::Week));
+    }
+
+    #[test]
+    fn errors_quote_at_most_a_line_of_what_the_caller_sent() {
+        let field = "f".repeat(100_000);
+        let err = parse(format!(r#"{{"{field}":1}}"#).as_bytes())
+            .unwrap_err()
+            .to_string();
+        assert!(err.len() < 200, "{} bytes: {}", err.len(), &err[..200]);
+        assert!(err.contains(&format!("{}...", "f".repeat(64))), "{err}");
+        let unit = "é".repeat(1_000);
+        let body = format!(r#"{{"domain":"d","descriptors":[{{"limit":{{"unit":"{unit}"}}}}]}}"#);
+        let err = parse(body.as_bytes()).unwrap_err().to_string();
+        assert!(err.len() < 300, "{err}");
+        assert!(err.contains(&format!("{}...", "é".repeat(64))), "{err}");
     }
 
     #[test]

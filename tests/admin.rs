@@ -1018,6 +1018,21 @@ fn the_api_needs_a_usable_token_and_stays_off_unless_enabled() {
     let (code, err) = admin(&["--url", "notaurl", "--token-file", token, "limits", "list"]);
     assert_eq!(code, Some(64), "{err}");
     assert!(err.contains("--url"), "{err}");
+    let (code, err) = admin(&[
+        "--url",
+        "http://127.0.0.1:1",
+        "--token-file",
+        token,
+        "--as",
+        "two\nlines",
+        "limits",
+        "list",
+    ]);
+    assert_eq!(
+        code,
+        Some(64),
+        "an operator name no header can carry: {err}"
+    );
     // The settings a server runs with (its API on, its token given to it elsewhere) with the flag's
     // token: the flag stands in, and the call goes out (here to no one: 69).
     let settings = files.dir.path().join("settings.yaml");

@@ -224,7 +224,8 @@ async fn send(settings: &ClientSettings, call: &Call) -> Result<Value, ClientErr
         url: settings.url.clone(),
         reason,
     };
-    // The client's own files first: one it cannot use is its configuration's fault, wherever the API is.
+    // The client's own files and the call first: what it cannot use is its configuration's fault,
+    // wherever the API is.
     let tls = match url.tls {
         true => Some((
             ServerName::try_from(url.host.to_owned())
@@ -233,9 +234,6 @@ async fn send(settings: &ClientSettings, call: &Call) -> Result<Value, ClientErr
         )),
         false => None,
     };
-    let tcp = TcpStream::connect((url.host, url.port))
-        .await
-        .map_err(|e| unreachable(e.to_string()))?;
     let (method, path, body) = call.request();
     let request = Request::builder()
         .method(method)
@@ -246,6 +244,9 @@ async fn send(settings: &ClientSettings, call: &Call) -> Result<Value, ClientErr
         .header(header::CONTENT_TYPE, "application/json")
         .body(body.map_or_else(Body::empty, |b| Body::from(b.to_string())))
         .map_err(|e| ClientError::Setup(format!("cannot build the call: {e}")))?;
+    let tcp = TcpStream::connect((url.host, url.port))
+        .await
+        .map_err(|e| unreachable(e.to_string()))?;
     let (status, answer) = if let Some((name, connector)) = tls {
         let stream = connector
             .connect(name, tcp)

@@ -992,47 +992,35 @@ fn the_api_needs_a_usable_token_and_stays_off_unless_enabled() {
     let short = short.to_str().unwrap();
     let token = files.token();
     let token = token.to_str().unwrap();
-    let (code, err) = admin(&[
-        "--url",
-        "http://127.0.0.1:1",
-        "--token-file",
-        short,
-        "limits",
-        "list",
-    ]);
-    assert_eq!(code, Some(64), "{err}");
-    assert!(err.contains("at least 16 bytes"), "{err}");
     let missing = missing.to_str().unwrap();
-    let (code, err) = admin(&[
-        "--url",
-        "https://127.0.0.1:1",
-        "--token-file",
-        token,
-        "--ca-cert",
-        missing,
-        "limits",
-        "list",
-    ]);
-    assert_eq!(code, Some(64), "{err}");
-    assert!(err.contains("--ca-cert"), "{err}");
-    let (code, err) = admin(&["--url", "notaurl", "--token-file", token, "limits", "list"]);
-    assert_eq!(code, Some(64), "{err}");
-    assert!(err.contains("--url"), "{err}");
-    let (code, err) = admin(&[
-        "--url",
-        "http://127.0.0.1:1",
-        "--token-file",
-        token,
-        "--as",
-        "two\nlines",
-        "limits",
-        "list",
-    ]);
-    assert_eq!(
-        code,
-        Some(64),
-        "an operator name no header can carry: {err}"
-    );
+    let down = "http://127.0.0.1:1";
+    for (flags, says) in [
+        (
+            &["--url", down, "--token-file", short][..],
+            "at least 16 bytes",
+        ),
+        (
+            &[
+                "--url",
+                "https://127.0.0.1:1",
+                "--token-file",
+                token,
+                "--ca-cert",
+                missing,
+            ],
+            "--ca-cert",
+        ),
+        (&["--url", "notaurl", "--token-file", token], "--url"),
+        // An operator name no header can carry.
+        (
+            &["--url", down, "--token-file", token, "--as", "two\nlines"],
+            "",
+        ),
+    ] {
+        let (code, err) = admin(&[flags, &["limits", "list"]].concat());
+        assert_eq!(code, Some(64), "{flags:?}: {err}");
+        assert!(err.contains(says), "{flags:?}: {err}");
+    }
     // The settings a server runs with (its API on, its token given to it elsewhere) with the flag's
     // token: the flag stands in, and the call goes out (here to no one: 69).
     let settings = files.dir.path().join("settings.yaml");
@@ -1042,7 +1030,7 @@ fn the_api_needs_a_usable_token_and_stays_off_unless_enabled() {
         "--config",
         settings,
         "--url",
-        "http://127.0.0.1:1",
+        down,
         "--token-file",
         token,
         "limits",

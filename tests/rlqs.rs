@@ -61,6 +61,17 @@ async fn start(tweak: impl FnOnce(&mut Settings)) -> TestServer {
     .await
 }
 
+/// A server whose Envoys report every `period` and get assignments of `ttl`, serving.
+async fn serving_with_period(period: Duration, ttl: Duration) -> TestServer {
+    let s = start(|s| {
+        s.rlqs.report_period = period;
+        s.rlqs.assignment_ttl = ttl;
+    })
+    .await;
+    s.wait_serving(Duration::from_secs(5)).await;
+    s
+}
+
 /// A bucket id as the tests write it.
 type Entries<'a> = &'a [(&'a str, &'a str)];
 
@@ -219,12 +230,7 @@ async fn a_subscription_is_answered_at_once_with_a_token_bucket_envoy_can_read()
 async fn a_report_that_comes_too_soon_is_merged_into_the_next() {
     // Reports merge within a tenth of the report period: 200 ms here, room enough for a busy machine
     // to send the second report in time (20 ms at the other tests' period would not be).
-    let s = start(|s| {
-        s.rlqs.report_period = Duration::from_secs(2);
-        s.rlqs.assignment_ttl = Duration::from_secs(4);
-    })
-    .await;
-    s.wait_serving(Duration::from_secs(5)).await;
+    let s = serving_with_period(Duration::from_secs(2), Duration::from_secs(4)).await;
     let mut stream = Raw::open(&s).await.unwrap();
     let free: Entries<'_> = &[("generic_key", "free")];
     stream.report("edge", &[(SHARED, 0, 1, 0), (free, 0, 1, 0)]);
@@ -262,12 +268,7 @@ async fn a_report_that_comes_too_soon_is_merged_into_the_next() {
 async fn a_report_that_waits_for_its_buckets_recomputations_is_answered_in_one_response() {
     // Envoy's period: a tenth of it, 500 ms, is room enough for a busy machine to send the second
     // report before the buckets are due again.
-    let s = start(|s| {
-        s.rlqs.report_period = Duration::from_secs(5);
-        s.rlqs.assignment_ttl = Duration::from_secs(15);
-    })
-    .await;
-    s.wait_serving(Duration::from_secs(5)).await;
+    let s = serving_with_period(Duration::from_secs(5), Duration::from_secs(15)).await;
     let addresses: Vec<String> = (0..20).map(|i| format!("198.51.100.{i}")).collect();
     let buckets: Vec<Vec<(&str, &str)>> = addresses
         .iter()

@@ -351,7 +351,10 @@ fn check_config(settings: &Settings, dir: PathBuf) -> ExitCode {
         return ExitCode::FAILURE;
     }
     match rules::load(&source) {
-        Ok(_) => {
+        Ok(loaded) => {
+            for what in &loaded.ignored {
+                eprintln!("ratelimitd: warning: {what}");
+            }
             println!("all rate limit configs ok");
             ExitCode::SUCCESS
         }

@@ -135,6 +135,7 @@ fn a_rule_costs_what_is_written_of_it_not_its_depth() {
     let file = DomainFile {
         domain: "deep".into(),
         descriptors: vec![top],
+        ignored: Vec::new(),
     };
     let written = long_key.len() + 91 * "level00".len() + 2_000 * "k0000".len();
 

@@ -91,6 +91,46 @@ fn check_config_reports_ok_or_the_first_error() {
     assert_eq!(merged.0, Some(0));
 }
 
+/// A field written where it means nothing (shadow mode inside the rate limit, a burst beside it) is
+/// accepted, as the reference accepts it, and said: a rule the operator believes in shadow mode would
+/// otherwise deny without a word.
+#[test]
+fn check_config_names_fields_written_where_they_are_ignored() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("web.yaml"),
+        "domain: web\ndescriptors:\n  - key: user\n    burst: 5\n    rate_limit: {unit: hour, requests_per_unit: 1, shadow_mode: true}\n",
+    )
+    .unwrap();
+    let out = ratelimitd(&["check-config", "."], &[], dir.path())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0));
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "all rate limit configs ok\n"
+    );
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        said.contains("web.yaml: descriptor 'user': 'burst' is ignored: a field of rate_limit"),
+        "{said}"
+    );
+    assert!(
+        said.contains("web.yaml: descriptor 'user': 'shadow_mode' in its rate limit is ignored: a field of the descriptor"),
+        "{said}"
+    );
+    // The examples have none.
+    let examples = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/config");
+    let out = ratelimitd(
+        &["check-config", examples.to_str().unwrap()],
+        &[],
+        dir.path(),
+    )
+    .output()
+    .unwrap();
+    assert_eq!(String::from_utf8_lossy(&out.stderr), "");
+}
+
 #[test]
 fn check_config_refuses_a_window_longer_than_ten_years_naming_the_rule() {
     let dir = tempfile::tempdir().unwrap();

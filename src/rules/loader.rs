@@ -36,6 +36,8 @@ pub struct Loaded {
     pub files: Vec<String>,
     /// A hash of the files' names and contents: equal fingerprints, equal rules.
     pub fingerprint: u64,
+    /// Fields the files have where they mean nothing, each with its file: ignored, and said.
+    pub ignored: Vec<String>,
 }
 
 /// The fingerprint of a rule set's sources: a hash of their names and contents, in load order.
@@ -105,10 +107,19 @@ impl Loaded {
         default_algorithm: Algorithm,
     ) -> Result<Loaded, BuildError> {
         let rules = RuleSet::build_with(&parsed, merge_domains, default_algorithm)?;
+        let ignored = parsed
+            .iter()
+            .flat_map(|(name, file)| {
+                file.ignored
+                    .iter()
+                    .map(move |what| format!("{name}: {what}"))
+            })
+            .collect();
         Ok(Loaded {
             rules,
             files: parsed.into_iter().map(|(name, _)| name).collect(),
             fingerprint,
+            ignored,
         })
     }
 }

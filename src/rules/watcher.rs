@@ -97,7 +97,12 @@ impl Publisher {
 /// Loads the rules files once and publishes them if valid; returns whether the rules changed.
 pub fn reload(source: &Source, publisher: &Publisher) -> bool {
     match load(source) {
-        Ok(loaded) => publisher.publish(loaded),
+        Ok(loaded) => {
+            for what in &loaded.ignored {
+                tracing::warn!(path = %source.root.display(), "rules file field ignored: {what}");
+            }
+            publisher.publish(loaded)
+        }
         Err(err) => {
             publisher.refuse();
             tracing::error!(path = %source.root.display(), "Error loading new configuration: {err}");
@@ -335,6 +340,7 @@ mod tests {
             rules: super::super::RuleSet::default(),
             files: Vec::new(),
             fingerprint,
+            ignored: Vec::new(),
         };
         // Nothing served yet: not even a fingerprint of 0 is served.
         assert!(!publisher.already_serves(0));

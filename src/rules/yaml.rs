@@ -38,7 +38,33 @@ const VALID_KEYS: &[&str] = &[
 pub struct DomainFile {
     pub domain: String,
     pub descriptors: Vec<DescriptorSpec>,
+    /// Fields written where they mean nothing (`shadow_mode` inside a `rate_limit`, `burst` beside
+    /// one): valid names, so accepted as the reference accepts them, and ignored; said at each load.
+    pub ignored: Vec<String>,
 }
+
+/// The fields of a `rate_limit` block.
+const RATE_LIMIT_KEYS: &[&str] = &[
+    "unit",
+    "requests_per_unit",
+    "unlimited",
+    "name",
+    "replaces",
+    "algorithm",
+    "burst",
+    "unit_multiplier",
+    "count_over_limit",
+];
+
+/// The fields of a descriptor besides its flags.
+const DESCRIPTOR_KEYS: &[&str] = &[
+    "key",
+    "value",
+    "descriptors",
+    "rate_limit",
+    "rate_limits",
+    "metadata",
+];
 
 /// One descriptor node of a rules file.
 #[derive(Debug, Clone, PartialEq, Default)]
@@ -104,12 +130,13 @@ pub fn parse_file_within(text: &str, max_yaml_nodes: usize) -> Result<DomainFile
     validate_keys(&root)?;
     let mut domain = String::new();
     let mut descriptors = Vec::new();
+    let mut ignored = Vec::new();
     if let Yaml::Map(entries) = &root {
         for (k, v) in entries {
             match key_str(k) {
                 "domain" => domain = scalar_string(v, "domain")?,
-                "descriptors" => descriptors = descriptor_list(v)?,
-                _ => {}
+                "descriptors" => descriptors = descriptor_list(v, &mut ignored)?,
+                other => ignored.push(format!("'{other}' at the top of the file is ignored: only domain and descriptors are read there")),
             }
         }
     } else if !matches!(root, Yaml::Null) {
@@ -118,6 +145,7 @@ pub fn parse_file_within(text: &str, max_yaml_nodes: usize) -> Result<DomainFile
     Ok(DomainFile {
         domain,
         descriptors,
+        ignored,
     })
 }
 
@@ -253,35 +281,66 @@ fn map<'a>(v: &'a Yaml, field: &str) -> Result<&'a [(Yaml, Yaml)], ParseError> {
     }
 }
 
-fn descriptor_list(v: &Yaml) -> Result<Vec<DescriptorSpec>, ParseError> {
-    list(v, "descriptors")?.iter().map(descriptor).collect()
+fn descriptor_list(v: &Yaml, ignored: &mut Vec<String>) -> Result<Vec<DescriptorSpec>, ParseError> {
+    list(v, "descriptors")?
+        .iter()
+        .map(|d| descriptor(d, ignored))
+        .collect()
 }
 
-fn descriptor(v: &Yaml) -> Result<DescriptorSpec, ParseError> {
+fn descriptor(v: &Yaml, ignored: &mut Vec<String>) -> Result<DescriptorSpec, ParseError> {
     let mut spec = DescriptorSpec::default();
+    // Fields of a rate limit written beside it, and flags written inside it.
+    let mut beside = Vec::new();
+    let mut inside = Vec::new();
     for (k, v) in map(v, "descriptor")? {
         match key_str(k) {
             "key" => spec.key = scalar_string(v, "key")?,
             "value" => spec.value = scalar_string(v, "value")?,
-            "rate_limit" if !matches!(v, Yaml::Null) => spec.rate_limit = Some(rate_limit(v)?),
+            "rate_limit" if !matches!(v, Yaml::Null) => {
+                spec.rate_limit = Some(rate_limit(v, &mut inside)?);
+            }
             "rate_limits" => {
                 for item in list(v, "rate_limits")? {
-                    spec.rate_limits.push(rate_limit(item)?);
+                    spec.rate_limits.push(rate_limit(item, &mut inside)?);
                 }
             }
-            "descriptors" => spec.descriptors = descriptor_list(v)?,
+            "descriptors" => spec.descriptors = descriptor_list(v, ignored)?,
             "metadata" => spec.metadata = metadata(v)?,
-            key => {
-                if let Some(flag) = spec.flags.by_key(key) {
-                    *flag = boolean(v, key)?;
-                }
-            }
+            key => match spec.flags.by_key(key) {
+                Some(flag) => *flag = boolean(v, key)?,
+                None => beside.push(key.to_owned()),
+            },
         }
+    }
+    let at = if spec.value.is_empty() {
+        format!("descriptor '{}'", spec.key)
+    } else {
+        format!("descriptor '{}: {}'", spec.key, spec.value)
+    };
+    for key in beside {
+        let why = if RATE_LIMIT_KEYS.contains(&key.as_str()) {
+            "a field of rate_limit, not of the descriptor"
+        } else {
+            "not a field of a descriptor"
+        };
+        ignored.push(format!("{at}: '{key}' is ignored: {why}"));
+    }
+    for key in inside {
+        let why =
+            if RuleFlags::KEYS.contains(&key.as_str()) || DESCRIPTOR_KEYS.contains(&key.as_str()) {
+                "a field of the descriptor, not of rate_limit"
+            } else {
+                "not a field of rate_limit"
+            };
+        ignored.push(format!("{at}: '{key}' in its rate limit is ignored: {why}"));
     }
     Ok(spec)
 }
 
-fn rate_limit(v: &Yaml) -> Result<RateLimitSpec, ParseError> {
+/// A `rate_limit` block (or one of `rate_limits`); the names of fields it has that mean nothing there
+/// go to `ignored`.
+fn rate_limit(v: &Yaml, ignored: &mut Vec<String>) -> Result<RateLimitSpec, ParseError> {
     let mut spec = RateLimitSpec::default();
     for (k, v) in map(v, "rate_limit")? {
         match key_str(k) {
@@ -296,7 +355,7 @@ fn rate_limit(v: &Yaml) -> Result<RateLimitSpec, ParseError> {
             "unit_multiplier" => spec.unit_multiplier = integer(v, "unit_multiplier")?,
             "count_over_limit" => spec.count_over_limit = boolean(v, "count_over_limit")?,
             "replaces" => spec.replaces = replaces(v)?,
-            _ => {}
+            other => ignored.push(other.to_owned()),
         }
     }
     Ok(spec)
@@ -417,6 +476,31 @@ descriptors:
             ),
             ("n", "010")
         );
+    }
+
+    #[test]
+    fn fields_where_they_mean_nothing_are_read_as_nothing_and_named() {
+        let f = parse_file(
+            "domain: d\nkey: stray\ndescriptors:\n  - key: k\n    value: v\n    algorithm: gcra\n    rate_limit: {unit: hour, requests_per_unit: 1, shadow_mode: true, key: x}\n    rate_limits:\n      - {unit: day, requests_per_unit: 5, descriptors: []}\n",
+        )
+        .unwrap();
+        let d = &f.descriptors[0];
+        assert!(!d.flags.shadow_mode);
+        assert_eq!(d.rate_limit.as_ref().unwrap().algorithm, "");
+        assert_eq!(
+            f.ignored,
+            [
+                "'key' at the top of the file is ignored: only domain and descriptors are read there",
+                "descriptor 'k: v': 'algorithm' is ignored: a field of rate_limit, not of the descriptor",
+                "descriptor 'k: v': 'shadow_mode' in its rate limit is ignored: a field of the descriptor, not of rate_limit",
+                "descriptor 'k: v': 'key' in its rate limit is ignored: a field of the descriptor, not of rate_limit",
+                "descriptor 'k: v': 'descriptors' in its rate limit is ignored: a field of the descriptor, not of rate_limit",
+            ]
+        );
+        assert!(parse_file("domain: d\ndescriptors:\n  - key: k\n    shadow_mode: true\n    rate_limit: {unit: hour, requests_per_unit: 1}\n")
+            .unwrap()
+            .ignored
+            .is_empty());
     }
 
     #[test]

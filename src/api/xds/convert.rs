@@ -94,6 +94,8 @@ pub fn domain_file(config: &RateLimitConfig) -> Result<DomainFile, ParseError> {
     Ok(DomainFile {
         domain: config.domain.clone(),
         descriptors: descriptors(&config.descriptors)?,
+        // A resource's fields are typed: none is misplaced.
+        ignored: Vec::new(),
     })
 }
 

@@ -20,7 +20,7 @@ use axum::{
 
 use super::{health::Health, json, to_http_status};
 use crate::{
-    limiter::{Code, Limiter},
+    limiter::{Code, Limiter, RequestLimits},
     rules::RuleSet,
     telemetry::Metrics,
 };
@@ -42,10 +42,15 @@ struct RulesText {
     text: Bytes,
 }
 
+/// The largest `/json` body: JSON spells a request out, so four times the gRPC message bound (413 past
+/// it).
+fn json_body_limit(limits: &RequestLimits) -> usize {
+    limits.max_message_bytes.saturating_mul(4)
+}
+
 /// The HTTP routes.
 pub fn router(limiter: Arc<Limiter>, health: Arc<Health>, metrics: Arc<Metrics>) -> Router {
-    // JSON spells a request out: allow it four times the gRPC message bound (413 past it).
-    let json_limit = limiter.request_limits().max_message_bytes.saturating_mul(4);
+    let json_limit = json_body_limit(limiter.request_limits());
     Router::new()
         .route("/healthcheck", get(healthcheck))
         .route(
@@ -206,10 +211,9 @@ async fn decide_json(
             state.limiter.record_unreadable(began.elapsed());
             let status = refused.status();
             let why = if status == StatusCode::PAYLOAD_TOO_LARGE {
-                let most = state.limiter.request_limits().max_message_bytes;
                 format!(
                     "request body over {} bytes (four times request_limits.max_message_bytes)",
-                    most.saturating_mul(4)
+                    json_body_limit(state.limiter.request_limits())
                 )
             } else {
                 refused.body_text()

@@ -45,11 +45,16 @@ fn help_and_version() {
     );
 }
 
+/// `ratelimitd check-config <folder>` run in `cwd`, as it ended.
+fn check_config_output(folder: &Path, env: &[(&str, &str)], cwd: &Path) -> std::process::Output {
+    ratelimitd(&["check-config", folder.to_str().unwrap()], env, cwd)
+        .output()
+        .unwrap()
+}
+
 /// `ratelimitd check-config <folder>` run in `cwd`: its exit code and what it printed.
 fn check_config(folder: &Path, env: &[(&str, &str)], cwd: &Path) -> (Option<i32>, String) {
-    let out = ratelimitd(&["check-config", folder.to_str().unwrap()], env, cwd)
-        .output()
-        .unwrap();
+    let out = check_config_output(folder, env, cwd);
     let printed = String::from_utf8_lossy(&out.stdout).into_owned();
     (out.status.code(), printed)
 }
@@ -102,9 +107,7 @@ fn check_config_names_fields_written_where_they_are_ignored() {
         "domain: web\ndescriptors:\n  - key: user\n    burst: 5\n    rate_limit: {unit: hour, requests_per_unit: 1, shadow_mode: true}\n",
     )
     .unwrap();
-    let out = ratelimitd(&["check-config", "."], &[], dir.path())
-        .output()
-        .unwrap();
+    let out = check_config_output(Path::new("."), &[], dir.path());
     assert_eq!(out.status.code(), Some(0));
     assert_eq!(
         String::from_utf8_lossy(&out.stdout),
@@ -121,13 +124,7 @@ fn check_config_names_fields_written_where_they_are_ignored() {
     );
     // The examples have none.
     let examples = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/config");
-    let out = ratelimitd(
-        &["check-config", examples.to_str().unwrap()],
-        &[],
-        dir.path(),
-    )
-    .output()
-    .unwrap();
+    let out = check_config_output(&examples, &[], dir.path());
     assert_eq!(String::from_utf8_lossy(&out.stderr), "");
 }
 

@@ -398,6 +398,15 @@ mod tests {
         store.apply_now(batch, now_secs * 1000).unwrap()
     }
 
+    /// A request of one hit on `key`, limited to 5 per window of `window_secs`.
+    fn one(key: &str, window_secs: u64) -> Batch {
+        Batch {
+            checks: vec![check(key, 5, window_secs, 1, Role::Enforce)],
+            consume_on_deny: false,
+            known_denied: false,
+        }
+    }
+
     #[test]
     fn a_denied_request_consumes_nothing_by_default() {
         let store = MemoryStore::new(100);
@@ -526,11 +535,7 @@ mod tests {
     #[test]
     fn the_key_bound_reclaims_expired_counters_then_refuses_new_ones() {
         let store = MemoryStore::new(2);
-        let one = |k: &str| Batch {
-            checks: vec![check(k, 5, 1, 1, Role::Enforce)],
-            consume_on_deny: false,
-            known_denied: false,
-        };
+        let one = |k: &str| one(k, 1);
         run(&store, &one("a_"), 10);
         run(&store, &one("b_"), 10);
         let err = store.apply_now(&one("c_"), 10_000).unwrap_err();
@@ -547,11 +552,6 @@ mod tests {
     #[test]
     fn a_long_key_counts_once_per_kib_against_the_bound() {
         let store = MemoryStore::new(4);
-        let one = |k: &str, window_secs| Batch {
-            checks: vec![check(k, 5, window_secs, 1, Role::Enforce)],
-            consume_on_deny: false,
-            known_denied: false,
-        };
         let long = format!("{}_", "k".repeat(2 * KEY_BYTES + 1));
         run(&store, &one(&long, 1), 10);
         run(&store, &one("a_", 60), 10);
@@ -571,11 +571,6 @@ mod tests {
     #[test]
     fn a_full_store_looks_for_room_at_most_every_tenth_of_a_second() {
         let store = MemoryStore::new(2);
-        let one = |k: &str, window_secs| Batch {
-            checks: vec![check(k, 5, window_secs, 1, Role::Enforce)],
-            consume_on_deny: false,
-            known_denied: false,
-        };
         // `a_` ends at 11 s, `b_` lives on.
         store.apply_now(&one("a_", 1), 10_000).unwrap();
         store.apply_now(&one("b_", 60), 10_000).unwrap();

@@ -461,6 +461,22 @@ async fn garbage_on_the_wire_is_refused_and_the_server_keeps_serving() {
         .await
         .unwrap();
     assert_eq!(ok.into_inner().overall_code, 1);
+    // Every request is counted, those refused before they could be read among the errors: 300 and 300
+    // of garbage, the two oversized ones, the last.
+    let mut total = 0.0;
+    for result in ["ok", "over_limit", "error"] {
+        let series = format!("ratelimitd_requests_total{{result=\"{result}\"}}");
+        total += server.metric(&series).await.unwrap_or(0.0);
+    }
+    assert_eq!(total, 603.0);
+    let invalid = server
+        .metric("ratelimitd_request_errors_total{kind=\"invalid_request\"}")
+        .await;
+    let error = server
+        .metric("ratelimitd_requests_total{result=\"error\"}")
+        .await;
+    assert_eq!(invalid, error);
+    assert!(invalid.unwrap() >= refused as f64 + 2.0, "{invalid:?}");
     server.stop().await;
 }
 

@@ -542,6 +542,13 @@ async fn calls_that_declare_large_messages_and_send_nothing_more_hold_no_memory_
             );
         }
     }
+    // The 100 decisions that never arrived are counted as invalid requests, as /json counts a body cut
+    // short.
+    let (_, metrics) = common::http_request(running.http, "GET", "/metrics", "");
+    assert!(
+        metrics.contains("ratelimitd_requests_total{result=\"error\"} 100\n"),
+        "{metrics}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -6,7 +6,10 @@ use tonic::{codegen::http, Request, Response, Status};
 use tracing::Instrument;
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 
-use super::to_status;
+use super::{
+    conn::{MESSAGE_TIMEOUT, SHOULD_RATE_LIMIT},
+    to_status,
+};
 use crate::{
     limiter::{self, Code, Limiter},
     proto::{
@@ -203,9 +206,19 @@ pub fn to_wire(response: limiter::Response) -> RateLimitResponse {
 }
 
 /// The rate limit service with tonic's refusals of its requests answered as [`refusals_are_invalid_argument`]
-/// says; the other services (health, reflection, RLQS) keep tonic's answers, which name no setting of ours.
+/// says, and counted as the requests the handler finds invalid are; the other services (health, reflection,
+/// RLQS) keep tonic's answers, which name no setting of ours.
 #[derive(Debug, Clone)]
-pub struct RefusalsAsInvalidArgument<S>(pub S);
+pub struct RefusalsAsInvalidArgument<S> {
+    inner: S,
+    limiter: Arc<Limiter>,
+}
+
+impl<S> RefusalsAsInvalidArgument<S> {
+    pub fn new(inner: S, limiter: Arc<Limiter>) -> Self {
+        Self { inner, limiter }
+    }
+}
 
 impl<S: tonic::server::NamedService> tonic::server::NamedService for RefusalsAsInvalidArgument<S> {
     const NAME: &'static str = S::NAME;
@@ -219,45 +232,90 @@ where
 {
     type Response = Answer;
     type Error = S::Error;
-    type Future = futures_util::future::MapOk<S::Future, fn(Answer) -> Answer>;
+    type Future = Refused<S::Future>;
 
     fn poll_ready(
         &mut self,
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<Result<(), S::Error>> {
-        self.0.poll_ready(cx)
+        self.inner.poll_ready(cx)
     }
 
     fn call(&mut self, request: http::Request<B>) -> Self::Future {
-        use futures_util::TryFutureExt;
-        self.0
-            .call(request)
-            .map_ok(refusals_are_invalid_argument as fn(Answer) -> Answer)
+        // Another path under this service is an unknown method: tonic's UNIMPLEMENTED, no request of ours.
+        let counted = (request.uri().path() == SHOULD_RATE_LIMIT).then(|| self.limiter.clone());
+        Refused {
+            answer: self.inner.call(request),
+            counted,
+        }
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// A call's answer, rewritten by [`refusals_are_invalid_argument`]; a refusal of a ShouldRateLimit
+    /// request the handler never saw is recorded in the limiter's metrics as an invalid request.
+    pub struct Refused<F> {
+        #[pin]
+        answer: F,
+        counted: Option<Arc<Limiter>>,
+    }
+}
+
+impl<F, E> std::future::Future for Refused<F>
+where
+    F: std::future::Future<Output = Result<Answer, E>>,
+{
+    type Output = F::Output;
+
+    fn poll(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<F::Output> {
+        let this = self.project();
+        let answer = std::task::ready!(this.answer.poll(cx))?;
+        let (answer, refused) = refusals_are_invalid_argument(answer);
+        if refused {
+            if let Some(limiter) = this.counted.take() {
+                limiter.record_unreadable(std::time::Duration::ZERO);
+            }
+        }
+        std::task::Poll::Ready(Ok(answer))
     }
 }
 
 /// tonic refuses a request it cannot read before any handler sees it: over
 /// `request_limits.max_message_bytes` with OUT_OF_RANGE, malformed protobuf with INTERNAL. Callers get
 /// INVALID_ARGUMENT instead, naming the setting or what could not be decoded, like every other refusal of
-/// a request; nothing on the server is at fault.
+/// a request; nothing on the server is at fault. Returns the answer and whether it is a refusal of a
+/// request the handler never saw: those two, compression it does not take (UNIMPLEMENTED), and a request
+/// that did not arrive within `grpc.message_timeout` (DEADLINE_EXCEEDED, [`MESSAGE_TIMEOUT`]).
 pub fn refusals_are_invalid_argument(
     mut response: http::Response<tonic::body::Body>,
-) -> http::Response<tonic::body::Body> {
+) -> (http::Response<tonic::body::Body>, bool) {
     let headers = response.headers_mut();
+    // The handler answers INVALID_ARGUMENT, RESOURCE_EXHAUSTED, DEADLINE_EXCEEDED or UNAVAILABLE, never
+    // these.
     let status = headers.get(&GRPC_STATUS).and_then(|v| v.to_str().ok());
-    if !matches!(status, Some("11" | "13")) {
-        return response;
-    }
+    let refused_early = match status {
+        Some("11" | "13") => true,
+        Some("12") => return (response, true),
+        Some("4") => false,
+        _ => return (response, false),
+    };
     let message = headers
         .get(&GRPC_MESSAGE)
         .map(|v| percent_encoding::percent_decode(v.as_bytes()).decode_utf8_lossy())
         .unwrap_or_default();
+    if !refused_early {
+        let late = message.starts_with(MESSAGE_TIMEOUT);
+        return (response, late);
+    }
     let text = if let Some((_, sizes)) = message.split_once("message length too large: ") {
         format!("request too large: {sizes} (request_limits.max_message_bytes)")
     } else if let Some(reason) = message.strip_prefix("failed to decode Protobuf message: ") {
         format!("malformed RateLimitRequest: {reason}")
     } else {
-        return response;
+        return (response, true);
     };
     // Header values are visible ASCII; anything else (from a quoted field) is replaced.
     let text: String = text
@@ -274,7 +332,7 @@ pub fn refusals_are_invalid_argument(
         headers.insert(GRPC_STATUS, http::HeaderValue::from_static("3"));
         headers.insert(GRPC_MESSAGE, value);
     }
-    response
+    (response, true)
 }
 
 #[cfg(test)]

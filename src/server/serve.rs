@@ -268,10 +268,11 @@ fn serve_grpc(
         )
         .add_service(reflection_v1.max_decoding_message_size(SMALL_MESSAGE_BYTES))
         .add_service(reflection_v1alpha.max_decoding_message_size(SMALL_MESSAGE_BYTES))
-        .add_service(RefusalsAsInvalidArgument(
+        .add_service(RefusalsAsInvalidArgument::new(
             RateLimitApi::new(services.limiter.clone())
                 .into_server()
                 .max_decoding_message_size(settings.request_limits.max_message_bytes),
+            services.limiter.clone(),
         ))
         // Its streams end when the drain begins, so that Envoys move to another replica at once.
         .add_optional_service(services.quota.clone().map(|quota| {

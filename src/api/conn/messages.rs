@@ -40,6 +40,9 @@ const STREAMED: &[&str] = &[
     "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
 ];
 
+/// How the refusal of a request that did not arrive within `grpc.message_timeout` begins.
+pub const MESSAGE_TIMEOUT: &str = "the request did not arrive in full within grpc.message_timeout";
+
 /// The compression flag and the length before each message.
 const PREFIX: usize = 5;
 
@@ -212,7 +215,7 @@ impl http_body::Body for WholeMessages {
                         this.held.clear();
                         this.ended = true;
                         return Poll::Ready(Some(Err(Status::deadline_exceeded(format!(
-                            "the request did not arrive in full within grpc.message_timeout ({:?})",
+                            "{MESSAGE_TIMEOUT} ({:?})",
                             this.timeout
                         )))));
                     }

@@ -179,3 +179,70 @@ fn unknown_variables_from_kubernetes_or_the_reference_are_ignored_with_a_warning
     assert_eq!(out.status.code(), Some(64), "{err}");
     assert!(err.contains("max_keys") && err.contains("lots"), "{err}");
 }
+
+/// The reference's switches a Deployment may carry: `QUOTA_MODE` decides as it does there; those that
+/// change nothing here start (a warning where a Deployment would miss a listener); `GRPC_UDS`, which would
+/// leave Envoy without an answer, stops the start naming it.
+#[test]
+fn the_reference_switches_a_deployment_carries_decide_start_or_stop_as_they_say() {
+    let root = tempfile::tempdir().unwrap();
+    let config = root.path().join("ratelimit/config");
+    fs::create_dir_all(&config).unwrap();
+    fs::write(
+        config.join("edge.yaml"),
+        "domain: edge\ndescriptors:\n  - key: remote_address\n    rate_limit: {unit: hour, requests_per_unit: 2}\n",
+    )
+    .unwrap();
+    let reference = [
+        ("RUNTIME_ROOT", root.path().to_str().unwrap()),
+        ("RUNTIME_SUBDIRECTORY", "ratelimit"),
+        ("RUNTIME_WATCH_ROOT", "false"),
+        ("USE_STATSD", "false"),
+        ("QUOTA_MODE", "true"),
+        ("TRACING_EXPORTER_PROTOCOL", "http"),
+        ("REDIS_PIPELINE_WINDOW", "150us"),
+        ("REDIS_PIPELINE_LIMIT", "8"),
+        ("REDIS_POOL_ON_EMPTY_BEHAVIOR", "WAIT"),
+        ("DEBUG_PORT", "6070"),
+    ];
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_ratelimitd"));
+    cmd.env_clear().envs(reference).envs(common::LOOPBACK);
+    let running = start_serving(&mut cmd);
+    let json = |addresses: &[&str]| {
+        let descriptors: Vec<String> = addresses
+            .iter()
+            .map(|a| format!(r#"{{"entries":[{{"key":"remote_address","value":"{a}"}}]}}"#))
+            .collect();
+        let body = format!(
+            r#"{{"domain":"edge","descriptors":[{}]}}"#,
+            descriptors.join(",")
+        );
+        common::http_request(running.http, "POST", "/json", &body).0
+    };
+    // a's two are spent, then its status is over; each request also carries a fresh address with quota
+    // left, so none is denied.
+    for fresh in ["b1", "b2", "b3", "b4"] {
+        assert_eq!(json(&["10.0.0.1", fresh]), 200, "with {fresh}");
+    }
+    // Every quota descriptor over: denied.
+    assert_eq!(json(&["10.0.0.1"]), 429);
+    let log = running.log.lock().unwrap().clone();
+    assert!(
+        log.contains("DEBUG_PORT=6070 is not served"),
+        "the missing debug listener is named:\n{log}"
+    );
+
+    let out = Command::new(env!("CARGO_BIN_EXE_ratelimitd"))
+        .env_clear()
+        .envs(reference)
+        .envs(common::LOOPBACK)
+        .env("GRPC_UDS", "/var/run/ratelimit/grpc.sock")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(64), "{err}");
+    assert!(
+        err.contains("GRPC_UDS") && err.contains("unix socket"),
+        "{err}"
+    );
+}

@@ -74,6 +74,9 @@ pub struct Options {
     pub key_prefix: String,
     /// Global shadow mode: the overall code is always OK.
     pub shadow_mode: bool,
+    /// Global quota mode (`QUOTA_MODE`): every limited descriptor is a quota descriptor, and one that
+    /// matched no limit, or only a shadow rule, passes as one (see [`plan::global_quota_mode`]).
+    pub quota_mode: bool,
     pub consume_on_deny: bool,
     pub response_headers: ResponseHeaders,
     pub header_names: HeaderNames,
@@ -294,7 +297,11 @@ impl Limiter {
                 options: &self.options,
                 now_ms: self.clock.now_millis(),
             });
-        plan::resolve(domain, request, lookup.as_ref())
+        let mut resolved = plan::resolve(domain, request, lookup.as_ref())?;
+        if self.options.quota_mode {
+            plan::global_quota_mode(&mut resolved);
+        }
+        Ok(resolved)
     }
 
     async fn decide(&self, request: &Request, deadline: Deadline) -> Result<Response, LimitError> {

@@ -304,6 +304,30 @@ pub(super) fn of_rule(node: &Node) -> Resolved<'_> {
     }
 }
 
+/// Global quota mode (`QUOTA_MODE`, as the reference has it): every limited descriptor but a shadow
+/// rule's is a quota descriptor, so the request is denied only when all of them are over, unless one
+/// passes ([`passes_as_quota`]). Statuses still show OVER_LIMIT.
+pub(super) fn global_quota_mode(resolved: &mut [Resolved<'_>]) {
+    for r in resolved.iter_mut() {
+        if let Resolved::Limited { role, .. } = r {
+            if *role != Role::Shadow {
+                *role = Role::Quota;
+            }
+        }
+    }
+}
+
+/// In global quota mode, a descriptor that matched no limit, or a shadow rule (whose status is OK),
+/// counts as a quota descriptor that passed: with one in the request, its quota checks deny nothing.
+/// Unlimited descriptors count for neither.
+fn passes_as_quota(resolved: &[Resolved<'_>]) -> bool {
+    resolved.iter().any(|r| match r {
+        Resolved::NoLimit => true,
+        Resolved::Limited { role, .. } => *role == Role::Shadow,
+        Resolved::Unlimited(_) => false,
+    })
+}
+
 /// Drops every matched limit whose name another matched limit of the same request replaces
 /// (unlimited limits replace too). Only limits of rules are replaced: not overrides (which have no name)
 /// nor runtime limits (whatever name an operator gave them).
@@ -451,9 +475,15 @@ fn build(
         consume_on_deny: options.consume_on_deny,
         known_denied: false,
     };
+    // The store decides by the checks' roles: quota checks that cannot deny go as shadow ones.
+    let quota_denies = !(options.quota_mode && passes_as_quota(resolved));
     for (descriptor, r) in request.descriptors.iter().zip(resolved) {
         let Resolved::Limited { limits, node, role } = r else {
             continue;
+        };
+        let role = match *role {
+            Role::Quota if !quota_denies => Role::Shadow,
+            role => role,
         };
         let values = key_values(descriptor, *node, options);
         let cost = hits(request, descriptor);
@@ -488,7 +518,7 @@ fn build(
                 key,
                 params,
                 cost,
-                role: *role,
+                role,
                 per_second: applicable.unit() == Unit::Second,
                 reported: false,
             });

@@ -215,6 +215,39 @@ async fn quota_rules_deny_only_when_all_of_them_are_over() {
 }
 
 #[tokio::test]
+async fn global_quota_mode_denies_only_when_every_limited_descriptor_is_over() {
+    let options = Options {
+        quota_mode: true,
+        ..Options::default()
+    };
+    let l = limiter_with(options, Clock::manual(2_222_000));
+    let both = req(vec![desc(&[("small", "")]), desc(&[("k", "")])]);
+    assert_eq!(ask(&l, &both).await.overall_code, Code::Ok);
+    // small is over, k is not: OK, with small's status OVER_LIMIT.
+    let resp = ask(&l, &both).await;
+    assert_eq!(resp.overall_code, Code::Ok);
+    assert_eq!(resp.statuses[0].code, Code::OverLimit);
+    assert_eq!(ask(&l, &both).await.overall_code, Code::Ok);
+    // k's 3 are spent too.
+    assert_eq!(ask(&l, &both).await.overall_code, Code::OverLimit);
+    // A descriptor that matches no limit, or a shadow rule, passes as quota: nothing denies the request.
+    for passing in [("nothing", "here"), ("allowed", "x"), ("shadow", "")] {
+        let r = req(vec![desc(&[("small", "")]), desc(&[passing])]);
+        let resp = ask(&l, &r).await;
+        assert_eq!(resp.overall_code, Code::Ok, "{passing:?}");
+        assert_eq!(resp.statuses[0].code, Code::OverLimit, "{passing:?}");
+    }
+    // An unlimited one counts for neither.
+    let r = req(vec![desc(&[("small", "")]), desc(&[("free", "")])]);
+    assert_eq!(ask(&l, &r).await.overall_code, Code::OverLimit);
+    // Without it, small alone denies as before.
+    let l = limiter();
+    let r = req(vec![desc(&[("small", "")]), desc(&[("nothing", "here")])]);
+    assert_eq!(ask(&l, &r).await.overall_code, Code::Ok);
+    assert_eq!(ask(&l, &r).await.overall_code, Code::OverLimit);
+}
+
+#[tokio::test]
 async fn unlimited_replaces_allow_list_and_unknown_domain() {
     let l = limiter();
     let resp = ask(

@@ -117,6 +117,10 @@ pub struct Settings {
     /// Answer OK to every request while still counting and reporting per-descriptor statuses.
     /// Env `SHADOW_MODE`; default false.
     pub shadow_mode: bool,
+    /// Every limited descriptor is a quota descriptor, as a rule's `quota_mode: true` makes its own: a
+    /// request is denied only when all of them are over, and not at all when one of its descriptors
+    /// matched no limit. Env `QUOTA_MODE`; default false.
+    pub quota_mode: bool,
     /// Count every descriptor of a denied request, as the reference service does by default.
     /// Default false: a denied request consumes nothing. Env `STOP_CACHE_KEY_INCREMENT_WHEN_OVERLIMIT=false`
     /// sets this to true.
@@ -189,6 +193,7 @@ impl Default for Settings {
             overload: OverloadSettings::default(),
             request_limits: RequestLimits::default(),
             shadow_mode: false,
+            quota_mode: false,
             consume_on_deny: false,
             near_limit_ratio: 0.8,
             response_headers: ResponseHeaders::Off,

@@ -85,6 +85,12 @@ const REFERENCE: &[Row] = &[
     row!("PORT", Trim, |s, v| s.http.port = number(v)?),
     row!("GRPC_HOST", Trim, |s, v| s.grpc.host = v.to_owned()),
     row!("GRPC_PORT", Trim, |s, v| s.grpc.port = number(v)?),
+    row!("GRPC_UDS", Trim, |_s, v| unix_socket(v)?),
+    // No debug listener: a Deployment that sets its port is told where its pages are.
+    row!("DEBUG_PORT", Trim, |s, v| s.warnings.push(format!(
+        "DEBUG_PORT={} is not served: ratelimitd has no debug listener; /rlconfig and /metrics are on the HTTP port (PORT)",
+        number::<u16>(v)?
+    ))),
     row!("LOG_LEVEL", Trim, |s, v| s.log.level = log_level(v)?),
     row!("LOG_FORMAT", Trim, |s, v| s.log.format = choice(v)?),
     row!("RUNTIME_ROOT", Trim, |s, v| s.rules.runtime_root = Some(PathBuf::from(v))),
@@ -95,6 +101,11 @@ const REFERENCE: &[Row] = &[
     row!("MERGE_DOMAIN_CONFIG", Trim, |s, v| s.rules.merge_domains = boolean(v)?),
     row!("BACKEND_TYPE", Trim, |s, v| s.backend = Some(choice(v)?)),
     Row::MainRedis,
+    // Set nothing: connections are checked and retried as `redis.*` says. The values must still read.
+    row!("REDIS_HEALTH_CHECK_ACTIVE_CONNECTION", Trim, |_s, v| boolean(v)?),
+    row!("REDIS_STARTUP_INITIAL_INTERVAL", Trim, |_s, v| duration(v)?),
+    row!("REDIS_STARTUP_MAX_INTERVAL", Trim, |_s, v| duration(v)?),
+    row!("REDIS_STARTUP_MAX_ELAPSED_TIME", Trim, |_s, v| duration(v)?),
     row!("REDIS_TLS_CACERT", Trim, |s, v| s.redis.tls_ca_cert = Some(PathBuf::from(v))),
     row!("REDIS_TLS_CLIENT_CERT", Trim, |s, v| s.redis.tls_client_cert = Some(PathBuf::from(v))),
     row!("REDIS_TLS_CLIENT_KEY", Trim, |s, v| s.redis.tls_client_key = Some(PathBuf::from(v))),
@@ -112,6 +123,12 @@ const REFERENCE: &[Row] = &[
     row!("CACHE_KEY_PREFIX", Exact, |s, v| s.cache_key_prefix = v.to_owned()),
     row!("EXPIRATION_JITTER_MAX_SECONDS", Trim, |s, v| s.expiration_jitter_max_seconds = number(v)?),
     row!("SHADOW_MODE", Trim, |s, v| s.shadow_mode = boolean(v)?),
+    row!("QUOTA_MODE", Trim, |s, v| s.quota_mode = boolean(v)?),
+    row!("RESPONSE_DYNAMIC_METADATA", Trim, |s, v| if boolean(v)? {
+        s.warnings.push(
+            "RESPONSE_DYNAMIC_METADATA=true is not supported: responses carry no dynamic_metadata".into(),
+        );
+    }),
     // The reference counts every descriptor of a denied request unless told to stop.
     row!("STOP_CACHE_KEY_INCREMENT_WHEN_OVERLIMIT", Trim, |s, v| s.consume_on_deny = !boolean(v)?),
     row!("LIMIT_RESPONSE_HEADERS_ENABLED", Trim, |s, v| s.response_headers = if boolean(v)? {
@@ -130,11 +147,13 @@ const REFERENCE: &[Row] = &[
     row!("TRACING_ENABLED", Trim, |s, v| s.tracing.enabled = boolean(v)?),
     row!("TRACING_SERVICE_NAME", Trim, |s, v| s.tracing.service_name = v.to_owned()),
     row!("TRACING_SAMPLING_RATE", Trim, |s, v| s.tracing.sampling_rate = number(v)?),
-    // Sets nothing: only the one protocol ratelimitd speaks is accepted.
-    row!("TRACING_EXPORTER_PROTOCOL", Trim, |_s, v| otlp_grpc(v)?),
+    // Sets nothing: with traces on, only the one protocol ratelimitd speaks is accepted.
+    row!("TRACING_EXPORTER_PROTOCOL", Trim, |s, v| otlp_protocol(v, s.tracing.enabled)?),
     row!("USE_PROMETHEUS", Trim, |s, v| s.prometheus.enabled = boolean(v)?),
     row!("PROMETHEUS_ADDR", Trim, |s, v| s.prometheus.addr = v.to_owned()),
     row!("PROMETHEUS_PATH", Trim, |s, v| s.prometheus.path = v.to_owned()),
+    // Sets nothing: ratelimitd's histograms are in seconds, under names of its own.
+    row!("PROMETHEUS_RESPONSE_TIME_AS_MILLISECONDS", Trim, |_s, v| boolean(v)?),
     row!("NEAR_LIMIT_RATIO", Trim, |s, v| s.near_limit_ratio = number(v)?),
     row!("CONFIG_TYPE", Trim, |s, v| s.rules.config_type = choice(v)?),
     row!("FORCE_START_WITHOUT_INITIAL_CONFIG", Trim,
@@ -190,6 +209,11 @@ const REDIS_CLIENT: &[Variable<RedisSettings>] = &[
     variable!("TLS", Trim, |r, v| r.tls = boolean(v)?),
     variable!("POOL_SIZE", Trim, |r, v| r.pool_size = number(v)?),
     variable!("TIMEOUT", Trim, |r, v| r.timeout = duration(v)?),
+    // Set nothing: requests share script calls as `redis.*` says. The values must still read.
+    variable!("PIPELINE_WINDOW", Trim, |_r, v| duration(v)?),
+    variable!("PIPELINE_LIMIT", Trim, |_r, v| number::<u64>(v)?),
+    variable!("CLUSTER_PIPELINE_PARALLELISM", Trim, |_r, v| number::<u64>(v)?),
+    variable!("POOL_ON_EMPTY_BEHAVIOR", Trim, |_r, v| wait_only(v)?),
 ];
 
 /// Applies the reference variables set in `env` to `settings`.
@@ -394,15 +418,32 @@ fn pairs(value: &str, separator: char) -> Result<BTreeMap<String, String>, Strin
         .collect()
 }
 
-/// `TRACING_EXPORTER_PROTOCOL`: the reference also speaks OTLP/HTTP; ratelimitd does not.
-fn otlp_grpc(value: &str) -> Result<(), String> {
-    if value.eq_ignore_ascii_case("grpc") {
-        Ok(())
-    } else {
-        Err(
+/// `TRACING_EXPORTER_PROTOCOL`: the reference also speaks OTLP/HTTP (its default); ratelimitd does not,
+/// which matters only when traces are on.
+fn otlp_protocol(value: &str, tracing: bool) -> Result<(), String> {
+    match value.to_ascii_lowercase().as_str() {
+        "grpc" => Ok(()),
+        "http" if !tracing => Ok(()),
+        "http" => Err(
             "ratelimitd exports traces over OTLP/gRPC only; set grpc (port 4317 of the collector)"
                 .into(),
-        )
+        ),
+        _ => Err("expected grpc or http".into()),
+    }
+}
+
+/// `GRPC_UDS`: the reference can serve gRPC on a unix socket instead of its port; ratelimitd cannot, and
+/// serving on the port instead would leave Envoys pointed at the socket without an answer.
+fn unix_socket(_path: &str) -> Result<(), String> {
+    Err("ratelimitd serves gRPC on GRPC_HOST:GRPC_PORT only, not on a unix socket; unset GRPC_UDS and point Envoy at the port".into())
+}
+
+/// `REDIS_POOL_ON_EMPTY_BEHAVIOR`: the reference takes only `WAIT` (and refuses to start otherwise).
+fn wait_only(value: &str) -> Result<(), String> {
+    if value.eq_ignore_ascii_case("wait") {
+        Ok(())
+    } else {
+        Err("expected WAIT, the only behaviour the reference takes".into())
     }
 }
 

@@ -90,6 +90,7 @@ fn reference_env_vars_keep_their_meaning() {
             ("LOG_LEVEL", "DEBUG"),
             ("LOG_FORMAT", "json"),
             ("SHADOW_MODE", "true"),
+            ("QUOTA_MODE", "t"),
             ("STOP_CACHE_KEY_INCREMENT_WHEN_OVERLIMIT", "false"),
             ("LIMIT_RESPONSE_HEADERS_ENABLED", "true"),
             ("LIMIT_REMAINING_HEADER", "X-Left"),
@@ -105,6 +106,7 @@ fn reference_env_vars_keep_their_meaning() {
     assert_eq!(s.log.level, LogLevel::Debug);
     assert_eq!(s.log.format, LogFormat::Json);
     assert!(s.shadow_mode);
+    assert!(s.quota_mode);
     assert!(s.consume_on_deny);
     assert_eq!(s.response_headers, ResponseHeaders::Envoy);
     assert_eq!(s.header_names.remaining, "X-Left");
@@ -499,6 +501,17 @@ fn a_wrong_setting_names_the_setting_and_the_value() {
         ("BACKEND_TYPE", "memcache"),
         ("NEAR_LIMIT_RATIO", "1.5"),
         ("HOST", "my host"),
+        ("QUOTA_MODE", "maybe"),
+        // Variables that set nothing here still take only what the reference takes.
+        ("DEBUG_PORT", "abc"),
+        ("REDIS_PIPELINE_WINDOW", "abc"),
+        ("REDIS_PIPELINE_LIMIT", "-1"),
+        ("REDIS_POOL_ON_EMPTY_BEHAVIOR", "CREATE"),
+        ("REDIS_HEALTH_CHECK_ACTIVE_CONNECTION", "sometimes"),
+        ("RESPONSE_DYNAMIC_METADATA", "yes"),
+        ("TRACING_EXPORTER_PROTOCOL", "carrier-pigeon"),
+        // Served elsewhere than the reference would: refused rather than ignored.
+        ("GRPC_UDS", "/sockets/ratelimit.sock"),
     ] {
         let err = Settings::load(None, &env(&[(name, value)]))
             .unwrap_err()
@@ -509,6 +522,57 @@ fn a_wrong_setting_names_the_setting_and_the_value() {
         .unwrap_err()
         .to_string();
     assert!(err.contains("GRPC_PORT"), "{err}");
+    let err = Settings::load(None, &env(&[("NEAR_LIMIT_RATIO", "2")]))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("NEAR_LIMIT_RATIO"), "{err}");
+    let err = Settings::load(None, &env(&[("GRPC_UDS", "/s/rl.sock")]))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("GRPC_UDS") && err.contains("unix socket"),
+        "{err}"
+    );
+    // The reference's defaults and usual values load, the ones that change nothing here with a warning
+    // where a Deployment would miss something.
+    let s = Settings::load(
+        None,
+        &env(&[
+            ("NEAR_LIMIT_RATIO", "0"),
+            ("TRACING_EXPORTER_PROTOCOL", "http"),
+            ("DEBUG_HOST", "0.0.0.0"),
+            ("DEBUG_PORT", "6070"),
+            ("REDIS_PIPELINE_WINDOW", "150us"),
+            ("REDIS_PIPELINE_LIMIT", "8"),
+            ("REDIS_POOL_ON_EMPTY_BEHAVIOR", "WAIT"),
+            ("RESPONSE_DYNAMIC_METADATA", "true"),
+            ("PROMETHEUS_RESPONSE_TIME_AS_MILLISECONDS", "false"),
+        ]),
+    )
+    .unwrap();
+    assert_eq!(s.near_limit_ratio, 0.0);
+    assert_eq!(s.warnings.len(), 2, "{:?}", s.warnings);
+    assert!(
+        s.warnings[0].contains("DEBUG_PORT=6070"),
+        "{:?}",
+        s.warnings
+    );
+    assert!(
+        s.warnings[1].contains("RESPONSE_DYNAMIC_METADATA"),
+        "{:?}",
+        s.warnings
+    );
+    // With traces on, OTLP/HTTP is refused: ratelimitd would send gRPC to an HTTP collector.
+    let err = Settings::load(
+        None,
+        &env(&[
+            ("TRACING_ENABLED", "true"),
+            ("TRACING_EXPORTER_PROTOCOL", "http"),
+        ]),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("OTLP/gRPC only"), "{err}");
     let err = Settings::load(None, &env(&[("RATELIMITD_MEMORY__MAX_KEYS", "lots")]))
         .unwrap_err()
         .to_string();

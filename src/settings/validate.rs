@@ -30,11 +30,12 @@ impl Settings {
         }
         self.validate_prometheus()?;
         self.validate_admin()?;
-        if !(self.near_limit_ratio > 0.0 && self.near_limit_ratio <= 1.0) {
+        // 0 as the reference reads it: every hit is near the limit.
+        if !(0.0..=1.0).contains(&self.near_limit_ratio) {
             return Err(SettingsError::invalid(
-                "near_limit_ratio",
+                "near_limit_ratio (NEAR_LIMIT_RATIO)",
                 self.near_limit_ratio,
-                "must be greater than 0 and at most 1",
+                "must be between 0 and 1",
             ));
         }
         if !(0.0..=1.0).contains(&self.tracing.sampling_rate) {

@@ -557,3 +557,67 @@ async fn on_cluster_a_request_over_slots_of_which_one_moved_is_decided_again_by_
         "the budget counted once each"
     );
 }
+
+/// While a slot migrates, a key already moved is answered with ASK: the client's handling of it must cost
+/// at most the requests on that key during the migration, never the connections. Once the slot has
+/// moved, every request is decided again, and every admitted hit was counted once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_moved_mid_migration_fails_only_its_own_requests_and_only_meanwhile() {
+    let cluster = RedisCluster::start(false);
+    let store = Store::Redis(redis_store(cluster.url(), RedisTopology::Cluster, |_| {}).await);
+    let now = now_ms();
+    let (staying, moving) = two_slots_of_master_zero(&cluster, "ask", now);
+    let one = |c: &Check| Batch {
+        checks: vec![c.clone()],
+        ..Batch::default()
+    };
+    for c in [&staying, &moving] {
+        assert!(!store.apply(&one(c), now, within()).await.unwrap().denied);
+    }
+    // The slot migrates from master 0 to master 1, and its one key has gone already: master 0 answers ASK.
+    let (from, to) = (&cluster.masters[0], &cluster.masters[1]);
+    let slot = slot_of(&cluster, &moving, now).to_string();
+    let (from_id, to_id) = (from.cli(&["CLUSTER", "MYID"]), to.cli(&["CLUSTER", "MYID"]));
+    assert_eq!(
+        to.cli(&["CLUSTER", "SETSLOT", &slot, "IMPORTING", &from_id]),
+        "OK"
+    );
+    assert_eq!(
+        from.cli(&["CLUSTER", "SETSLOT", &slot, "MIGRATING", &to_id]),
+        "OK"
+    );
+    let port = to.port.to_string();
+    let key = moving.storage_key(now);
+    let migrated = ["MIGRATE", "127.0.0.1", &port, "", "0", "5000", "KEYS", &key];
+    assert_eq!(from.cli(&migrated), "OK");
+    let mut admitted = 0;
+    for _ in 0..12 {
+        // More than the pool's connections: each could have ended one.
+        if let Ok(answer) = store.apply(&one(&moving), now, within()).await {
+            admitted += u64::from(!answer.denied);
+        }
+        let other = store.apply(&one(&staying), now, within()).await;
+        assert!(!other.expect("another slot of the server is decided").denied);
+    }
+    // The migration ends.
+    for master in &cluster.masters {
+        assert_eq!(
+            master.cli(&["CLUSTER", "SETSLOT", &slot, "NODE", &to_id]),
+            "OK"
+        );
+    }
+    for i in 0..20 {
+        let answer = store.apply(&one(&moving), now, within()).await;
+        assert!(
+            !answer
+                .unwrap_or_else(|e| panic!("request {i} after the migration: {e}"))
+                .denied
+        );
+    }
+    assert_eq!(
+        count_on(to, &moving, now),
+        1 + admitted + 20,
+        "each admitted hit counted once"
+    );
+    assert_eq!(count_on(from, &staying, now), 13);
+}

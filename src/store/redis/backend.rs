@@ -4,7 +4,10 @@
 
 use std::{
     collections::HashMap,
-    sync::{atomic::AtomicI64, Arc, Mutex},
+    sync::{
+        atomic::{AtomicBool, AtomicI64},
+        Arc, Mutex,
+    },
     time::Duration,
 };
 
@@ -62,6 +65,8 @@ pub struct Backend {
     node_settings: NodeSettings,
     /// Estimated server clock minus local clock, in milliseconds.
     pub clock_offset_ms: AtomicI64,
+    /// Set by [`Backend::close`]: connection tasks that end are not started again.
+    closing: AtomicBool,
 }
 
 impl std::fmt::Debug for Backend {
@@ -112,8 +117,12 @@ impl Backend {
             .with_connection_config(|c| {
                 c.connection_timeout = settings.connect_timeout;
                 c.internal_command_timeout = settings.connect_timeout;
-                // Redirections (MOVED, ASK) during resharding count as attempts.
+                // Redirections (MOVED, ASK) during resharding count as attempts. Fewer redirections
+                // than attempts: the client follows an ASK by sending the command to the slot's owner
+                // again, which answers ASK again, and a command whose attempts run out there ends the
+                // client's connection task (fred 10.1); out of redirections, only the command fails.
                 c.max_command_attempts = 3;
+                c.max_redirections = 2;
             })
             .with_performance_config(|p| {
                 p.default_command_timeout = command_timeout;
@@ -150,6 +159,7 @@ impl Backend {
             routing: ArcSwapOption::empty(),
             node_settings,
             clock_offset_ms: AtomicI64::new(0),
+            closing: AtomicBool::new(false),
         });
         for client in backend.pool.clients() {
             let (scripts, reloading) = (scripts.clone(), client.clone());
@@ -200,7 +210,9 @@ impl Backend {
                 Ok(())
             });
         }
-        let _ = backend.pool.connect_pool();
+        for client in backend.pool.clients() {
+            supervise(client.clone(), Arc::downgrade(&backend));
+        }
         Ok(backend)
     }
 
@@ -271,8 +283,43 @@ impl Backend {
 
     /// Closes the connections.
     pub async fn close(&self) {
+        self.closing
+            .store(true, std::sync::atomic::Ordering::Relaxed);
         let _ = self.pool.quit().await;
     }
+}
+
+/// How long a client whose connection task ended waits before it is connected again.
+const RESTART_AFTER: Duration = Duration::from_millis(100);
+
+/// Connects `client` and connects it again whenever its connection task ends on an error while the
+/// backend is in use. The task follows lost connections itself; it ends only on an error it does not
+/// recover from (a redirection it could not follow, for one), after which the client would take
+/// commands that no task sends, each waiting for its deadline, for the life of the process.
+fn supervise(client: Client, backend: std::sync::Weak<Backend>) {
+    tokio::spawn(async move {
+        loop {
+            let ended = client.connect().await;
+            let Some(backend) = backend.upgrade() else {
+                return;
+            };
+            if backend.closing.load(std::sync::atomic::Ordering::Relaxed) {
+                return;
+            }
+            let why = match ended {
+                Ok(Ok(())) => "it ended".to_owned(),
+                Ok(Err(err)) if err.is_canceled() => return,
+                Ok(Err(err)) => err.to_string(),
+                Err(join) => join.to_string(),
+            };
+            tracing::warn!(
+                backend = backend.name,
+                "Redis client stopped ({why}): connecting it again"
+            );
+            drop(backend);
+            tokio::time::sleep(RESTART_AFTER).await;
+        }
+    });
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {

@@ -440,7 +440,12 @@ impl RedisStore {
             let backend = self.backend(group.backend);
             if !backend.connected() {
                 if group.node.breaker.trip() {
-                    tracing::warn!(server = %group.node.name(), backend = backend.name, "no connection to Redis: circuit breaker open");
+                    if backend.cluster {
+                        // The client connects to every master together: this one may be fine.
+                        tracing::warn!(server = %group.node.name(), backend = backend.name, "no connection to the Redis Cluster (a master cannot be reached, and the client reconnects every master together): circuit breaker open");
+                    } else {
+                        tracing::warn!(server = %group.node.name(), backend = backend.name, "no connection to Redis: circuit breaker open");
+                    }
                 }
                 return Err(StoreError::CircuitOpen("no connection to Redis"));
             }

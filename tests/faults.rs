@@ -265,3 +265,50 @@ async fn one_of_three_replicas_sigkilled_under_load_the_others_keep_serving_and_
     );
     assert_eq!(counted, 300, "1 200 requests fill the limit exactly");
 }
+
+/// A Redis that answers every call with an error (here a user without EVALSHA; an out-of-memory Redis
+/// looks the same) while its connections are fine: with `on_backend_error: allow` every caller gets OK,
+/// and the failures still show, counted by the answer they got and in one warning per ten seconds.
+#[test]
+fn a_redis_refusing_every_call_shows_in_the_log_and_the_metrics_when_the_policy_allows() {
+    let _one = ONE_AT_A_TIME.blocking_lock();
+    let redis = RedisProcess::start(&[]);
+    redis.cli(&[
+        "ACL", "SETUSER", "limited", "on", ">pw", "~*", "+@all", "-evalsha",
+    ]);
+    let rules = tempfile::tempdir().unwrap();
+    std::fs::write(rules.path().join("faults.yaml"), RULES).unwrap();
+    let mut cmd = common::binary(rules.path());
+    cmd.env("REDIS_URL", redis.addr())
+        .env("REDIS_AUTH", "limited:pw")
+        .env("RATELIMITD_ON_BACKEND_ERROR", "allow");
+    let running = start_binary(&mut cmd);
+    assert!(
+        running.serving_within(Duration::from_secs(15)),
+        "not serving: {}",
+        running.log.lock().unwrap()
+    );
+    let body =
+        r#"{"domain":"faults","descriptors":[{"entries":[{"key":"shared","value":"all"}]}]}"#;
+    for _ in 0..30 {
+        assert_eq!(
+            common::http_request(running.http, "POST", "/json", body).0,
+            200
+        );
+    }
+    let (_, metrics) = common::http_request(running.http, "GET", "/metrics", "");
+    assert!(
+        metrics.contains("ratelimitd_backend_failures_total{answer=\"allow\"} 30\n"),
+        "{metrics}"
+    );
+    let log = running.log.lock().unwrap().clone();
+    let lines: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("the counter store could not decide"))
+        .collect();
+    assert_eq!(lines.len(), 1, "one line for the first ten seconds:\n{log}");
+    assert!(
+        lines[0].contains("NOPERM") && lines[0].contains("WARN"),
+        "{log}"
+    );
+}

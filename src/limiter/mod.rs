@@ -344,7 +344,7 @@ impl Limiter {
         resolved: &[Resolved<'_>],
         batch: &Batch,
     ) -> Result<Response, LimitError> {
-        tracing::debug!(error = %err, policy = ?self.options.on_backend_error, "backend failed");
+        self.record_backend_failure(&err);
         let deny = match self.options.on_backend_error {
             // `local` without a fallback store (a store that is itself local) answers like `error`.
             OnBackendError::Error | OnBackendError::Local => return Err(LimitError::Store(err)),

@@ -3,14 +3,22 @@
 //!
 //! Offender names are built in one buffer per thread, reused from request to request.
 
-use std::{borrow::Cow, sync::Arc, time::Duration};
+use std::{
+    borrow::Cow,
+    sync::{
+        atomic::{AtomicU64, Ordering},
+        Arc,
+    },
+    time::Duration,
+};
 
 use super::{
-    plan, status::Verdict, Code, Descriptor, LimitError, Limiter, Options, Request, Response,
+    plan, status::Verdict, Code, Descriptor, LimitError, Limiter, OnBackendError, Options, Request,
+    Response,
 };
 use crate::{
     rules::{written_key, Node},
-    store::Role,
+    store::{Role, StoreError},
     telemetry::{
         metrics::{HeldCounters, Histogram, RuleCounter, RuleCounters, StripedCounter},
         Metrics,
@@ -31,7 +39,13 @@ pub(super) struct Series {
     requests_ok: Arc<StripedCounter>,
     requests_over_limit: Arc<StripedCounter>,
     requests_error: Arc<StripedCounter>,
+    /// When the next failure of the store may be logged, and how many came since the last line.
+    failures_log_at_ms: AtomicU64,
+    failures_unlogged: AtomicU64,
 }
+
+/// A failure of the store is logged at most this often; the line says how many came since the last one.
+const FAILURES_LOG_EVERY_MS: u64 = 10_000;
 
 impl Series {
     pub(super) fn new(metrics: &Metrics) -> Self {
@@ -52,6 +66,8 @@ impl Series {
             requests_ok: requests("ok"),
             requests_over_limit: requests("over_limit"),
             requests_error: requests("error"),
+            failures_log_at_ms: AtomicU64::new(0),
+            failures_unlogged: AtomicU64::new(0),
         }
     }
 }
@@ -85,6 +101,47 @@ impl Limiter {
         self.series.check_duration.observe(took);
         self.count_error("invalid_request");
         self.series.requests_error.add(1);
+    }
+
+    /// Records a request the store could not decide, whatever `on_backend_error` answers: counted by
+    /// that answer, and logged as a warning at most once every ten seconds, so that a Redis refusing
+    /// every call (out of memory, a user without EVALSHA) shows in the log and the metrics even when the
+    /// policy answers OK.
+    pub(super) fn record_backend_failure(&self, err: &StoreError) {
+        let answer = match self.options.on_backend_error {
+            OnBackendError::Error => "error",
+            OnBackendError::Allow => "allow",
+            OnBackendError::Deny => "deny",
+            OnBackendError::Local => "local",
+        };
+        self.options.metrics.count(
+            "ratelimitd_backend_failures_total",
+            "Requests the counter store could not decide, by the on_backend_error answer they got.",
+            vec![("answer", answer.to_string())],
+            1,
+        );
+        let series = &self.series;
+        series.failures_unlogged.fetch_add(1, Ordering::Relaxed);
+        let now = self.clock.now_millis();
+        let due = series.failures_log_at_ms.load(Ordering::Relaxed);
+        let mine = now >= due
+            && series
+                .failures_log_at_ms
+                .compare_exchange(
+                    due,
+                    now + FAILURES_LOG_EVERY_MS,
+                    Ordering::Relaxed,
+                    Ordering::Relaxed,
+                )
+                .is_ok();
+        if mine {
+            let requests = series.failures_unlogged.swap(0, Ordering::Relaxed);
+            tracing::warn!(
+                answer,
+                requests,
+                "the counter store could not decide: {err} ({requests} requests since the last such line, answered by on_backend_error: {answer})"
+            );
+        }
     }
 
     fn count_error(&self, kind: &str) {

@@ -323,3 +323,57 @@ async fn calls_decided_after_their_deadline_are_counted() {
     .await;
     s.stop().await;
 }
+
+/// A value written in a rules file under a hashed key is hashed wherever the rule is named, since it is
+/// someone's key; a wildcard or `cidr:` pattern there is no one's value, and is named as written, as it is
+/// under any other key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn written_patterns_under_hashed_keys_are_named_as_written_and_written_values_hashed() {
+    const PARTNERS: &str = r#"
+domain: web
+descriptors:
+  - key: x-api-key
+    value: "partner-*"
+    rate_limit: {unit: minute, requests_per_unit: 10}
+  - key: x-api-key
+    value: "sk_live_WRITTEN"
+    rate_limit: {unit: minute, requests_per_unit: 10}
+  - key: x-api-key
+    value: "cidr:10.0.0.0/8"
+    rate_limit: {unit: minute, requests_per_unit: 10}
+"#;
+    let s = TestServer::start(&[("web.yaml", PARTNERS)], |_| {}).await;
+    let mut c = s.client().await;
+    for key in ["partner-7", "sk_live_WRITTEN", "10.1.2.3"] {
+        ask(
+            &mut c,
+            request("web", vec![descriptor(&[("x-api-key", key)])]),
+        )
+        .await;
+    }
+    let (_, text) = s.http("GET", "/metrics", "").await;
+    let hits = |rule: &str| {
+        sample(
+            &text,
+            &format!("ratelimit_service_rate_limit_total_hits{{domain=\"web\",rule=\"{rule}\"}}"),
+        )
+    };
+    assert_eq!(hits("x-api-key_partner-*"), 1.0);
+    assert_eq!(hits("x-api-key_cidr:10.0.0.0/8"), 1.0);
+    assert!(
+        !text.contains("WRITTEN") && !text.contains("partner-7"),
+        "{text}"
+    );
+    assert!(text.contains("rule=\"x-api-key_sha256-"), "{text}");
+    let (_, rlconfig) = s.http("GET", "/rlconfig", "").await;
+    assert!(
+        rlconfig.contains("web.x-api-key_partner-*: unit=MINUTE"),
+        "{rlconfig}"
+    );
+    assert!(
+        rlconfig.contains("web.x-api-key_cidr:10.0.0.0/8: unit=MINUTE"),
+        "{rlconfig}"
+    );
+    assert!(!rlconfig.contains("WRITTEN"), "{rlconfig}");
+    s.stop().await;
+}

@@ -106,6 +106,11 @@ pub struct Options {
     pub default_algorithm: crate::algorithm::Algorithm,
 }
 
+/// A rule's value that matches many (`partner-*`, `cidr:10.0.0.0/8`), not one.
+fn is_pattern(value: &str) -> bool {
+    value.contains('*') || value.starts_with("cidr:")
+}
+
 impl Options {
     /// How a request or rule value appears in counter keys, metric labels, `/debug/top` and `/rlconfig`:
     /// hashed when sensitive, as it is otherwise.
@@ -114,6 +119,21 @@ impl Options {
             Some(s) => s.show(key, value, hash_value),
             None => value.into(),
         }
+    }
+
+    /// How a value written in a rules file appears in metric labels, statsd names and `/rlconfig`: as
+    /// [`Self::show`] says, but a wildcard or `cidr:` pattern as written: it is no one's value, and the
+    /// same pattern under a key that is not hashed, or one shared by `share_threshold`, shows as written.
+    fn show_written<'a>(&self, key: &str, value: &'a str, hash_value: bool) -> Cow<'a, str> {
+        if is_pattern(value) {
+            return value.into();
+        }
+        self.show(key, value, hash_value)
+    }
+
+    /// Whether [`Self::show_written`] hides this written value.
+    fn hides_written(&self, key: &str, value: &str, hash_value: bool) -> bool {
+        !value.is_empty() && !is_pattern(value) && self.is_sensitive(key, hash_value)
     }
 
     /// Whether values of this key are hashed before they are shown.
@@ -231,8 +251,9 @@ impl Limiter {
 
     /// `rules`, one line each, sensitive values hashed: what `/rlconfig` shows.
     pub fn describe_rules(&self, rules: &RuleSet) -> Vec<String> {
-        rules
-            .describe_with(&|key, value, hashed| self.options.show(key, value, hashed).into_owned())
+        rules.describe_with(&|key, value, hashed| {
+            self.options.show_written(key, value, hashed).into_owned()
+        })
     }
 
     /// Decides one request that carries no deadline of its own, and records it in the metrics.

@@ -322,9 +322,9 @@ pub(super) fn rule_label(
     let path = node.path();
     // Most rules: the path as written.
     {
-        let written_sensitive = path.iter().any(|step| {
-            !step.value.is_empty() && options.is_sensitive(&step.key, step.flags.hash_value)
-        });
+        let written_sensitive = path
+            .iter()
+            .any(|step| options.hides_written(&step.key, &step.value, step.flags.hash_value));
         let any_to_metric = path.iter().any(|step| step.flags.value_to_metric);
         if !node.flags.detailed_metric && !any_to_metric && !written_sensitive {
             return Cow::<'static, str>::Owned(written_key(&path)).into();
@@ -350,7 +350,7 @@ pub(super) fn rule_label(
         } else if shared {
             format!("{key}_{value}")
         } else {
-            format!("{key}_{}", options.show(key, value, hashed))
+            format!("{key}_{}", options.show_written(key, value, hashed))
         });
     }
     RuleLabel {

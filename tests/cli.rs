@@ -325,7 +325,7 @@ fn use_prometheus_serves_metrics_on_its_own_address_and_path() {
 }
 
 #[test]
-fn json_logs_are_one_object_per_line_with_time_level_and_message() {
+fn json_logs_are_one_object_per_line_with_the_references_time_level_and_message() {
     let dir = tempfile::tempdir().unwrap();
     std::fs::create_dir(dir.path().join("config")).unwrap();
     std::fs::write(dir.path().join("config/web.yaml"), RULES).unwrap();
@@ -336,17 +336,22 @@ fn json_logs_are_one_object_per_line_with_time_level_and_message() {
         .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}")))
         .collect();
     for line in &lines {
-        for field in ["timestamp", "level", "message"] {
+        // The reference's (logrus's) names: log pipelines built on its lines read these.
+        for field in ["@timestamp", "level", "@message"] {
             assert!(line.get(field).is_some(), "{field} missing: {line}");
         }
+        let time = line["@timestamp"].as_str().unwrap();
+        assert!(humantime::parse_rfc3339(time).is_ok(), "{time}");
+        let level = line["level"].as_str().unwrap();
+        assert!(["info", "warning"].contains(&level), "{line}");
     }
     let loads: Vec<&serde_json::Value> = lines
         .iter()
-        .filter(|l| l["message"] == "rules loaded")
+        .filter(|l| l["@message"] == "rules loaded")
         .collect();
     assert_eq!(loads.len(), 1, "one line per rules load");
     assert_eq!(loads[0]["domains"], 1);
     assert!(lines
         .iter()
-        .any(|l| l["message"] == "loading domain: web" && l["domain"] == "web"));
+        .any(|l| l["@message"] == "loading domain: web" && l["domain"] == "web"));
 }

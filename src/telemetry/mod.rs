@@ -1,8 +1,10 @@
-//! Logging (`LOG_LEVEL`, `LOG_FORMAT`: text or JSON lines with time, level and message), traces
+//! Logging (`LOG_LEVEL`, `LOG_FORMAT`: text, or JSON lines with the reference's `@timestamp`, `level` and
+//! `@message`), traces
 //! (OpenTelemetry over OTLP/gRPC when `TRACING_ENABLED`, continuing the caller's W3C or B3 trace context),
 //! metrics (Prometheus), and the statsd stream that sends them under the reference's stat names.
 
 pub mod b3;
+mod json_log;
 pub mod metrics;
 mod options;
 pub mod statsd;
@@ -46,8 +48,7 @@ pub fn init(log: &LogSettings, traces: &TracingSettings) -> Result<Telemetry, St
             .with_ansi(ansi)
             .boxed(),
         LogFormat::Json => fmt::layer()
-            .json()
-            .flatten_event(true)
+            .event_format(json_log::ReferenceJson)
             .with_writer(std::io::stderr)
             .boxed(),
     };

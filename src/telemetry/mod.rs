@@ -52,7 +52,14 @@ pub fn init(log: &LogSettings, traces: &TracingSettings) -> Result<Telemetry, St
             .with_writer(std::io::stderr)
             .boxed(),
     };
-    let filter = EnvFilter::new(log.level.as_str());
+    // At debug and trace, ratelimitd's own lines: the HTTP/2, gRPC, TLS and Redis libraries beneath
+    // would write several per call (frames, build paths of their sources), and keep their info and up.
+    let filter = match log.level {
+        LogLevel::Debug | LogLevel::Trace => {
+            EnvFilter::new(format!("info,ratelimitd={}", log.level.as_str()))
+        }
+        level => EnvFilter::new(level.as_str()),
+    };
     let mut telemetry = Telemetry::default();
     let otel_layer = if traces.enabled {
         let provider = tracer_provider(traces)?;

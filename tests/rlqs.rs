@@ -454,6 +454,62 @@ async fn a_bucket_whose_rule_is_removed_is_abandoned_then_allowed() {
     s.stop().await;
 }
 
+/// An abandoned bucket the Envoy never reports again is forgotten one TTL after it was abandoned, like any
+/// bucket not reported: it does not hold a place among the replica's buckets for the stream's life.
+#[tokio::test]
+async fn an_abandoned_bucket_not_reported_again_is_forgotten() {
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), RULES).await;
+    let root = dir.path().to_path_buf();
+    let s = TestServer::start_with_clock(&[], Clock::System, move |s| {
+        fast(s);
+        s.rlqs.max_buckets = 1;
+        s.rules.path = Some(root);
+        s.rules.reload_delay = Duration::from_millis(50);
+    })
+    .await;
+    s.wait_serving(Duration::from_secs(5)).await;
+    let mut stream = Raw::open(&s).await.unwrap();
+    stream.report("edge", &[(SHARED, 0, 1, 0)]);
+    stream.next().await;
+    write(dir.path(), "domain: edge\ndescriptors:\n  - key: other\n").await;
+    wait_for("the new rules", Duration::from_secs(5), async || {
+        let (_, text) = s.http("GET", "/rlconfig", "").await;
+        (!text.contains("generic_key_shared")).then_some(())
+    })
+    .await;
+    tokio::time::sleep(APART).await;
+    stream.report("edge", &[(SHARED, 1, 5, 0)]);
+    assert_eq!(
+        actions(&stream.next().await)[&key(SHARED)],
+        None,
+        "abandoned"
+    );
+    let abandoned = std::time::Instant::now();
+    // The Envoy has forgotten it and reports another bucket: the replica's one place is taken until the
+    // abandoned one is forgotten, one TTL (1 s) later.
+    let other: Entries<'_> = &[("other", "x")];
+    let answered = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            stream.report("edge", &[(other, 0, 1, 0)]);
+            if let Ok(Ok(Some(r))) =
+                tokio::time::timeout(Duration::from_millis(200), stream.rx.message()).await
+            {
+                return r;
+            }
+        }
+    })
+    .await
+    .expect("the other bucket answered once the abandoned one is forgotten");
+    assert!(actions(&answered).contains_key(&key(other)));
+    assert!(
+        abandoned.elapsed() >= Duration::from_secs(1),
+        "{:?}",
+        abandoned.elapsed()
+    );
+    s.stop().await;
+}
+
 #[tokio::test]
 async fn bounds_leave_buckets_unanswered_and_refuse_streams_and_huge_reports() {
     let s = start(|s| {

@@ -80,6 +80,9 @@ struct Tracked {
     member: Arc<str>,
     /// When its last report arrived: demand is measured over the time since.
     reported_at: Option<Instant>,
+    /// When it was abandoned (its rule went), until it is reported again: Envoy forgets it, and so does
+    /// the stream one TTL later if it is not reported again.
+    abandoned_at: Option<Instant>,
     /// Its rule and shares, while it has a rule with limits.
     rule: Option<TrackedRule>,
     /// The last strategy sent with a grant, and that grant.
@@ -259,6 +262,7 @@ impl Stream {
                 .iter()
                 .filter(|(_, t)| {
                     t.reported_at
+                        .or(t.abandoned_at)
                         .is_some_and(|at| now.saturating_duration_since(at) > idle)
                 })
                 .map(|(slot, _)| slot.clone())
@@ -314,6 +318,7 @@ impl Stream {
                     Tracked {
                         member,
                         reported_at: None,
+                        abandoned_at: None,
                         rule: None,
                         sent: None,
                         blanket: None,
@@ -356,6 +361,7 @@ impl Stream {
                 None => Some(usage.elapsed).filter(|e| !e.is_zero()),
             };
             tracked.reported_at = Some(now);
+            tracked.abandoned_at = None;
             // An assignment that expired at the Envoy left it to its own fallback: unbounded.
             let admissible = match (tracked.admissible, since) {
                 (Some(a), Some(since)) if since <= settings.assignment_ttl => {
@@ -432,6 +438,7 @@ impl StreamState {
                 // Envoy forgets an abandoned bucket: its next report of it is a subscription.
                 Action::Abandon => {
                     tracked.reported_at = None;
+                    tracked.abandoned_at = Some(Instant::now());
                     tracked.merged = (0, 0);
                     tracked.blanket = None;
                 }

@@ -552,6 +552,53 @@ async fn calls_that_declare_large_messages_and_send_nothing_more_hold_no_memory_
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_that_send_most_of_large_messages_and_wait_hold_no_more_than_grpc_max_held_bytes() {
+    // The service as started with nothing set: 64 MiB held at most.
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("l.yaml"), RULES).unwrap();
+    let running = common::start_binary(&mut common::binary(dir.path()));
+    assert!(running.serving_within(Duration::from_secs(20)));
+    let tcp = tokio::net::TcpStream::connect(running.grpc).await.unwrap();
+    let (client, connection) = h2::client::handshake(tcp).await.unwrap();
+    tokio::spawn(connection);
+    const QUOTA: &str =
+        "/envoy.service.rate_limit_quota.v3.RateLimitQuotaService/StreamRateLimitQuotas";
+    // 400 streams each send a 1 MiB report but its last 6 bytes: 400 MiB the server would hold.
+    let mut almost = grpc_message(&vec![0; 1 << 20]);
+    almost.truncate(almost.len() - 6);
+    let before = common::measure::peak_bytes(running.child.id());
+    let mut calls = Vec::new();
+    for _ in 0..400 {
+        let mut ready = client.clone().ready().await.unwrap();
+        calls.push(open_call(&mut ready, QUOTA, &almost));
+    }
+    let mut refused = 0;
+    for (answer, _send) in calls.drain(..300) {
+        let status = tokio::time::timeout(Duration::from_secs(30), grpc_status(answer))
+            .await
+            .expect("answered within 30 s");
+        refused += usize::from(status.as_deref() == Some("8"));
+    }
+    let grown = common::measure::peak_bytes(running.child.id()).saturating_sub(before);
+    eprintln!(
+        "400 MiB of messages not yet whole: the process grew by {grown} bytes, {refused} refused"
+    );
+    assert!(refused >= 200, "{refused} of the first 300 refused");
+    assert!(grown < 256 << 20, "the process grew by {grown} bytes");
+    drop(calls);
+    // Other calls go on.
+    let mut c =
+        ratelimitd::proto::RateLimitServiceClient::connect(format!("http://{}", running.grpc))
+            .await
+            .unwrap();
+    let ok = c
+        .should_rate_limit(request("l", vec![descriptor(&[("user", "after")])]))
+        .await
+        .unwrap();
+    assert_eq!(ok.into_inner().overall_code, 1, "OK");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_sent_in_pieces_is_decided_once_it_is_whole() {
     use prost::Message;
     let server = TestServer::start(&[("l.yaml", RULES)], |_| {}).await;

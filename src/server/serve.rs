@@ -19,8 +19,8 @@ use crate::{
     api::{
         admin,
         conn::{
-            Acceptor, Bounds, ConnectionAge, TrackCallsLayer, WholeMessagesLayer, QUOTA_STREAM,
-            SHOULD_RATE_LIMIT,
+            Acceptor, Bounds, ConnectionAge, HeldBytes, TrackCallsLayer, WholeMessagesLayer,
+            QUOTA_STREAM, SHOULD_RATE_LIMIT,
         },
         grpc::{RateLimitApi, RefusalsAsInvalidArgument},
         health::Health,
@@ -257,6 +257,7 @@ fn serve_grpc(
         .layer(MethodStatsLayer::new(&services.metrics))
         .layer(WholeMessagesLayer {
             timeout: settings.grpc.message_timeout,
+            held: Arc::new(HeldBytes::new(settings.grpc.max_held_bytes)),
             largest: largest_messages(settings, services),
             largest_otherwise: SMALL_MESSAGE_BYTES,
         })

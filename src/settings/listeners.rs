@@ -101,6 +101,11 @@ pub struct GrpcSettings {
     /// its first byte. Otherwise the call ends with DEADLINE_EXCEEDED.
     #[serde(with = "crate::duration")]
     pub message_timeout: Duration,
+    /// Bytes of requests not yet whole the replica holds over all its calls (default 64 MiB): a message
+    /// that arrives in pieces is held until whole, and past this bound the call that would hold more
+    /// ends with RESOURCE_EXHAUSTED, so that calls sending most of a large message and then waiting
+    /// cannot fill memory.
+    pub max_held_bytes: usize,
     /// After this long without a frame from the client, the server sends an HTTP/2 PING (default `1m`)...
     #[serde(with = "crate::duration")]
     pub keepalive_interval: Duration,
@@ -120,6 +125,7 @@ impl Default for GrpcSettings {
             handshake_timeout: Duration::from_secs(10),
             idle_timeout: Duration::from_secs(300),
             message_timeout: Duration::from_secs(10),
+            max_held_bytes: 64 << 20,
             keepalive_interval: Duration::from_secs(60),
             keepalive_timeout: Duration::from_secs(20),
         }

@@ -285,6 +285,7 @@ impl Settings {
             ("request_limits.max_key_bytes", limits.max_key_bytes),
             ("request_limits.max_value_bytes", limits.max_value_bytes),
             ("request_limits.max_message_bytes", limits.max_message_bytes),
+            ("grpc.max_held_bytes", self.grpc.max_held_bytes),
             ("overload.max_connections", self.overload.max_connections),
             (
                 "overload.max_streams_per_connection",

@@ -17,7 +17,10 @@
 use std::{
     future::Future,
     pin::Pin,
-    sync::Arc,
+    sync::{
+        atomic::{AtomicUsize, Ordering},
+        Arc,
+    },
     task::{Context, Poll},
     time::Duration,
 };
@@ -43,14 +46,53 @@ const STREAMED: &[&str] = &[
 /// How the refusal of a request that did not arrive within `grpc.message_timeout` begins.
 pub const MESSAGE_TIMEOUT: &str = "the request did not arrive in full within grpc.message_timeout";
 
+/// How the refusal of a message that would take the held bytes past their bound begins.
+pub const HELD_FULL: &str = "requests still arriving hold all this replica takes";
+
 /// The compression flag and the length before each message.
 const PREFIX: usize = 5;
+
+/// The bytes of messages not yet whole held over every call, and their bound (`grpc.max_held_bytes`).
+#[derive(Debug)]
+pub struct HeldBytes {
+    held: AtomicUsize,
+    max: usize,
+}
+
+impl HeldBytes {
+    pub fn new(max: usize) -> Self {
+        Self {
+            held: AtomicUsize::new(0),
+            max,
+        }
+    }
+
+    /// Takes `n` more bytes, if the bound allows them.
+    fn take(&self, n: usize) -> bool {
+        self.held
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |held| {
+                held.checked_add(n).filter(|&after| after <= self.max)
+            })
+            .is_ok()
+    }
+
+    fn give_back(&self, n: usize) {
+        self.held.fetch_sub(n, Ordering::Relaxed);
+    }
+
+    /// Bytes held now.
+    pub fn held(&self) -> usize {
+        self.held.load(Ordering::Relaxed)
+    }
+}
 
 /// Wraps every request's body in [`WholeMessages`].
 #[derive(Debug, Clone)]
 pub struct WholeMessagesLayer {
     /// `grpc.message_timeout`.
     pub timeout: Duration,
+    /// What every call's held bytes count against.
+    pub held: Arc<HeldBytes>,
     /// The largest message a method takes, by path, and of the others: a longer one passes at once, for
     /// tonic to refuse (each service's own bound, set on it, says the same).
     pub largest: Arc<[(&'static str, usize)]>,
@@ -101,6 +143,8 @@ where
             Body::new(WholeMessages {
                 body,
                 held: BytesMut::new(),
+                counted: 0,
+                budget: self.bounds.held.clone(),
                 trailers: None,
                 timer: None,
                 timeout,
@@ -119,6 +163,9 @@ pub struct WholeMessages {
     body: Body,
     /// What has come of a message not yet whole.
     held: BytesMut,
+    /// How much of `held` is counted in `budget`.
+    counted: usize,
+    budget: Arc<HeldBytes>,
     /// Trailers that came while a message was held, given after it.
     trailers: Option<http::HeaderMap>,
     /// Armed while waiting for a message's bytes.
@@ -157,7 +204,15 @@ impl WholeMessages {
     /// The first `upto` bytes held, as one frame.
     fn give(&mut self, upto: usize) -> Polled {
         let data = self.held.split_to(upto).freeze();
+        self.recount();
         self.given(data)
+    }
+
+    /// Gives back to the budget what is no longer held.
+    fn recount(&mut self) {
+        let gone = self.counted.saturating_sub(self.held.len());
+        self.budget.give_back(gone);
+        self.counted -= gone;
     }
 
     /// `data`, a frame of whole messages (or of any bytes, once passing).
@@ -175,6 +230,12 @@ impl WholeMessages {
             .timer
             .get_or_insert_with(|| Box::pin(tokio::time::sleep(timeout)));
         timer.as_mut().poll(cx).is_ready()
+    }
+}
+
+impl Drop for WholeMessages {
+    fn drop(&mut self) {
+        self.budget.give_back(self.counted);
     }
 }
 
@@ -213,6 +274,7 @@ impl http_body::Body for WholeMessages {
                     let waiting = this.unary || !this.held.is_empty();
                     if waiting && !this.passing && this.waited_too_long(cx) {
                         this.held.clear();
+                        this.recount();
                         this.ended = true;
                         return Poll::Ready(Some(Err(Status::deadline_exceeded(format!(
                             "{MESSAGE_TIMEOUT} ({:?})",
@@ -229,7 +291,19 @@ impl http_body::Body for WholeMessages {
                 {
                     return this.given(data);
                 }
-                Ok(data) => this.held.extend_from_slice(&data),
+                Ok(data) => {
+                    if !this.budget.take(data.len()) {
+                        this.held.clear();
+                        this.recount();
+                        this.ended = true;
+                        return Poll::Ready(Some(Err(Status::resource_exhausted(format!(
+                            "{HELD_FULL} ({} bytes, grpc.max_held_bytes): send it again",
+                            this.budget.max
+                        )))));
+                    }
+                    this.counted += data.len();
+                    this.held.extend_from_slice(&data);
+                }
                 Err(frame) => {
                     if let Ok(trailers) = frame.into_trailers() {
                         this.trailers = Some(trailers);
@@ -270,6 +344,8 @@ mod tests {
         WholeMessages {
             body: Body::new(Steps(steps.into())),
             held: BytesMut::new(),
+            counted: 0,
+            budget: Arc::new(HeldBytes::new(usize::MAX)),
             trailers: None,
             timer: None,
             timeout: Duration::from_secs(10),
@@ -387,6 +463,45 @@ mod tests {
         m.extend_from_slice(&(len as u32).to_be_bytes());
         m.extend(std::iter::repeat_n(7u8, len));
         m
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_bytes_held_over_every_call_are_bounded_and_given_back() {
+        let budget = Arc::new(HeldBytes::new(20));
+        let with_budget = |steps| {
+            let mut body = wrapped(steps, true, 1024);
+            body.budget = budget.clone();
+            body
+        };
+        let one = message(10);
+        // 12 of 15 bytes held.
+        let mut first = with_budget(vec![data(&one[..12]), Poll::Pending, data(&one[12..])]);
+        assert!(next(&mut first).is_pending());
+        assert_eq!(budget.held(), 12);
+        // Another call's 9 would make 21: refused, and what it held is given back.
+        let mut second = with_budget(vec![data(&one[..4]), Poll::Pending, data(&one[4..13])]);
+        assert!(next(&mut second).is_pending());
+        assert_eq!(budget.held(), 16);
+        match next(&mut second) {
+            Poll::Ready(Some(Err(status))) => {
+                assert_eq!(status.code(), tonic::Code::ResourceExhausted);
+                assert!(
+                    status.message().contains("grpc.max_held_bytes"),
+                    "{status:?}"
+                );
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(budget.held(), 12);
+        // The first completes: its message goes on whole, and its bytes are no longer held.
+        assert_eq!(bytes_of(next(&mut first)), Some(one.clone()));
+        assert_eq!(budget.held(), 0);
+        // A call that ends while holding gives its bytes back.
+        let mut third = with_budget(vec![data(&one[..7]), Poll::Pending]);
+        assert!(next(&mut third).is_pending());
+        assert_eq!(budget.held(), 7);
+        drop(third);
+        assert_eq!(budget.held(), 0);
     }
 
     #[test]

@@ -49,6 +49,6 @@ pub use bounds::{Bounds, ConnectionAge};
 pub use calls::{Activity, CallGuard, Guarded, TrackCalls, TrackCallsLayer, TrackedCall};
 pub use io::{ConnectionInfo, Counted};
 pub use messages::{
-    WholeMessages, WholeMessagesLayer, WholeMessagesService, MESSAGE_TIMEOUT, QUOTA_STREAM,
-    SHOULD_RATE_LIMIT,
+    HeldBytes, WholeMessages, WholeMessagesLayer, WholeMessagesService, MESSAGE_TIMEOUT,
+    QUOTA_STREAM, SHOULD_RATE_LIMIT,
 };

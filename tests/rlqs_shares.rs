@@ -161,7 +161,7 @@ async fn the_script_and_the_memory_store_share_alike() {
         runner.run(&steps, |(steps, hold_ms)| {
             let n = case.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             let key = format!("{{table_{n}}}:rlqs");
-            let memory = Shares::Memory(MemoryShares::new(Clock::manual(1_000_000)));
+            let memory = Shares::Memory(MemoryShares::new(Clock::manual(1_000_000), 1_000_000));
             for (i, step) in steps.iter().enumerate() {
                 let c = call(step, hold_ms);
                 handle
@@ -293,7 +293,7 @@ async fn the_script_and_the_memory_store_expire_members_alike() {
     let shares = redis_shares(&redis).await;
     let server_ms = || server_ms(&redis);
     let clock = Clock::manual(server_ms());
-    let memory = Shares::Memory(MemoryShares::new(clock.clone()));
+    let memory = Shares::Memory(MemoryShares::new(clock.clone(), 1_000_000));
     let key = "{moving}:rlqs";
     // (reporter, demand, pushed, tenths of a second to wait before the call)
     let table: &[(usize, Option<f64>, &[usize], u64)] = &[
@@ -361,7 +361,7 @@ async fn the_script_and_the_memory_store_end_holds_alike() {
     let redis = RedisProcess::start(&[]);
     let shares = redis_shares(&redis).await;
     let clock = Clock::manual(server_ms(&redis));
-    let memory = Shares::Memory(MemoryShares::new(clock.clone()));
+    let memory = Shares::Memory(MemoryShares::new(clock.clone(), 1_000_000));
     let key = "{held}:rlqs";
     // (member, demand, hold in ms, ms to wait before the call)
     let table: &[(&str, Option<f64>, u64, u64)] = &[
@@ -405,4 +405,39 @@ async fn the_script_and_the_memory_store_end_holds_alike() {
     assert!(grants[0] == 93.75 && grants[3] < 20.0, "{grants:?}");
     assert_eq!(grants[4], grants[1], "{grants:?}");
     assert!(grants[5] > 60.0, "{grants:?}");
+}
+
+/// The memory store holds at most its bound of members over all its buckets: past it a newcomer is refused
+/// as by a full bucket, whatever bucket it asks for, while members already held go on.
+#[tokio::test]
+async fn the_memory_store_holds_a_bounded_number_of_members_over_all_buckets() {
+    let memory = Shares::Memory(MemoryShares::new(Clock::manual(1_000_000), 3));
+    let report = |id: &str| Call {
+        limits: vec![LimitUse {
+            rate: 100.0,
+            window: None,
+        }],
+        counts_for_ms: 60_000,
+        hold_ms: 0,
+        max_members: 10,
+        members: vec![Listed {
+            id: id.into(),
+            demand: DemandUpdate::Rate(10.0),
+            listing: Listing::Reported,
+            sent_version: 0,
+        }],
+    };
+    for (bucket, id) in [("x", "a"), ("x", "b"), ("y", "c")] {
+        let reply = memory.share(bucket, &report(id)).await.unwrap();
+        assert!(
+            matches!(reply.given[0], Given::Share { .. }),
+            "{id}: {reply:?}"
+        );
+    }
+    for (bucket, id) in [("y", "d"), ("z", "e")] {
+        let reply = memory.share(bucket, &report(id)).await.unwrap();
+        assert_eq!(reply.given, vec![Given::Full], "{id}");
+    }
+    let again = memory.share("x", &report("a")).await.unwrap();
+    assert!(matches!(again.given[0], Given::Share { .. }), "{again:?}");
 }

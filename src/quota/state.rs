@@ -25,10 +25,12 @@ use crate::{
     store::{Deadline, RedisStore, StoreError},
 };
 
-/// Most members the memory store keeps over all its buckets: a newcomer past it is refused, as in a full
-/// bucket. Every member is bounded by its stream's buckets and expires with its assignment; this bounds
-/// what streams that come and go faster than their TTL could leave behind.
-pub const MEMORY_MAX_MEMBERS: usize = 1_000_000;
+/// Members the memory store keeps over all its buckets, per bucket the replica tracks
+/// (`rlqs.max_buckets`): a newcomer past it is refused, as in a full bucket. A stream's members outlive it
+/// by their assignment's TTL (its Envoy may still spend what it was granted), so streams that come and go
+/// faster than that leave members behind; this bounds them, and the memory they hold, to as many again as
+/// the buckets of the streams that are open.
+pub const MEMORY_MEMBERS_PER_BUCKET: usize = 2;
 
 /// The buckets' members.
 #[derive(Debug)]
@@ -76,14 +78,17 @@ pub struct MemoryShares {
     clock: Clock,
     /// Members held over all buckets.
     members: AtomicUsize,
+    /// The most members held over all buckets ([`MEMORY_MEMBERS_PER_BUCKET`] times `rlqs.max_buckets`).
+    max_members: usize,
 }
 
 impl MemoryShares {
-    pub fn new(clock: Clock) -> Self {
+    pub fn new(clock: Clock, max_members: usize) -> Self {
         Self {
             buckets: Mutex::new(HashMap::new()),
             clock,
             members: AtomicUsize::new(0),
+            max_members,
         }
     }
 
@@ -94,9 +99,7 @@ impl MemoryShares {
         let bucket = buckets.entry(key.to_owned()).or_default();
         let before = bucket.members.len();
         // Room for newcomers: what the bucket allows, and what is left over all buckets.
-        let room = MEMORY_MAX_MEMBERS
-            .saturating_sub(held)
-            .saturating_add(before);
+        let room = self.max_members.saturating_sub(held).saturating_add(before);
         let call_within = Call {
             max_members: call.max_members.min(room),
             ..call.clone()

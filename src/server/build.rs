@@ -11,7 +11,7 @@ use crate::{
     clock::Clock,
     limiter::{self, Limiter},
     quota::{
-        state::{MemoryShares, RedisShares},
+        state::{MemoryShares, RedisShares, MEMORY_MEMBERS_PER_BUCKET},
         Quota, QuotaParts, Shares,
     },
     rules::{self, Rules},
@@ -120,7 +120,13 @@ pub(super) fn quota(
     }
     let shares = match &**store {
         Store::Redis(redis) => Shares::Redis(RedisShares::new(redis.clone())),
-        Store::Memory(_) | Store::Noop => Shares::Memory(MemoryShares::new(clock.clone())),
+        Store::Memory(_) | Store::Noop => Shares::Memory(MemoryShares::new(
+            clock.clone(),
+            settings
+                .rlqs
+                .max_buckets
+                .saturating_mul(MEMORY_MEMBERS_PER_BUCKET),
+        )),
     };
     Some(Quota::new(QuotaParts {
         limiter: limiter.clone(),

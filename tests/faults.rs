@@ -312,3 +312,51 @@ fn a_redis_refusing_every_call_shows_in_the_log_and_the_metrics_when_the_policy_
         "{log}"
     );
 }
+
+/// Redis killed under a replica started with the reference's variables alone: the lost connections open
+/// the breaker at once, so the very first requests after the kill are answered without waiting for
+/// Redis; and while it stays down, the pooled connections' retries write one line per error, not one per
+/// connection and retry.
+#[test]
+fn a_killed_redis_is_answered_at_once_and_logged_once_while_it_stays_down() {
+    let _one = ONE_AT_A_TIME.blocking_lock();
+    let mut redis = RedisProcess::start(&[]);
+    let rules = tempfile::tempdir().unwrap();
+    std::fs::write(rules.path().join("faults.yaml"), RULES).unwrap();
+    let mut cmd = common::binary(rules.path());
+    cmd.env("REDIS_URL", redis.addr());
+    let running = start_binary(&mut cmd);
+    assert!(running.serving_within(Duration::from_secs(15)));
+    let body = |i: usize| {
+        format!(
+            r#"{{"domain":"faults","descriptors":[{{"entries":[{{"key":"user","value":"u{i}"}}]}}]}}"#
+        )
+    };
+    assert_eq!(
+        common::http_request(running.http, "POST", "/json", &body(0)).0,
+        200
+    );
+    redis.kill();
+    std::thread::sleep(Duration::from_millis(50));
+    let began = std::time::Instant::now();
+    for i in 1..=5 {
+        let (code, _) = common::http_request(running.http, "POST", "/json", &body(i));
+        assert_eq!(code, 503, "request {i}");
+    }
+    let took = began.elapsed();
+    assert!(
+        took < Duration::from_millis(200),
+        "five requests took {took:?}: the breaker waited for silence"
+    );
+    // Down for 5 s: the ten pooled connections retry every 2 s at most.
+    std::thread::sleep(Duration::from_secs(5));
+    let log = running.log.lock().unwrap().clone();
+    let errors = log
+        .lines()
+        .filter(|l| l.contains("Redis connection error"))
+        .count();
+    assert!(
+        (1..=4).contains(&errors),
+        "{errors} connection error lines in 5 s:\n{log}"
+    );
+}

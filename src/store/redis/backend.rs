@@ -67,6 +67,34 @@ pub struct Backend {
     pub clock_offset_ms: AtomicI64,
     /// Set by [`Backend::close`]: connection tasks that end are not started again.
     closing: AtomicBool,
+    /// The connection errors logged lately.
+    connection_errors: ErrorLog,
+}
+
+/// How long the same connection error of the same server is not logged again.
+const CONNECTION_ERROR_LOG_EVERY: Duration = Duration::from_secs(10);
+
+/// Which connection errors were logged, and when: the pooled connections each retry on their own, and
+/// without it a Redis down or a wrong password wrote one line per connection per retry.
+#[derive(Debug, Default)]
+struct ErrorLog(Mutex<HashMap<(String, String), std::time::Instant>>);
+
+impl ErrorLog {
+    /// Whether this error of this server was not logged within [`CONNECTION_ERROR_LOG_EVERY`]; it counts
+    /// as logged now if so.
+    fn first_in_a_while(&self, server: &str, error: &str) -> bool {
+        let mut logged = lock(&self.0);
+        let now = std::time::Instant::now();
+        // Forget what is old, so that the table stays as small as the errors of the last while.
+        logged.retain(|_, at| now.duration_since(*at) < CONNECTION_ERROR_LOG_EVERY);
+        match logged.entry((server.to_owned(), error.to_owned())) {
+            std::collections::hash_map::Entry::Occupied(_) => false,
+            std::collections::hash_map::Entry::Vacant(slot) => {
+                slot.insert(now);
+                true
+            }
+        }
+    }
 }
 
 impl std::fmt::Debug for Backend {
@@ -160,6 +188,7 @@ impl Backend {
             node_settings,
             clock_offset_ms: AtomicI64::new(0),
             closing: AtomicBool::new(false),
+            connection_errors: ErrorLog::default(),
         });
         for client in backend.pool.clients() {
             let (scripts, reloading) = (scripts.clone(), client.clone());
@@ -199,15 +228,28 @@ impl Backend {
                 });
             }
             let topology = settings.topology;
-            client.on_error(move |(err, server)| async move {
-                let server = server.map(|s| s.to_string()).unwrap_or_default();
-                let hint = auth_hint(&err.to_string(), topology);
-                tracing::warn!(
-                    server,
-                    backend = name,
-                    "Redis connection error: {err}{hint}"
-                );
-                Ok(())
+            let (weak, url) = (Arc::downgrade(&backend), settings.url.clone());
+            client.on_error(move |(err, server)| {
+                let backend = weak.upgrade();
+                // A lost or refused connection counts against its server's breaker, as a call that
+                // fails on it does: every pooled connection lost at once opens it at once.
+                if let (Some(backend), Some(server)) = (&backend, &server) {
+                    if backend.node_of(server).breaker.failure() {
+                        tracing::warn!(%server, backend = name, "Redis connection lost: circuit breaker open");
+                    }
+                }
+                let server = server.map_or_else(|| url.clone(), |s| s.to_string());
+                let text = err.to_string();
+                // Each pooled connection retries on its own: one line per error and server a while.
+                if backend.is_none_or(|b| b.connection_errors.first_in_a_while(&server, &text)) {
+                    let hint = auth_hint(&text, topology);
+                    tracing::warn!(
+                        server,
+                        backend = name,
+                        "Redis connection error: {text}{hint}"
+                    );
+                }
+                async { Ok(()) }
             });
         }
         for client in backend.pool.clients() {

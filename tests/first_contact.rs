@@ -246,3 +246,22 @@ fn the_reference_switches_a_deployment_carries_decide_start_or_stop_as_they_say(
         "{err}"
     );
 }
+
+/// The reference's RUNTIME_SUBDIRECTORY without its RUNTIME_ROOT (whose default ratelimitd does not
+/// share): the start names the folder it looked for and why, instead of serving with no rules in silence.
+#[test]
+fn a_missing_rules_folder_is_named_at_start() {
+    let empty = tempfile::tempdir().unwrap();
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_ratelimitd"));
+    cmd.env_clear()
+        .current_dir(empty.path())
+        .env("RUNTIME_SUBDIRECTORY", "ratelimit")
+        .envs(common::LOOPBACK);
+    let running = start_serving(&mut cmd);
+    let log = running.log.lock().unwrap().clone();
+    assert!(
+        log.contains("the rules folder config does not exist")
+            && log.contains("RUNTIME_SUBDIRECTORY is set but RUNTIME_ROOT is not"),
+        "{log}"
+    );
+}

@@ -204,6 +204,23 @@ pub(super) fn load_rules(
 /// Loads the rules files, and starts watching them with `rules.watch`.
 fn load_files(settings: &Settings, publisher: Arc<rules::Publisher>, tasks: &Tasks) {
     let source = settings.rules.source();
+    if !source.root.is_dir() {
+        // Otherwise the only sign is `files=0`, and every request is answered as for an unknown domain.
+        let rules = &settings.rules;
+        let why = if rules.path.is_none()
+            && rules.runtime_root.is_none()
+            && !rules.runtime_subdirectory.is_empty()
+        {
+            " (RUNTIME_SUBDIRECTORY is set but RUNTIME_ROOT is not: without it the rules are read from ./config)"
+        } else {
+            ""
+        };
+        tracing::warn!(
+            folder = %source.root.display(),
+            "the rules folder {} does not exist{why}: no rules are loaded, and every request is answered OK as for an unknown domain, until it does",
+            source.root.display()
+        );
+    }
     // Watching starts before the first load, so that a change made while it reads is loaded too.
     let watch = if settings.rules.watch {
         rules::RulesWatch::start(&source)

@@ -411,11 +411,14 @@ impl Limiter {
         let Some(records) = self.shared.records(&self.record_keys(), known).await? else {
             return Ok(false);
         };
-        let (table, refused) = Table::build(
-            records.generation,
-            &records.records,
-            self.options.default_algorithm,
-        );
+        // Parsing every record is linear in them (tens of ms at the bound of 10 000): off the threads that
+        // decide requests.
+        let default_algorithm = self.options.default_algorithm;
+        let (table, refused) = tokio::task::spawn_blocking(move || {
+            Table::build(records.generation, &records.records, default_algorithm)
+        })
+        .await
+        .map_err(|e| StoreError::Backend(format!("reading the runtime limits failed: {e}")))?;
         for (id, reason) in refused {
             tracing::warn!(id, "runtime limit left out: {reason}");
         }

@@ -121,10 +121,15 @@ fn error(status: StatusCode, message: impl std::fmt::Display) -> Response {
 }
 
 fn ok(body: Value) -> Response {
+    ok_written(body.to_string() + "\n")
+}
+
+/// [`ok`] with its body written already.
+fn ok_written(body: String) -> Response {
     (
         StatusCode::OK,
         [(header::CONTENT_TYPE, "application/json")],
-        body.to_string() + "\n",
+        body,
     )
         .into_response()
 }
@@ -555,12 +560,23 @@ async fn list_limits(
             })
     });
     let limits = state.limiter.runtime_limits().await?;
-    let listed: Vec<Value> = limits
-        .iter()
-        .filter(|r| domain.as_ref().is_none_or(|d| &r.domain == d))
-        .map(limit_json)
-        .collect();
-    Ok(ok(json!({ "limits": listed })))
+    // Up to tens of megabytes of JSON at the bound: written off the threads that decide requests.
+    let body = tokio::task::spawn_blocking(move || {
+        let listed: Vec<Value> = limits
+            .iter()
+            .filter(|r| domain.as_ref().is_none_or(|d| &r.domain == d))
+            .map(limit_json)
+            .collect();
+        json!({ "limits": listed }).to_string() + "\n"
+    })
+    .await
+    .map_err(|e| {
+        Refused(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("listing the runtime limits failed: {e}"),
+        )
+    })?;
+    Ok(ok_written(body))
 }
 
 #[derive(Debug, Deserialize)]

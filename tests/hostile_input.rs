@@ -452,6 +452,22 @@ async fn garbage_on_the_wire_is_refused_and_the_server_keeps_serving() {
     let (code, text) = server.http("POST", "/json", &"x".repeat(1 << 20)).await;
     assert_eq!(code, 413);
     assert!(text.contains("request_limits.max_message_bytes"), "{text}");
+    // A body declared past the bound is refused at once, not waited for.
+    {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut stream = tokio::net::TcpStream::connect(server.http_addr)
+            .await
+            .unwrap();
+        let head = "POST /json HTTP/1.1\r\nhost: x\r\ncontent-length: 1000000000\r\n\r\n{";
+        stream.write_all(head.as_bytes()).await.unwrap();
+        let mut answer = vec![0; 512];
+        let n = tokio::time::timeout(std::time::Duration::from_secs(2), stream.read(&mut answer))
+            .await
+            .expect("answered at once")
+            .unwrap();
+        let answer = String::from_utf8_lossy(&answer[..n]);
+        assert!(answer.starts_with("HTTP/1.1 413"), "{answer}");
+    }
     // Still serving.
     let ok = client
         .should_rate_limit(common::request(
@@ -462,13 +478,13 @@ async fn garbage_on_the_wire_is_refused_and_the_server_keeps_serving() {
         .unwrap();
     assert_eq!(ok.into_inner().overall_code, 1);
     // Every request is counted, those refused before they could be read among the errors: 300 and 300
-    // of garbage, the two oversized ones, the last.
+    // of garbage, the three oversized ones, the last.
     let mut total = 0.0;
     for result in ["ok", "over_limit", "error"] {
         let series = format!("ratelimitd_requests_total{{result=\"{result}\"}}");
         total += server.metric(&series).await.unwrap_or(0.0);
     }
-    assert_eq!(total, 603.0);
+    assert_eq!(total, 604.0);
     let invalid = server
         .metric("ratelimitd_request_errors_total{kind=\"invalid_request\"}")
         .await;

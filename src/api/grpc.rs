@@ -7,7 +7,7 @@ use tracing::Instrument;
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 
 use super::{
-    conn::{MESSAGE_TIMEOUT, SHOULD_RATE_LIMIT},
+    conn::{HELD_FULL, MESSAGE_TIMEOUT, SHOULD_RATE_LIMIT},
     to_status,
 };
 use crate::{
@@ -243,7 +243,8 @@ where
 
     fn call(&mut self, request: http::Request<B>) -> Self::Future {
         // Another path under this service is an unknown method: tonic's UNIMPLEMENTED, no request of ours.
-        let counted = (request.uri().path() == SHOULD_RATE_LIMIT).then(|| self.limiter.clone());
+        let counted = (request.uri().path() == SHOULD_RATE_LIMIT)
+            .then(|| (self.limiter.clone(), std::time::Instant::now()));
         Refused {
             answer: self.inner.call(request),
             counted,
@@ -257,7 +258,7 @@ pin_project_lite::pin_project! {
     pub struct Refused<F> {
         #[pin]
         answer: F,
-        counted: Option<Arc<Limiter>>,
+        counted: Option<(Arc<Limiter>, std::time::Instant)>,
     }
 }
 
@@ -274,9 +275,10 @@ where
         let this = self.project();
         let answer = std::task::ready!(this.answer.poll(cx))?;
         let (answer, refused) = refusals_are_invalid_argument(answer);
-        if refused {
-            if let Some(limiter) = this.counted.take() {
-                limiter.record_unreadable(std::time::Duration::ZERO);
+        if let (Some(refused), Some((limiter, began))) = (refused, this.counted.take()) {
+            match refused {
+                Refusal::Unread => limiter.record_unreadable(began.elapsed()),
+                Refusal::Shed => limiter.record_shed(began.elapsed()),
             }
         }
         std::task::Poll::Ready(Ok(answer))
@@ -286,36 +288,43 @@ where
 /// tonic refuses a request it cannot read before any handler sees it: over
 /// `request_limits.max_message_bytes` with OUT_OF_RANGE, malformed protobuf with INTERNAL. Callers get
 /// INVALID_ARGUMENT instead, naming the setting or what could not be decoded, like every other refusal of
-/// a request; nothing on the server is at fault. Returns the answer and whether it is a refusal of a
-/// request the handler never saw: those two, compression it does not take (UNIMPLEMENTED), and a request
-/// that did not arrive within `grpc.message_timeout` (DEADLINE_EXCEEDED, [`MESSAGE_TIMEOUT`]).
+/// a request; nothing on the server is at fault. Returns the answer and, for a request the handler
+/// never saw, why: those two, compression it does not take (UNIMPLEMENTED) and a request that did not
+/// arrive within `grpc.message_timeout` (DEADLINE_EXCEEDED, [`MESSAGE_TIMEOUT`]) could not be read; one
+/// refused by `grpc.max_held_bytes` (RESOURCE_EXHAUSTED, [`HELD_FULL`]) was shed.
 pub fn refusals_are_invalid_argument(
     mut response: http::Response<tonic::body::Body>,
-) -> (http::Response<tonic::body::Body>, bool) {
+) -> (http::Response<tonic::body::Body>, Option<Refusal>) {
     let headers = response.headers_mut();
     // The handler answers INVALID_ARGUMENT, RESOURCE_EXHAUSTED, DEADLINE_EXCEEDED or UNAVAILABLE, never
-    // these.
+    // the others, and with messages of its own.
     let status = headers.get(&GRPC_STATUS).and_then(|v| v.to_str().ok());
-    let refused_early = match status {
+    let decoding = match status {
         Some("11" | "13") => true,
-        Some("12") => return (response, true),
-        Some("4") => false,
-        _ => return (response, false),
+        Some("12") => return (response, Some(Refusal::Unread)),
+        Some("4" | "8") => false,
+        _ => return (response, None),
     };
     let message = headers
         .get(&GRPC_MESSAGE)
         .map(|v| percent_encoding::percent_decode(v.as_bytes()).decode_utf8_lossy())
         .unwrap_or_default();
-    if !refused_early {
-        let late = message.starts_with(MESSAGE_TIMEOUT);
-        return (response, late);
+    if !decoding {
+        let refusal = if message.starts_with(MESSAGE_TIMEOUT) {
+            Some(Refusal::Unread)
+        } else if message.starts_with(HELD_FULL) {
+            Some(Refusal::Shed)
+        } else {
+            None
+        };
+        return (response, refusal);
     }
     let text = if let Some((_, sizes)) = message.split_once("message length too large: ") {
         format!("request too large: {sizes} (request_limits.max_message_bytes)")
     } else if let Some(reason) = message.strip_prefix("failed to decode Protobuf message: ") {
         format!("malformed RateLimitRequest: {reason}")
     } else {
-        return (response, true);
+        return (response, Some(Refusal::Unread));
     };
     // Header values are visible ASCII; anything else (from a quoted field) is replaced.
     let text: String = text
@@ -332,13 +341,53 @@ pub fn refusals_are_invalid_argument(
         headers.insert(GRPC_STATUS, http::HeaderValue::from_static("3"));
         headers.insert(GRPC_MESSAGE, value);
     }
-    (response, true)
+    (response, Some(Refusal::Unread))
+}
+
+/// Why a request was refused before the handler saw it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refusal {
+    /// It could not be read: an invalid request.
+    Unread,
+    /// The replica held all it takes of requests still arriving: shed, as an overloaded one.
+    Shed,
 }
 
 #[cfg(test)]
 mod tests {
-    use super::parse_grpc_timeout;
+    use super::{parse_grpc_timeout, refusals_are_invalid_argument, Refusal};
     use std::time::Duration;
+    use tonic::codegen::http;
+
+    /// A trailers-only answer with this status and message.
+    fn status_only(code: &str, message: &str) -> http::Response<tonic::body::Body> {
+        http::Response::builder()
+            .header("grpc-status", code)
+            .header("grpc-message", message)
+            .body(tonic::body::Body::empty())
+            .unwrap()
+    }
+
+    #[test]
+    fn refusals_before_the_handler_are_told_from_its_own_answers() {
+        for (code, message, want, rewritten) in [
+            ("11", "Error, decoded message length too large: found 70000 bytes, the limit is: 65536 bytes", Some(Refusal::Unread), Some("3")),
+            ("13", "failed to decode Protobuf message: invalid wire type", Some(Refusal::Unread), Some("3")),
+            ("12", "Content is compressed with `gzip` which isn't supported", Some(Refusal::Unread), None),
+            ("4", "the request did not arrive in full within grpc.message_timeout (10s)", Some(Refusal::Unread), None),
+            ("8", "requests still arriving hold all this replica takes (67108864 bytes, grpc.max_held_bytes): send it again", Some(Refusal::Shed), None),
+            // The handler's own.
+            ("8", "overloaded: 10000 requests being decided (overload.max_in_flight)", None, None),
+            ("4", "no decision within the deadline", None, None),
+            ("3", "rate limit domain must not be empty", None, None),
+            ("14", "redis unavailable", None, None),
+        ] {
+            let (answer, refusal) = refusals_are_invalid_argument(status_only(code, message));
+            assert_eq!(refusal, want, "{code} {message}");
+            let status = answer.headers().get("grpc-status").unwrap().to_str().unwrap();
+            assert_eq!(status, rewritten.unwrap_or(code), "{code} {message}");
+        }
+    }
 
     #[test]
     fn grpc_timeouts_in_every_unit_and_nothing_else() {

@@ -47,6 +47,13 @@ pub(super) struct Series {
 /// A failure of the store is logged at most this often; the line says how many came since the last one.
 const FAILURES_LOG_EVERY_MS: u64 = 10_000;
 
+/// Milliseconds on a monotonic clock, from the first call.
+fn since_start_ms() -> u64 {
+    static START: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+    let start = START.get_or_init(std::time::Instant::now);
+    u64::try_from(start.elapsed().as_millis()).unwrap_or(u64::MAX)
+}
+
 impl Series {
     pub(super) fn new(metrics: &Metrics) -> Self {
         let requests = |result: &str| {
@@ -98,8 +105,18 @@ impl Limiter {
     /// past `request_limits`): an invalid request, answered with an error, as one refused after it was
     /// read is.
     pub fn record_unreadable(&self, took: Duration) {
+        self.record_refused("invalid_request", took);
+    }
+
+    /// Records a request refused before it was read because the replica holds all it takes of requests
+    /// still arriving (`grpc.max_held_bytes`): an error of kind `overloaded`, as other shed requests.
+    pub fn record_shed(&self, took: Duration) {
+        self.record_refused("overloaded", took);
+    }
+
+    fn record_refused(&self, kind: &str, took: Duration) {
         self.series.check_duration.observe(took);
-        self.count_error("invalid_request");
+        self.count_error(kind);
         self.series.requests_error.add(1);
     }
 
@@ -108,11 +125,12 @@ impl Limiter {
     /// every call (out of memory, a user without EVALSHA) shows in the log and the metrics even when the
     /// policy answers OK.
     pub(super) fn record_backend_failure(&self, err: &StoreError) {
+        // `local` reaches here only without a fallback to decide (or with it failing too): the caller
+        // gets the error. The fallback's own decisions are `ratelimitd_fallback_decisions_total`.
         let answer = match self.options.on_backend_error {
-            OnBackendError::Error => "error",
+            OnBackendError::Error | OnBackendError::Local => "error",
             OnBackendError::Allow => "allow",
             OnBackendError::Deny => "deny",
-            OnBackendError::Local => "local",
         };
         self.options.metrics.count(
             "ratelimitd_backend_failures_total",
@@ -122,7 +140,8 @@ impl Limiter {
         );
         let series = &self.series;
         series.failures_unlogged.fetch_add(1, Ordering::Relaxed);
-        let now = self.clock.now_millis();
+        // Monotonic: a wall clock stepped back would silence the line until it caught up.
+        let now = since_start_ms();
         let due = series.failures_log_at_ms.load(Ordering::Relaxed);
         let mine = now >= due
             && series

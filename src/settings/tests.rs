@@ -522,6 +522,14 @@ fn a_wrong_setting_names_the_setting_and_the_value() {
         .unwrap_err()
         .to_string();
     assert!(err.contains("GRPC_PORT"), "{err}");
+    // Held bytes below the largest message would refuse every such message that arrives in pieces.
+    let err = Settings::load(None, &env(&[("RATELIMITD_GRPC__MAX_HELD_BYTES", "100000")]))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("grpc.max_held_bytes") && err.contains("rlqs.max_message_bytes"),
+        "{err}"
+    );
     let err = Settings::load(None, &env(&[("NEAR_LIMIT_RATIO", "2")]))
         .unwrap_err()
         .to_string();

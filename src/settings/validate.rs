@@ -30,6 +30,25 @@ impl Settings {
         }
         self.validate_prometheus()?;
         self.validate_admin()?;
+        // A message that arrives in pieces is held whole before it is read: a bound below the largest
+        // a call may send would refuse every such message, however often it is sent again.
+        let (largest, named) = if self.rlqs.enabled
+            && self.rlqs.max_message_bytes > self.request_limits.max_message_bytes
+        {
+            (self.rlqs.max_message_bytes, "rlqs.max_message_bytes")
+        } else {
+            (
+                self.request_limits.max_message_bytes,
+                "request_limits.max_message_bytes",
+            )
+        };
+        if self.grpc.max_held_bytes < largest.saturating_add(5) {
+            return Err(SettingsError::invalid(
+                "grpc.max_held_bytes",
+                self.grpc.max_held_bytes,
+                format!("must hold the largest message a call may send ({largest} bytes, {named}) and its 5-byte prefix"),
+            ));
+        }
         // 0 as the reference reads it: every hit is near the limit.
         if !(0.0..=1.0).contains(&self.near_limit_ratio) {
             return Err(SettingsError::invalid(

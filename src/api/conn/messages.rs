@@ -292,6 +292,12 @@ impl http_body::Body for WholeMessages {
                     return this.given(data);
                 }
                 Ok(data) => {
+                    this.held.extend_from_slice(&data);
+                    // A message past the method's bound passes at once (tonic refuses it naming the
+                    // bound): not held, so not counted.
+                    if declared(&this.held).is_some_and(|len| len > this.largest) {
+                        continue;
+                    }
                     if !this.budget.take(data.len()) {
                         this.held.clear();
                         this.recount();
@@ -302,7 +308,6 @@ impl http_body::Body for WholeMessages {
                         )))));
                     }
                     this.counted += data.len();
-                    this.held.extend_from_slice(&data);
                 }
                 Err(frame) => {
                     if let Ok(trailers) = frame.into_trailers() {

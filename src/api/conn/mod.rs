@@ -49,6 +49,6 @@ pub use bounds::{Bounds, ConnectionAge};
 pub use calls::{Activity, CallGuard, Guarded, TrackCalls, TrackCallsLayer, TrackedCall};
 pub use io::{ConnectionInfo, Counted};
 pub use messages::{
-    HeldBytes, WholeMessages, WholeMessagesLayer, WholeMessagesService, MESSAGE_TIMEOUT,
+    HeldBytes, WholeMessages, WholeMessagesLayer, WholeMessagesService, HELD_FULL, MESSAGE_TIMEOUT,
     QUOTA_STREAM, SHOULD_RATE_LIMIT,
 };

@@ -35,8 +35,17 @@ where
         );
         line.insert("level".into(), level(event.metadata().level()).into());
         line.insert("@message".into(), Value::String(String::new()));
-        event.record(&mut Fields(&mut line));
-        line.insert("target".into(), event.metadata().target().into());
+        let mut fields = Fields {
+            line: &mut line,
+            log_target: None,
+        };
+        event.record(&mut fields);
+        // A line of a library that logs through the `log` crate names its module in `log.target`.
+        let target = fields
+            .log_target
+            .take()
+            .unwrap_or_else(|| event.metadata().target().to_owned());
+        line.insert("target".into(), target.into());
         let text = serde_json::to_string(&line).map_err(|_| fmt::Error)?;
         writeln!(writer, "{text}")
     }
@@ -54,17 +63,26 @@ fn level(level: &Level) -> &'static str {
 }
 
 /// Collects an event's fields: `message` as `@message`, the others by their names (a field named like
-/// one of the line's own is written with `fields.` before it, as logrus does).
-struct Fields<'a>(&'a mut Map<String, Value>);
+/// one of the line's own is written with `fields.` before it, as logrus does). Of the fields the `log`
+/// bridge adds, the target is kept and the source file, line and module are not.
+struct Fields<'a> {
+    line: &'a mut Map<String, Value>,
+    log_target: Option<String>,
+}
 
 impl Fields<'_> {
     fn put(&mut self, field: &Field, value: Value) {
         let name = match field.name() {
             "message" => "@message".to_owned(),
+            "log.target" => {
+                self.log_target = value.as_str().map(str::to_owned);
+                return;
+            }
+            name if name.starts_with("log.") => return,
             name @ ("@timestamp" | "level" | "@message" | "target") => format!("fields.{name}"),
             name => name.to_owned(),
         };
-        self.0.insert(name, value);
+        self.line.insert(name, value);
     }
 }
 
@@ -91,5 +109,74 @@ impl tracing::field::Visit for Fields<'_> {
 
     fn record_debug(&mut self, field: &Field, value: &dyn fmt::Debug) {
         self.put(field, format!("{value:?}").into());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::{Arc, Mutex};
+
+    use tracing_subscriber::fmt::MakeWriter;
+
+    use super::ReferenceJson;
+
+    /// Where the lines go: one buffer.
+    #[derive(Clone, Default)]
+    struct Lines(Arc<Mutex<Vec<u8>>>);
+
+    impl std::io::Write for Lines {
+        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(bytes);
+            Ok(bytes.len())
+        }
+
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    impl<'a> MakeWriter<'a> for Lines {
+        type Writer = Lines;
+
+        fn make_writer(&'a self) -> Lines {
+            self.clone()
+        }
+    }
+
+    #[test]
+    fn lines_carry_the_references_names_and_a_bridged_librarys_own_target() {
+        let lines = Lines::default();
+        let subscriber = tracing_subscriber::fmt()
+            .event_format(ReferenceJson)
+            .with_writer(lines.clone())
+            .finish();
+        tracing::subscriber::with_default(subscriber, || {
+            tracing::warn!(domain = "edge", files = 3, "rules loaded");
+            // As the `log` bridge writes a library's line.
+            tracing::error!(
+                log.target = "fred::router",
+                log.file = "/root/.cargo/registry/src/fred/router.rs",
+                log.line = 7,
+                level = "mine",
+                "Broadcasting error"
+            );
+        });
+        let text = String::from_utf8(lines.0.lock().unwrap().clone()).unwrap();
+        let parsed: Vec<serde_json::Value> = text
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        assert_eq!(parsed[0]["@message"], "rules loaded");
+        assert_eq!(parsed[0]["level"], "warning");
+        assert_eq!(parsed[0]["domain"], "edge");
+        assert_eq!(parsed[0]["files"], 3);
+        assert!(parsed[0]["@timestamp"].as_str().unwrap().ends_with('Z'));
+        assert_eq!(parsed[1]["level"], "error");
+        assert_eq!(parsed[1]["target"], "fred::router");
+        assert_eq!(parsed[1]["fields.level"], "mine");
+        assert!(
+            !text.contains(".cargo") && !text.contains("log.line"),
+            "{text}"
+        );
     }
 }

@@ -479,13 +479,14 @@ async fn an_abandoned_bucket_not_reported_again_is_forgotten() {
     })
     .await;
     tokio::time::sleep(APART).await;
+    // Before the report the abandon answers: the server's abandon is later.
+    let abandoned = std::time::Instant::now();
     stream.report("edge", &[(SHARED, 1, 5, 0)]);
     assert_eq!(
         actions(&stream.next().await)[&key(SHARED)],
         None,
         "abandoned"
     );
-    let abandoned = std::time::Instant::now();
     // The Envoy has forgotten it and reports another bucket: the replica's one place is taken until the
     // abandoned one is forgotten, one TTL (1 s) later.
     let other: Entries<'_> = &[("other", "x")];

@@ -233,9 +233,19 @@ impl Backend {
                 let backend = weak.upgrade();
                 // A lost or refused connection counts against its server's breaker, as a call that
                 // fails on it does: every pooled connection lost at once opens it at once.
-                if let (Some(backend), Some(server)) = (&backend, &server) {
-                    if backend.node_of(server).breaker.failure() {
-                        tracing::warn!(%server, backend = name, "Redis connection lost: circuit breaker open");
+                // A refused reconnection names no server: on one server, it is that one.
+                let node = backend.as_ref().and_then(|b| match &server {
+                    Some(server) => Some(b.node_of(server)),
+                    None if !b.cluster => Some(b.single.clone()),
+                    None => None,
+                });
+                if let Some(node) = node {
+                    if node.breaker.failure() {
+                        tracing::warn!(
+                            server = node.name(),
+                            backend = name,
+                            "Redis connection lost: circuit breaker open"
+                        );
                     }
                 }
                 let server = server.map_or_else(|| url.clone(), |s| s.to_string());
@@ -339,15 +349,18 @@ const RESTART_AFTER: Duration = Duration::from_millis(100);
 /// recover from (a redirection it could not follow, for one), after which the client would take
 /// commands that no task sends, each waiting for its deadline, for the life of the process.
 fn supervise(client: Client, backend: std::sync::Weak<Backend>) {
+    // In use: not dropped, not closed.
+    let in_use = move || {
+        backend
+            .upgrade()
+            .filter(|b| !b.closing.load(std::sync::atomic::Ordering::Relaxed))
+    };
     tokio::spawn(async move {
         loop {
             let ended = client.connect().await;
-            let Some(backend) = backend.upgrade() else {
+            let Some(backend) = in_use() else {
                 return;
             };
-            if backend.closing.load(std::sync::atomic::Ordering::Relaxed) {
-                return;
-            }
             let why = match ended {
                 Ok(Ok(())) => "it ended".to_owned(),
                 Ok(Err(err)) if err.is_canceled() => return,
@@ -360,6 +373,10 @@ fn supervise(client: Client, backend: std::sync::Weak<Backend>) {
             );
             drop(backend);
             tokio::time::sleep(RESTART_AFTER).await;
+            // Closed meanwhile: not connected again.
+            if in_use().is_none() {
+                return;
+            }
         }
     });
 }

@@ -485,9 +485,13 @@ fn grpc_message(payload: &[u8]) -> Vec<u8> {
     message
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn calls_that_declare_large_messages_and_send_nothing_more_hold_no_memory_and_end_in_time() {
-    // The service as started with nothing set: its default bounds.
+/// The binary started with nothing set (its rules in the folder kept with it), and an HTTP/2 connection
+/// to its gRPC port.
+async fn on_the_defaults() -> (
+    common::Running,
+    h2::client::SendRequest<bytes::Bytes>,
+    tempfile::TempDir,
+) {
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join("l.yaml"), RULES).unwrap();
     let running = common::start_binary(&mut common::binary(dir.path()));
@@ -495,6 +499,13 @@ async fn calls_that_declare_large_messages_and_send_nothing_more_hold_no_memory_
     let tcp = tokio::net::TcpStream::connect(running.grpc).await.unwrap();
     let (client, connection) = h2::client::handshake(tcp).await.unwrap();
     tokio::spawn(connection);
+    (running, client, dir)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_that_declare_large_messages_and_send_nothing_more_hold_no_memory_and_end_in_time() {
+    // The service as started with nothing set: its default bounds.
+    let (running, client, _rules) = on_the_defaults().await;
 
     // 400 calls on one connection, each sending the 5-byte prefix of its message and nothing more.
     const HEALTH: &str = "/grpc.health.v1.Health/Check";
@@ -554,13 +565,7 @@ async fn calls_that_declare_large_messages_and_send_nothing_more_hold_no_memory_
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn calls_that_send_most_of_large_messages_and_wait_hold_no_more_than_grpc_max_held_bytes() {
     // The service as started with nothing set: 64 MiB held at most.
-    let dir = tempfile::tempdir().unwrap();
-    std::fs::write(dir.path().join("l.yaml"), RULES).unwrap();
-    let running = common::start_binary(&mut common::binary(dir.path()));
-    assert!(running.serving_within(Duration::from_secs(20)));
-    let tcp = tokio::net::TcpStream::connect(running.grpc).await.unwrap();
-    let (client, connection) = h2::client::handshake(tcp).await.unwrap();
-    tokio::spawn(connection);
+    let (running, client, _rules) = on_the_defaults().await;
     const QUOTA: &str =
         "/envoy.service.rate_limit_quota.v3.RateLimitQuotaService/StreamRateLimitQuotas";
     // 400 streams each send a 1 MiB report but its last 6 bytes: 400 MiB the server would hold.

@@ -407,8 +407,12 @@ async fn write(dir: &Path, text: &str) {
     std::fs::write(dir.join("edge.yaml"), text).unwrap();
 }
 
-#[tokio::test]
-async fn a_bucket_whose_rule_is_removed_is_abandoned_then_allowed() {
+/// A server on a rules folder, a stream subscribed to `SHARED`, then the folder rewritten without its rule
+/// and the stream's next report answered with an abandon: the server, the stream, the folder and when
+/// that report was sent (the server's abandon is later).
+async fn subscribed_then_abandoned(
+    tweak: impl FnOnce(&mut Settings) + Send + 'static,
+) -> (TestServer, Raw, tempfile::TempDir, std::time::Instant) {
     let dir = tempfile::tempdir().unwrap();
     write(dir.path(), RULES).await;
     let root = dir.path().to_path_buf();
@@ -416,6 +420,7 @@ async fn a_bucket_whose_rule_is_removed_is_abandoned_then_allowed() {
         fast(s);
         s.rules.path = Some(root);
         s.rules.reload_delay = Duration::from_millis(50);
+        tweak(s);
     })
     .await;
     s.wait_serving(Duration::from_secs(5)).await;
@@ -432,12 +437,19 @@ async fn a_bucket_whose_rule_is_removed_is_abandoned_then_allowed() {
     })
     .await;
     tokio::time::sleep(APART).await;
+    let sent = std::time::Instant::now();
     stream.report("edge", &[(SHARED, 1, 5, 0)]);
     assert_eq!(
         actions(&stream.next().await)[&key(SHARED)],
         None,
         "abandoned"
     );
+    (s, stream, dir, sent)
+}
+
+#[tokio::test]
+async fn a_bucket_whose_rule_is_removed_is_abandoned_then_allowed() {
+    let (s, mut stream, _rules, _) = subscribed_then_abandoned(|_| {}).await;
     // Traffic creates the bucket again: not limited any more.
     stream.report("edge", &[(SHARED, 0, 1, 0)]);
     assert_eq!(
@@ -454,54 +466,38 @@ async fn a_bucket_whose_rule_is_removed_is_abandoned_then_allowed() {
     s.stop().await;
 }
 
+/// Reports `bucket` on `stream`, after `meanwhile`, every 200 ms until the stream answers (within 10 s):
+/// its answer.
+async fn reported_until_answered(
+    stream: &mut Raw,
+    bucket: Entries<'_>,
+    mut meanwhile: impl AsyncFnMut(),
+) -> RateLimitQuotaResponse {
+    let answered = async {
+        loop {
+            meanwhile().await;
+            stream.report("edge", &[(bucket, 0, 1, 0)]);
+            let next = tokio::time::timeout(Duration::from_millis(200), stream.rx.message());
+            if let Ok(Ok(Some(r))) = next.await {
+                return r;
+            }
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(10), answered)
+        .await
+        .expect("answered within 10 s")
+}
+
 /// An abandoned bucket the Envoy never reports again is forgotten one TTL after it was abandoned, like any
 /// bucket not reported: it does not hold a place among the replica's buckets for the stream's life.
 #[tokio::test]
 async fn an_abandoned_bucket_not_reported_again_is_forgotten() {
-    let dir = tempfile::tempdir().unwrap();
-    write(dir.path(), RULES).await;
-    let root = dir.path().to_path_buf();
-    let s = TestServer::start_with_clock(&[], Clock::System, move |s| {
-        fast(s);
-        s.rlqs.max_buckets = 1;
-        s.rules.path = Some(root);
-        s.rules.reload_delay = Duration::from_millis(50);
-    })
-    .await;
-    s.wait_serving(Duration::from_secs(5)).await;
-    let mut stream = Raw::open(&s).await.unwrap();
-    stream.report("edge", &[(SHARED, 0, 1, 0)]);
-    stream.next().await;
-    write(dir.path(), "domain: edge\ndescriptors:\n  - key: other\n").await;
-    wait_for("the new rules", Duration::from_secs(5), async || {
-        let (_, text) = s.http("GET", "/rlconfig", "").await;
-        (!text.contains("generic_key_shared")).then_some(())
-    })
-    .await;
-    tokio::time::sleep(APART).await;
-    // Before the report the abandon answers: the server's abandon is later.
-    let abandoned = std::time::Instant::now();
-    stream.report("edge", &[(SHARED, 1, 5, 0)]);
-    assert_eq!(
-        actions(&stream.next().await)[&key(SHARED)],
-        None,
-        "abandoned"
-    );
+    let (s, mut stream, _rules, abandoned) =
+        subscribed_then_abandoned(|s| s.rlqs.max_buckets = 1).await;
     // The Envoy has forgotten it and reports another bucket: the replica's one place is taken until the
     // abandoned one is forgotten, one TTL (1 s) later.
     let other: Entries<'_> = &[("other", "x")];
-    let answered = tokio::time::timeout(Duration::from_secs(10), async {
-        loop {
-            stream.report("edge", &[(other, 0, 1, 0)]);
-            if let Ok(Ok(Some(r))) =
-                tokio::time::timeout(Duration::from_millis(200), stream.rx.message()).await
-            {
-                return r;
-            }
-        }
-    })
-    .await
-    .expect("the other bucket answered once the abandoned one is forgotten");
+    let answered = reported_until_answered(&mut stream, other, async || {}).await;
     assert!(actions(&answered).contains_key(&key(other)));
     assert!(
         abandoned.elapsed() >= Duration::from_secs(1),
@@ -700,20 +696,11 @@ async fn the_replica_tracks_at_most_max_buckets_and_forgets_idle_ones() {
     })
     .await;
     // The first Envoy goes on with `a` alone; `b` is forgotten one TTL (1 s) after its last report.
-    let answered = tokio::time::timeout(Duration::from_secs(10), async {
-        loop {
-            first.report("edge", &[(a, 1, 1, 0)]);
-            first.next().await;
-            second.report("edge", &[(c, 0, 1, 0)]);
-            if let Ok(Ok(Some(r))) =
-                tokio::time::timeout(Duration::from_millis(200), second.rx.message()).await
-            {
-                return r;
-            }
-        }
+    let answered = reported_until_answered(&mut second, c, async || {
+        first.report("edge", &[(a, 1, 1, 0)]);
+        first.next().await;
     })
-    .await
-    .expect("c answered once b is forgotten");
+    .await;
     assert!(actions(&answered).contains_key(&key(c)));
     assert!(
         b_reported.elapsed() >= Duration::from_secs(1),

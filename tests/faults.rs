@@ -266,21 +266,17 @@ async fn one_of_three_replicas_sigkilled_under_load_the_others_keep_serving_and_
     assert_eq!(counted, 300, "1 200 requests fill the limit exactly");
 }
 
-/// A Redis that answers every call with an error (here a user without EVALSHA; an out-of-memory Redis
-/// looks the same) while its connections are fine: with `on_backend_error: allow` every caller gets OK,
-/// and the failures still show, counted by the answer they got and in one warning per ten seconds.
+/// A Redis that answers every call with an error while its connections are fine (here out of memory,
+/// which refuses every script that may write): with `on_backend_error: allow` every caller gets OK, and
+/// the failures still show, counted by the answer they got and in one warning per ten seconds.
 #[test]
 fn a_redis_refusing_every_call_shows_in_the_log_and_the_metrics_when_the_policy_allows() {
     let _one = ONE_AT_A_TIME.blocking_lock();
     let redis = RedisProcess::start(&[]);
-    redis.cli(&[
-        "ACL", "SETUSER", "limited", "on", ">pw", "~*", "+@all", "-evalsha",
-    ]);
     let rules = tempfile::tempdir().unwrap();
     std::fs::write(rules.path().join("faults.yaml"), RULES).unwrap();
     let mut cmd = common::binary(rules.path());
     cmd.env("REDIS_URL", redis.addr())
-        .env("REDIS_AUTH", "limited:pw")
         .env("RATELIMITD_ON_BACKEND_ERROR", "allow");
     let running = start_binary(&mut cmd);
     assert!(
@@ -288,6 +284,8 @@ fn a_redis_refusing_every_call_shows_in_the_log_and_the_metrics_when_the_policy_
         "not serving: {}",
         running.log.lock().unwrap()
     );
+    redis.cli(&["CONFIG", "SET", "maxmemory-policy", "noeviction"]);
+    redis.cli(&["CONFIG", "SET", "maxmemory", "1"]);
     let body =
         r#"{"domain":"faults","descriptors":[{"entries":[{"key":"shared","value":"all"}]}]}"#;
     for _ in 0..30 {
@@ -308,7 +306,33 @@ fn a_redis_refusing_every_call_shows_in_the_log_and_the_metrics_when_the_policy_
         .collect();
     assert_eq!(lines.len(), 1, "one line for the first ten seconds:\n{log}");
     assert!(
-        lines[0].contains("NOPERM") && lines[0].contains("WARN"),
+        lines[0].contains("OOM") && lines[0].contains("WARN"),
+        "{log}"
+    );
+}
+
+/// A Redis user that may connect and load scripts but not run them (no EVALSHA) could decide nothing:
+/// the replica does not report SERVING, and its log says what the user lacks.
+#[test]
+fn a_redis_user_without_evalsha_is_not_served_and_named() {
+    let _one = ONE_AT_A_TIME.blocking_lock();
+    let redis = RedisProcess::start(&[]);
+    redis.cli(&[
+        "ACL", "SETUSER", "limited", "on", ">pw", "~*", "+@all", "-evalsha",
+    ]);
+    let rules = tempfile::tempdir().unwrap();
+    std::fs::write(rules.path().join("faults.yaml"), RULES).unwrap();
+    let mut cmd = common::binary(rules.path());
+    cmd.env("REDIS_URL", redis.addr())
+        .env("REDIS_AUTH", "limited:pw");
+    let running = start_binary(&mut cmd);
+    assert!(
+        !running.serving_within(Duration::from_secs(3)),
+        "serving with a user that cannot run scripts"
+    );
+    let log = running.log.lock().unwrap().clone();
+    assert!(
+        log.contains("Redis not ready") && log.contains("NOPERM") && log.contains("EVALSHA"),
         "{log}"
     );
 }

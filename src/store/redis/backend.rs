@@ -284,6 +284,18 @@ impl Backend {
         load_scripts(self.pool.next(), scripts)
             .await
             .map_err(redis_error)?;
+        // A user that may load scripts but not run them would fail every call: not ready, saying why.
+        // refund.lua with no keys changes nothing; any other answer (OOM among them) is Redis's own.
+        let probe = scripts[1]
+            .evalsha_with_reload::<i64, _, _>(self.pool.next(), Vec::<String>::new(), vec!["0"])
+            .await;
+        if let Err(err) = probe {
+            if err.to_string().contains("NOPERM") {
+                return Err(StoreError::Backend(format!(
+                    "redis: {err} (the Redis user must be allowed EVALSHA and SCRIPT LOAD; SECURITY.md lists its commands)"
+                )));
+            }
+        }
         // Calls refused before Redis was reached opened breakers; it answers now.
         self.single.answered();
         for node in lock(&self.masters).values() {

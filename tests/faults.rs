@@ -177,17 +177,29 @@ async fn redis_blocked_by_debug_sleep_is_answered_by_policy_within_400ms_and_nev
     under_fault(&redis, "debug sleep", sleep).await;
 }
 
+/// A folder holding the rules of these tests, kept as long as the replicas started on it run.
+fn rules_folder() -> tempfile::TempDir {
+    let rules = tempfile::tempdir().unwrap();
+    std::fs::write(rules.path().join("faults.yaml"), RULES).unwrap();
+    rules
+}
+
+/// The binary on `rules` and `redis`, as a reference Deployment points it at Redis.
+fn replica_on(rules: &tempfile::TempDir, redis: &RedisProcess) -> std::process::Command {
+    let mut cmd = common::binary(rules.path());
+    cmd.env("REDIS_URL", redis.addr());
+    cmd
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_of_three_replicas_sigkilled_under_load_the_others_keep_serving_and_the_limit_holds() {
     let _one = ONE_AT_A_TIME.lock().await;
     let redis = RedisProcess::start(&[]);
-    let rules = tempfile::tempdir().unwrap();
-    std::fs::write(rules.path().join("faults.yaml"), RULES).unwrap();
+    let rules = rules_folder();
     let mut replicas: Vec<_> = (0..3)
         .map(|_| {
-            let mut cmd = common::binary(rules.path());
-            cmd.env("REDIS_URL", redis.addr())
-                .env("REDIS_TIMEOUT", "1s")
+            let mut cmd = replica_on(&rules, &redis);
+            cmd.env("REDIS_TIMEOUT", "1s")
                 .env("RATELIMITD_HASH_SECRET", "faults");
             start_binary(&mut cmd)
         })
@@ -273,11 +285,9 @@ async fn one_of_three_replicas_sigkilled_under_load_the_others_keep_serving_and_
 fn a_redis_refusing_every_call_shows_in_the_log_and_the_metrics_when_the_policy_allows() {
     let _one = ONE_AT_A_TIME.blocking_lock();
     let redis = RedisProcess::start(&[]);
-    let rules = tempfile::tempdir().unwrap();
-    std::fs::write(rules.path().join("faults.yaml"), RULES).unwrap();
-    let mut cmd = common::binary(rules.path());
-    cmd.env("REDIS_URL", redis.addr())
-        .env("RATELIMITD_ON_BACKEND_ERROR", "allow");
+    let rules = rules_folder();
+    let mut cmd = replica_on(&rules, &redis);
+    cmd.env("RATELIMITD_ON_BACKEND_ERROR", "allow");
     let running = start_binary(&mut cmd);
     assert!(
         running.serving_within(Duration::from_secs(15)),
@@ -320,11 +330,9 @@ fn a_redis_user_without_evalsha_is_not_served_and_named() {
     redis.cli(&[
         "ACL", "SETUSER", "limited", "on", ">pw", "~*", "+@all", "-evalsha",
     ]);
-    let rules = tempfile::tempdir().unwrap();
-    std::fs::write(rules.path().join("faults.yaml"), RULES).unwrap();
-    let mut cmd = common::binary(rules.path());
-    cmd.env("REDIS_URL", redis.addr())
-        .env("REDIS_AUTH", "limited:pw");
+    let rules = rules_folder();
+    let mut cmd = replica_on(&rules, &redis);
+    cmd.env("REDIS_AUTH", "limited:pw");
     let running = start_binary(&mut cmd);
     assert!(
         !running.serving_within(Duration::from_secs(3)),
@@ -345,12 +353,10 @@ fn a_redis_user_without_evalsha_is_not_served_and_named() {
 fn a_killed_redis_is_answered_at_once_and_logged_once_while_it_stays_down() {
     let _one = ONE_AT_A_TIME.blocking_lock();
     let mut redis = RedisProcess::start(&[]);
-    let rules = tempfile::tempdir().unwrap();
-    std::fs::write(rules.path().join("faults.yaml"), RULES).unwrap();
-    let mut cmd = common::binary(rules.path());
+    let rules = rules_folder();
+    let mut cmd = replica_on(&rules, &redis);
     // Silence alone would open the breaker only after 2 s: what opens it sooner is the lost connections.
-    cmd.env("REDIS_URL", redis.addr())
-        .env("RATELIMITD_REDIS__UNRESPONSIVE_AFTER", "2s");
+    cmd.env("RATELIMITD_REDIS__UNRESPONSIVE_AFTER", "2s");
     let running = start_binary(&mut cmd);
     assert!(running.serving_within(Duration::from_secs(15)));
     let body = |i: usize| {

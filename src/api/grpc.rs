@@ -206,7 +206,7 @@ pub fn to_wire(response: limiter::Response) -> RateLimitResponse {
 }
 
 /// The rate limit service with tonic's refusals of its requests answered as [`refusals_are_invalid_argument`]
-/// says, and counted as the requests the handler finds invalid are; the other services (health, reflection,
+/// says, and counted as the requests the handler refuses are; the other services (health, reflection,
 /// RLQS) keep tonic's answers, which name no setting of ours.
 #[derive(Debug, Clone)]
 pub struct RefusalsAsInvalidArgument<S> {
@@ -254,7 +254,8 @@ where
 
 pin_project_lite::pin_project! {
     /// A call's answer, rewritten by [`refusals_are_invalid_argument`]; a refusal of a ShouldRateLimit
-    /// request the handler never saw is recorded in the limiter's metrics as an invalid request.
+    /// request the handler never saw is recorded in the limiter's metrics, as an invalid request or a
+    /// shed one ([`Refusal`]).
     pub struct Refused<F> {
         #[pin]
         answer: F,

@@ -392,3 +392,53 @@ fn a_killed_redis_is_answered_at_once_and_logged_once_while_it_stays_down() {
         "{errors} connection error lines in 5 s:\n{log}"
     );
 }
+
+/// A Redis whose `timeout` closes idle connections (a common setting; proxies' idle timeouts do the
+/// same), under a replica started with the reference's variables alone: every pooled connection closed
+/// while idle is nothing to report. The breaker stays closed, the log is quiet at its default level, and
+/// the requests after the idle time are decided on Redis.
+#[test]
+fn connections_a_redis_closes_when_idle_open_no_breaker_and_write_no_warning() {
+    let _one = ONE_AT_A_TIME.blocking_lock();
+    let redis = RedisProcess::start(&["--timeout", "1"]);
+    let rules = rules_folder();
+    let running = start_binary(&mut replica_on(&rules, &redis));
+    assert!(running.serving_within(Duration::from_secs(15)));
+    let accepted = || {
+        let stats = redis.cli(&["INFO", "stats"]);
+        stats
+            .lines()
+            .find_map(|l| l.strip_prefix("total_connections_received:"))
+            .and_then(|n| n.trim().parse::<u64>().ok())
+            .expect("INFO stats has total_connections_received")
+    };
+    // Redis looks at idle clients a few at a time: within seconds, each of the ten pooled connections
+    // is closed and made again at least once.
+    let before = accepted();
+    let until = Instant::now() + Duration::from_secs(15);
+    while accepted() < before + 12 {
+        assert!(Instant::now() < until, "Redis closed no idle connection");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let body = r#"{"domain":"faults","descriptors":[{"entries":[{"key":"user","value":"idle"}]}]}"#;
+    for i in 0..5 {
+        let (code, answer) = common::http_request(running.http, "POST", "/json", body);
+        assert_eq!(code, 200, "request {i}: {answer}");
+        assert!(
+            answer.contains(&format!("\"limitRemaining\":{}", 99 - i)),
+            "{answer}"
+        );
+    }
+    let log = running.log.lock().unwrap().clone();
+    let warned: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("Redis") || l.contains("breaker") || l.contains("fred"))
+        .filter(|l| !l.contains("Redis connected and scripts loaded"))
+        .collect();
+    assert!(warned.is_empty(), "{warned:#?}");
+    let (_, metrics) = common::http_request(running.http, "GET", "/metrics", "");
+    assert!(
+        !metrics.contains("ratelimitd_backend_failures_total{"),
+        "{metrics}"
+    );
+}

@@ -54,12 +54,14 @@ pub fn init(log: &LogSettings, traces: &TracingSettings) -> Result<Telemetry, St
     };
     // At debug and trace, ratelimitd's own lines: the HTTP/2, gRPC, TLS and Redis libraries beneath
     // would write several per call (frames, build paths of their sources), and keep their info and up.
+    // The Redis client warns of each connection it loses, a line per pooled connection, for every
+    // connection an idle timeout closes too: ratelimitd reports lost connections itself (see
+    // `store::redis::node`), once the server has said whether it still takes connections.
     let filter = match log.level {
-        LogLevel::Debug | LogLevel::Trace => {
-            EnvFilter::new(format!("info,ratelimitd={}", log.level.as_str()))
-        }
-        level => EnvFilter::new(level.as_str()),
+        LogLevel::Debug | LogLevel::Trace => format!("info,ratelimitd={}", log.level.as_str()),
+        level => level.as_str().to_owned(),
     };
+    let filter = EnvFilter::new(format!("{filter},fred::router::responses=error"));
     let mut telemetry = Telemetry::default();
     let otel_layer = if traces.enabled {
         let provider = tracer_provider(traces)?;

@@ -23,7 +23,7 @@ use super::{
     coalesce::{Bounds, Caller},
     config::client_config,
     load_scripts,
-    node::Node,
+    node::{Node, Probe},
     redis_error, RedisSettings, RedisTopology,
 };
 use crate::store::{breaker::Breaker, StoreError};
@@ -69,6 +69,8 @@ pub struct Backend {
     closing: AtomicBool,
     /// The connection errors logged lately.
     connection_errors: ErrorLog,
+    /// The socket path when the server is reached by one; else servers are asked on their TCP port.
+    unix_socket: Option<std::path::PathBuf>,
 }
 
 /// How long the same connection error of the same server is not logged again.
@@ -141,6 +143,10 @@ impl Backend {
         tasks: TaskTracker,
     ) -> Result<Arc<Self>, StoreError> {
         let config = client_config(settings)?;
+        let unix_socket = match &config.server {
+            ServerConfig::Unix { path } => Some(path.clone()),
+            _ => None,
+        };
         let pool = Builder::from_config(config)
             .with_connection_config(|c| {
                 c.connection_timeout = settings.connect_timeout;
@@ -189,6 +195,7 @@ impl Backend {
             clock_offset_ms: AtomicI64::new(0),
             closing: AtomicBool::new(false),
             connection_errors: ErrorLog::default(),
+            unix_socket,
         });
         for client in backend.pool.clients() {
             let (scripts, reloading) = (scripts.clone(), client.clone());
@@ -227,38 +234,13 @@ impl Backend {
                     async { Ok(()) }
                 });
             }
-            let topology = settings.topology;
-            let (weak, url) = (Arc::downgrade(&backend), settings.url.clone());
+            let (weak, topology, url) = (
+                Arc::downgrade(&backend),
+                settings.topology,
+                settings.url.clone(),
+            );
             client.on_error(move |(err, server)| {
-                let backend = weak.upgrade();
-                // A lost or refused connection counts against its server's breaker, as a call that
-                // fails on it does: every pooled connection lost at once opens it at once.
-                // A refused reconnection names no server: on one server, it is that one.
-                let node = backend.as_ref().and_then(|b| match &server {
-                    Some(server) => Some(b.node_of(server)),
-                    None if !b.cluster => Some(b.single.clone()),
-                    None => None,
-                });
-                if let Some(node) = node {
-                    if node.breaker.failure() {
-                        tracing::warn!(
-                            server = node.name(),
-                            backend = name,
-                            "Redis connection lost: circuit breaker open"
-                        );
-                    }
-                }
-                let server = server.map_or_else(|| url.clone(), |s| s.to_string());
-                let text = err.to_string();
-                // Each pooled connection retries on its own: one line per error and server a while.
-                if backend.is_none_or(|b| b.connection_errors.first_in_a_while(&server, &text)) {
-                    let hint = auth_hint(&text, topology);
-                    tracing::warn!(
-                        server,
-                        backend = name,
-                        "Redis connection error: {text}{hint}"
-                    );
-                }
+                connection_error(weak.upgrade(), name, topology, &url, &err, server);
                 async { Ok(()) }
             });
         }
@@ -317,6 +299,14 @@ impl Backend {
                 .any(|node| node.breaker.is_open())
     }
 
+    /// Where `server` is asked whether it takes connections (see [`Node::connection_lost`]).
+    fn probe(&self, server: &Server) -> Probe {
+        match &self.unix_socket {
+            Some(path) => Probe::Unix(path.clone()),
+            None => Probe::Tcp(server.host.to_string(), server.port),
+        }
+    }
+
     /// The health of a server connected to: its master entry on Cluster, else the one server.
     fn node_of(&self, server: &Server) -> Arc<Node> {
         if !self.cluster {
@@ -355,6 +345,51 @@ impl Backend {
 
 /// How long a client whose connection task ended waits before it is connected again.
 const RESTART_AFTER: Duration = Duration::from_millis(100);
+
+/// A connection error of one of `backend`'s clients, on `server` when it names one.
+fn connection_error(
+    backend: Option<Arc<Backend>>,
+    name: &'static str,
+    topology: RedisTopology,
+    url: &str,
+    err: &Error,
+    server: Option<Server>,
+) {
+    // A connection the server closed: asked whether it still takes connections, which counts against
+    // it only if not (an idle timeout closes a healthy server's connections).
+    if let (Some(b), Some(lost), ErrorKind::IO) = (&backend, &server, err.kind()) {
+        b.node_of(lost)
+            .connection_lost(b.probe(lost), err.to_string());
+        return;
+    }
+    // A refused connection counts against its server's breaker, as a call that fails on it does. A
+    // refused reconnection names no server: on one server, it is that one.
+    let node = backend.as_ref().and_then(|b| match &server {
+        Some(server) => Some(b.node_of(server)),
+        None if !b.cluster => Some(b.single.clone()),
+        None => None,
+    });
+    if let Some(node) = node {
+        if node.breaker.failure() {
+            tracing::warn!(
+                server = node.name(),
+                backend = name,
+                "Redis connection refused: circuit breaker open"
+            );
+        }
+    }
+    let server = server.map_or_else(|| url.to_owned(), |s| s.to_string());
+    let text = err.to_string();
+    // Each pooled connection retries on its own: one line per error and server a while.
+    if backend.is_none_or(|b| b.connection_errors.first_in_a_while(&server, &text)) {
+        let hint = auth_hint(&text, topology);
+        tracing::warn!(
+            server,
+            backend = name,
+            "Redis connection error: {text}{hint}"
+        );
+    }
+}
 
 /// Connects `client` and connects it again whenever its connection task ends on an error while the
 /// backend is in use. The task follows lost connections itself; it ends only on an error it does not

@@ -16,7 +16,7 @@ use std::{
     future::Future,
     pin::Pin,
     sync::{
-        atomic::{AtomicU64, AtomicUsize, Ordering},
+        atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering},
         Arc,
     },
     task::{Context, Poll},
@@ -48,6 +48,8 @@ pub struct Node {
     /// When the server last showed progress (ms since `epoch`): its last answer, or the moment a
     /// command started waiting while none was outstanding.
     progress_ms: AtomicU64,
+    /// A lost connection's check is under way ([`Node::connection_lost`]).
+    checking: AtomicBool,
 }
 
 impl Node {
@@ -60,6 +62,7 @@ impl Node {
             epoch: Instant::now(),
             outstanding: AtomicUsize::new(0),
             progress_ms: AtomicU64::new(0),
+            checking: AtomicBool::new(false),
         }
     }
 
@@ -135,6 +138,41 @@ impl Node {
         }
     }
 
+    /// The server closed a connection of ours (`why`). That alone says little: an idle timeout (Redis's
+    /// `timeout`, a proxy's) or a `CLIENT KILL` closes connections of a healthy server, a crash or a
+    /// restart those of a dead one. So it is asked at once, with one new connection of our own to
+    /// `target`, one check at a time whatever the number of connections lost together: refused, or not
+    /// accepted within `unresponsive_after`, the breaker opens at once (the calls that would wait for a
+    /// reconnection are answered without waiting); accepted, the client's own reconnection goes on and
+    /// nothing is counted against the server.
+    pub fn connection_lost(self: &Arc<Self>, target: Probe, why: String) {
+        if self.checking.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let node = self.clone();
+        tokio::spawn(async move {
+            let accepted = tokio::time::timeout(node.unresponsive_after, target.connect()).await;
+            node.checking.store(false, Ordering::Release);
+            let refused = match accepted {
+                Ok(Ok(())) => {
+                    tracing::debug!(server = %node.name, "Redis closed a connection ({why}) and accepts new ones: reconnecting");
+                    return;
+                }
+                Ok(Err(err)) => err.to_string(),
+                Err(_) => format!(
+                    "no new connection accepted within {:?}",
+                    node.unresponsive_after
+                ),
+            };
+            if node.breaker.trip() {
+                tracing::warn!(
+                    server = %node.name,
+                    "Redis connection lost ({why}) and a new one refused ({refused}): circuit breaker open"
+                );
+            }
+        });
+    }
+
     /// Opens the breaker: the server answers nothing although commands wait.
     fn unresponsive(&self) {
         if self.breaker.trip() {
@@ -172,6 +210,28 @@ impl Node {
                     Err(StoreError::Unresponsive(node.unresponsive_after))
                 }
             }
+        }
+    }
+}
+
+/// Where a lost connection's server is asked whether it still accepts connections.
+#[derive(Debug, Clone)]
+pub enum Probe {
+    Tcp(String, u16),
+    Unix(std::path::PathBuf),
+}
+
+impl Probe {
+    /// Opens a connection and closes it again, sending nothing.
+    async fn connect(&self) -> std::io::Result<()> {
+        match self {
+            Probe::Tcp(host, port) => tokio::net::TcpStream::connect((host.as_str(), *port))
+                .await
+                .map(drop),
+            #[cfg(unix)]
+            Probe::Unix(path) => tokio::net::UnixStream::connect(path).await.map(drop),
+            #[cfg(not(unix))]
+            Probe::Unix(_) => Ok(()),
         }
     }
 }

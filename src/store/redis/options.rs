@@ -107,10 +107,11 @@ pub struct RedisSettings {
     /// Longest wait for a connection to be set up (default `2s`).
     #[serde(with = "crate::duration")]
     pub connect_timeout: Duration,
-    /// Consecutive connection failures (refused, lost, TLS, cluster routing) that open the circuit breaker
-    /// of a Redis server (default 5). While open, requests are answered at once by the `on_backend_error`
-    /// policy, without waiting for Redis. Error replies (a script refusing a request) are answers, never
-    /// failures.
+    /// Consecutive connection failures (refused, a call's connection lost, TLS, cluster routing) that
+    /// open the circuit breaker of a Redis server (default 5). While open, requests are answered at once
+    /// by the `on_backend_error` policy, without waiting for Redis. Error replies (a script refusing a
+    /// request) are answers, never failures; a connection the server closes counts only if the server
+    /// then refuses a new one, which opens the breaker at once.
     pub breaker_failures: u32,
     /// How long the breaker stays open before one request probes Redis again (default `500ms`).
     #[serde(with = "crate::duration")]

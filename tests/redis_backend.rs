@@ -480,40 +480,63 @@ async fn starts_before_redis_and_serves_once_it_is_up() {
     s.stop().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn follows_a_sentinel_failover() {
+/// The binary on a Sentinel set through the reference's variables alone: when the master dies and the
+/// Sentinels promote its replica, requests are decided on the new master, and the log says once which
+/// server the replica now counts on.
+#[test]
+fn follows_a_sentinel_failover_and_says_so_once() {
     let mut set = SentinelSet::start();
-    let s = start(set.url(), RedisTopology::Sentinel).await;
-    let (codes, _) = probe(&s, 5).await;
-    assert_eq!(codes.get("Ok"), Some(&5));
+    let rules = tempfile::tempdir().unwrap();
+    std::fs::write(rules.path().join("fleet.yaml"), RULES).unwrap();
+    let running = on_sentinels(&set, rules.path(), None, None);
+    assert!(
+        running.serving_within(Duration::from_secs(20)),
+        "{}",
+        running.log.lock().unwrap()
+    );
+    assert_eq!(logins(&running, "before", 2), vec![200, 200]);
 
     let old_master = set.master.port;
     set.master.kill();
     let deadline = Instant::now() + Duration::from_secs(30);
     while set.master_port() == old_master {
         assert!(Instant::now() < deadline, "sentinel did not fail over");
-        tokio::time::sleep(Duration::from_millis(200)).await;
+        std::thread::sleep(Duration::from_millis(200));
     }
     assert_eq!(set.master_port(), set.replica.port);
     let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let (codes, _) = probe(&s, 1).await;
-        if codes.contains_key("Ok") {
-            break;
-        }
+    while logins(&running, "probe", 1) != vec![200] {
         assert!(
             Instant::now() < deadline,
-            "no recovery after failover: {codes:?}"
+            "no recovery after failover: {}",
+            running.log.lock().unwrap()
         );
-        tokio::time::sleep(Duration::from_millis(200)).await;
+        std::thread::sleep(Duration::from_millis(200));
     }
-    let (codes, _) = probe(&s, 10).await;
-    assert_eq!(codes.get("Ok"), Some(&10), "{codes:?}");
-    assert!(set
+    std::thread::sleep(common::until_far_from_a_minute_end());
+    assert_eq!(
+        logins(&running, "after", 6),
+        vec![200, 200, 200, 200, 200, 429]
+    );
+    let keys = set
         .replica
-        .cli(&["INFO", "replication"])
-        .contains("role:master"));
-    s.stop().await;
+        .cli(&["--scan", "--pattern", "fleet_login_after_*"]);
+    assert_eq!(
+        keys.lines().count(),
+        1,
+        "counted on the new master: {keys:?}"
+    );
+    let log = running.log.lock().unwrap().clone();
+    let moved: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("Redis master is now"))
+        .collect();
+    assert_eq!(moved.len(), 1, "{log}");
+    assert!(
+        moved[0].contains(&format!(":{} (was ", set.replica.port))
+            && moved[0].contains(&format!(":{old_master})")),
+        "{log}"
+    );
 }
 
 /// The binary on a Sentinel set through the reference variables, with the given REDIS_AUTH and

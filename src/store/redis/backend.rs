@@ -69,6 +69,9 @@ pub struct Backend {
     closing: AtomicBool,
     /// The connection errors logged lately.
     connection_errors: ErrorLog,
+    /// The server the pooled connections last reached, outside a Cluster: a Sentinel failover moves
+    /// them to another.
+    master: Mutex<Option<Server>>,
     /// The socket path when the server is reached by one; else servers are asked on their TCP port.
     unix_socket: Option<std::path::PathBuf>,
 }
@@ -196,6 +199,7 @@ impl Backend {
             closing: AtomicBool::new(false),
             connection_errors: ErrorLog::default(),
             unix_socket,
+            master: Mutex::new(None),
         });
         for client in backend.pool.clients() {
             let (scripts, reloading) = (scripts.clone(), client.clone());
@@ -206,6 +210,7 @@ impl Backend {
                     backend
                         .routing
                         .store(client.cached_cluster_state().map(Arc::new));
+                    backend.connected_to(&server);
                 }
                 async move {
                     tracing::debug!(%server, "connected to Redis");
@@ -297,6 +302,25 @@ impl Backend {
             || lock(&self.masters)
                 .values()
                 .any(|node| node.breaker.is_open())
+    }
+
+    /// Notes that a pooled connection reached `server`. Outside a Cluster they all reach one server, and
+    /// a new one is a Sentinel failover (or a name that resolves elsewhere): said once, not once per
+    /// pooled connection.
+    fn connected_to(&self, server: &Server) {
+        if self.cluster {
+            return;
+        }
+        let mut master = lock(&self.master);
+        match master.replace(server.clone()) {
+            Some(before) if before != *server => {
+                tracing::warn!(
+                    backend = self.name,
+                    "Redis master is now {server} (was {before})"
+                );
+            }
+            _ => {}
+        }
     }
 
     /// Where `server` is asked whether it takes connections (see [`Node::connection_lost`]).

@@ -1,14 +1,15 @@
 //! `LOG_FORMAT=json` as the reference writes it (logrus's JSON formatter): one object per line with
 //! `@timestamp` (RFC 3339, nanoseconds), `level` (`error`, `warning`, `info`, `debug`, `trace`) and
 //! `@message`, then the event's own fields by name, so that log pipelines built on the reference's
-//! lines read ours unchanged.
+//! lines read ours unchanged. A line written within a span (a `ShouldRateLimit` call, a store call)
+//! carries that span's fields too, by name, unless the event has a field of that name.
 
 use std::fmt;
 
 use serde_json::{Map, Value};
 use tracing::{field::Field, Event, Level, Subscriber};
 use tracing_subscriber::{
-    fmt::{format::Writer, FmtContext, FormatEvent, FormatFields},
+    fmt::{format::Writer, FmtContext, FormatEvent, FormatFields, FormattedFields},
     registry::LookupSpan,
 };
 
@@ -22,7 +23,7 @@ where
 {
     fn format_event(
         &self,
-        _ctx: &FmtContext<'_, S, N>,
+        ctx: &FmtContext<'_, S, N>,
         mut writer: Writer<'_>,
         event: &Event<'_>,
     ) -> fmt::Result {
@@ -46,6 +47,19 @@ where
             .take()
             .unwrap_or_else(|| event.metadata().target().to_owned());
         line.insert("target".into(), target.into());
+        // The spans' fields, as the layer's field formatter (`JsonFields`) keeps them: the innermost
+        // span's first.
+        for span in ctx.event_scope().into_iter().flatten() {
+            let extensions = span.extensions();
+            let Some(recorded) = extensions.get::<FormattedFields<N>>() else {
+                continue;
+            };
+            if let Ok(Value::Object(fields)) = serde_json::from_str::<Value>(recorded) {
+                for (name, value) in fields {
+                    line.entry(name).or_insert(value);
+                }
+            }
+        }
         let text = serde_json::to_string(&line).map_err(|_| fmt::Error)?;
         writeln!(writer, "{text}")
     }
@@ -148,10 +162,23 @@ mod tests {
         let lines = Lines::default();
         let subscriber = tracing_subscriber::fmt()
             .event_format(ReferenceJson)
+            .fmt_fields(tracing_subscriber::fmt::format::JsonFields::new())
             .with_writer(lines.clone())
             .finish();
         tracing::subscriber::with_default(subscriber, || {
             tracing::warn!(domain = "edge", files = 3, "rules loaded");
+            tracing::warn_span!("ShouldRateLimit", domain = "api", descriptors = 2).in_scope(
+                || {
+                    tracing::warn_span!("backend call", backend = "redis", descriptors = 9)
+                        .in_scope(|| {
+                            tracing::warn!(
+                                checks = 1,
+                                backend = "main",
+                                "the counter store could not decide"
+                            )
+                        })
+                },
+            );
             // As the `log` bridge writes a library's line.
             tracing::error!(
                 log.target = "fred::router",
@@ -171,9 +198,14 @@ mod tests {
         assert_eq!(parsed[0]["domain"], "edge");
         assert_eq!(parsed[0]["files"], 3);
         assert!(parsed[0]["@timestamp"].as_str().unwrap().ends_with('Z'));
-        assert_eq!(parsed[1]["level"], "error");
-        assert_eq!(parsed[1]["target"], "fred::router");
-        assert_eq!(parsed[1]["fields.level"], "mine");
+        // Within spans: theirs by name, the event's own and the innermost span's first.
+        assert_eq!(parsed[1]["domain"], "api");
+        assert_eq!(parsed[1]["backend"], "main");
+        assert_eq!(parsed[1]["checks"], 1);
+        assert_eq!(parsed[1]["descriptors"], 9);
+        assert_eq!(parsed[2]["level"], "error");
+        assert_eq!(parsed[2]["target"], "fred::router");
+        assert_eq!(parsed[2]["fields.level"], "mine");
         assert!(
             !text.contains(".cargo") && !text.contains("log.line"),
             "{text}"

@@ -49,6 +49,7 @@ pub fn init(log: &LogSettings, traces: &TracingSettings) -> Result<Telemetry, St
             .boxed(),
         LogFormat::Json => fmt::layer()
             .event_format(json_log::ReferenceJson)
+            .fmt_fields(fmt::format::JsonFields::new())
             .with_writer(std::io::stderr)
             .boxed(),
     };

@@ -657,6 +657,55 @@ async fn recovers_when_a_cluster_master_dies_and_its_replica_takes_over() {
     s.stop().await;
 }
 
+/// A Cluster master that dies with no replica to take over stops only the requests whose counters
+/// live on it: the other masters' keys keep being decided, and the dead master's are answered at once
+/// by the policy, not after waiting for it. (The Cluster is told to keep serving the slots it still
+/// has, as the README says to; by default Redis stops it a `cluster-node-timeout` after the loss.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_cluster_master_stops_only_its_own_keys() {
+    let mut cluster = RedisCluster::start(false);
+    for master in &cluster.masters {
+        master.cli(&["CONFIG", "SET", "cluster-require-full-coverage", "no"]);
+    }
+    let s = start(cluster.url(), RedisTopology::Cluster).await;
+    let (codes, _) = probe(&s, 60).await;
+    assert_eq!(codes.get("Ok"), Some(&60), "{codes:?}");
+
+    cluster.masters[0].kill();
+    // The dead master's share of 60 keys spread over three is about a third.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let (codes, slowest) = loop {
+        let (codes, slowest) = probe(&s, 60).await;
+        let ok = codes.get("Ok").copied().unwrap_or(0);
+        if (25..60).contains(&ok) {
+            break (codes, slowest);
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the other masters' keys are not decided: {codes:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert_eq!(
+        codes.get("Ok").copied().unwrap_or(0) + codes.get("Unavailable").copied().unwrap_or(0),
+        60,
+        "{codes:?}"
+    );
+    // Past the Cluster's own verdict on it (node timeout 1 s), the same: its keys are answered without
+    // waiting for it, the others decided.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let (later, slowest_after) = probe(&s, 60).await;
+    assert_eq!(
+        later, codes,
+        "slowest {slowest_after:?} (first: {slowest:?})"
+    );
+    assert!(
+        slowest_after < Duration::from_millis(250),
+        "slowest {slowest_after:?} (first: {slowest:?})"
+    );
+    s.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connects_with_a_password_an_acl_user_and_over_a_unix_socket() {
     let dir = tempfile::tempdir().unwrap();

@@ -5,7 +5,7 @@
 use std::{
     collections::HashMap,
     sync::{
-        atomic::{AtomicBool, AtomicI64},
+        atomic::{AtomicBool, AtomicI64, Ordering},
         Arc, Mutex,
     },
     time::Duration,
@@ -37,11 +37,12 @@ struct NodeSettings {
 }
 
 impl NodeSettings {
-    fn node(&self, name: String) -> Arc<Node> {
+    fn node(&self, name: String, direct: Option<Pool>) -> Arc<Node> {
         Arc::new(Node::new(
             name,
             Breaker::new(self.breaker_failures, self.breaker_open_for),
             self.unresponsive_after,
+            direct,
         ))
     }
 }
@@ -72,8 +73,21 @@ pub struct Backend {
     /// The server the pooled connections last reached, outside a Cluster: a Sentinel failover moves
     /// them to another.
     master: Mutex<Option<Server>>,
+    /// Itself, for the callbacks of connections made later (a Cluster master's own).
+    this: std::sync::Weak<Backend>,
+    /// What a Cluster master's own connections are made of.
+    direct: Direct,
     /// The socket path when the server is reached by one; else servers are asked on their TCP port.
     unix_socket: Option<std::path::PathBuf>,
+}
+
+/// What a Cluster master's own pool of connections is made of: the Cluster's configuration, pointed
+/// at that master alone.
+struct Direct {
+    config: Config,
+    settings: RedisSettings,
+    command_timeout: Duration,
+    scripts: [Script; 2],
 }
 
 /// How long the same connection error of the same server is not logged again.
@@ -150,23 +164,7 @@ impl Backend {
             ServerConfig::Unix { path } => Some(path.clone()),
             _ => None,
         };
-        let pool = Builder::from_config(config)
-            .with_connection_config(|c| {
-                c.connection_timeout = settings.connect_timeout;
-                c.internal_command_timeout = settings.connect_timeout;
-                // Redirections (MOVED, ASK) during resharding count as attempts. Fewer redirections
-                // than attempts: the client follows an ASK by sending the command to the slot's owner
-                // again, which answers ASK again, and a command whose attempts run out there ends the
-                // client's connection task (fred 10.1); out of redirections, only the command fails.
-                c.max_command_attempts = 3;
-                c.max_redirections = 2;
-            })
-            .with_performance_config(|p| {
-                p.default_command_timeout = command_timeout;
-            })
-            .set_policy(ReconnectPolicy::new_exponential(0, 50, 2_000, 2))
-            .build_pool(settings.pool_size)
-            .map_err(|e| StoreError::Config(e.to_string()))?;
+        let pool = build_pool(config.clone(), settings, command_timeout)?;
         let node_settings = NodeSettings {
             breaker_failures: settings.breaker_failures,
             breaker_open_for: settings.breaker_open_for,
@@ -185,13 +183,13 @@ impl Backend {
             },
             tasks,
         });
-        let backend = Arc::new(Self {
+        let backend = Arc::new_cyclic(|this| Self {
             name,
             pool,
             caller,
             cluster,
             timeout: settings.timeout,
-            single: node_settings.node(settings.url.clone()),
+            single: node_settings.node(settings.url.clone(), None),
             masters: Mutex::new(HashMap::new()),
             routing: ArcSwapOption::empty(),
             node_settings,
@@ -200,6 +198,13 @@ impl Backend {
             connection_errors: ErrorLog::default(),
             unix_socket,
             master: Mutex::new(None),
+            this: this.clone(),
+            direct: Direct {
+                config,
+                settings: settings.clone(),
+                command_timeout,
+                scripts: scripts.clone(),
+            },
         });
         for client in backend.pool.clients() {
             let (scripts, reloading) = (scripts.clone(), client.clone());
@@ -207,18 +212,17 @@ impl Backend {
             client.on_reconnect(move |server| {
                 let (scripts, client, weak) = (scripts.clone(), reloading.clone(), weak.clone());
                 if let Some(backend) = weak.upgrade() {
-                    backend
-                        .routing
-                        .store(client.cached_cluster_state().map(Arc::new));
+                    backend.routing_changed(&client);
                     backend.connected_to(&server);
                 }
                 async move {
                     tracing::debug!(%server, "connected to Redis");
                     match load_scripts(&client, &scripts).await {
-                        // It answers: whatever opened its breaker is over.
+                        // It answers: whatever opened its breaker is over. A Cluster master's
+                        // breaker follows the connections of its own that carry its calls.
                         Ok(()) => {
-                            if let Some(backend) = weak.upgrade() {
-                                backend.node_of(&server).answered();
+                            if let Some(backend) = weak.upgrade().filter(|b| !b.cluster) {
+                                backend.single.answered();
                             }
                         }
                         Err(err) => {
@@ -232,9 +236,7 @@ impl Backend {
                 let (weak, watched) = (Arc::downgrade(&backend), client.clone());
                 client.on_cluster_change(move |_| {
                     if let Some(backend) = weak.upgrade() {
-                        backend
-                            .routing
-                            .store(watched.cached_cluster_state().map(Arc::new));
+                        backend.routing_changed(&watched);
                     }
                     async { Ok(()) }
                 });
@@ -245,32 +247,138 @@ impl Backend {
                 settings.url.clone(),
             );
             client.on_error(move |(err, server)| {
-                connection_error(weak.upgrade(), name, topology, &url, &err, server);
+                let backend = weak.upgrade();
+                // On Cluster these connections carry no decision: each master's own do, and count
+                // against its breaker (see `master_node`).
+                let node = backend
+                    .as_ref()
+                    .filter(|b| !b.cluster)
+                    .map(|b| b.single.clone());
+                connection_error(backend, node, name, topology, &url, &err, server);
                 async { Ok(()) }
             });
         }
         for client in backend.pool.clients() {
-            supervise(client.clone(), Arc::downgrade(&backend));
+            let weak = Arc::downgrade(&backend);
+            supervise(client.clone(), name, move || {
+                weak.upgrade()
+                    .is_some_and(|b| !b.closing.load(Ordering::Relaxed))
+            });
         }
         Ok(backend)
     }
 
-    /// Waits until every connection is up and the scripts are loaded.
-    pub async fn ready(&self, scripts: &[Script; 2]) -> Result<(), StoreError> {
-        for client in self.pool.clients() {
-            // The client's wait reads its state, then listens for the next connection: one made in
-            // between is missed, and the wait would never end (a replica up but never serving). It is
-            // given a tenth of a second at a time, and the state read again.
-            while !client.is_connected() {
-                let next = tokio::time::timeout(CONNECTED_CHECK_EVERY, client.wait_for_connect());
-                if let Ok(connected) = next.await {
-                    connected.map_err(redis_error)?;
-                }
+    /// The Cluster's slot map as `client` has it now; masters no longer in it are let go, their
+    /// connections closed.
+    fn routing_changed(&self, client: &Client) {
+        let routing = client.cached_cluster_state().map(Arc::new);
+        if let Some(routing) = routing.as_ref().filter(|_| self.cluster) {
+            let primaries = routing.unique_primary_nodes();
+            let gone: Vec<Arc<Node>> = {
+                let mut masters = lock(&self.masters);
+                let gone = masters
+                    .iter()
+                    .filter(|(server, _)| !primaries.contains(server))
+                    .map(|(_, node)| node.clone())
+                    .collect();
+                masters.retain(|server, _| primaries.contains(server));
+                gone
+            };
+            for node in gone {
+                tracing::debug!(
+                    server = node.name(),
+                    "no longer a Cluster master: its connections are closed"
+                );
+                node.retire();
             }
         }
+        self.routing.store(routing);
+    }
+
+    /// A Cluster master's entry, with its own pool of connections to it alone, which carry its calls:
+    /// the Cluster client connects to every master together, and one it cannot reach stops it for
+    /// all of them, where a master's own connections stop only its requests.
+    fn master_node(&self, server: &Server) -> Arc<Node> {
+        let Direct {
+            config,
+            settings,
+            command_timeout,
+            scripts,
+        } = &self.direct;
+        let mut config = config.clone();
+        config.server = ServerConfig::Centralized {
+            server: server.clone(),
+        };
+        let pool = match build_pool(config, settings, *command_timeout) {
+            Ok(pool) => pool,
+            Err(err) => {
+                // Not expected (the Cluster's own settings built): its calls go through the Cluster
+                // client instead.
+                tracing::warn!(%server, "cannot make connections to this Cluster master alone: {err}");
+                return self.node_settings.node(server.to_string(), None);
+            }
+        };
+        let node = self
+            .node_settings
+            .node(server.to_string(), Some(pool.clone()));
+        // Its errors name it, whether the client does or not.
+        let (name, topology, url) = (self.name, settings.topology, server.to_string());
+        for client in pool.clients() {
+            let (weak, scripts, reloading) =
+                (Arc::downgrade(&node), scripts.clone(), client.clone());
+            client.on_reconnect(move |server| {
+                let (weak, scripts, client) = (weak.clone(), scripts.clone(), reloading.clone());
+                async move {
+                    tracing::debug!(%server, "connected to a Cluster master");
+                    match load_scripts(&client, &scripts).await {
+                        Ok(()) => {
+                            if let Some(node) = weak.upgrade() {
+                                node.answered();
+                            }
+                        }
+                        Err(err) => {
+                            tracing::warn!(%server, "cannot load scripts after reconnecting: {err}")
+                        }
+                    }
+                    Ok(())
+                }
+            });
+            let (backend, master, url) = (self.this.clone(), Arc::downgrade(&node), url.clone());
+            client.on_error(move |(err, lost)| {
+                let master = master.upgrade();
+                connection_error(backend.upgrade(), master, name, topology, &url, &err, lost);
+                async { Ok(()) }
+            });
+            let (backend, master) = (self.this.clone(), Arc::downgrade(&node));
+            supervise(client.clone(), name, move || {
+                backend
+                    .upgrade()
+                    .is_some_and(|b| !b.closing.load(Ordering::Relaxed))
+                    && master.upgrade().is_some_and(|n| !n.is_retired())
+            });
+        }
+        node
+    }
+
+    /// Waits until every connection is up and the scripts are loaded.
+    pub async fn ready(&self, scripts: &[Script; 2]) -> Result<(), StoreError> {
+        wait_connected(&self.pool).await?;
         load_scripts(self.pool.next(), scripts)
             .await
             .map_err(redis_error)?;
+        if self.cluster {
+            let primaries = self
+                .pool
+                .next()
+                .cached_cluster_state()
+                .map(|r| r.unique_primary_nodes())
+                .unwrap_or_default();
+            for server in primaries {
+                if let Some(pool) = self.node_of(&server).direct() {
+                    wait_connected(pool).await?;
+                }
+            }
+        }
         // A user that may load scripts but not run them would fail every call: not ready, saying why.
         // refund.lua with no keys changes nothing; any other answer (OOM among them) is Redis's own.
         let probe = scripts[1]
@@ -294,6 +402,15 @@ impl Backend {
     /// Whether at least one connection is up.
     pub fn connected(&self) -> bool {
         self.pool.clients().iter().any(|c| c.is_connected())
+    }
+
+    /// Whether a connection that carries `node`'s calls is up: its own on a Cluster master, else the
+    /// deployment's.
+    pub fn reaches(&self, node: &Node) -> bool {
+        match node.direct() {
+            Some(own) => own.clients().iter().any(|c| c.is_connected()),
+            None => self.connected(),
+        }
     }
 
     /// Whether a circuit breaker in front of one of its servers is open.
@@ -336,10 +453,19 @@ impl Backend {
         if !self.cluster {
             return self.single.clone();
         }
-        lock(&self.masters)
+        if let Some(node) = lock(&self.masters).get(server) {
+            return node.clone();
+        }
+        // Made outside the lock (it starts connecting); the first one in is kept.
+        let made = self.master_node(server);
+        let node = lock(&self.masters)
             .entry(server.clone())
-            .or_insert_with(|| self.node_settings.node(server.to_string()))
-            .clone()
+            .or_insert_with(|| made.clone())
+            .clone();
+        if !Arc::ptr_eq(&node, &made) {
+            made.retire();
+        }
+        node
     }
 
     /// The server a key's hash slot lives on, as this replica last saw the slot map (the one server
@@ -361,8 +487,13 @@ impl Backend {
 
     /// Closes the connections.
     pub async fn close(&self) {
-        self.closing
-            .store(true, std::sync::atomic::Ordering::Relaxed);
+        self.closing.store(true, Ordering::Relaxed);
+        let masters: Vec<Arc<Node>> = lock(&self.masters).values().cloned().collect();
+        for node in masters {
+            if let Some(pool) = node.direct() {
+                let _ = pool.quit().await;
+            }
+        }
         let _ = self.pool.quit().await;
     }
 }
@@ -373,6 +504,7 @@ const RESTART_AFTER: Duration = Duration::from_millis(100);
 /// A connection error of one of `backend`'s clients, on `server` when it names one.
 fn connection_error(
     backend: Option<Arc<Backend>>,
+    node: Option<Arc<Node>>,
     name: &'static str,
     topology: RedisTopology,
     url: &str,
@@ -382,17 +514,13 @@ fn connection_error(
     // A connection the server closed: asked whether it still takes connections, which counts against
     // it only if not (an idle timeout closes a healthy server's connections).
     if let (Some(b), Some(lost), ErrorKind::IO) = (&backend, &server, err.kind()) {
-        b.node_of(lost)
-            .connection_lost(b.probe(lost), err.to_string());
+        match &node {
+            Some(node) => node.connection_lost(b.probe(lost), err.to_string()),
+            None => tracing::debug!(server = %lost, backend = name, "Redis connection lost: {err}"),
+        }
         return;
     }
-    // A refused connection counts against its server's breaker, as a call that fails on it does. A
-    // refused reconnection names no server: on one server, it is that one.
-    let node = backend.as_ref().and_then(|b| match &server {
-        Some(server) => Some(b.node_of(server)),
-        None if !b.cluster => Some(b.single.clone()),
-        None => None,
-    });
+    // A refused connection counts against its server's breaker, as a call that fails on it does.
     if let Some(node) = node {
         if node.breaker.failure() {
             tracing::warn!(
@@ -419,19 +547,13 @@ fn connection_error(
 /// backend is in use. The task follows lost connections itself; it ends only on an error it does not
 /// recover from (a redirection it could not follow, for one), after which the client would take
 /// commands that no task sends, each waiting for its deadline, for the life of the process.
-fn supervise(client: Client, backend: std::sync::Weak<Backend>) {
-    // In use: not dropped, not closed.
-    let in_use = move || {
-        backend
-            .upgrade()
-            .filter(|b| !b.closing.load(std::sync::atomic::Ordering::Relaxed))
-    };
+fn supervise(client: Client, name: &'static str, in_use: impl Fn() -> bool + Send + 'static) {
     tokio::spawn(async move {
         loop {
             let ended = client.connect().await;
-            let Some(backend) = in_use() else {
+            if !in_use() {
                 return;
-            };
+            }
             let why = match ended {
                 Ok(Ok(())) => "it ended".to_owned(),
                 Ok(Err(err)) if err.is_canceled() => return,
@@ -439,17 +561,58 @@ fn supervise(client: Client, backend: std::sync::Weak<Backend>) {
                 Err(join) => join.to_string(),
             };
             tracing::warn!(
-                backend = backend.name,
+                backend = name,
                 "Redis client stopped ({why}): connecting it again"
             );
-            drop(backend);
             tokio::time::sleep(RESTART_AFTER).await;
             // Closed meanwhile: not connected again.
-            if in_use().is_none() {
+            if !in_use() {
                 return;
             }
         }
     });
+}
+
+/// Waits until every connection of `pool` is up.
+async fn wait_connected(pool: &Pool) -> Result<(), StoreError> {
+    for client in pool.clients() {
+        // The client's wait reads its state, then listens for the next connection: one made in
+        // between is missed, and the wait would never end (a replica up but never serving). It is
+        // given a tenth of a second at a time, and the state read again.
+        while !client.is_connected() {
+            let next = tokio::time::timeout(CONNECTED_CHECK_EVERY, client.wait_for_connect());
+            if let Ok(connected) = next.await {
+                connected.map_err(redis_error)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A pool of `config`'s connections as `settings` sets them. Commands still unanswered after
+/// `command_timeout` are abandoned by the client, never replayed after a reconnect.
+fn build_pool(
+    config: Config,
+    settings: &RedisSettings,
+    command_timeout: Duration,
+) -> Result<Pool, StoreError> {
+    Builder::from_config(config)
+        .with_connection_config(|c| {
+            c.connection_timeout = settings.connect_timeout;
+            c.internal_command_timeout = settings.connect_timeout;
+            // Redirections (MOVED, ASK) during resharding count as attempts. Fewer redirections
+            // than attempts: the client follows an ASK by sending the command to the slot's owner
+            // again, which answers ASK again, and a command whose attempts run out there ends the
+            // client's connection task (fred 10.1); out of redirections, only the command fails.
+            c.max_command_attempts = 3;
+            c.max_redirections = 2;
+        })
+        .with_performance_config(|p| {
+            p.default_command_timeout = command_timeout;
+        })
+        .set_policy(ReconnectPolicy::new_exponential(0, 50, 2_000, 2))
+        .build_pool(settings.pool_size)
+        .map_err(|e| StoreError::Config(e.to_string()))
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {

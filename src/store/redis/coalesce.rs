@@ -202,14 +202,18 @@ impl Caller {
             .max()
             .unwrap_or_else(Instant::now);
         let parts: Vec<&Part> = batch.iter().map(|w| &w.part).collect();
-        let result = self.call(node, &parts, &[], until).await;
+        let result = self.call(node, &parts, &[], until, Route::Node).await;
         drop(parts);
         let reply = match result {
-            Err(CallError::Moved(err)) if batch.len() > 1 => {
-                // Slots are moving: one slot per call, each routed (and redirected) by the client.
-                tracing::debug!(server = %node.name(), parts = batch.len(), "a call spanning slots was refused ({err}); sending one slot per call");
+            Err(CallError::Moved(err)) => {
+                // Slots are moving: one request per call, each routed (and redirected) by the
+                // Cluster client, which learns the new slot map on the way.
+                tracing::debug!(server = %node.name(), parts = batch.len(), "a call was refused ({err}); sending one request per call");
                 let alone = join_all(batch.iter_mut().map(|waiting| async {
-                    let reply = match self.call(node, &[&waiting.part], &[], until).await {
+                    let reply = match self
+                        .call(node, &[&waiting.part], &[], until, Route::Cluster)
+                        .await
+                    {
                         Err(CallError::Moved(_)) if spans_slots(&waiting.part) => {
                             return Err(StoreError::SlotsMoved)
                         }
@@ -226,8 +230,6 @@ impl Caller {
                 }
                 return;
             }
-            // A request's part alone, over slots of which one moved: its request goes again by slot.
-            Err(CallError::Moved(_)) if spans_slots(&batch[0].part) => Err(StoreError::SlotsMoved),
             other => other.map_err(StoreError::from).and_then(|reply| {
                 let mut parts: Vec<&mut Part> = batch.iter_mut().map(|w| &mut w.part).collect();
                 PartReply::parse_all(&reply, &mut parts)
@@ -254,7 +256,7 @@ impl Caller {
         returns: &[Return],
         until: Instant,
     ) -> Result<(), StoreError> {
-        let reply = self.call(node, &[], returns, until).await?;
+        let reply = self.call(node, &[], returns, until, Route::Node).await?;
         PartReply::parse_all(&reply, &mut [])?;
         Ok(())
     }
@@ -267,13 +269,18 @@ impl Caller {
         parts: &[&Part],
         returns: &[Return],
         until: Instant,
+        route: Route,
     ) -> Result<Vec<i64>, CallError> {
         let jitter = if self.jitter_max == 0 {
             0
         } else {
             rand::random_range(0..=self.jitter_max)
         };
-        let client = self.pool.next_connected().clone();
+        let pool = match (route, node.direct()) {
+            (Route::Node, Some(own)) => own,
+            _ => &self.pool,
+        };
+        let client = pool.next_connected().clone();
         let mut loaded = false;
         loop {
             // The command is made and handed to `wait` (which boxes it) in a block of its own: a
@@ -301,6 +308,15 @@ impl Caller {
             }
         }
     }
+}
+
+/// Which connections a call goes on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Route {
+    /// Its server's own, on a Cluster master that has them; else the deployment's.
+    Node,
+    /// The Cluster client's, which follow redirections.
+    Cluster,
 }
 
 /// Why a call failed.

@@ -438,14 +438,9 @@ impl RedisStore {
     fn admit(&self, groups: &[Group]) -> Result<(), StoreError> {
         for group in groups {
             let backend = self.backend(group.backend);
-            if !backend.connected() {
+            if !backend.reaches(&group.node) {
                 if group.node.breaker.trip() {
-                    if backend.cluster {
-                        // The client connects to every master together: this one may be fine.
-                        tracing::warn!(server = %group.node.name(), backend = backend.name, "no connection to the Redis Cluster (a master cannot be reached, and the client reconnects every master together): circuit breaker open");
-                    } else {
-                        tracing::warn!(server = %group.node.name(), backend = backend.name, "no connection to Redis: circuit breaker open");
-                    }
+                    tracing::warn!(server = %group.node.name(), backend = backend.name, "no connection to Redis: circuit breaker open");
                 }
                 return Err(StoreError::CircuitOpen("no connection to Redis"));
             }

@@ -23,7 +23,11 @@ use std::{
     time::Duration,
 };
 
-use fred::error::{Error, ErrorKind};
+use fred::{
+    clients::Pool,
+    error::{Error, ErrorKind},
+    interfaces::ClientLike,
+};
 use tokio::time::Instant;
 use tokio_util::task::TaskTracker;
 
@@ -50,10 +54,19 @@ pub struct Node {
     progress_ms: AtomicU64,
     /// A lost connection's check is under way ([`Node::connection_lost`]).
     checking: AtomicBool,
+    /// A Cluster master's own connections, which carry its calls (see `Backend::master_node`).
+    direct: Option<Pool>,
+    /// No longer a master, or a second entry made for one: its connections are closed.
+    retired: AtomicBool,
 }
 
 impl Node {
-    pub fn new(name: String, breaker: Breaker, unresponsive_after: Duration) -> Self {
+    pub fn new(
+        name: String,
+        breaker: Breaker,
+        unresponsive_after: Duration,
+        direct: Option<Pool>,
+    ) -> Self {
         Self {
             name,
             breaker,
@@ -63,7 +76,30 @@ impl Node {
             outstanding: AtomicUsize::new(0),
             progress_ms: AtomicU64::new(0),
             checking: AtomicBool::new(false),
+            direct,
+            retired: AtomicBool::new(false),
         }
+    }
+
+    /// Its own connections, on a Cluster master.
+    pub fn direct(&self) -> Option<&Pool> {
+        self.direct.as_ref()
+    }
+
+    /// Closes its own connections for good: it is no longer a master (or not the entry kept for one).
+    pub fn retire(&self) {
+        if self.retired.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        if let Some(pool) = self.direct.clone() {
+            tokio::spawn(async move {
+                let _ = pool.quit().await;
+            });
+        }
+    }
+
+    pub fn is_retired(&self) -> bool {
+        self.retired.load(Ordering::Acquire)
     }
 
     pub fn name(&self) -> &str {
@@ -324,6 +360,7 @@ mod tests {
             "test:6379".into(),
             Breaker::new(5, Duration::from_millis(500)),
             Duration::from_millis(250),
+            None,
         ))
     }
 

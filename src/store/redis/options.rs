@@ -74,7 +74,8 @@ pub struct RedisSettings {
     /// host connected to (it must still be signed by a trusted CA). Default false.
     pub tls_skip_hostname_verification: bool,
     /// Env `REDIS_POOL_SIZE` (default 10): connections per Redis node; commands are pipelined on each.
-    /// On Cluster each master also gets this many of its own, which carry its decisions.
+    /// On Cluster each master also gets `calls_in_flight` connections of its own, which carry its
+    /// decisions.
     pub pool_size: usize,
     /// Script calls in flight per Redis server (default 2). Requests that arrive while every one is busy
     /// wait, and go together in the next call that ends: an idle service sends each request at once, a

@@ -396,7 +396,8 @@ fn a_killed_redis_is_answered_at_once_and_logged_once_while_it_stays_down() {
 /// A Redis whose `timeout` closes idle connections (a common setting; proxies' idle timeouts do the
 /// same), under a replica started with the reference's variables alone: every pooled connection closed
 /// while idle is nothing to report. The breaker stays closed, the log is quiet at its default level, and
-/// the requests after the idle time are decided on Redis.
+/// the requests after the idle time are decided on Redis, also one sent while every connection is being
+/// made again.
 #[test]
 fn connections_a_redis_closes_when_idle_open_no_breaker_and_write_no_warning() {
     let _one = ONE_AT_A_TIME.blocking_lock();
@@ -404,20 +405,33 @@ fn connections_a_redis_closes_when_idle_open_no_breaker_and_write_no_warning() {
     let rules = rules_folder();
     let running = start_binary(&mut replica_on(&rules, &redis));
     assert!(running.serving_within(Duration::from_secs(15)));
-    let accepted = || {
-        let stats = redis.cli(&["INFO", "stats"]);
-        stats
+    // The replica's connections by id (not this listing's own).
+    let pooled = || -> std::collections::BTreeSet<String> {
+        redis
+            .cli(&["CLIENT", "LIST"])
             .lines()
-            .find_map(|l| l.strip_prefix("total_connections_received:"))
-            .and_then(|n| n.trim().parse::<u64>().ok())
-            .expect("INFO stats has total_connections_received")
+            .filter(|l| !l.contains("cmd=client|list"))
+            .filter_map(|l| {
+                l.split(' ')
+                    .find_map(|f| f.strip_prefix("id="))
+                    .map(str::to_owned)
+            })
+            .collect()
     };
     // Redis looks at idle clients a few at a time: within seconds, each of the ten pooled connections
-    // is closed and made again at least once.
-    let before = accepted();
+    // is closed and made again.
+    let first = pooled();
+    assert!(first.len() >= 10, "{first:?}");
     let until = Instant::now() + Duration::from_secs(15);
-    while accepted() < before + 12 {
-        assert!(Instant::now() < until, "Redis closed no idle connection");
+    loop {
+        let now = pooled();
+        if now.is_disjoint(&first) && now.len() >= 10 {
+            break;
+        }
+        assert!(
+            Instant::now() < until,
+            "Redis did not close every idle connection: {first:?} then {now:?}"
+        );
         std::thread::sleep(Duration::from_millis(200));
     }
     let body = r#"{"domain":"faults","descriptors":[{"entries":[{"key":"user","value":"idle"}]}]}"#;
@@ -429,6 +443,14 @@ fn connections_a_redis_closes_when_idle_open_no_breaker_and_write_no_warning() {
             "{answer}"
         );
     }
+    // Every connection closed at once, and a request at once, while the client waits to reconnect: it
+    // waits for the reconnection, the breaker stays closed.
+    redis.cli(&["CLIENT", "KILL", "TYPE", "normal"]);
+    let (code, answer) = common::http_request(running.http, "POST", "/json", body);
+    assert_eq!(
+        code, 200,
+        "just after the connections were closed: {answer}"
+    );
     let log = running.log.lock().unwrap().clone();
     let warned: Vec<&str> = log
         .lines()

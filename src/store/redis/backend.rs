@@ -14,13 +14,15 @@ use std::{
 use arc_swap::ArcSwapOption;
 use fred::{
     prelude::*,
-    types::{cluster::ClusterRouting, config::Server, scripts::Script},
+    types::{
+        cluster::ClusterRouting, config::Server, scripts::Script, MultipleKeys, MultipleValues,
+    },
 };
 
 use tokio_util::task::TaskTracker;
 
 use super::{
-    coalesce::{Bounds, Caller},
+    coalesce::{is_moved, Bounds, Caller},
     config::client_config,
     load_scripts,
     node::{Node, Probe},
@@ -277,6 +279,8 @@ impl Backend {
     /// connections closed.
     fn routing_changed(&self, client: &Client) {
         let routing = client.cached_cluster_state().map(Arc::new);
+        // Stored first: a master made from here on is made from this map (see `node_of`).
+        self.routing.store(routing.clone());
         if let Some(routing) = routing.as_ref().filter(|_| self.cluster) {
             let primaries = routing.unique_primary_nodes();
             let gone: Vec<Arc<Node>> = {
@@ -297,7 +301,14 @@ impl Backend {
                 node.retire();
             }
         }
-        self.routing.store(routing);
+    }
+
+    /// Whether the slot map as last read names `server` a master (no map yet: taken as one).
+    fn is_master(&self, server: &Server) -> bool {
+        self.routing
+            .load()
+            .as_ref()
+            .is_none_or(|r| r.slots().iter().any(|range| range.primary == *server))
     }
 
     /// A Cluster master's entry, with its own pool of connections to it alone, which carry its calls:
@@ -381,9 +392,20 @@ impl Backend {
                 .map(|r| r.unique_primary_nodes())
                 .unwrap_or_default();
             for server in primaries {
-                if let Some(pool) = self.node_of(&server).direct() {
-                    wait_connected(pool).await?;
-                }
+                let node = self.node_of(&server);
+                let Some(pool) = node.direct().filter(|_| !node.is_retired()) else {
+                    continue;
+                };
+                // A master lost meanwhile is not waited for past a connection's time: the next
+                // readiness check starts again from the slot map.
+                let bound = self.direct.settings.connect_timeout * 2;
+                tokio::time::timeout(bound, wait_connected(pool))
+                    .await
+                    .map_err(|_| {
+                        StoreError::Backend(format!(
+                            "redis: the Cluster master {server} did not take a connection within {bound:?}"
+                        ))
+                    })??;
             }
         }
         // A user that may load scripts but not run them would fail every call: not ready, saying why.
@@ -406,18 +428,28 @@ impl Backend {
         Ok(())
     }
 
-    /// Whether at least one connection is up.
+    /// Whether at least one connection is up: on Cluster, the Cluster client's or a master's own.
     pub fn connected(&self) -> bool {
-        self.pool.clients().iter().any(|c| c.is_connected())
+        any_connected(&self.pool)
+            || lock(&self.masters)
+                .values()
+                .any(|node| node.direct().is_some_and(any_connected))
     }
 
-    /// Whether a connection that carries `node`'s calls is up: its own on a Cluster master, else the
-    /// deployment's.
+    /// Whether `node`'s calls can go now: a connection that carries them is up (its own on a Cluster
+    /// master, else the deployment's), or all are being made again after the server closed them while
+    /// it still takes new ones (an idle timeout): the calls wait for them.
     pub fn reaches(&self, node: &Node) -> bool {
-        match node.direct() {
-            Some(own) => own.clients().iter().any(|c| c.is_connected()),
-            None => self.connected(),
-        }
+        let up = match self.own_pool(node) {
+            Some(own) => any_connected(own),
+            None => any_connected(&self.pool),
+        };
+        up || node.reconnecting()
+    }
+
+    /// `node`'s own connections, on a Cluster master still in use.
+    pub fn own_pool<'a>(&self, node: &'a Node) -> Option<&'a Pool> {
+        node.direct().filter(|_| !node.is_retired())
     }
 
     /// Whether a circuit breaker in front of one of its servers is open.
@@ -471,6 +503,19 @@ impl Backend {
             .clone();
         if !Arc::ptr_eq(&node, &made) {
             made.retire();
+        }
+        // Read from a slot map replaced meanwhile, which no longer names it: not kept (its calls,
+        // retired, go through the Cluster client, which follows the slots).
+        if !self.is_master(server) {
+            let mut masters = lock(&self.masters);
+            if masters
+                .get(server)
+                .is_some_and(|kept| Arc::ptr_eq(kept, &node))
+            {
+                masters.remove(server);
+            }
+            drop(masters);
+            node.retire();
         }
         node
     }
@@ -527,13 +572,19 @@ fn connection_error(
         }
         return;
     }
+    // The Cluster client's refused connections: each master's own report them, naming it.
+    if node.is_none() && *err.kind() == ErrorKind::IO && backend.as_ref().is_some_and(|b| b.cluster)
+    {
+        tracing::debug!(backend = name, "Redis Cluster connection error: {err}");
+        return;
+    }
     // A refused connection counts against its server's breaker, as a call that fails on it does.
     if let Some(node) = node {
         if node.breaker.failure() {
             tracing::warn!(
                 server = node.name(),
                 backend = name,
-                "Redis connection refused: circuit breaker open"
+                "Redis connection failing: circuit breaker open"
             );
         }
     }
@@ -578,6 +629,39 @@ fn supervise(client: Client, name: &'static str, in_use: impl Fn() -> bool + Sen
             }
         }
     });
+}
+
+fn any_connected(pool: &Pool) -> bool {
+    pool.clients().iter().any(|c| c.is_connected())
+}
+
+/// Runs `script` on `keys` of `node`'s server, on its own connections when it has them; keys those refuse
+/// as moved (slots moving) go again through the Cluster client, which follows them.
+pub async fn eval_on<R, K, V>(
+    own: Option<Client>,
+    cluster: Client,
+    script: Script,
+    keys: K,
+    args: V,
+) -> Result<R, Error>
+where
+    R: FromValue,
+    K: Into<MultipleKeys> + Clone + Send,
+    V: TryInto<MultipleValues> + Clone + Send,
+    V::Error: Into<Error> + Send,
+{
+    if let Some(own) = own {
+        match script
+            .evalsha_with_reload::<R, _, _>(&own, keys.clone(), args.clone())
+            .await
+        {
+            Err(err) if is_moved(&err) => {}
+            answered => return answered,
+        }
+    }
+    script
+        .evalsha_with_reload::<R, _, _>(&cluster, keys, args)
+        .await
 }
 
 /// Waits until every connection of `pool` is up.

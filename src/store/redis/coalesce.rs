@@ -256,7 +256,13 @@ impl Caller {
         returns: &[Return],
         until: Instant,
     ) -> Result<(), StoreError> {
-        let reply = self.call(node, &[], returns, until, Route::Node).await?;
+        let reply = match self.call(node, &[], returns, until, Route::Node).await {
+            // Slots moving: through the Cluster client, which follows them.
+            Err(CallError::Moved(_)) => {
+                self.call(node, &[], returns, until, Route::Cluster).await?
+            }
+            reply => reply?,
+        };
         PartReply::parse_all(&reply, &mut [])?;
         Ok(())
     }
@@ -276,7 +282,9 @@ impl Caller {
         } else {
             rand::random_range(0..=self.jitter_max)
         };
-        let pool = match (route, node.direct()) {
+        // A master retired from the slot map: its calls go through the Cluster client.
+        let own = node.direct().filter(|_| !node.is_retired());
+        let pool = match (route, own) {
             (Route::Node, Some(own)) => own,
             _ => &self.pool,
         };
@@ -347,7 +355,7 @@ fn spans_slots(part: &Part) -> bool {
 }
 
 /// Whether a Cluster error says a key of the call is not (or not only) on the server that ran it.
-fn is_moved(err: &Error) -> bool {
+pub(super) fn is_moved(err: &Error) -> bool {
     let details = err.details();
     [
         "non local key",

@@ -54,6 +54,9 @@ pub struct Node {
     progress_ms: AtomicU64,
     /// A lost connection's check is under way ([`Node::connection_lost`]).
     checking: AtomicBool,
+    /// Until when (ms since `epoch`) the server is known to take connections again after closing ours:
+    /// calls wait for the client's reconnection rather than opening the breaker.
+    accepting_until_ms: AtomicU64,
     /// A Cluster master's own connections, which carry its calls (see `Backend::master_node`).
     direct: Option<Pool>,
     /// No longer a master, or a second entry made for one: its connections are closed.
@@ -76,9 +79,17 @@ impl Node {
             outstanding: AtomicUsize::new(0),
             progress_ms: AtomicU64::new(0),
             checking: AtomicBool::new(false),
+            accepting_until_ms: AtomicU64::new(0),
             direct,
             retired: AtomicBool::new(false),
         }
+    }
+
+    /// Whether its connections are being made again after it closed them (see [`Node::connection_lost`]):
+    /// asked now, or found to take new ones lately.
+    pub fn reconnecting(&self) -> bool {
+        self.checking.load(Ordering::Acquire)
+            || self.now_ms() < self.accepting_until_ms.load(Ordering::Relaxed)
     }
 
     /// Its own connections, on a Cluster master.
@@ -93,7 +104,19 @@ impl Node {
         }
         if let Some(pool) = self.direct.clone() {
             tokio::spawn(async move {
-                let _ = pool.quit().await;
+                // A quit that lands while a client is connecting is lost on it (the client goes on
+                // reconnecting): asked again until every client stays down, a few times at most.
+                for _ in 0..RETIRE_ATTEMPTS {
+                    let _ = pool.quit().await;
+                    tokio::time::sleep(RETIRE_CHECK_AFTER).await;
+                    if pool
+                        .clients()
+                        .iter()
+                        .all(|c| c.state() == fred::types::ClientState::Disconnected)
+                    {
+                        return;
+                    }
+                }
             });
         }
     }
@@ -191,6 +214,8 @@ impl Node {
             node.checking.store(false, Ordering::Release);
             let refused = match accepted {
                 Ok(Ok(())) => {
+                    node.accepting_until_ms
+                        .store(node.now_ms() + RECONNECTING_MS, Ordering::Relaxed);
                     tracing::debug!(server = %node.name, "Redis closed a connection ({why}) and accepts new ones: reconnecting");
                     return;
                 }
@@ -249,6 +274,15 @@ impl Node {
         }
     }
 }
+
+/// How long after a server took a new connection (having closed ours) calls wait for the client's own
+/// reconnection instead of finding no connection up: its reconnection waits 50 to 150 ms.
+const RECONNECTING_MS: u64 = 2_000;
+
+/// How many times, and how far apart, a retired master's connections are closed until they stay closed:
+/// past a connection attempt (`redis.connect_timeout`, 2 s by default).
+const RETIRE_ATTEMPTS: usize = 5;
+const RETIRE_CHECK_AFTER: Duration = Duration::from_secs(3);
 
 /// Where a lost connection's server is asked whether it still accepts connections.
 #[derive(Debug, Clone)]

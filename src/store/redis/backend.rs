@@ -267,10 +267,15 @@ impl Backend {
         }
         for client in backend.pool.clients() {
             let weak = Arc::downgrade(&backend);
-            supervise(client.clone(), name, move || {
-                weak.upgrade()
-                    .is_some_and(|b| !b.closing.load(Ordering::Relaxed))
-            });
+            supervise(
+                client.clone(),
+                name,
+                move || {
+                    weak.upgrade()
+                        .is_some_and(|b| !b.closing.load(Ordering::Relaxed))
+                },
+                drop,
+            );
         }
         Ok(backend)
     }
@@ -342,18 +347,22 @@ impl Backend {
         // Its errors name it, whether the client does or not.
         let (name, topology, url) = (self.name, settings.topology, server.to_string());
         for client in pool.clients() {
-            let (weak, scripts, reloading) =
-                (Arc::downgrade(&node), scripts.clone(), client.clone());
+            // The callbacks hold the node weakly, and no client: a client held by its own callback
+            // would never be freed once retired.
+            let (weak, scripts) = (Arc::downgrade(&node), scripts.clone());
             client.on_reconnect(move |server| {
-                let (weak, scripts, client) = (weak.clone(), scripts.clone(), reloading.clone());
+                let (weak, scripts) = (weak.clone(), scripts.clone());
                 async move {
                     tracing::debug!(%server, "connected to a Cluster master");
+                    let Some(node) = weak.upgrade() else {
+                        return Ok(());
+                    };
+                    let Some(client) = node.direct().map(|own| own.next().clone()) else {
+                        return Ok(());
+                    };
+                    // The scripts are the server's: loaded on any of its connections.
                     match load_scripts(&client, &scripts).await {
-                        Ok(()) => {
-                            if let Some(node) = weak.upgrade() {
-                                node.answered();
-                            }
-                        }
+                        Ok(()) => node.answered(),
                         Err(err) => {
                             tracing::warn!(%server, "cannot load scripts after reconnecting: {err}")
                         }
@@ -367,13 +376,25 @@ impl Backend {
                 connection_error(backend.upgrade(), master, name, topology, &url, &err, lost);
                 async { Ok(()) }
             });
-            let (backend, master) = (self.this.clone(), Arc::downgrade(&node));
-            supervise(client.clone(), name, move || {
-                backend
-                    .upgrade()
-                    .is_some_and(|b| !b.closing.load(Ordering::Relaxed))
-                    && master.upgrade().is_some_and(|n| !n.is_retired())
-            });
+            let (backend, master, keeper) = (
+                self.this.clone(),
+                Arc::downgrade(&node),
+                Arc::downgrade(&node),
+            );
+            supervise(
+                client.clone(),
+                name,
+                move || {
+                    backend
+                        .upgrade()
+                        .is_some_and(|b| !b.closing.load(Ordering::Relaxed))
+                        && master.upgrade().is_some_and(|n| !n.is_retired())
+                },
+                move |task| match keeper.upgrade() {
+                    Some(node) => node.own_task(task),
+                    None => task.abort(),
+                },
+            );
         }
         node
     }
@@ -572,14 +593,18 @@ fn connection_error(
         }
         return;
     }
-    // The Cluster client's refused connections: each master's own report them, naming it.
-    if node.is_none() && *err.kind() == ErrorKind::IO && backend.as_ref().is_some_and(|b| b.cluster)
-    {
+    // The Cluster client's refused connections: each master's own report them, naming it (before
+    // the slot map is read there are none: then it is the only report).
+    let masters_report = backend
+        .as_ref()
+        .is_some_and(|b| b.cluster && !lock(&b.masters).is_empty());
+    if node.is_none() && *err.kind() == ErrorKind::IO && masters_report {
         tracing::debug!(backend = name, "Redis Cluster connection error: {err}");
         return;
     }
     // A refused connection counts against its server's breaker, as a call that fails on it does.
     if let Some(node) = node {
+        node.refused();
         if node.breaker.failure() {
             tracing::warn!(
                 server = node.name(),
@@ -605,10 +630,18 @@ fn connection_error(
 /// backend is in use. The task follows lost connections itself; it ends only on an error it does not
 /// recover from (a redirection it could not follow, for one), after which the client would take
 /// commands that no task sends, each waiting for its deadline, for the life of the process.
-fn supervise(client: Client, name: &'static str, in_use: impl Fn() -> bool + Send + 'static) {
+/// Each connection task is handed to `keep` as it starts (a retired master's are ended).
+fn supervise(
+    client: Client,
+    name: &'static str,
+    in_use: impl Fn() -> bool + Send + 'static,
+    keep: impl Fn(tokio::task::AbortHandle) + Send + 'static,
+) {
     tokio::spawn(async move {
         loop {
-            let ended = client.connect().await;
+            let task = client.connect();
+            keep(task.abort_handle());
+            let ended = task.await;
             if !in_use() {
                 return;
             }

@@ -256,15 +256,28 @@ impl Caller {
         returns: &[Return],
         until: Instant,
     ) -> Result<(), StoreError> {
-        let reply = match self.call(node, &[], returns, until, Route::Node).await {
-            // Slots moving: through the Cluster client, which follows them.
+        match self.call(node, &[], returns, until, Route::Node).await {
+            // Slots moving: one call per slot through the Cluster client, which follows them (the
+            // slots of one master may have gone to different ones).
             Err(CallError::Moved(_)) => {
-                self.call(node, &[], returns, until, Route::Cluster).await?
+                let mut slots: Vec<u16> = returns.iter().map(|r| r.slot).collect();
+                slots.sort_unstable();
+                slots.dedup();
+                for slot in slots {
+                    let of_slot: Vec<Return> =
+                        returns.iter().filter(|r| r.slot == slot).cloned().collect();
+                    let reply = self
+                        .call(node, &[], &of_slot, until, Route::Cluster)
+                        .await?;
+                    PartReply::parse_all(&reply, &mut [])?;
+                }
+                Ok(())
             }
-            reply => reply?,
-        };
-        PartReply::parse_all(&reply, &mut [])?;
-        Ok(())
+            reply => {
+                PartReply::parse_all(&reply?, &mut [])?;
+                Ok(())
+            }
+        }
     }
 
     /// One EVALSHA of `parts` (after giving back `returns`), loading the script again when the server

@@ -26,7 +26,6 @@ use std::{
 use fred::{
     clients::Pool,
     error::{Error, ErrorKind},
-    interfaces::ClientLike,
 };
 use tokio::time::Instant;
 use tokio_util::task::TaskTracker;
@@ -61,6 +60,8 @@ pub struct Node {
     direct: Option<Pool>,
     /// No longer a master, or a second entry made for one: its connections are closed.
     retired: AtomicBool,
+    /// The connection tasks of its own clients, ended when it is retired.
+    tasks: std::sync::Mutex<Vec<tokio::task::AbortHandle>>,
 }
 
 impl Node {
@@ -79,17 +80,34 @@ impl Node {
             outstanding: AtomicUsize::new(0),
             progress_ms: AtomicU64::new(0),
             checking: AtomicBool::new(false),
-            accepting_until_ms: AtomicU64::new(0),
+            // A master's own connections are being made: its first calls wait for them.
+            accepting_until_ms: AtomicU64::new(if direct.is_some() { RECONNECTING_MS } else { 0 }),
             direct,
             retired: AtomicBool::new(false),
+            tasks: std::sync::Mutex::new(Vec::new()),
         }
     }
 
-    /// Whether its connections are being made again after it closed them (see [`Node::connection_lost`]):
-    /// asked now, or found to take new ones lately.
+    /// Keeps a connection task of one of its own clients, to end it when retired (at once if it is).
+    pub fn own_task(&self, task: tokio::task::AbortHandle) {
+        let mut tasks = lock(&self.tasks);
+        if self.is_retired() {
+            task.abort();
+        } else {
+            tasks.retain(|t| !t.is_finished());
+            tasks.push(task);
+        }
+    }
+
+    /// Whether its connections are being made again after it closed them while it took new ones (see
+    /// [`Node::connection_lost`]), and none was refused since.
     pub fn reconnecting(&self) -> bool {
-        self.checking.load(Ordering::Acquire)
-            || self.now_ms() < self.accepting_until_ms.load(Ordering::Relaxed)
+        self.now_ms() < self.accepting_until_ms.load(Ordering::Relaxed)
+    }
+
+    /// A connection to it was refused: it no longer counts as taking new ones.
+    pub fn refused(&self) {
+        self.accepting_until_ms.store(0, Ordering::Relaxed);
     }
 
     /// Its own connections, on a Cluster master.
@@ -102,22 +120,10 @@ impl Node {
         if self.retired.swap(true, Ordering::AcqRel) {
             return;
         }
-        if let Some(pool) = self.direct.clone() {
-            tokio::spawn(async move {
-                // A quit that lands while a client is connecting is lost on it (the client goes on
-                // reconnecting): asked again until every client stays down, a few times at most.
-                for _ in 0..RETIRE_ATTEMPTS {
-                    let _ = pool.quit().await;
-                    tokio::time::sleep(RETIRE_CHECK_AFTER).await;
-                    if pool
-                        .clients()
-                        .iter()
-                        .all(|c| c.state() == fred::types::ClientState::Disconnected)
-                    {
-                        return;
-                    }
-                }
-            });
+        // The connection tasks are ended, not asked to quit: a quit that lands while a client is
+        // connecting is lost on it, and the client goes on reconnecting for good.
+        for task in lock(&self.tasks).drain(..) {
+            task.abort();
         }
     }
 
@@ -275,14 +281,14 @@ impl Node {
     }
 }
 
-/// How long after a server took a new connection (having closed ours) calls wait for the client's own
-/// reconnection instead of finding no connection up: its reconnection waits 50 to 150 ms.
+/// How long after a server took a new connection (having closed ours), or after a Cluster master's own
+/// connections were first made, calls wait for the client's connection instead of finding none up: a
+/// reconnection waits 50 to 150 ms, then connects.
 const RECONNECTING_MS: u64 = 2_000;
 
-/// How many times, and how far apart, a retired master's connections are closed until they stay closed:
-/// past a connection attempt (`redis.connect_timeout`, 2 s by default).
-const RETIRE_ATTEMPTS: usize = 5;
-const RETIRE_CHECK_AFTER: Duration = Duration::from_secs(3);
+fn lock<T>(mutex: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|p| p.into_inner())
+}
 
 /// Where a lost connection's server is asked whether it still accepts connections.
 #[derive(Debug, Clone)]

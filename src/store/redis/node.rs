@@ -53,8 +53,9 @@ pub struct Node {
     progress_ms: AtomicU64,
     /// A lost connection's check is under way ([`Node::connection_lost`]).
     checking: AtomicBool,
-    /// Until when (ms since `epoch`) the server is known to take connections again after closing ours:
-    /// calls wait for the client's reconnection rather than opening the breaker.
+    /// Until when (ms since `epoch`) calls finding no connection up wait for the client's rather than
+    /// open the breaker: the server took a new connection after closing ours, or a Cluster master's
+    /// own connections are first being made.
     accepting_until_ms: AtomicU64,
     /// A Cluster master's own connections, which carry its calls (see `Backend::master_node`).
     direct: Option<Pool>,
@@ -99,8 +100,8 @@ impl Node {
         }
     }
 
-    /// Whether its connections are being made again after it closed them while it took new ones (see
-    /// [`Node::connection_lost`]), and none was refused since.
+    /// Whether its connections are being made: again, after it closed them while it took new ones
+    /// (see [`Node::connection_lost`]), or for the first time on a Cluster master; none refused since.
     pub fn reconnecting(&self) -> bool {
         self.now_ms() < self.accepting_until_ms.load(Ordering::Relaxed)
     }

@@ -2,7 +2,9 @@
 //! `@timestamp` (RFC 3339, nanoseconds), `level` (`error`, `warning`, `info`, `debug`, `trace`) and
 //! `@message`, then the event's own fields by name, so that log pipelines built on the reference's
 //! lines read ours unchanged. A line written within a span (a `ShouldRateLimit` call, a store call)
-//! carries that span's fields too, by name, unless the event has a field of that name.
+//! carries that span's fields too, by name, unless the event has a field of that name. Those spans are
+//! at info level: at the default `LOG_LEVEL` (warn) they are not made, which keeps them off the
+//! request path, and lines have only their own fields.
 
 use std::fmt;
 
@@ -56,12 +58,21 @@ where
             };
             if let Ok(Value::Object(fields)) = serde_json::from_str::<Value>(recorded) {
                 for (name, value) in fields {
-                    line.entry(name).or_insert(value);
+                    line.entry(field_name(&name)).or_insert(value);
                 }
             }
         }
         let text = serde_json::to_string(&line).map_err(|_| fmt::Error)?;
         writeln!(writer, "{text}")
+    }
+}
+
+/// The name a field is written under: its own, or with `fields.` before it when the line's own fields
+/// have that name, as logrus does.
+fn field_name(name: &str) -> String {
+    match name {
+        "@timestamp" | "level" | "@message" | "target" => format!("fields.{name}"),
+        name => name.to_owned(),
     }
 }
 
@@ -93,8 +104,7 @@ impl Fields<'_> {
                 return;
             }
             name if name.starts_with("log.") => return,
-            name @ ("@timestamp" | "level" | "@message" | "target") => format!("fields.{name}"),
-            name => name.to_owned(),
+            name => field_name(name),
         };
         self.line.insert(name, value);
     }
@@ -167,18 +177,23 @@ mod tests {
             .finish();
         tracing::subscriber::with_default(subscriber, || {
             tracing::warn!(domain = "edge", files = 3, "rules loaded");
-            tracing::warn_span!("ShouldRateLimit", domain = "api", descriptors = 2).in_scope(
-                || {
-                    tracing::warn_span!("backend call", backend = "redis", descriptors = 9)
-                        .in_scope(|| {
-                            tracing::warn!(
-                                checks = 1,
-                                backend = "main",
-                                "the counter store could not decide"
-                            )
-                        })
-                },
-            );
+            tracing::warn_span!(
+                "ShouldRateLimit",
+                domain = "api",
+                descriptors = 2,
+                target = "x"
+            )
+            .in_scope(|| {
+                tracing::warn_span!("backend call", backend = "redis", descriptors = 9).in_scope(
+                    || {
+                        tracing::warn!(
+                            checks = 1,
+                            backend = "main",
+                            "the counter store could not decide"
+                        )
+                    },
+                )
+            });
             // As the `log` bridge writes a library's line.
             tracing::error!(
                 log.target = "fred::router",
@@ -203,6 +218,7 @@ mod tests {
         assert_eq!(parsed[1]["backend"], "main");
         assert_eq!(parsed[1]["checks"], 1);
         assert_eq!(parsed[1]["descriptors"], 9);
+        assert_eq!(parsed[1]["fields.target"], "x");
         assert_eq!(parsed[2]["level"], "error");
         assert_eq!(parsed[2]["target"], "fred::router");
         assert_eq!(parsed[2]["fields.level"], "mine");

@@ -224,16 +224,11 @@ impl Backend {
                 }
                 async move {
                     tracing::debug!(%server, "connected to Redis");
-                    match load_scripts(&client, &scripts).await {
-                        // It answers: whatever opened its breaker is over. A Cluster master's
-                        // breaker follows the connections of its own that carry its calls.
-                        Ok(()) => {
-                            if let Some(backend) = weak.upgrade().filter(|b| !b.cluster) {
-                                backend.single.answered();
-                            }
-                        }
-                        Err(err) => {
-                            tracing::warn!(%server, "cannot load scripts after reconnecting: {err}")
+                    // It answers: whatever opened its breaker is over. A Cluster master's breaker
+                    // follows the connections of its own that carry its calls.
+                    if scripts_reloaded(&client, &scripts, &server).await {
+                        if let Some(backend) = weak.upgrade().filter(|b| !b.cluster) {
+                            backend.single.answered();
                         }
                     }
                     Ok(())
@@ -361,11 +356,8 @@ impl Backend {
                         return Ok(());
                     };
                     // The scripts are the server's: loaded on any of its connections.
-                    match load_scripts(&client, &scripts).await {
-                        Ok(()) => node.answered(),
-                        Err(err) => {
-                            tracing::warn!(%server, "cannot load scripts after reconnecting: {err}")
-                        }
+                    if scripts_reloaded(&client, &scripts, &server).await {
+                        node.answered();
                     }
                     Ok(())
                 }
@@ -414,7 +406,7 @@ impl Backend {
                 .unwrap_or_default();
             for server in primaries {
                 let node = self.node_of(&server);
-                let Some(pool) = node.direct().filter(|_| !node.is_retired()) else {
+                let Some(pool) = node.direct() else {
                     continue;
                 };
                 // A master lost meanwhile is not waited for past a connection's time: the next
@@ -461,16 +453,40 @@ impl Backend {
     /// master, else the deployment's), or all are being made again after the server closed them while
     /// it still takes new ones (an idle timeout): the calls wait for them.
     pub fn reaches(&self, node: &Node) -> bool {
-        let up = match self.own_pool(node) {
-            Some(own) => any_connected(own),
-            None => any_connected(&self.pool),
-        };
-        up || node.reconnecting()
+        any_connected(node.direct().unwrap_or(&self.pool)) || node.reconnecting()
     }
 
-    /// `node`'s own connections, on a Cluster master still in use.
-    pub fn own_pool<'a>(&self, node: &'a Node) -> Option<&'a Pool> {
-        node.direct().filter(|_| !node.is_retired())
+    /// Runs `script` on `keys` of `node`'s server, on its own connections when it has them; keys those
+    /// refuse as moved (slots moving) go again through the Cluster client, which follows them.
+    pub fn eval_on<R, K, V>(
+        &self,
+        node: &Node,
+        script: Script,
+        keys: K,
+        args: V,
+    ) -> impl std::future::Future<Output = Result<R, Error>> + Send + 'static
+    where
+        R: FromValue + Send,
+        K: Into<MultipleKeys> + Clone + Send + 'static,
+        V: TryInto<MultipleValues> + Clone + Send + 'static,
+        V::Error: Into<Error> + Send,
+    {
+        let own = node.direct().map(|p| p.next_connected().clone());
+        let cluster = self.pool.next_connected().clone();
+        async move {
+            if let Some(own) = own {
+                match script
+                    .evalsha_with_reload::<R, _, _>(&own, keys.clone(), args.clone())
+                    .await
+                {
+                    Err(err) if is_moved(&err) => {}
+                    answered => return answered,
+                }
+            }
+            script
+                .evalsha_with_reload::<R, _, _>(&cluster, keys, args)
+                .await
+        }
     }
 
     /// Whether a circuit breaker in front of one of its servers is open.
@@ -595,10 +611,12 @@ fn connection_error(
     }
     // The Cluster client's refused connections: each master's own report them, naming it (before
     // the slot map is read there are none: then it is the only report).
-    let masters_report = backend
-        .as_ref()
-        .is_some_and(|b| b.cluster && !lock(&b.masters).is_empty());
-    if node.is_none() && *err.kind() == ErrorKind::IO && masters_report {
+    let masters_report = || {
+        backend
+            .as_ref()
+            .is_some_and(|b| b.cluster && !lock(&b.masters).is_empty())
+    };
+    if node.is_none() && *err.kind() == ErrorKind::IO && masters_report() {
         tracing::debug!(backend = name, "Redis Cluster connection error: {err}");
         return;
     }
@@ -664,37 +682,20 @@ fn supervise(
     });
 }
 
-fn any_connected(pool: &Pool) -> bool {
-    pool.clients().iter().any(|c| c.is_connected())
-}
-
-/// Runs `script` on `keys` of `node`'s server, on its own connections when it has them; keys those refuse
-/// as moved (slots moving) go again through the Cluster client, which follows them.
-pub async fn eval_on<R, K, V>(
-    own: Option<Client>,
-    cluster: Client,
-    script: Script,
-    keys: K,
-    args: V,
-) -> Result<R, Error>
-where
-    R: FromValue,
-    K: Into<MultipleKeys> + Clone + Send,
-    V: TryInto<MultipleValues> + Clone + Send,
-    V::Error: Into<Error> + Send,
-{
-    if let Some(own) = own {
-        match script
-            .evalsha_with_reload::<R, _, _>(&own, keys.clone(), args.clone())
-            .await
-        {
-            Err(err) if is_moved(&err) => {}
-            answered => return answered,
+/// Loads the scripts again on a connection just made (a restarted server has lost them); whether it
+/// answered.
+async fn scripts_reloaded(client: &Client, scripts: &[Script; 2], server: &Server) -> bool {
+    match load_scripts(client, scripts).await {
+        Ok(()) => true,
+        Err(err) => {
+            tracing::warn!(%server, "cannot load scripts after reconnecting: {err}");
+            false
         }
     }
-    script
-        .evalsha_with_reload::<R, _, _>(&cluster, keys, args)
-        .await
+}
+
+fn any_connected(pool: &Pool) -> bool {
+    pool.clients().iter().any(|c| c.is_connected())
 }
 
 /// Waits until every connection of `pool` is up.
@@ -740,7 +741,7 @@ fn build_pool(
         .map_err(|e| StoreError::Config(e.to_string()))
 }
 
-fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+pub(super) fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(|p| p.into_inner())
 }
 

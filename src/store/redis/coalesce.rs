@@ -295,9 +295,7 @@ impl Caller {
         } else {
             rand::random_range(0..=self.jitter_max)
         };
-        // A master retired from the slot map: its calls go through the Cluster client.
-        let own = node.direct().filter(|_| !node.is_retired());
-        let pool = match (route, own) {
+        let pool = match (route, node.direct()) {
             (Route::Node, Some(own)) => own,
             _ => &self.pool,
         };

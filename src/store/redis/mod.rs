@@ -558,11 +558,7 @@ impl RedisStore {
             let (group, checks) = (refund.group, &refund.checks);
             let RefundCall { keys, args } = RefundCall::new(batch, keys, checks, refund.server_ms);
             let backend = self.backend(group.backend);
-            let own = backend
-                .own_pool(&group.node)
-                .map(|p| p.next_connected().clone());
-            let cluster = backend.pool.next_connected().clone();
-            let call = backend::eval_on::<i64, _, _>(own, cluster, self.refund.clone(), keys, args);
+            let call = backend.eval_on::<i64, _, _>(&group.node, self.refund.clone(), keys, args);
             let (until, late) = Self::wait_bound(backend, deadline);
             group.node.wait(&self.tasks, call, until, late)
         });

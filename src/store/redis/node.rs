@@ -32,6 +32,7 @@ use tokio_util::task::TaskTracker;
 
 use super::{
     super::{breaker::Breaker, StoreError},
+    backend::lock,
     coalesce::Lane,
 };
 
@@ -111,9 +112,10 @@ impl Node {
         self.accepting_until_ms.store(0, Ordering::Relaxed);
     }
 
-    /// Its own connections, on a Cluster master.
+    /// Its own connections, on a Cluster master not retired (a retired one's calls go through the
+    /// Cluster client).
     pub fn direct(&self) -> Option<&Pool> {
-        self.direct.as_ref()
+        self.direct.as_ref().filter(|_| !self.is_retired())
     }
 
     /// Closes its own connections for good: it is no longer a master (or not the entry kept for one).
@@ -286,10 +288,6 @@ impl Node {
 /// connections were first made, calls wait for the client's connection instead of finding none up: a
 /// reconnection waits 50 to 150 ms, then connects.
 const RECONNECTING_MS: u64 = 2_000;
-
-fn lock<T>(mutex: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(|p| p.into_inner())
-}
 
 /// Where a lost connection's server is asked whether it still accepts connections.
 #[derive(Debug, Clone)]

@@ -11,7 +11,7 @@ use std::sync::LazyLock;
 
 use fred::{prelude::*, types::scripts::Script};
 
-use super::{backend::eval_on, redis_error, Group, RedisStore};
+use super::{redis_error, Group, RedisStore};
 use crate::{
     quota::share::{Call, DemandUpdate, Given, Listing, Reply},
     store::{Deadline, StoreError},
@@ -44,10 +44,8 @@ impl RedisStore {
             checks: Default::default(),
             node: node.clone(),
         }])?;
-        let own = backend.own_pool(&node).map(|p| p.next_connected().clone());
-        let cluster = backend.pool.next_connected().clone();
         let (key, args) = (key.to_owned(), arguments(call));
-        let command = eval_on::<Vec<Value>, _, _>(own, cluster, SHARE.clone(), key, args);
+        let command = backend.eval_on::<Vec<Value>, _, _>(&node, SHARE.clone(), key, args);
         let (until, late) = Self::wait_bound(backend, deadline);
         let reply = node
             .wait(&self.tasks, command, until, late)

@@ -558,11 +558,11 @@ async fn on_cluster_a_request_over_slots_of_which_one_moved_is_decided_again_by_
     );
 }
 
-/// While a slot migrates, a key already moved is answered with ASK: the client's handling of it must cost
-/// at most the requests on that key during the migration, never the connections. Once the slot has
-/// moved, every request is decided again, and every admitted hit was counted once.
+/// While a slot migrates, a key already moved is answered with ASK by its old master: it is decided on
+/// the master importing it, the other slots of the old master as usual, and once the slot has moved,
+/// on its new master; every hit is counted once, where the key is.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_key_moved_mid_migration_fails_only_its_own_requests_and_only_meanwhile() {
+async fn a_key_moved_mid_migration_is_decided_on_the_master_importing_it() {
     let cluster = RedisCluster::start(false);
     let store = Store::Redis(redis_store(cluster.url(), RedisTopology::Cluster, |_| {}).await);
     let now = now_ms();
@@ -590,15 +590,35 @@ async fn a_key_moved_mid_migration_fails_only_its_own_requests_and_only_meanwhil
     let key = moving.storage_key(now);
     let migrated = ["MIGRATE", "127.0.0.1", &port, "", "0", "5000", "KEYS", &key];
     assert_eq!(from.cli(&migrated), "OK");
-    let mut admitted = 0;
-    for _ in 0..12 {
+    for i in 0..12 {
         // More than the pool's connections: each could have ended one.
-        if let Ok(answer) = store.apply(&one(&moving), now, within()).await {
-            admitted += u64::from(!answer.denied);
-        }
+        let answer = store.apply(&one(&moving), now, within()).await;
+        assert!(
+            !answer
+                .unwrap_or_else(|e| panic!("request {i} during the migration: {e}"))
+                .denied
+        );
         let other = store.apply(&one(&staying), now, within()).await;
         assert!(!other.expect("another slot of the server is decided").denied);
     }
+    // A request another master denies: what it counted on the moved key is given back there.
+    let full = (0..)
+        .map(|i| Check::fixed_window(format!("full{i}_"), 1, 3600, 1, Role::Enforce))
+        .find(|c| owner(&cluster, slot_of(&cluster, c, now)) == 2)
+        .unwrap();
+    assert!(
+        !store
+            .apply(&one(&full), now, within())
+            .await
+            .unwrap()
+            .denied
+    );
+    let both = Batch {
+        checks: vec![moving.clone(), full.clone()],
+        ..Batch::default()
+    };
+    let denied = store.apply(&both, now, within()).await;
+    assert!(denied.expect("decided during the migration").denied);
     // The migration ends.
     for master in &cluster.masters {
         assert_eq!(
@@ -616,8 +636,8 @@ async fn a_key_moved_mid_migration_fails_only_its_own_requests_and_only_meanwhil
     }
     assert_eq!(
         count_on(to, &moving, now),
-        1 + admitted + 20,
-        "each admitted hit counted once"
+        1 + 12 + 20,
+        "each hit counted once, the denied request's given back"
     );
     assert_eq!(count_on(from, &staying, now), 13);
 }

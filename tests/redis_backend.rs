@@ -31,6 +31,8 @@ descriptors:
     rate_limit: {unit: hour, requests_per_unit: 1000}
   - key: login
     rate_limit: {unit: minute, requests_per_unit: 5}
+  - key: mover
+    rate_limit: {unit: minute, requests_per_unit: 1000}
 "#;
 
 fn on_redis(url: String, topology: RedisTopology) -> impl FnOnce(&mut Settings) {
@@ -858,6 +860,120 @@ async fn follows_a_slot_migration_under_traffic_without_errors() {
         "only OK answers while slots moved: {total:?}"
     );
     assert!(total.get("Ok").copied().unwrap_or(0) > 100, "{total:?}");
+    cluster.wait_ok();
+    s.stop().await;
+}
+
+/// A slot being migrated key by key: the keys already on the new master are asked there (Redis answers
+/// ASK for them meanwhile). Held in that state for half a second per slot, under traffic on its keys.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_a_migration_has_moved_already_are_decided_at_once_and_counted_exactly() {
+    const VALUES: u32 = 40;
+    const LIMIT: u32 = 1000;
+    let cluster = RedisCluster::start(false);
+    let s = start(cluster.url(), RedisTopology::Cluster).await;
+    common::far_from_a_minute_end().await;
+    let mover = |caller: u32, j: u32| {
+        let values: Vec<String> = (0..5).map(|d| format!("ask{caller}-{j}-{d}")).collect();
+        let descriptors = values.iter().map(|v| descriptor(&[("mover", v)])).collect();
+        request("fleet", descriptors)
+    };
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut loads = Vec::new();
+    for caller in 0..4 {
+        let (mut c, stop) = (s.client().await, stop.clone());
+        loads.push(tokio::spawn(async move {
+            let mut hits = vec![0u32; VALUES as usize];
+            let mut others = std::collections::BTreeMap::<String, u32>::new();
+            let mut i = 0;
+            while !stop.load(Ordering::Relaxed) {
+                let j = i % VALUES;
+                i += 1;
+                match c.should_rate_limit(mover(caller, j)).await {
+                    Ok(resp) if resp.get_ref().overall_code == Code::Ok as i32 => {
+                        hits[j as usize] += 1
+                    }
+                    Ok(resp) => *others.entry(format!("{resp:?}")).or_default() += 1,
+                    Err(status) => *others.entry(format!("{status:?}")).or_default() += 1,
+                }
+            }
+            (hits, others)
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    let (from, to) = (&cluster.masters[0], &cluster.masters[1]);
+    let keys = from.cli(&["--scan", "--pattern", "fleet_mover_ask*"]);
+    let mut slots: Vec<String> = keys
+        .lines()
+        .map(|key| from.cli(&["CLUSTER", "KEYSLOT", key]))
+        .collect();
+    slots.sort();
+    slots.dedup();
+    slots.truncate(8);
+    assert!(
+        slots.len() >= 4,
+        "the callers' counters on master 0: {keys}"
+    );
+    let ids: Vec<String> = cluster
+        .masters
+        .iter()
+        .map(|m| m.cli(&["CLUSTER", "MYID"]))
+        .collect();
+    for slot in &slots {
+        assert_eq!(
+            to.cli(&["CLUSTER", "SETSLOT", slot, "IMPORTING", &ids[0]]),
+            "OK"
+        );
+        assert_eq!(
+            from.cli(&["CLUSTER", "SETSLOT", slot, "MIGRATING", &ids[1]]),
+            "OK"
+        );
+        let port = to.addr().rsplit_once(':').unwrap().1.to_owned();
+        for key in from.cli(&["CLUSTER", "GETKEYSINSLOT", slot, "100"]).lines() {
+            let moved = from.cli(&["MIGRATE", "127.0.0.1", &port, key, "0", "5000"]);
+            assert_eq!(moved, "OK", "{key}");
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        for master in &cluster.masters {
+            master.cli(&["CLUSTER", "SETSLOT", slot, "NODE", &ids[1]]);
+        }
+    }
+    let asked: u64 = from
+        .cli(&["INFO", "errorstats"])
+        .lines()
+        .find_map(|l| l.strip_prefix("errorstat_ASK:count="))
+        .map_or(0, |n| n.trim().parse().unwrap());
+    stop.store(true, Ordering::Relaxed);
+    let mut hits = Vec::new();
+    for load in loads {
+        let (caller_hits, others) = load.await.unwrap();
+        assert!(others.is_empty(), "every request decided OK: {others:?}");
+        hits.push(caller_hits);
+    }
+    assert!(
+        asked > 0,
+        "no request met a key already moved ({} slots moved)",
+        slots.len()
+    );
+
+    // Each counter holds exactly its hits: the next request sees the rest of the limit.
+    let mut c = s.client().await;
+    for (caller, caller_hits) in hits.iter().enumerate() {
+        for (j, &n) in caller_hits.iter().enumerate() {
+            let resp = c
+                .should_rate_limit(mover(caller as u32, j as u32))
+                .await
+                .unwrap()
+                .into_inner();
+            let remaining: Vec<u32> = resp.statuses.iter().map(|s| s.limit_remaining).collect();
+            assert_eq!(
+                remaining,
+                vec![LIMIT - n - 1; 5],
+                "caller {caller}, value {j}: {n} hits"
+            );
+        }
+    }
     cluster.wait_ok();
     s.stop().await;
 }

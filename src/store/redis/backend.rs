@@ -22,7 +22,7 @@ use fred::{
 use tokio_util::task::TaskTracker;
 
 use super::{
-    coalesce::{is_moved, Bounds, Caller},
+    coalesce::{asking, is_moved, Bounds, Caller, Refused},
     config::client_config,
     load_scripts,
     node::{Node, Probe},
@@ -61,8 +61,9 @@ pub struct Backend {
     pub timeout: Duration,
     /// The server of a standalone or Sentinel setup; on Cluster, slots not mapped yet.
     single: Arc<Node>,
-    /// Cluster masters by address, created when first used.
-    masters: Mutex<HashMap<Server, Arc<Node>>>,
+    /// Cluster masters by address, created when first used; shared with `caller`, which asks a master
+    /// importing a slot for the keys already there.
+    masters: Masters,
     /// The Cluster slot map, refreshed when the cluster changes.
     routing: ArcSwapOption<ClusterRouting>,
     node_settings: NodeSettings,
@@ -81,6 +82,38 @@ pub struct Backend {
     direct: Direct,
     /// The socket path when the server is reached by one; else servers are asked on their TCP port.
     unix_socket: Option<std::path::PathBuf>,
+}
+
+/// The Cluster masters known from the slot map, by address.
+#[derive(Debug, Default, Clone)]
+pub struct Masters(Arc<Mutex<HashMap<Server, Arc<Node>>>>);
+
+impl std::ops::Deref for Masters {
+    type Target = Mutex<HashMap<Server, Arc<Node>>>;
+
+    fn deref(&self) -> &Self::Target {
+        &self.0
+    }
+}
+
+impl Masters {
+    /// The master at `server` if it is known and has connections of its own: where a key a slot's
+    /// migration has moved there already is asked for (the Cluster client's own following of ASK
+    /// sends the command back to the slot's old owner).
+    pub fn importing(&self, server: &Server) -> Option<Arc<Node>> {
+        lock(self)
+            .get(server)
+            .filter(|node| node.direct().is_some())
+            .cloned()
+    }
+
+    /// The own connections of the master an ASK refusal sends its keys to, when it has them.
+    fn asked_for(&self, err: &Error) -> Option<Pool> {
+        match Refused::of(err) {
+            Refused::Asked(server) => self.importing(&server)?.direct().cloned(),
+            _ => None,
+        }
+    }
 }
 
 /// What a Cluster master's own pool of connections is made of: the Cluster's configuration, pointed
@@ -178,8 +211,10 @@ impl Backend {
             unresponsive_after: settings.unresponsive_after,
         };
         let cluster = settings.topology == RedisTopology::Cluster;
+        let masters = Masters::default();
         let caller = Arc::new(Caller {
             pool: pool.clone(),
+            masters: masters.clone(),
             script: scripts[0].clone(),
             cluster,
             jitter_max,
@@ -197,7 +232,7 @@ impl Backend {
             cluster,
             timeout: settings.timeout,
             single: node_settings.node(settings.url.clone(), None),
-            masters: Mutex::new(HashMap::new()),
+            masters,
             routing: ArcSwapOption::empty(),
             node_settings,
             clock_offset_ms: AtomicI64::new(0),
@@ -473,13 +508,33 @@ impl Backend {
     {
         let own = node.direct().map(|p| p.next_connected().clone());
         let cluster = self.pool.next_connected().clone();
+        let masters = self.masters.clone();
         async move {
             if let Some(own) = own {
                 match script
                     .evalsha_with_reload::<R, _, _>(&own, keys.clone(), args.clone())
                     .await
                 {
-                    Err(err) if is_moved(&err) => {}
+                    Err(err) if is_moved(&err) => {
+                        if let Some(to) = masters.asked_for(&err) {
+                            let client = to.next_connected().clone();
+                            let keys = keys.into().inner();
+                            let args = match args.try_into().map_err(Into::into)? {
+                                Value::Null => Vec::new(),
+                                args => args.into_array(),
+                            };
+                            let sha = script.sha1();
+                            let ask =
+                                || asking(client.clone(), sha.clone(), keys.clone(), args.clone());
+                            return match ask().await {
+                                Err(err) if err.details().starts_with("NOSCRIPT") => {
+                                    script.load(&client).await?;
+                                    ask().await
+                                }
+                                answered => answered,
+                            };
+                        }
+                    }
                     answered => return answered,
                 }
             }

@@ -16,22 +16,31 @@
 //! the parts of every slot of that server: the keys of the first slot are declared (Redis routes by
 //! them) and the script reads the others itself. While slots move, such a call may be refused before it
 //! writes anything; its parts are then sent one per call, and a part that spans slots and is refused
-//! again is answered [`StoreError::SlotsMoved`], on which its request goes again one slot per call,
-//! through the client's own redirection handling.
+//! again is answered [`StoreError::SlotsMoved`], on which its request goes again one slot per call.
+//! A call of one slot follows the slot ([`Caller::follow`]): through the Cluster client once the slot
+//! has moved, to the importing master right after ASKING while its keys are already there, and again a
+//! moment later while they are on both sides.
 
 use std::{
     collections::VecDeque,
     sync::{Arc, Mutex},
+    time::Duration,
 };
 
 use bytes::Bytes;
-use fred::{error::Error, prelude::*, types::scripts::Script};
+use fred::{
+    cmd,
+    error::{Error, ErrorKind},
+    prelude::*,
+    types::{config::Server, scripts::Script, Key},
+};
 use futures_util::future::join_all;
 use tokio::{sync::oneshot, time::Instant};
 use tokio_util::task::TaskTracker;
 
 use super::{
-    node::Node,
+    backend::Masters,
+    node::{BoxedCall, Node},
     redis_error,
     script::{unpack_reply, DecideCall, Part, PartReply, Return},
 };
@@ -143,6 +152,8 @@ impl Lane {
 /// What every call to one Redis deployment needs.
 pub struct Caller {
     pub pool: Pool,
+    /// The Cluster's masters, for the keys a slot's migration has moved already.
+    pub masters: Masters,
     pub script: Script,
     pub cluster: bool,
     /// Most extra seconds of TTL for new fixed-window counters (`EXPIRATION_JITTER_MAX_SECONDS`).
@@ -206,18 +217,18 @@ impl Caller {
         drop(parts);
         let reply = match result {
             Err(CallError::Moved(err)) => {
-                // Slots are moving: one request per call, each routed (and redirected) by the
-                // Cluster client, which learns the new slot map on the way.
+                // Slots are moving: one request per call. One of a single slot follows it; one of
+                // several that is refused again goes back to its request, to go one slot per call.
                 tracing::debug!(server = %node.name(), parts = batch.len(), "a call was refused ({err}); sending one request per call");
                 let alone = join_all(batch.iter_mut().map(|waiting| async {
-                    let reply = match self
-                        .call(node, &[&waiting.part], &[], until, Route::Cluster)
-                        .await
-                    {
-                        Err(CallError::Moved(_)) if spans_slots(&waiting.part) => {
-                            return Err(StoreError::SlotsMoved)
+                    let parts = [&waiting.part];
+                    let reply = if spans_slots(&waiting.part) {
+                        match self.call(node, &parts, &[], until, Route::Node).await {
+                            Err(CallError::Moved(_)) => return Err(StoreError::SlotsMoved),
+                            reply => reply?,
                         }
-                        reply => reply?,
+                    } else {
+                        self.follow(node, &parts, &[], until).await?
                     };
                     let mut replies = PartReply::parse_all(&reply, &mut [&mut waiting.part])?;
                     replies
@@ -257,8 +268,8 @@ impl Caller {
         until: Instant,
     ) -> Result<(), StoreError> {
         match self.call(node, &[], returns, until, Route::Node).await {
-            // Slots moving: one call per slot through the Cluster client, which follows them (the
-            // slots of one master may have gone to different ones).
+            // Slots moving: one call per slot, each following its slot (the slots of one master may
+            // have gone to different ones).
             Err(CallError::Moved(_)) => {
                 let mut slots: Vec<u16> = returns.iter().map(|r| r.slot).collect();
                 slots.sort_unstable();
@@ -266,9 +277,7 @@ impl Caller {
                 for slot in slots {
                     let of_slot: Vec<Return> =
                         returns.iter().filter(|r| r.slot == slot).cloned().collect();
-                    let reply = self
-                        .call(node, &[], &of_slot, until, Route::Cluster)
-                        .await?;
+                    let reply = self.follow(node, &[], &of_slot, until).await?;
                     PartReply::parse_all(&reply, &mut [])?;
                 }
                 Ok(())
@@ -277,6 +286,46 @@ impl Caller {
                 PartReply::parse_all(&reply?, &mut [])?;
                 Ok(())
             }
+        }
+    }
+
+    /// Sends again a call of one slot that `node` refused as moved, until it is decided or `until`:
+    /// through the Cluster client once the slot is another master's (it learns the new slot map on the
+    /// way), to the importing master right after ASKING while the keys are already there, and again a
+    /// moment later while they are on both sides. Nothing was written by a refused call.
+    async fn follow(
+        &self,
+        node: &Arc<Node>,
+        parts: &[&Part],
+        returns: &[Return],
+        until: Instant,
+    ) -> Result<Vec<i64>, CallError> {
+        let (mut to, mut route, mut pause) = (node.clone(), Route::Node, MIGRATING_FIRST_PAUSE);
+        loop {
+            let err = match self.call(&to, parts, returns, until, route).await {
+                Err(CallError::Moved(err)) => err,
+                decided => return decided,
+            };
+            let next = match Refused::of(&err) {
+                Refused::Asked(server) if route != Route::Asking => self
+                    .masters
+                    .importing(&server)
+                    .map(|master| (master, Route::Asking)),
+                Refused::Moved if route != Route::Cluster => Some((node.clone(), Route::Cluster)),
+                _ => None,
+            };
+            (to, route) = match next {
+                Some(next) => next,
+                None => {
+                    let next = Instant::now() + pause;
+                    if next >= until {
+                        return Err(CallError::Moved(err));
+                    }
+                    tokio::time::sleep_until(next).await;
+                    pause = (pause * 2).min(MIGRATING_LAST_PAUSE);
+                    (node.clone(), Route::Node)
+                }
+            };
         }
     }
 
@@ -296,7 +345,12 @@ impl Caller {
             rand::random_range(0..=self.jitter_max)
         };
         let pool = match (route, node.direct()) {
-            (Route::Node, Some(own)) => own,
+            (Route::Node | Route::Asking, Some(own)) => own,
+            (Route::Asking, None) => {
+                // Retired meanwhile (no longer a master): asked again after a pause, by slot map.
+                let closed = "TRYAGAIN the importing master's connections are closed";
+                return Err(CallError::Moved(Error::new(ErrorKind::Cluster, closed)));
+            }
             _ => &self.pool,
         };
         let client = pool.next_connected().clone();
@@ -309,9 +363,13 @@ impl Caller {
                 let DecideCall { keys, args } =
                     DecideCall::new(parts, returns, jitter, self.cluster);
                 let (sha, sender) = (self.script.sha1().clone(), client.clone());
-                let call = async move { sender.evalsha::<Bytes, _, _, _>(sha, keys, args).await };
+                let call: BoxedCall<Bytes> = if route == Route::Asking {
+                    Box::pin(asking(sender, sha, keys, args))
+                } else {
+                    Box::pin(async move { sender.evalsha(sha, keys, args).await })
+                };
                 let late = StoreError::Deadline(until.saturating_duration_since(Instant::now()));
-                node.wait(&self.tasks, call, until, late)
+                node.wait_boxed(&self.tasks, call, until, late)
             };
             match waiting.await? {
                 Ok(reply) => return Ok(unpack_reply(&reply)?),
@@ -336,6 +394,64 @@ enum Route {
     Node,
     /// The Cluster client's, which follow redirections.
     Cluster,
+    /// A master's own, right after ASKING: it is importing the call's slot, and has its keys.
+    Asking,
+}
+
+/// What a Cluster master's refusal of a call of one slot says about where its keys are.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) enum Refused {
+    /// The slot is another master's now (MOVED), or the refusal names none.
+    Moved,
+    /// The slot is moving to `Server`, and the keys are there already (ASK).
+    Asked(Server),
+    /// The slot is moving and its keys are on both sides (TRYAGAIN), or the refusal names a master
+    /// this replica has no connections to yet: the keys are on one side a moment later.
+    Wait,
+}
+
+impl Refused {
+    pub(super) fn of(err: &Error) -> Self {
+        let details = err.details();
+        if details.starts_with("TRYAGAIN") {
+            return Self::Wait;
+        }
+        // ASK <slot> <host>:<port>
+        let Some(rest) = details.strip_prefix("ASK ") else {
+            return Self::Moved;
+        };
+        let address = rest.split_whitespace().nth(1).unwrap_or("");
+        match address.rsplit_once(':').map(|(h, p)| (h, p.parse::<u16>())) {
+            Some((host, Ok(port))) if !host.is_empty() => Self::Asked(Server::new(host, port)),
+            _ => Self::Wait,
+        }
+    }
+}
+
+/// The first pause before a call of a migrating slot goes again, doubled each time up to the last.
+const MIGRATING_FIRST_PAUSE: Duration = Duration::from_millis(2);
+const MIGRATING_LAST_PAUSE: Duration = Duration::from_millis(32);
+
+/// EVALSHA right after ASKING, both on one connection of the master `client` reaches: how keys that a
+/// slot's migration has moved there already are reached before the slot is that master's. The Cluster
+/// client's own following of ASK sends the command itself back to the slot's old owner, which answers
+/// ASK again until the client gives up.
+pub(super) async fn asking<R: FromValue>(
+    client: Client,
+    sha: fred::bytes_utils::Str,
+    keys: Vec<Key>,
+    args: Vec<Value>,
+) -> Result<R, Error> {
+    let pipeline = client.pipeline();
+    let () = pipeline.custom(cmd!("ASKING"), Vec::<Value>::new()).await?;
+    let count = Value::from(i64::try_from(keys.len()).unwrap_or(i64::MAX));
+    let command: Vec<Value> = [Value::from(sha), count]
+        .into_iter()
+        .chain(keys.into_iter().map(Value::from))
+        .chain(args)
+        .collect();
+    let () = pipeline.custom(cmd!("EVALSHA"), command).await?;
+    pipeline.last().await
 }
 
 /// Why a call failed.
@@ -378,4 +494,41 @@ pub(super) fn is_moved(err: &Error) -> bool {
     ]
     .iter()
     .any(|sign| details.contains(sign))
+}
+
+#[cfg(test)]
+mod tests {
+    use fred::{
+        error::{Error, ErrorKind},
+        types::config::Server,
+    };
+
+    use super::Refused;
+
+    fn refused(kind: ErrorKind, reply: &str) -> Refused {
+        Refused::of(&Error::new(kind, reply.to_owned()))
+    }
+
+    #[test]
+    fn a_refusal_says_where_the_keys_of_a_moving_slot_are() {
+        assert_eq!(
+            refused(ErrorKind::Cluster, "ASK 3999 127.0.0.1:7002"),
+            Refused::Asked(Server::new("127.0.0.1", 7002))
+        );
+        assert_eq!(
+            refused(ErrorKind::Cluster, "ASK 3999 redis-2.redis.svc:6379"),
+            Refused::Asked(Server::new("redis-2.redis.svc", 6379))
+        );
+        assert_eq!(
+            refused(ErrorKind::Cluster, "MOVED 3999 127.0.0.1:7002"),
+            Refused::Moved
+        );
+        let both_sides = "TRYAGAIN Multiple keys request during rehashing of slot";
+        assert_eq!(refused(ErrorKind::Unknown, both_sides), Refused::Wait);
+        // A refusal naming no master it can be asked at: a moment later, by slot map.
+        assert_eq!(refused(ErrorKind::Cluster, "ASK 3999 :7002"), Refused::Wait);
+        assert_eq!(refused(ErrorKind::Cluster, "ASK 3999"), Refused::Wait);
+        let script = "ERR Script attempted to access a non local key in a cluster node script";
+        assert_eq!(refused(ErrorKind::Unknown, script), Refused::Moved);
+    }
 }

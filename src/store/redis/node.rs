@@ -267,7 +267,17 @@ impl Node {
         until: Instant,
         late: StoreError,
     ) -> impl Future<Output = Result<Result<R, Error>, StoreError>> + Send + 'static {
-        let call: BoxedCall<R> = Box::pin(call);
+        self.wait_boxed(tasks, Box::pin(call), until, late)
+    }
+
+    /// [`Node::wait`] for a call its caller has boxed already (one of several kinds).
+    pub fn wait_boxed<R: Send + 'static>(
+        self: &Arc<Self>,
+        tasks: &TaskTracker,
+        call: BoxedCall<R>,
+        until: Instant,
+        late: StoreError,
+    ) -> impl Future<Output = Result<Result<R, Error>, StoreError>> + Send + 'static {
         let (node, tasks) = (self.clone(), tasks.clone());
         async move {
             let mut call = Watched::new(node.clone(), tasks, call);
@@ -312,19 +322,25 @@ impl Probe {
 }
 
 /// Whether a client error is the server's own error reply (it answered) rather than the connection's.
+/// A Cluster master that refuses a key because its slot is moving or has moved (MOVED, ASK) answers
+/// too; one that refuses every key (CLUSTERDOWN) does not serve, and the client's own routing failures
+/// share their kind.
 fn is_answer(err: &Error) -> bool {
-    matches!(
-        err.kind(),
+    match err.kind() {
         ErrorKind::Unknown
-            | ErrorKind::InvalidArgument
-            | ErrorKind::InvalidCommand
-            | ErrorKind::Auth
-            | ErrorKind::NotFound
-            | ErrorKind::Parse
-    )
+        | ErrorKind::InvalidArgument
+        | ErrorKind::InvalidCommand
+        | ErrorKind::Auth
+        | ErrorKind::NotFound
+        | ErrorKind::Parse => true,
+        ErrorKind::Cluster => {
+            err.details().starts_with("MOVED ") || err.details().starts_with("ASK ")
+        }
+        _ => false,
+    }
 }
 
-type BoxedCall<R> = Pin<Box<dyn Future<Output = Result<R, Error>> + Send>>;
+pub type BoxedCall<R> = Pin<Box<dyn Future<Output = Result<R, Error>> + Send>>;
 
 /// A command in flight, watched until it ends. Dropped before its end (the caller's answer was due, or
 /// the caller went away), it keeps being watched by a background task.
@@ -501,10 +517,31 @@ mod tests {
             !node.breaker.is_open(),
             "a script error is not a dead server"
         );
-        for _ in 0..5 {
-            node.started();
-            node.ended::<()>(&Err(Error::new(ErrorKind::IO, "connection reset")));
+        for reply in ["MOVED 3999 127.0.0.1:7001", "ASK 3999 127.0.0.1:7001"] {
+            for _ in 0..5 {
+                node.started();
+                node.ended::<()>(&Err(Error::new(ErrorKind::Cluster, reply)));
+            }
         }
-        assert!(node.breaker.is_open());
+        assert!(
+            !node.breaker.is_open(),
+            "a master refusing keys while slots move is not a dead server"
+        );
+        for failure in [
+            "Failed connecting to any cluster node.",
+            "CLUSTERDOWN The cluster is down",
+        ] {
+            for _ in 0..2 {
+                node.started();
+                node.ended::<()>(&Err(Error::new(ErrorKind::Cluster, failure)));
+            }
+        }
+        assert!(!node.breaker.is_open());
+        node.started();
+        node.ended::<()>(&Err(Error::new(ErrorKind::IO, "connection reset")));
+        assert!(
+            node.breaker.is_open(),
+            "the client's routing failures and lost connections count, five in a row"
+        );
     }
 }

@@ -978,6 +978,81 @@ async fn keys_a_migration_has_moved_already_are_decided_at_once_and_counted_exac
     s.stop().await;
 }
 
+/// A Cluster that lost a master without a replica answers CLUSTERDOWN on every master (Redis's default
+/// `cluster-require-full-coverage yes`), and the Redis client makes a new connection after each such
+/// reply. The replica says so once per master and keeps their breakers open until the Cluster serves
+/// again, then decides every request.
+#[test]
+fn a_cluster_down_is_said_once_per_master_and_served_again_when_it_is_back() {
+    let mut cluster = RedisCluster::start(false);
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("fleet.yaml"), RULES).unwrap();
+    let mut cmd = common::binary(dir.path());
+    cmd.envs([
+        ("REDIS_TYPE", "cluster"),
+        ("REDIS_URL", &cluster.url()),
+        ("RATELIMITD_HASH_SECRET", "test-hash-secret"),
+    ]);
+    let running = common::start_binary(&mut cmd);
+    assert!(running.serving_within(Duration::from_secs(20)));
+    let body = |i: u32| {
+        format!(
+            r#"{{"domain":"fleet","descriptors":[{{"entries":[{{"key":"user","value":"down{i}"}}]}}]}}"#
+        )
+    };
+    let answers = |from: u32| -> std::collections::BTreeMap<u16, u32> {
+        let mut codes = std::collections::BTreeMap::new();
+        for i in from..from + 30 {
+            let (code, _) = common::http_request(running.http, "POST", "/json", &body(i));
+            *codes.entry(code).or_default() += 1;
+        }
+        codes
+    };
+    assert_eq!(answers(0), [(200, 30)].into());
+
+    cluster.masters[0].kill();
+    // Past the node timeout (1 s) the other masters answer CLUSTERDOWN: 4 s of requests.
+    let until = Instant::now() + Duration::from_secs(4);
+    let mut while_down = std::collections::BTreeMap::<u16, u32>::new();
+    while Instant::now() < until {
+        for (code, n) in answers(0) {
+            *while_down.entry(code).or_default() += n;
+        }
+    }
+    assert!(while_down.contains_key(&503), "{while_down:?}");
+
+    cluster.masters[0].restart();
+    cluster.wait_ok();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while answers(100) != [(200, 30)].into() {
+        assert!(Instant::now() < deadline, "not served again");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let log = running.log.lock().unwrap().clone();
+    let breaker: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("store::redis") && l.contains("breaker"))
+        .collect();
+    let refusing = breaker.iter().filter(|l| l.contains("refusing every key"));
+    assert_eq!(
+        refusing.count(),
+        2,
+        "one line per live master: {breaker:#?}"
+    );
+    let opened = breaker
+        .iter()
+        .filter(|l| l.contains("breaker open"))
+        .count();
+    let closed = breaker
+        .iter()
+        .filter(|l| l.contains("breaker closed"))
+        .count();
+    assert!(
+        opened <= 3 && closed <= 3,
+        "each master's breaker opened and closed once: {breaker:#?}"
+    );
+}
+
 #[test]
 fn sensitive_values_and_secrets_never_reach_redis_keys_logs_metrics_or_rlconfig() {
     const RAW_KEY: &str = "sk_live_RAWSECRET42";

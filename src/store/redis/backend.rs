@@ -25,7 +25,7 @@ use super::{
     coalesce::{asking, is_moved, Bounds, Caller, Refused},
     config::client_config,
     load_scripts,
-    node::{Node, Probe},
+    node::{is_cluster_down, Node, Probe},
     redis_error, RedisSettings, RedisTopology,
 };
 use crate::store::{breaker::Breaker, StoreError};
@@ -263,7 +263,7 @@ impl Backend {
                     // follows the connections of its own that carry its calls.
                     if scripts_reloaded(&client, &scripts, &server).await {
                         if let Some(backend) = weak.upgrade().filter(|b| !b.cluster) {
-                            backend.single.answered();
+                            backend.single.reconnected();
                         }
                     }
                     Ok(())
@@ -392,7 +392,7 @@ impl Backend {
                     };
                     // The scripts are the server's: loaded on any of its connections.
                     if scripts_reloaded(&client, &scripts, &server).await {
-                        node.answered();
+                        node.reconnected();
                     }
                     Ok(())
                 }
@@ -675,6 +675,12 @@ fn connection_error(
         tracing::debug!(backend = name, "Redis Cluster connection error: {err}");
         return;
     }
+    // The server took the connection and refuses every key: the Redis client ends a connection on
+    // CLUSTERDOWN and makes another.
+    if let Some(node) = node.as_ref().filter(|_| is_cluster_down(err)) {
+        node.cluster_down(err);
+        return;
+    }
     // A refused connection counts against its server's breaker, as a call that fails on it does.
     if let Some(node) = node {
         node.refused();
@@ -742,6 +748,11 @@ fn supervise(
 async fn scripts_reloaded(client: &Client, scripts: &[Script; 2], server: &Server) -> bool {
     match load_scripts(client, scripts).await {
         Ok(()) => true,
+        // Logged once as the Cluster refusing every key (see `Node::cluster_down`).
+        Err(err) if is_cluster_down(&err) => {
+            tracing::debug!(%server, "cannot load scripts after reconnecting: {err}");
+            false
+        }
         Err(err) => {
             tracing::warn!(%server, "cannot load scripts after reconnecting: {err}");
             false

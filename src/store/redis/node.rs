@@ -64,6 +64,9 @@ pub struct Node {
     retired: AtomicBool,
     /// The connection tasks of its own clients, ended when it is retired.
     tasks: std::sync::Mutex<Vec<tokio::task::AbortHandle>>,
+    /// It takes connections and commands but refuses every key: a Cluster that lost all copies of some
+    /// slots answers CLUSTERDOWN. Its breaker stays open until a call is decided again.
+    refusing: AtomicBool,
 }
 
 impl Node {
@@ -87,6 +90,7 @@ impl Node {
             direct,
             retired: AtomicBool::new(false),
             tasks: std::sync::Mutex::new(Vec::new()),
+            refusing: AtomicBool::new(false),
         }
     }
 
@@ -187,6 +191,7 @@ impl Node {
         match result {
             Ok(_) => self.answered(),
             Err(err) if is_answer(err) => self.answered(),
+            Err(err) if is_cluster_down(err) => self.cluster_down(err),
             Err(err) => {
                 if self.breaker.failure() {
                     tracing::warn!(
@@ -198,11 +203,36 @@ impl Node {
         }
     }
 
-    /// Records that the server answered (a command, or the scripts loaded after connecting).
+    /// Records that the server answered a command: it serves.
     pub fn answered(&self) {
         self.progress_ms.fetch_max(self.now_ms(), Ordering::Relaxed);
+        self.refusing.store(false, Ordering::Relaxed);
         if self.breaker.success() {
             tracing::warn!(server = %self.name, "Redis answering again: circuit breaker closed");
+        }
+    }
+
+    /// Records that a new connection took the scripts: the server is back, unless it was refusing every
+    /// key, which only a decided call tells is over (the Redis client makes a new connection after
+    /// each CLUSTERDOWN reply).
+    pub fn reconnected(&self) {
+        if self.refusing.load(Ordering::Relaxed) {
+            self.progress_ms.fetch_max(self.now_ms(), Ordering::Relaxed);
+        } else {
+            self.answered();
+        }
+    }
+
+    /// The server refused a command or a connection with CLUSTERDOWN: its breaker opens at once and
+    /// stays open, its probes refused without a line each, until a call is decided again.
+    pub fn cluster_down(&self, err: &Error) {
+        self.progress_ms.fetch_max(self.now_ms(), Ordering::Relaxed);
+        self.breaker.trip();
+        if !self.refusing.swap(true, Ordering::Relaxed) {
+            tracing::warn!(
+                server = %self.name,
+                "Redis Cluster refusing every key ({err}): circuit breaker open until it serves again"
+            );
         }
     }
 
@@ -319,6 +349,13 @@ impl Probe {
             Probe::Unix(_) => Ok(()),
         }
     }
+}
+
+/// Whether a Cluster master refuses every key, the Cluster being down (not one slot that no master
+/// serves).
+pub(super) fn is_cluster_down(err: &Error) -> bool {
+    let details = err.details();
+    details.starts_with("CLUSTERDOWN") && !details.contains("slot not served")
 }
 
 /// Whether a client error is the server's own error reply (it answered) rather than the connection's.
@@ -527,14 +564,12 @@ mod tests {
             !node.breaker.is_open(),
             "a master refusing keys while slots move is not a dead server"
         );
-        for failure in [
-            "Failed connecting to any cluster node.",
-            "CLUSTERDOWN The cluster is down",
-        ] {
-            for _ in 0..2 {
-                node.started();
-                node.ended::<()>(&Err(Error::new(ErrorKind::Cluster, failure)));
-            }
+        for _ in 0..4 {
+            node.started();
+            node.ended::<()>(&Err(Error::new(
+                ErrorKind::Cluster,
+                "Failed connecting to any cluster node.",
+            )));
         }
         assert!(!node.breaker.is_open());
         node.started();
@@ -543,5 +578,42 @@ mod tests {
             node.breaker.is_open(),
             "the client's routing failures and lost connections count, five in a row"
         );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_cluster_refusing_every_key_keeps_the_breaker_open_until_a_call_is_decided() {
+        let node = node();
+        node.started();
+        node.ended::<()>(&Err(Error::new(
+            ErrorKind::Cluster,
+            "CLUSTERDOWN The cluster is down",
+        )));
+        assert!(node.breaker.is_open(), "open at the first CLUSTERDOWN");
+        // The client makes a new connection after each CLUSTERDOWN, and it takes the scripts.
+        node.reconnected();
+        assert!(
+            node.breaker.is_open(),
+            "a new connection is not a decided call"
+        );
+        tokio::time::advance(Duration::from_secs(1)).await;
+        assert!(node.breaker.allow(), "a probe");
+        node.started();
+        node.ended::<()>(&Err(Error::new(
+            ErrorKind::Cluster,
+            "CLUSTERDOWN The cluster is down",
+        )));
+        assert!(node.breaker.is_open());
+        tokio::time::advance(Duration::from_secs(1)).await;
+        assert!(node.breaker.allow());
+        node.started();
+        node.ended::<u32>(&Ok(1));
+        assert!(!node.breaker.is_open(), "decided: serving again");
+        node.reconnected();
+        assert!(!node.breaker.is_open());
+        // One slot no master serves is not the Cluster down.
+        assert!(!is_cluster_down(&Error::new(
+            ErrorKind::Cluster,
+            "CLUSTERDOWN Hash slot not served"
+        )));
     }
 }

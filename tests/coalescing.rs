@@ -641,3 +641,108 @@ async fn a_key_moved_mid_migration_is_decided_on_the_master_importing_it() {
     );
     assert_eq!(count_on(from, &staying, now), 13);
 }
+
+/// Two counters of one request in one slot, while the slot migrates with one of them moved already:
+/// Redis answers TRYAGAIN (keys on both sides). The request waits for the migration, sent again a few
+/// milliseconds apart, without holding up the master's other requests (one call in flight per server
+/// here), and is decided once the slot has moved, each counter counted once, on its new master.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_whose_slot_is_split_by_a_migration_waits_for_it_alone() {
+    let cluster = RedisCluster::start(false);
+    let store = Arc::new(Store::Redis(one_call_at_a_time(&cluster).await));
+    let now = now_ms();
+    // Two counters of master 0 in one slot, and one in another of its slots.
+    let mut names = (0..)
+        .map(|i| counter(format!("split{i}_")))
+        .map(|c| (slot_of(&cluster, &c, now), c));
+    let mut seen: Vec<(u16, Check)> = Vec::new();
+    let (slot, a, b) = loop {
+        let (slot, c) = names.next().unwrap();
+        match seen.iter().find(|(s, _)| *s == slot) {
+            Some((_, twin)) if owner(&cluster, slot) == 0 => break (slot, twin.clone(), c),
+            _ => seen.push((slot, c)),
+        }
+    };
+    let staying = names
+        .find(|(s, _)| *s != slot && owner(&cluster, *s) == 0)
+        .map(|(_, c)| c)
+        .unwrap();
+    let both = Batch {
+        checks: vec![a.clone(), b.clone()],
+        ..Batch::default()
+    };
+    let one = |c: &Check| Batch {
+        checks: vec![c.clone()],
+        ..Batch::default()
+    };
+    assert!(!store.apply(&both, now, within()).await.unwrap().denied);
+    assert!(
+        !store
+            .apply(&one(&staying), now, within())
+            .await
+            .unwrap()
+            .denied
+    );
+
+    let (from, to) = (&cluster.masters[0], &cluster.masters[1]);
+    let (from_id, to_id) = (from.cli(&["CLUSTER", "MYID"]), to.cli(&["CLUSTER", "MYID"]));
+    let slot = slot.to_string();
+    assert_eq!(
+        to.cli(&["CLUSTER", "SETSLOT", &slot, "IMPORTING", &from_id]),
+        "OK"
+    );
+    assert_eq!(
+        from.cli(&["CLUSTER", "SETSLOT", &slot, "MIGRATING", &to_id]),
+        "OK"
+    );
+    let port = to.port.to_string();
+    let migrate = |c: &Check| {
+        let key = c.storage_key(now);
+        let command = ["MIGRATE", "127.0.0.1", &port, "", "0", "5000", "KEYS", &key];
+        assert_eq!(from.cli(&command), "OK");
+    };
+    migrate(&b);
+
+    let waiting = tokio::spawn({
+        let (store, both) = (store.clone(), both.clone());
+        async move { store.apply(&both, now, within()).await }
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(
+        !waiting.is_finished(),
+        "decided with its keys on both sides"
+    );
+    for _ in 0..5 {
+        let started = std::time::Instant::now();
+        let other = store.apply(&one(&staying), now, within()).await;
+        assert!(!other.expect("another slot of master 0").denied);
+        assert!(
+            started.elapsed() < Duration::from_millis(500),
+            "held up {:?} behind the waiting request",
+            started.elapsed()
+        );
+    }
+    let errors = from.cli(&["INFO", "errorstats"]);
+    assert!(
+        errors.lines().any(|l| l.starts_with("errorstat_TRYAGAIN:")),
+        "master 0 answered TRYAGAIN: {errors}"
+    );
+
+    // The migration ends: the request is decided where its slot went.
+    migrate(&a);
+    for master in [to, from, &cluster.masters[2]] {
+        assert_eq!(
+            master.cli(&["CLUSTER", "SETSLOT", &slot, "NODE", &to_id]),
+            "OK"
+        );
+    }
+    let answer = waiting.await.unwrap().expect("decided after the migration");
+    assert!(!answer.denied);
+    assert_eq!(
+        count_on(to, &a, now),
+        2,
+        "counted once, where the slot went"
+    );
+    assert_eq!(count_on(to, &b, now), 2);
+    assert_eq!(count_on(from, &staying, now), 6);
+}

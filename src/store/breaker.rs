@@ -2,8 +2,9 @@
 //! connections are refused or lost ([`Breaker::failure`], after `failures` in a row), or it has not
 //! answered anything at all for a while although commands wait for it ([`Breaker::trip`], a hung
 //! server). A slow answer is not a failure: while answers keep arriving, calls wait their turn, up to
-//! their deadline. Error replies (a script refusing a request, OOM, READONLY) are answers too: the server
-//! is alive, so they close the breaker rather than open it.
+//! their deadline. Error replies (a script refusing a request, OOM, READONLY, a Cluster's MOVED and ASK)
+//! are answers too: the server is alive, so they close the breaker rather than open it. A Cluster master
+//! refusing every key (CLUSTERDOWN) opens it at once ([`Breaker::trip`], see `Node::cluster_down`).
 //!
 //! While open, requests are answered at once by the `on_backend_error` policy, without waiting; after
 //! `open_for`, one probe is let through, and its outcome closes the breaker or opens it again.

@@ -22,7 +22,10 @@ use fred::{
 use tokio_util::task::TaskTracker;
 
 use super::{
-    coalesce::{asking, is_moved, Bounds, Caller, Refused},
+    coalesce::{
+        asking, importing_closed, is_moved, Bounds, Caller, Refused, MIGRATING_FIRST_PAUSE,
+        MIGRATING_LAST_PAUSE,
+    },
     config::client_config,
     load_scripts,
     node::{is_cluster_down, Node, Probe},
@@ -105,14 +108,6 @@ impl Masters {
             .get(server)
             .filter(|node| node.direct().is_some())
             .cloned()
-    }
-
-    /// The own connections of the master an ASK refusal sends its keys to, when it has them.
-    fn asked_for(&self, err: &Error) -> Option<Pool> {
-        match Refused::of(err) {
-            Refused::Asked(server) => self.importing(&server)?.direct().cloned(),
-            _ => None,
-        }
     }
 }
 
@@ -491,14 +486,17 @@ impl Backend {
         any_connected(node.direct().unwrap_or(&self.pool)) || node.reconnecting()
     }
 
-    /// Runs `script` on `keys` of `node`'s server, on its own connections when it has them; keys those
-    /// refuse as moved (slots moving) go again through the Cluster client, which follows them.
+    /// Runs `script` on `keys` (of one slot) of `node`'s server, on its own connections when it has
+    /// them, following the slot while it moves until `until`: through the Cluster client once it has
+    /// moved, to the importing master right after ASKING while the keys are already there, and again
+    /// 2 to 32 ms later while they are on both sides.
     pub fn eval_on<R, K, V>(
         &self,
         node: &Node,
         script: Script,
         keys: K,
         args: V,
+        until: tokio::time::Instant,
     ) -> impl std::future::Future<Output = Result<R, Error>> + Send + 'static
     where
         R: FromValue + Send,
@@ -510,37 +508,36 @@ impl Backend {
         let cluster = self.pool.next_connected().clone();
         let masters = self.masters.clone();
         async move {
-            if let Some(own) = own {
-                match script
+            let Some(own) = own else {
+                return script.evalsha_with_reload(&cluster, keys, args).await;
+            };
+            let mut pause = MIGRATING_FIRST_PAUSE;
+            loop {
+                let err = match script
                     .evalsha_with_reload::<R, _, _>(&own, keys.clone(), args.clone())
                     .await
                 {
-                    Err(err) if is_moved(&err) => {
-                        if let Some(to) = masters.asked_for(&err) {
-                            let client = to.next_connected().clone();
-                            let keys = keys.into().inner();
-                            let args = match args.try_into().map_err(Into::into)? {
-                                Value::Null => Vec::new(),
-                                args => args.into_array(),
-                            };
-                            let sha = script.sha1();
-                            let ask =
-                                || asking(client.clone(), sha.clone(), keys.clone(), args.clone());
-                            return match ask().await {
-                                Err(err) if err.details().starts_with("NOSCRIPT") => {
-                                    script.load(&client).await?;
-                                    ask().await
-                                }
-                                answered => answered,
-                            };
+                    Err(err) if is_moved(&err) => err,
+                    answered => return answered,
+                };
+                match Refused::of(&err) {
+                    Refused::Moved => {
+                        return script.evalsha_with_reload(&cluster, keys, args).await
+                    }
+                    Refused::Asked(server) => {
+                        if let Some(to) = masters.importing(&server) {
+                            return ask_on(&to, &script, keys, args).await;
                         }
                     }
-                    answered => return answered,
+                    Refused::Wait => {}
                 }
+                let next = tokio::time::Instant::now() + pause;
+                if next >= until {
+                    return Err(err);
+                }
+                tokio::time::sleep_until(next).await;
+                pause = (pause * 2).min(MIGRATING_LAST_PAUSE);
             }
-            script
-                .evalsha_with_reload::<R, _, _>(&cluster, keys, args)
-                .await
         }
     }
 
@@ -745,6 +742,40 @@ fn supervise(
 
 /// Loads the scripts again on a connection just made (a restarted server has lost them); whether it
 /// answered.
+/// `script` on `keys` right after ASKING, on one of `master`'s own connections (it imports their
+/// slot), loading the script there first when it lacks it.
+async fn ask_on<R, K, V>(master: &Node, script: &Script, keys: K, args: V) -> Result<R, Error>
+where
+    R: FromValue,
+    K: Into<MultipleKeys>,
+    V: TryInto<MultipleValues>,
+    V::Error: Into<Error>,
+{
+    let Some(client) = master.direct().map(|own| own.next_connected().clone()) else {
+        return Err(importing_closed());
+    };
+    let keys = keys.into().inner();
+    let args = match args.try_into().map_err(Into::into)? {
+        Value::Null => Vec::new(),
+        args => args.into_array(),
+    };
+    let ask = || {
+        asking(
+            client.clone(),
+            script.sha1().clone(),
+            keys.clone(),
+            args.clone(),
+        )
+    };
+    match ask().await {
+        Err(err) if err.details().starts_with("NOSCRIPT") => {
+            script.load(&client).await?;
+            ask().await
+        }
+        answered => answered,
+    }
+}
+
 async fn scripts_reloaded(client: &Client, scripts: &[Script; 2], server: &Server) -> bool {
     match load_scripts(client, scripts).await {
         Ok(()) => true,

@@ -206,7 +206,7 @@ impl Caller {
 
     /// Sends one call and hands every part its answer. Every part passed the server's breaker when
     /// its request was admitted, moments ago.
-    async fn send(&self, node: &Arc<Node>, mut batch: Vec<Waiting>) {
+    async fn send(self: &Arc<Self>, node: &Arc<Node>, mut batch: Vec<Waiting>) {
         let until = batch
             .iter()
             .map(|w| w.until)
@@ -217,27 +217,13 @@ impl Caller {
         drop(parts);
         let reply = match result {
             Err(CallError::Moved(err)) => {
-                // Slots are moving: one request per call. One of a single slot follows it; one of
-                // several that is refused again goes back to its request, to go one slot per call.
+                // Slots are moving: one request per call, each in a task of its own, so that one
+                // waiting for its slot's migration holds up neither the others nor this lane.
                 tracing::debug!(server = %node.name(), parts = batch.len(), "a call was refused ({err}); sending one request per call");
-                let alone = join_all(batch.iter_mut().map(|waiting| async {
-                    let parts = [&waiting.part];
-                    let reply = if spans_slots(&waiting.part) {
-                        match self.call(node, &parts, &[], until, Route::Node).await {
-                            Err(CallError::Moved(_)) => return Err(StoreError::SlotsMoved),
-                            reply => reply?,
-                        }
-                    } else {
-                        self.follow(node, &parts, &[], until).await?
-                    };
-                    let mut replies = PartReply::parse_all(&reply, &mut [&mut waiting.part])?;
-                    replies
-                        .pop()
-                        .ok_or_else(|| StoreError::Backend("decide.lua answered no part".into()))
-                }))
-                .await;
-                for (waiting, reply) in batch.into_iter().zip(alone) {
-                    waiting.answer(reply);
+                for waiting in batch {
+                    let (caller, node) = (self.clone(), node.clone());
+                    self.tasks
+                        .spawn(async move { caller.alone(&node, waiting).await });
                 }
                 return;
             }
@@ -260,6 +246,31 @@ impl Caller {
         }
     }
 
+    /// Decides a part of a call its server refused as moved, in a call of its own, and answers it. One
+    /// of a single slot follows the slot; one of several that is refused again goes back to its
+    /// request, to go one slot per call.
+    async fn alone(&self, node: &Arc<Node>, mut waiting: Waiting) {
+        let until = waiting.until;
+        let reply = async {
+            let parts = [&waiting.part];
+            let reply = if spans_slots(&waiting.part) {
+                match self.call(node, &parts, &[], until, Route::Node).await {
+                    Err(CallError::Moved(_)) => return Err(StoreError::SlotsMoved),
+                    reply => reply?,
+                }
+            } else {
+                let gone = || waiting.answer.is_closed();
+                self.follow(node, &parts, &[], until, &gone).await?
+            };
+            let mut replies = PartReply::parse_all(&reply, &mut [&mut waiting.part])?;
+            replies
+                .pop()
+                .ok_or_else(|| StoreError::Backend("decide.lua answered no part".into()))
+        }
+        .await;
+        waiting.answer(reply);
+    }
+
     /// Gives leased hits back to `node`'s keys, in a call of their own; waits until `until`.
     pub async fn give_back(
         &self,
@@ -274,13 +285,14 @@ impl Caller {
                 let mut slots: Vec<u16> = returns.iter().map(|r| r.slot).collect();
                 slots.sort_unstable();
                 slots.dedup();
-                for slot in slots {
+                // Together: a slot that waits for its migration does not keep the others' returns.
+                let calls = slots.into_iter().map(|slot| async move {
                     let of_slot: Vec<Return> =
                         returns.iter().filter(|r| r.slot == slot).cloned().collect();
-                    let reply = self.follow(node, &[], &of_slot, until).await?;
-                    PartReply::parse_all(&reply, &mut [])?;
-                }
-                Ok(())
+                    let reply = self.follow(node, &[], &of_slot, until, &|| false).await?;
+                    PartReply::parse_all(&reply, &mut []).map(drop)
+                });
+                join_all(calls).await.into_iter().collect()
             }
             reply => {
                 PartReply::parse_all(&reply?, &mut [])?;
@@ -289,16 +301,18 @@ impl Caller {
         }
     }
 
-    /// Sends again a call of one slot that `node` refused as moved, until it is decided or `until`:
-    /// through the Cluster client once the slot is another master's (it learns the new slot map on the
-    /// way), to the importing master right after ASKING while the keys are already there, and again a
-    /// moment later while they are on both sides. Nothing was written by a refused call.
+    /// Sends again a call of one slot that `node` refused as moved, until it is decided, `until`, or
+    /// its caller is `gone`: through the Cluster client once the slot is another master's (it learns
+    /// the new slot map on the way), to the importing master right after ASKING while the keys are
+    /// already there, and again a moment later while they are on both sides. Nothing was written by a
+    /// refused call.
     async fn follow(
         &self,
         node: &Arc<Node>,
         parts: &[&Part],
         returns: &[Return],
         until: Instant,
+        gone: &(dyn Fn() -> bool + Sync),
     ) -> Result<Vec<i64>, CallError> {
         let (mut to, mut route, mut pause) = (node.clone(), Route::Node, MIGRATING_FIRST_PAUSE);
         loop {
@@ -317,15 +331,14 @@ impl Caller {
             (to, route) = match next {
                 Some(next) => next,
                 None => {
-                    let next = Instant::now() + pause;
-                    if next >= until {
-                        return Err(CallError::Moved(err));
-                    }
-                    tokio::time::sleep_until(next).await;
+                    tokio::time::sleep_until((Instant::now() + pause).min(until)).await;
                     pause = (pause * 2).min(MIGRATING_LAST_PAUSE);
                     (node.clone(), Route::Node)
                 }
             };
+            if Instant::now() >= until || gone() {
+                return Err(CallError::Moved(err));
+            }
         }
     }
 
@@ -346,11 +359,7 @@ impl Caller {
         };
         let pool = match (route, node.direct()) {
             (Route::Node | Route::Asking, Some(own)) => own,
-            (Route::Asking, None) => {
-                // Retired meanwhile (no longer a master): asked again after a pause, by slot map.
-                let closed = "TRYAGAIN the importing master's connections are closed";
-                return Err(CallError::Moved(Error::new(ErrorKind::Cluster, closed)));
-            }
+            (Route::Asking, None) => return Err(CallError::Moved(importing_closed())),
             _ => &self.pool,
         };
         let client = pool.next_connected().clone();
@@ -429,8 +438,15 @@ impl Refused {
 }
 
 /// The first pause before a call of a migrating slot goes again, doubled each time up to the last.
-const MIGRATING_FIRST_PAUSE: Duration = Duration::from_millis(2);
-const MIGRATING_LAST_PAUSE: Duration = Duration::from_millis(32);
+pub(super) const MIGRATING_FIRST_PAUSE: Duration = Duration::from_millis(2);
+pub(super) const MIGRATING_LAST_PAUSE: Duration = Duration::from_millis(32);
+
+/// Why a call for a master importing a slot was not sent: its own connections were closed meanwhile
+/// (it is no longer a master). Read as TRYAGAIN: asked again after a pause, by slot map.
+pub(super) fn importing_closed() -> Error {
+    let why = "TRYAGAIN the importing master's connections are closed";
+    Error::new(ErrorKind::Cluster, why)
+}
 
 /// EVALSHA right after ASKING, both on one connection of the master `client` reaches: how keys that a
 /// slot's migration has moved there already are reached before the slot is that master's. The Cluster
@@ -491,6 +507,8 @@ pub(super) fn is_moved(err: &Error) -> bool {
         "MOVED",
         "ASK",
         "hash to the same slot",
+        // The Cluster client's, after MOVED back and forth while an owner is being set.
+        "Too many redirections",
     ]
     .iter()
     .any(|sign| details.contains(sign))

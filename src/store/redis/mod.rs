@@ -558,8 +558,9 @@ impl RedisStore {
             let (group, checks) = (refund.group, &refund.checks);
             let RefundCall { keys, args } = RefundCall::new(batch, keys, checks, refund.server_ms);
             let backend = self.backend(group.backend);
-            let call = backend.eval_on::<i64, _, _>(&group.node, self.refund.clone(), keys, args);
             let (until, late) = Self::wait_bound(backend, deadline);
+            let call =
+                backend.eval_on::<i64, _, _>(&group.node, self.refund.clone(), keys, args, until);
             group.node.wait(&self.tasks, call, until, late)
         });
         for result in join_all(calls).await {

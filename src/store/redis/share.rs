@@ -45,8 +45,8 @@ impl RedisStore {
             node: node.clone(),
         }])?;
         let (key, args) = (key.to_owned(), arguments(call));
-        let command = backend.eval_on::<Vec<Value>, _, _>(&node, SHARE.clone(), key, args);
         let (until, late) = Self::wait_bound(backend, deadline);
+        let command = backend.eval_on::<Vec<Value>, _, _>(&node, SHARE.clone(), key, args, until);
         let reply = node
             .wait(&self.tasks, command, until, late)
             .await?

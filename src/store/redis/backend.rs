@@ -819,16 +819,26 @@ fn build_pool(
     command_timeout: Duration,
     size: usize,
 ) -> Result<Pool, StoreError> {
+    let follows_redirections = config.server.is_clustered();
     Builder::from_config(config)
         .with_connection_config(|c| {
             c.connection_timeout = settings.connect_timeout;
             c.internal_command_timeout = settings.connect_timeout;
-            // Redirections (MOVED, ASK) during resharding count as attempts. Fewer redirections
-            // than attempts: the client follows an ASK by sending the command to the slot's owner
-            // again, which answers ASK again, and a command whose attempts run out there ends the
-            // client's connection task (fred 10.1); out of redirections, only the command fails.
-            c.max_command_attempts = 3;
-            c.max_redirections = 2;
+            if follows_redirections {
+                // Redirections (MOVED, ASK) during resharding count as attempts. Fewer redirections
+                // than attempts: the client follows an ASK by sending the command to the slot's
+                // owner again, which answers ASK again, and a command whose attempts run out there
+                // ends the client's connection task (fred 10.1); out of redirections, only the
+                // command fails.
+                c.max_command_attempts = 3;
+                c.max_redirections = 2;
+            } else {
+                // A command is written once. The client would write it again on a new connection
+                // when the one it was on closed before its answer came, and a script that ran and
+                // lost only its answer would count its hits twice; it fails instead (the request is
+                // answered by `on_backend_error`), its hits counted once.
+                c.max_command_attempts = 1;
+            }
         })
         .with_performance_config(|p| {
             p.default_command_timeout = command_timeout;

@@ -358,12 +358,18 @@ pub(super) fn is_cluster_down(err: &Error) -> bool {
     details.starts_with("CLUSTERDOWN") && !details.contains("slot not served")
 }
 
+/// What the Redis client answers a command that was written once and whose connection closed before
+/// its answer came (see `build_pool`).
+const LOST_WITH_ITS_CONNECTION: &str = "Too many failed write attempts.";
+
 /// Whether a client error is the server's own error reply (it answered) rather than the connection's.
 /// A Cluster master that refuses a key because its slot is moving or has moved (MOVED, ASK) answers
 /// too; one that refuses every key (CLUSTERDOWN) does not serve, and the client's own routing failures
 /// share their kind.
 fn is_answer(err: &Error) -> bool {
     match err.kind() {
+        // The client's own: a command whose connection closed before its answer, not sent again.
+        ErrorKind::Unknown if err.details() == LOST_WITH_ITS_CONNECTION => false,
         ErrorKind::Unknown
         | ErrorKind::InvalidArgument
         | ErrorKind::InvalidCommand

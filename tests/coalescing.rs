@@ -449,6 +449,58 @@ fn move_slot_of(cluster: &RedisCluster, c: &Check, now: u64, to: usize) {
     }
 }
 
+/// A request of one counter.
+fn one(c: &Check) -> Batch {
+    Batch {
+        checks: vec![c.clone()],
+        ..Batch::default()
+    }
+}
+
+/// A slot migrating from master 0 to master 1, key by key, as `redis-cli --cluster reshard` moves it.
+struct Migration<'a> {
+    cluster: &'a RedisCluster,
+    slot: String,
+    to_id: String,
+    now: u64,
+}
+
+impl<'a> Migration<'a> {
+    fn start(cluster: &'a RedisCluster, slot: u16, now: u64) -> Self {
+        let (from, to) = (&cluster.masters[0], &cluster.masters[1]);
+        let (from_id, to_id) = (from.cli(&["CLUSTER", "MYID"]), to.cli(&["CLUSTER", "MYID"]));
+        let slot = slot.to_string();
+        let importing = ["CLUSTER", "SETSLOT", &slot, "IMPORTING", &from_id];
+        assert_eq!(to.cli(&importing), "OK");
+        let migrating = ["CLUSTER", "SETSLOT", &slot, "MIGRATING", &to_id];
+        assert_eq!(from.cli(&migrating), "OK");
+        Self {
+            cluster,
+            slot,
+            to_id,
+            now,
+        }
+    }
+
+    /// Moves the key of `c` to master 1.
+    fn migrate(&self, c: &Check) {
+        let (key, port) = (
+            c.storage_key(self.now),
+            self.cluster.masters[1].port.to_string(),
+        );
+        let command = ["MIGRATE", "127.0.0.1", &port, "", "0", "5000", "KEYS", &key];
+        assert_eq!(self.cluster.masters[0].cli(&command), "OK");
+    }
+
+    /// Gives the slot to master 1, on it first.
+    fn end(&self) {
+        for master in [1, 0, 2].map(|m| &self.cluster.masters[m]) {
+            let node = ["CLUSTER", "SETSLOT", &self.slot, "NODE", &self.to_id];
+            assert_eq!(master.cli(&node), "OK");
+        }
+    }
+}
+
 /// A fixed-window counter's count on one server (0 when it holds none).
 fn count_on(node: &common::redis::RedisProcess, c: &Check, now: u64) -> u64 {
     node.cli(&["GET", &c.storage_key(now)]).parse().unwrap_or(0)
@@ -465,10 +517,6 @@ async fn on_cluster_a_call_refused_after_a_slot_moved_is_sent_again_one_slot_per
     let now = now_ms();
     // Two counters in different slots of master 0.
     let (staying, moving) = two_slots_of_master_zero(&cluster, "mig", now);
-    let one = |c: &Check| Batch {
-        checks: vec![c.clone()],
-        ..Batch::default()
-    };
     // The replica learns the slot map before the move.
     assert!(
         !store
@@ -567,29 +615,13 @@ async fn a_key_moved_mid_migration_is_decided_on_the_master_importing_it() {
     let store = Store::Redis(redis_store(cluster.url(), RedisTopology::Cluster, |_| {}).await);
     let now = now_ms();
     let (staying, moving) = two_slots_of_master_zero(&cluster, "ask", now);
-    let one = |c: &Check| Batch {
-        checks: vec![c.clone()],
-        ..Batch::default()
-    };
     for c in [&staying, &moving] {
         assert!(!store.apply(&one(c), now, within()).await.unwrap().denied);
     }
     // The slot migrates from master 0 to master 1, and its one key has gone already: master 0 answers ASK.
     let (from, to) = (&cluster.masters[0], &cluster.masters[1]);
-    let slot = slot_of(&cluster, &moving, now).to_string();
-    let (from_id, to_id) = (from.cli(&["CLUSTER", "MYID"]), to.cli(&["CLUSTER", "MYID"]));
-    assert_eq!(
-        to.cli(&["CLUSTER", "SETSLOT", &slot, "IMPORTING", &from_id]),
-        "OK"
-    );
-    assert_eq!(
-        from.cli(&["CLUSTER", "SETSLOT", &slot, "MIGRATING", &to_id]),
-        "OK"
-    );
-    let port = to.port.to_string();
-    let key = moving.storage_key(now);
-    let migrated = ["MIGRATE", "127.0.0.1", &port, "", "0", "5000", "KEYS", &key];
-    assert_eq!(from.cli(&migrated), "OK");
+    let migration = Migration::start(&cluster, slot_of(&cluster, &moving, now), now);
+    migration.migrate(&moving);
     for i in 0..12 {
         // More than the pool's connections: each could have ended one.
         let answer = store.apply(&one(&moving), now, within()).await;
@@ -619,13 +651,7 @@ async fn a_key_moved_mid_migration_is_decided_on_the_master_importing_it() {
     };
     let denied = store.apply(&both, now, within()).await;
     assert!(denied.expect("decided during the migration").denied);
-    // The migration ends.
-    for master in &cluster.masters {
-        assert_eq!(
-            master.cli(&["CLUSTER", "SETSLOT", &slot, "NODE", &to_id]),
-            "OK"
-        );
-    }
+    migration.end();
     for i in 0..20 {
         let answer = store.apply(&one(&moving), now, within()).await;
         assert!(
@@ -671,10 +697,6 @@ async fn a_request_whose_slot_is_split_by_a_migration_waits_for_it_alone() {
         checks: vec![a.clone(), b.clone()],
         ..Batch::default()
     };
-    let one = |c: &Check| Batch {
-        checks: vec![c.clone()],
-        ..Batch::default()
-    };
     assert!(!store.apply(&both, now, within()).await.unwrap().denied);
     assert!(
         !store
@@ -685,23 +707,8 @@ async fn a_request_whose_slot_is_split_by_a_migration_waits_for_it_alone() {
     );
 
     let (from, to) = (&cluster.masters[0], &cluster.masters[1]);
-    let (from_id, to_id) = (from.cli(&["CLUSTER", "MYID"]), to.cli(&["CLUSTER", "MYID"]));
-    let slot = slot.to_string();
-    assert_eq!(
-        to.cli(&["CLUSTER", "SETSLOT", &slot, "IMPORTING", &from_id]),
-        "OK"
-    );
-    assert_eq!(
-        from.cli(&["CLUSTER", "SETSLOT", &slot, "MIGRATING", &to_id]),
-        "OK"
-    );
-    let port = to.port.to_string();
-    let migrate = |c: &Check| {
-        let key = c.storage_key(now);
-        let command = ["MIGRATE", "127.0.0.1", &port, "", "0", "5000", "KEYS", &key];
-        assert_eq!(from.cli(&command), "OK");
-    };
-    migrate(&b);
+    let migration = Migration::start(&cluster, slot, now);
+    migration.migrate(&b);
 
     let waiting = tokio::spawn({
         let (store, both) = (store.clone(), both.clone());
@@ -729,13 +736,8 @@ async fn a_request_whose_slot_is_split_by_a_migration_waits_for_it_alone() {
     );
 
     // The migration ends: the request is decided where its slot went.
-    migrate(&a);
-    for master in [to, from, &cluster.masters[2]] {
-        assert_eq!(
-            master.cli(&["CLUSTER", "SETSLOT", &slot, "NODE", &to_id]),
-            "OK"
-        );
-    }
+    migration.migrate(&a);
+    migration.end();
     let answer = waiting.await.unwrap().expect("decided after the migration");
     assert!(!answer.denied);
     assert_eq!(

@@ -28,7 +28,7 @@ use super::{
     },
     config::client_config,
     load_scripts,
-    node::{is_cluster_down, Node, Probe},
+    node::{is_cluster_down, never_written, Node, Probe},
     redis_error, RedisSettings, RedisTopology,
 };
 use crate::store::{breaker::Breaker, StoreError};
@@ -492,7 +492,7 @@ impl Backend {
     /// 2 to 32 ms later while they are on both sides.
     pub fn eval_on<R, K, V>(
         &self,
-        node: &Node,
+        node: &Arc<Node>,
         script: Script,
         keys: K,
         args: V,
@@ -506,20 +506,30 @@ impl Backend {
     {
         let own = node.direct().map(|p| p.next_connected().clone());
         let cluster = self.pool.next_connected().clone();
-        let masters = self.masters.clone();
+        let (masters, node) = (self.masters.clone(), node.clone());
         async move {
             let Some(own) = own else {
                 return script.evalsha_with_reload(&cluster, keys, args).await;
             };
-            let mut pause = MIGRATING_FIRST_PAUSE;
+            let (mut pause, mut unsent) = (MIGRATING_FIRST_PAUSE, false);
             loop {
                 let err = match script
                     .evalsha_with_reload::<R, _, _>(&own, keys.clone(), args.clone())
                     .await
                 {
+                    // Never written (see `never_written`): sent again, once.
+                    Err(err) if never_written(&err) && !unsent => {
+                        unsent = true;
+                        continue;
+                    }
                     Err(err) if is_moved(&err) => err,
                     answered => return answered,
                 };
+                // A refusal is an answer: the wait below is not the server's silence.
+                node.answered();
+                if tokio::time::Instant::now() >= until {
+                    return Err(err);
+                }
                 match Refused::of(&err) {
                     Refused::Moved => {
                         return script.evalsha_with_reload(&cluster, keys, args).await

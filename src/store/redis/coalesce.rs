@@ -40,7 +40,7 @@ use tokio_util::task::TaskTracker;
 
 use super::{
     backend::Masters,
-    node::{BoxedCall, Node},
+    node::{never_written, BoxedCall, Node},
     redis_error,
     script::{unpack_reply, DecideCall, Part, PartReply, Return},
 };
@@ -251,6 +251,11 @@ impl Caller {
     /// request, to go one slot per call.
     async fn alone(&self, node: &Arc<Node>, mut waiting: Waiting) {
         let until = waiting.until;
+        if waiting.answer.is_closed() || Instant::now() >= until {
+            // Its caller has stopped waiting: nothing is sent, nothing counted.
+            waiting.answer(Err(StoreError::Deadline(Duration::ZERO)));
+            return;
+        }
         let reply = async {
             let parts = [&waiting.part];
             let reply = if spans_slots(&waiting.part) {
@@ -362,8 +367,8 @@ impl Caller {
             (Route::Asking, None) => return Err(CallError::Moved(importing_closed())),
             _ => &self.pool,
         };
-        let client = pool.next_connected().clone();
-        let mut loaded = false;
+        let mut client = pool.next_connected().clone();
+        let (mut loaded, mut unsent) = (false, false);
         loop {
             // The command is made and handed to `wait` (which boxes it) in a block of its own: a
             // local still in scope at the await would keep its room in this future, and in the
@@ -388,6 +393,12 @@ impl Caller {
                         .await
                         .map_err(redis_error)?;
                     loaded = true;
+                }
+                // Queued before the client saw its connection close, never written: sent again,
+                // once, after the reconnection it queued since.
+                Err(err) if !unsent && never_written(&err) && Instant::now() < until => {
+                    client = pool.next_connected().clone();
+                    unsent = true;
                 }
                 Err(err) if self.cluster && is_moved(&err) => return Err(CallError::Moved(err)),
                 Err(err) => return Err(redis_error(err).into()),

@@ -358,9 +358,16 @@ pub(super) fn is_cluster_down(err: &Error) -> bool {
     details.starts_with("CLUSTERDOWN") && !details.contains("slot not served")
 }
 
-/// What the Redis client answers a command that was written once and whose connection closed before
-/// its answer came (see `build_pool`).
+/// What the Cluster client answers a command written as many times as it may (three, see
+/// `build_pool`), each time on a connection that closed before the answer came.
 const LOST_WITH_ITS_CONNECTION: &str = "Too many failed write attempts.";
+
+/// Whether the client answered a command it never wrote: queued before it saw its connection close, it
+/// found none. Sending it again is safe; connections that write a command once (see `build_pool`) do
+/// not.
+pub(super) fn never_written(err: &Error) -> bool {
+    err.details() == "Failed to route command."
+}
 
 /// Whether a client error is the server's own error reply (it answered) rather than the connection's.
 /// A Cluster master that refuses a key because its slot is moving or has moved (MOVED, ASK) answers
@@ -368,8 +375,10 @@ const LOST_WITH_ITS_CONNECTION: &str = "Too many failed write attempts.";
 /// share their kind.
 fn is_answer(err: &Error) -> bool {
     match err.kind() {
-        // The client's own: a command whose connection closed before its answer, not sent again.
-        ErrorKind::Unknown if err.details() == LOST_WITH_ITS_CONNECTION => false,
+        // The client's own, about its connections.
+        ErrorKind::Unknown if err.details() == LOST_WITH_ITS_CONNECTION || never_written(err) => {
+            false
+        }
         ErrorKind::Unknown
         | ErrorKind::InvalidArgument
         | ErrorKind::InvalidCommand
@@ -379,6 +388,8 @@ fn is_answer(err: &Error) -> bool {
         ErrorKind::Cluster => {
             err.details().starts_with("MOVED ") || err.details().starts_with("ASK ")
         }
+        // The client's, after MOVED back and forth while a slot's owner is being set: answers.
+        ErrorKind::Routing => err.details().starts_with("Too many redirections"),
         _ => false,
     }
 }
@@ -566,16 +577,23 @@ mod tests {
                 node.ended::<()>(&Err(Error::new(ErrorKind::Cluster, reply)));
             }
         }
+        for _ in 0..5 {
+            node.started();
+            let back_and_forth = Error::new(ErrorKind::Routing, "Too many redirections.");
+            node.ended::<()>(&Err(back_and_forth));
+        }
         assert!(
             !node.breaker.is_open(),
             "a master refusing keys while slots move is not a dead server"
         );
-        for _ in 0..4 {
-            node.started();
-            node.ended::<()>(&Err(Error::new(
-                ErrorKind::Cluster,
-                "Failed connecting to any cluster node.",
-            )));
+        for (kind, failure) in [
+            (ErrorKind::Cluster, "Failed connecting to any cluster node."),
+            (ErrorKind::Unknown, "Failed to route command."),
+        ] {
+            for _ in 0..2 {
+                node.started();
+                node.ended::<()>(&Err(Error::new(kind.clone(), failure)));
+            }
         }
         assert!(!node.breaker.is_open());
         node.started();

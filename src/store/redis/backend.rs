@@ -22,10 +22,7 @@ use fred::{
 use tokio_util::task::TaskTracker;
 
 use super::{
-    coalesce::{
-        asking, importing_closed, is_moved, Bounds, Caller, Refused, MIGRATING_FIRST_PAUSE,
-        MIGRATING_LAST_PAUSE,
-    },
+    coalesce::{asking, importing_closed, is_moved, Bounds, Caller, Pauses, Refused},
     config::client_config,
     load_scripts,
     node::{is_cluster_down, never_written, Node, Probe},
@@ -511,7 +508,7 @@ impl Backend {
             let Some(own) = own else {
                 return script.evalsha_with_reload(&cluster, keys, args).await;
             };
-            let (mut pause, mut unsent) = (MIGRATING_FIRST_PAUSE, false);
+            let (mut pauses, mut unsent) = (Pauses::default(), false);
             loop {
                 let err = match script
                     .evalsha_with_reload::<R, _, _>(&own, keys.clone(), args.clone())
@@ -541,12 +538,11 @@ impl Backend {
                     }
                     Refused::Wait => {}
                 }
-                let next = tokio::time::Instant::now() + pause;
+                let next = tokio::time::Instant::now() + pauses.next();
                 if next >= until {
                     return Err(err);
                 }
                 tokio::time::sleep_until(next).await;
-                pause = (pause * 2).min(MIGRATING_LAST_PAUSE);
             }
         }
     }

@@ -319,7 +319,7 @@ impl Caller {
         until: Instant,
         gone: &(dyn Fn() -> bool + Sync),
     ) -> Result<Vec<i64>, CallError> {
-        let (mut to, mut route, mut pause) = (node.clone(), Route::Node, MIGRATING_FIRST_PAUSE);
+        let (mut to, mut route, mut pauses) = (node.clone(), Route::Node, Pauses::default());
         loop {
             let err = match self.call(&to, parts, returns, until, route).await {
                 Err(CallError::Moved(err)) => err,
@@ -336,8 +336,7 @@ impl Caller {
             (to, route) = match next {
                 Some(next) => next,
                 None => {
-                    tokio::time::sleep_until((Instant::now() + pause).min(until)).await;
-                    pause = (pause * 2).min(MIGRATING_LAST_PAUSE);
+                    tokio::time::sleep_until((Instant::now() + pauses.next()).min(until)).await;
                     (node.clone(), Route::Node)
                 }
             };
@@ -448,9 +447,23 @@ impl Refused {
     }
 }
 
-/// The first pause before a call of a migrating slot goes again, doubled each time up to the last.
-pub(super) const MIGRATING_FIRST_PAUSE: Duration = Duration::from_millis(2);
-pub(super) const MIGRATING_LAST_PAUSE: Duration = Duration::from_millis(32);
+/// The pauses before a call of a migrating slot goes again: 2 ms, doubled each time up to 32 ms.
+pub(super) struct Pauses(Duration);
+
+impl Default for Pauses {
+    fn default() -> Self {
+        Self(Duration::from_millis(2))
+    }
+}
+
+impl Pauses {
+    /// The next pause.
+    pub(super) fn next(&mut self) -> Duration {
+        let pause = self.0;
+        self.0 = (pause * 2).min(Duration::from_millis(32));
+        pause
+    }
+}
 
 /// Why a call for a master importing a slot was not sent: its own connections were closed meanwhile
 /// (it is no longer a master). Read as TRYAGAIN: asked again after a pause, by slot map.
@@ -532,7 +545,7 @@ mod tests {
         types::config::Server,
     };
 
-    use super::Refused;
+    use super::{Pauses, Refused};
 
     fn refused(kind: ErrorKind, reply: &str) -> Refused {
         Refused::of(&Error::new(kind, reply.to_owned()))
@@ -559,5 +572,12 @@ mod tests {
         assert_eq!(refused(ErrorKind::Cluster, "ASK 3999"), Refused::Wait);
         let script = "ERR Script attempted to access a non local key in a cluster node script";
         assert_eq!(refused(ErrorKind::Unknown, script), Refused::Moved);
+    }
+
+    #[test]
+    fn a_migrating_slot_is_asked_again_2_to_32_ms_apart() {
+        let mut pauses = Pauses::default();
+        let ms: Vec<u128> = (0..7).map(|_| pauses.next().as_millis()).collect();
+        assert_eq!(ms, [2, 4, 8, 16, 32, 32, 32]);
     }
 }

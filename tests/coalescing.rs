@@ -449,6 +449,11 @@ fn move_slot_of(cluster: &RedisCluster, c: &Check, now: u64, to: usize) {
     }
 }
 
+/// Whether `store` admits `batch` (decided within the test's deadline).
+async fn admitted(store: &Store, batch: &Batch, now: u64) -> bool {
+    !store.apply(batch, now, within()).await.unwrap().denied
+}
+
 /// A request of one counter.
 fn one(c: &Check) -> Batch {
     Batch {
@@ -518,13 +523,7 @@ async fn on_cluster_a_call_refused_after_a_slot_moved_is_sent_again_one_slot_per
     // Two counters in different slots of master 0.
     let (staying, moving) = two_slots_of_master_zero(&cluster, "mig", now);
     // The replica learns the slot map before the move.
-    assert!(
-        !store
-            .apply(&one(&staying), now, within())
-            .await
-            .unwrap()
-            .denied
-    );
+    assert!(admitted(&store, &one(&staying), now).await);
     // The slot (empty: nothing to migrate) now belongs to master 1, everywhere.
     let (from, to) = (&cluster.masters[0], &cluster.masters[1]);
     move_slot_of(&cluster, &moving, now, 1);
@@ -616,7 +615,7 @@ async fn a_key_moved_mid_migration_is_decided_on_the_master_importing_it() {
     let now = now_ms();
     let (staying, moving) = two_slots_of_master_zero(&cluster, "ask", now);
     for c in [&staying, &moving] {
-        assert!(!store.apply(&one(c), now, within()).await.unwrap().denied);
+        assert!(admitted(&store, &one(c), now).await);
     }
     // The slot migrates from master 0 to master 1, and its one key has gone already: master 0 answers ASK.
     let (from, to) = (&cluster.masters[0], &cluster.masters[1]);
@@ -638,13 +637,7 @@ async fn a_key_moved_mid_migration_is_decided_on_the_master_importing_it() {
         .map(|i| Check::fixed_window(format!("full{i}_"), 1, 3600, 1, Role::Enforce))
         .find(|c| owner(&cluster, slot_of(&cluster, c, now)) == 2)
         .unwrap();
-    assert!(
-        !store
-            .apply(&one(&full), now, within())
-            .await
-            .unwrap()
-            .denied
-    );
+    assert!(admitted(&store, &one(&full), now).await);
     let both = Batch {
         checks: vec![moving.clone(), full.clone()],
         ..Batch::default()
@@ -697,14 +690,8 @@ async fn a_request_whose_slot_is_split_by_a_migration_waits_for_it_alone() {
         checks: vec![a.clone(), b.clone()],
         ..Batch::default()
     };
-    assert!(!store.apply(&both, now, within()).await.unwrap().denied);
-    assert!(
-        !store
-            .apply(&one(&staying), now, within())
-            .await
-            .unwrap()
-            .denied
-    );
+    assert!(admitted(&store, &both, now).await);
+    assert!(admitted(&store, &one(&staying), now).await);
 
     let (from, to) = (&cluster.masters[0], &cluster.masters[1]);
     let migration = Migration::start(&cluster, slot, now);

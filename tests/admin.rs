@@ -14,7 +14,11 @@ use std::{
     time::{Duration, Instant},
 };
 
-use common::{binary, certs, http_request, redis::RedisProcess, start_binary, wait_for, Running};
+use common::{
+    binary, certs, http_request,
+    redis::{AnswerDropper, RedisProcess},
+    start_binary, wait_for, Running,
+};
 use serde_json::{json, Value};
 
 const TOKEN: &str = "admin-token-for-tests-0123456789";
@@ -265,6 +269,33 @@ async fn on_the_memory_store_inspect_shows_the_counts_and_reset_frees_the_key() 
 async fn on_redis_inspect_shows_the_counts_and_reset_frees_the_key() {
     let redis = RedisProcess::start(&[]);
     inspect_shows_the_counts_and_reset_frees_the_key(Some(&redis)).await;
+}
+
+/// An operator's read whose answer is lost with its connection (Redis restarting, a proxy closing the
+/// connection) is sent again on a new one: the inspection answers, with the right count.
+#[test]
+fn an_inspection_whose_answer_is_lost_with_its_connection_is_read_again() {
+    let redis = RedisProcess::start(&[]);
+    let proxy = AnswerDropper::start(redis.addr());
+    let files = Files::new();
+    let mut cmd = with_admin(&files);
+    cmd.env("REDIS_URL", proxy.addr());
+    let running = start_binary(&mut cmd);
+    assert!(running.serving_within(Duration::from_secs(10)));
+    let admin = admin_addr(&running);
+    for _ in 0..2 {
+        assert_eq!(ask(&running, "api_key", "lost-answer"), 200);
+    }
+    let target = json!({ "domain": "api", "descriptor": descriptor("api_key", "lost-answer") });
+    // An inspection reads the server's time first.
+    proxy.arm("TIME");
+    let (status, seen) = call(admin, "POST", "/v1/inspect", Some(TOKEN), &target);
+    assert!(proxy.fired(), "the proxy dropped the answer to TIME");
+    assert_eq!(status, 200, "{seen}");
+    assert_eq!(seen["limits"][0]["used"], json!(2.0), "{seen}");
+    // The requests' own path is unchanged: a decision still goes once.
+    assert_eq!(ask(&running, "api_key", "lost-answer"), 200);
+    assert_eq!(ask(&running, "api_key", "lost-answer"), 429);
 }
 
 /// Waits until `ask` on each replica answers `want`; returns how long it took.

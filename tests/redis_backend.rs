@@ -13,7 +13,9 @@ use std::{
 
 use common::{
     ask, descriptor,
-    redis::{command_calls, RedisCluster, RedisProcess, SentinelPasswords, SentinelSet},
+    redis::{
+        command_calls, AnswerDropper, RedisCluster, RedisProcess, SentinelPasswords, SentinelSet,
+    },
     request, TestServer,
 };
 use ratelimitd::{
@@ -1060,70 +1062,22 @@ fn a_cluster_down_is_said_once_per_master_and_served_again_when_it_is_back() {
     );
 }
 
-/// A TCP proxy in front of `upstream`. Once `armed`, the first connection that sends an EVALSHA has
-/// the answer to it dropped and is closed: the script ran, its answer never arrives.
-async fn reply_dropping_proxy(
-    upstream: String,
-    armed: Arc<std::sync::atomic::AtomicBool>,
-) -> String {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap().to_string();
-    tokio::spawn(async move {
-        while let Ok((client, _)) = listener.accept().await {
-            let server = tokio::net::TcpStream::connect(&upstream).await.unwrap();
-            let (mut client_in, mut client_out) = client.into_split();
-            let (mut server_in, mut server_out) = server.into_split();
-            let marked = Arc::new(std::sync::atomic::AtomicBool::new(false));
-            let (armed, marked_up) = (armed.clone(), marked.clone());
-            tokio::spawn(async move {
-                let mut buf = vec![0u8; 65536];
-                while let Ok(n @ 1..) = client_in.read(&mut buf).await {
-                    let sent = &buf[..n];
-                    if sent.windows(7).any(|w| w.eq_ignore_ascii_case(b"EVALSHA"))
-                        && armed.swap(false, Ordering::SeqCst)
-                    {
-                        marked_up.store(true, Ordering::SeqCst);
-                    }
-                    if server_out.write_all(sent).await.is_err() {
-                        break;
-                    }
-                }
-            });
-            tokio::spawn(async move {
-                let mut buf = vec![0u8; 65536];
-                while let Ok(n @ 1..) = server_in.read(&mut buf).await {
-                    if marked.load(Ordering::SeqCst) {
-                        // Both halves dropped: the client's connection closes, the answer unsent.
-                        return;
-                    }
-                    if client_out.write_all(&buf[..n]).await.is_err() {
-                        break;
-                    }
-                }
-            });
-        }
-    });
-    addr
-}
-
 /// A script that ran on Redis and whose answer was lost with its connection is not sent again on a new
 /// one (it would count its hits twice): its request is answered by policy, its hits counted once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_call_whose_answer_is_lost_with_its_connection_is_not_counted_twice() {
     let redis = RedisProcess::start(&[]);
-    let armed = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let proxy = reply_dropping_proxy(redis.addr(), armed.clone()).await;
-    let s = start(proxy, RedisTopology::Single).await;
+    let proxy = AnswerDropper::start(redis.addr());
+    let s = start(proxy.addr(), RedisTopology::Single).await;
     common::far_from_a_minute_end().await;
     let mut c = s.client().await;
     let hit = || request("fleet", vec![descriptor(&[("mover", "lost-answer")])]);
     let first = c.should_rate_limit(hit()).await.unwrap().into_inner();
     assert_eq!(first.statuses[0].limit_remaining, 999);
 
-    armed.store(true, Ordering::SeqCst);
+    proxy.arm("EVALSHA");
     let lost = c.should_rate_limit(hit()).await;
-    assert!(!armed.load(Ordering::SeqCst), "the proxy dropped an answer");
+    assert!(proxy.fired(), "the proxy dropped an answer");
     assert_eq!(
         lost.map(|r| r.into_inner().overall_code)
             .map_err(|e| e.code()),

@@ -408,6 +408,30 @@ async fn the_sum_follows_the_entries_on_a_cluster() {
     the_sum_follows_the_entries(&store, &nodes, 2).await;
 }
 
+/// On a Cluster, each log is inspected on the master that holds it, the script that reads it loaded
+/// there on first use.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_a_cluster_each_log_is_inspected_where_it_lives() {
+    let cluster = RedisCluster::start(false);
+    let store = Store::Redis(redis_store(cluster.url(), RedisTopology::Cluster).await);
+    let names = ["a:", "b:", "c:", "d:", "e:", "f:", "g:", "h:"];
+    for (i, name) in names.iter().enumerate() {
+        for _ in 0..=i {
+            apply(&store, vec![log_check(name, 100, HOUR_MS, 1)], false).await;
+        }
+    }
+    let holding = cluster
+        .masters
+        .iter()
+        .filter(|m| m.cli(&["DBSIZE"]) != "0")
+        .count();
+    assert!(holding > 1, "the logs are spread over the masters");
+    for (i, name) in names.iter().enumerate() {
+        let (usage, _) = inspect(&store, log_check(name, 100, HOUR_MS, 0)).await;
+        assert_eq!(usage.used, (i + 1) as f64, "{name}");
+    }
+}
+
 #[test]
 fn on_the_memory_store_a_log_grows_by_its_entries_not_by_copies() {
     let store = Store::Memory(MemoryStore::new(100));

@@ -3,9 +3,11 @@
 #![allow(dead_code)]
 
 use std::{
-    net::TcpListener,
+    io::{Read, Write},
+    net::{Shutdown, TcpListener, TcpStream},
     path::PathBuf,
     process::{Child, Command, Stdio},
+    sync::{Arc, Mutex},
     thread::sleep,
     time::{Duration, Instant},
 };
@@ -386,4 +388,83 @@ pub fn command_calls(info: &str, command: &str) -> u64 {
         .and_then(|rest| rest.split(',').next())
         .and_then(|n| n.parse().ok())
         .unwrap_or(0)
+}
+
+/// A TCP proxy in front of a Redis that, once armed with a command's name, passes the next command
+/// that carries it on to Redis and closes that client's connection instead of passing the answer back:
+/// a command that ran and whose answer was lost with its connection.
+pub struct AnswerDropper {
+    addr: String,
+    armed: Arc<Mutex<Option<String>>>,
+}
+
+impl AnswerDropper {
+    pub fn start(upstream: String) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let armed: Arc<Mutex<Option<String>>> = Arc::default();
+        let watch = armed.clone();
+        std::thread::spawn(move || {
+            for client in listener.incoming() {
+                let (Ok(client), Ok(server)) = (client, TcpStream::connect(&upstream)) else {
+                    continue;
+                };
+                let dropping = Arc::new(std::sync::atomic::AtomicBool::new(false));
+                let (mut from_client, mut to_server) =
+                    (client.try_clone().unwrap(), server.try_clone().unwrap());
+                let (watch, marked) = (watch.clone(), dropping.clone());
+                std::thread::spawn(move || {
+                    let mut buf = vec![0u8; 65536];
+                    while let Ok(n @ 1..) = from_client.read(&mut buf) {
+                        let sent = &buf[..n];
+                        let mut armed = watch.lock().unwrap();
+                        if armed.as_ref().is_some_and(|word| carries(sent, word)) {
+                            *armed = None;
+                            marked.store(true, std::sync::atomic::Ordering::SeqCst);
+                        }
+                        drop(armed);
+                        if to_server.write_all(sent).is_err() {
+                            break;
+                        }
+                    }
+                    let _ = to_server.shutdown(Shutdown::Both);
+                });
+                let (mut from_server, mut to_client) = (server, client);
+                std::thread::spawn(move || {
+                    let mut buf = vec![0u8; 65536];
+                    while let Ok(n @ 1..) = from_server.read(&mut buf) {
+                        if dropping.load(std::sync::atomic::Ordering::SeqCst)
+                            || to_client.write_all(&buf[..n]).is_err()
+                        {
+                            break;
+                        }
+                    }
+                    // The client sees its connection close, the answer unsent.
+                    let _ = to_client.shutdown(Shutdown::Both);
+                    let _ = from_server.shutdown(Shutdown::Both);
+                });
+            }
+        });
+        Self { addr, armed }
+    }
+
+    /// Where clients reach Redis through the proxy.
+    pub fn addr(&self) -> String {
+        self.addr.clone()
+    }
+
+    /// Drops the answer to the next command named `command` (any case), with its connection.
+    pub fn arm(&self, command: &str) {
+        *self.armed.lock().unwrap() = Some(command.to_owned());
+    }
+
+    /// Whether the armed command went through and its answer was dropped.
+    pub fn fired(&self) -> bool {
+        self.armed.lock().unwrap().is_none()
+    }
+}
+
+fn carries(sent: &[u8], word: &str) -> bool {
+    sent.windows(word.len())
+        .any(|w| w.eq_ignore_ascii_case(word.as_bytes()))
 }

@@ -39,14 +39,65 @@ static RESET_LUA: LazyLock<fred::types::scripts::Script> =
 /// their window, and what they have left reaches Redis within the sweep and its call's deadline.
 const RESET_MARK_MARGIN_MS: u64 = 60_000;
 
-/// One command, by name, routed by its first argument (a key), or to any server.
+/// How often a command that only reads is written: again on a new connection when the one it went on
+/// closed before its answer (Redis restarting, a proxy or a firewall ending it). A command that
+/// changes data is written once, as every command of a decision is (see `backend::build_pool`): the
+/// change may have been made, and only its answer lost.
+const READ_ATTEMPTS: u32 = 3;
+
+/// One command, by name, routed by its first argument (a key), or to any server. A read is written
+/// again when its answer is lost with its connection.
 async fn command(
     backend: &Backend,
     name: &'static str,
     routed: ClusterHash,
     args: Vec<Value>,
 ) -> Result<Value, StoreError> {
-    let client = backend.pool.next_connected();
+    let reads = matches!(name, "TIME" | "GET" | "HMGET" | "HGETALL" | "ZRANGEBYSCORE");
+    send(backend, name, routed, args, reads).await
+}
+
+/// `script`, which only reads, on `key` with `args`: loaded first if the server lost it, and written
+/// again when its answer is lost with its connection.
+async fn read_script(
+    backend: &Backend,
+    script: &fred::types::scripts::Script,
+    key: &str,
+    args: Vec<String>,
+) -> Result<Value, StoreError> {
+    let call = || {
+        let argv = [script.sha1().to_string(), "1".to_owned(), key.to_owned()]
+            .into_iter()
+            .chain(args.iter().cloned())
+            .map(Value::from)
+            .collect();
+        // EVALSHA sha numkeys key: routed by the key.
+        send(backend, "EVALSHA", ClusterHash::Offset(2), argv, true)
+    };
+    match call().await {
+        Err(StoreError::Backend(err)) if err.contains("NOSCRIPT") => {
+            script
+                .load(backend.pool.next_connected())
+                .await
+                .map_err(redis_error)?;
+            call().await
+        }
+        answer => answer,
+    }
+}
+
+async fn send(
+    backend: &Backend,
+    name: &'static str,
+    routed: ClusterHash,
+    args: Vec<Value>,
+    reads: bool,
+) -> Result<Value, StoreError> {
+    let attempts = Options {
+        max_attempts: reads.then_some(READ_ATTEMPTS),
+        ..Options::default()
+    };
+    let client = backend.pool.next_connected().with_options(&attempts);
     let call = client.custom::<Value, _>(CustomCommand::new_static(name, routed, false), args);
     match tokio::time::timeout(backend.timeout, call).await {
         Ok(answer) => answer.map_err(redis_error),
@@ -210,16 +261,8 @@ impl RedisStore {
         now_ms: u64,
     ) -> Result<Option<State>, StoreError> {
         let gone_at = now_ms.saturating_sub(window_ms);
-        let client = backend.pool.next_connected();
-        let call = INSPECT_LOG_LUA.evalsha_with_reload::<Value, _, _>(
-            client,
-            vec![key.to_owned()],
-            vec![gone_at.to_string(), LOG_HEAD.to_string()],
-        );
-        let reply = match tokio::time::timeout(backend.timeout, call).await {
-            Ok(reply) => reply.map_err(redis_error)?,
-            Err(_) => return Err(StoreError::Timeout(backend.timeout)),
-        };
+        let args = vec![gone_at.to_string(), LOG_HEAD.to_string()];
+        let reply = read_script(backend, &INSPECT_LOG_LUA, key, args).await?;
         let parts: Vec<Vec<Value>> = match reply {
             Value::Array(parts) if parts.len() == 3 => parts.into_iter().map(items).collect(),
             other => return Err(unexpected("inspect_log.lua", &other)),

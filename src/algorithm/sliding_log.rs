@@ -178,7 +178,8 @@ pub fn decide(
                 low = mid + 1;
             }
         }
-        let leaves = |i: usize| log.entries[i].0 + p.window_ms - now_ms;
+        // Saturating: entries are in time order unless the clock stepped back between two of them.
+        let leaves = |i: usize| (log.entries[i].0 + p.window_ms).saturating_sub(now_ms);
         if low < usable && low - from < WAIT_ENTRIES {
             leaves(low)
         } else if usable.saturating_sub(from) > WAIT_ENTRIES {
@@ -210,7 +211,7 @@ pub fn decide(
         p.window_ms
     } else if stored > 0 {
         log.newest_ms()
-            .map_or(0, |last| last + p.window_ms - now_ms)
+            .map_or(0, |last| (last + p.window_ms).saturating_sub(now_ms))
     } else {
         0
     };
@@ -303,6 +304,33 @@ mod tests {
         match entries.last_mut() {
             Some(newest) if record.absorbs => *newest = (now_ms, newest.1 + record.hits),
             _ => entries.push((now_ms, record.hits)),
+        }
+    }
+
+    /// Entries out of time order (the clock stepped back between two hits) never make a decision fail
+    /// or wait past the time the latest entry leaves.
+    #[test]
+    fn a_log_written_across_a_clock_step_back_is_decided() {
+        let p = Params {
+            algorithm: Algorithm::SlidingLog,
+            limit: 1,
+            window_ms: 1_000,
+            burst: 1,
+            count_over_limit: false,
+        };
+        let hit = Record {
+            hits: 1,
+            absorbs: false,
+        };
+        let mut log = Log::default();
+        log.record(&p, hit, 5_000);
+        log.record(&p, hit, 3_000);
+        // The entry of 5 000 leaves at 6 000.
+        for cost in [0, 1, 2] {
+            let (decision, _) = decide(&p, Some(&log), Record::default(), 4_100, cost);
+            assert!(!decision.allowed, "{decision:?}");
+            assert!(decision.retry_ms <= 1_900, "{decision:?}");
+            assert!(decision.reset_ms <= 1_900, "{decision:?}");
         }
     }
 

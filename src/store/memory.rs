@@ -41,6 +41,10 @@ pub const ROOM_SWEEP_EVERY_MS: u64 = 100;
 /// Key bytes a counter counts for once against `max_keys`.
 pub const KEY_BYTES: usize = 1024;
 
+/// Most a request's time may lag the latest time a request was decided at and still be taken as that
+/// time (see [`MemoryStore::steady_ms`]); a clock further behind has stepped back.
+pub const MOST_LAG_MS: u64 = 1_000;
+
 /// How many times a counter of this key counts against `max_keys`.
 fn weight(key: &str) -> usize {
     key.len().div_ceil(KEY_BYTES).max(1)
@@ -65,6 +69,8 @@ pub struct MemoryStore {
     weight: AtomicUsize,
     /// When a full store last swept for room (`u64::MAX`: never).
     room_swept_ms: AtomicU64,
+    /// The latest time a request was decided at.
+    latest_ms: AtomicU64,
     /// The runtime limits set by operators, kept here like the counters (see `store::operator`).
     pub(super) records: LocalRecords,
 }
@@ -77,6 +83,7 @@ impl MemoryStore {
             len: AtomicUsize::new(0),
             weight: AtomicUsize::new(0),
             room_swept_ms: AtomicU64::new(u64::MAX),
+            latest_ms: AtomicU64::new(0),
             records: LocalRecords::default(),
         }
     }
@@ -177,6 +184,30 @@ impl MemoryStore {
             .is_ok()
     }
 
+    /// The time a request whose counters are locked is decided at: its own, read before it waited for
+    /// them, or the latest time a request was decided at when that is later. Two requests of one
+    /// counter are decided in the order they take its lock, and a request that read the clock first
+    /// but took the lock second (its thread paused in between) would otherwise take a fixed window's
+    /// counter back to the window before, forgetting the hits of the new one, or write a sliding log's
+    /// entries out of order. A request more than [`MOST_LAG_MS`] behind is taken at its own time: the
+    /// clock has stepped back, and time goes on from there.
+    fn steady_ms(&self, now_ms: u64) -> u64 {
+        let latest = self.latest_ms.fetch_max(now_ms, Ordering::Relaxed);
+        if latest <= now_ms {
+            now_ms
+        } else if latest - now_ms <= MOST_LAG_MS {
+            latest
+        } else {
+            let _ = self.latest_ms.compare_exchange(
+                latest,
+                now_ms,
+                Ordering::Relaxed,
+                Ordering::Relaxed,
+            );
+            now_ms
+        }
+    }
+
     fn apply_now(&self, batch: &Batch, now_ms: u64) -> Result<Applied, StoreError> {
         let checks = &batch.checks;
         // One entry per counter key: a fixed-window state carries its window start, and a state from
@@ -184,6 +215,8 @@ impl MemoryStore {
         let mut held = self
             .counters
             .lock_keys(checks.iter().map(|c| c.key.as_str()));
+        // Read with the counters locked: a request that locks one of them after this one reads it later.
+        let now_ms = self.steady_ms(now_ms);
         let mut decided = decide_in_order(checks, &held, now_ms, |_| true);
         let denied = batch.is_denied(|i| decided[i].decision.allowed);
         let consume = !denied || batch.consume_on_deny;
@@ -388,7 +421,7 @@ impl CounterStore for MemoryStore {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::Role;
+    use crate::{algorithm::Algorithm, store::Role};
 
     fn check(key: &str, limit: u64, window: u64, cost: u64, role: Role) -> Check {
         Check::fixed_window(key.into(), limit, window, cost, role)
@@ -405,6 +438,67 @@ mod tests {
             consume_on_deny: false,
             known_denied: false,
         }
+    }
+
+    /// A request that read the clock before another but locks their counter after it (its thread
+    /// paused in between) is decided at the other's time: it neither takes a fixed window back to the
+    /// window before, forgetting the new window's hits, nor writes a sliding log out of order.
+    #[test]
+    fn a_request_that_lags_another_is_decided_at_the_others_time() {
+        let store = MemoryStore::new(100);
+        let limited = |key: &str, limit, algorithm| {
+            let mut check = check(key, limit, 1, 1, Role::Enforce);
+            check.params.algorithm = algorithm;
+            Batch {
+                checks: vec![check],
+                consume_on_deny: false,
+                known_denied: false,
+            }
+        };
+        let fixed = limited("fixed_", 1, Algorithm::FixedWindow);
+        assert!(
+            !store.apply_now(&fixed, 2_001).unwrap().denied,
+            "the new window's hit"
+        );
+        // Read at 1 999, in the window before, but decided after the request above.
+        let lagging = store.apply_now(&fixed, 1_999).unwrap();
+        assert!(lagging.denied, "decided at 2 001: {lagging:?}");
+        let next = store.apply_now(&fixed, 2_002).unwrap();
+        assert!(next.denied, "the new window's hit was kept: {next:?}");
+
+        let log = limited("log_", 3, Algorithm::SlidingLog);
+        for read_at in [10_005, 10_000, 10_010] {
+            assert!(!store.apply_now(&log, read_at).unwrap().denied);
+        }
+        let mut two = log.clone();
+        two.checks[0].cost = 2;
+        let denied = store.apply_now(&two, 11_003).unwrap();
+        assert!(denied.denied);
+        assert_eq!(
+            denied.outcomes[0].retry_ms, 2,
+            "two hits leave at 11 005, the lagging one among them"
+        );
+    }
+
+    /// A clock that steps back further than a request can lag is taken as it is, and time goes on
+    /// from there.
+    #[test]
+    fn after_the_clock_steps_back_requests_are_decided_at_its_time() {
+        let store = MemoryStore::new(100);
+        let fixed = one("stepped_", 1);
+        for _ in 0..5 {
+            store.apply_now(&fixed, 20_000).unwrap();
+        }
+        assert!(store.apply_now(&fixed, 20_100).unwrap().denied);
+        assert!(
+            !store.apply_now(&fixed, 5_000).unwrap().denied,
+            "the window of 5 000, not of 20 000"
+        );
+        for _ in 0..4 {
+            store.apply_now(&fixed, 5_000).unwrap();
+        }
+        // 500 ms behind the stepped-back clock, in the window before it: decided at 5 000.
+        assert!(store.apply_now(&fixed, 4_500).unwrap().denied);
     }
 
     #[test]

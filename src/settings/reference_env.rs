@@ -360,7 +360,8 @@ fn log_level(value: &str) -> Result<LogLevel, String> {
 fn duration(value: &str) -> Result<Duration, String> {
     go_duration(value)
         .or_else(|| humantime::parse_duration(value).ok())
-        .ok_or_else(|| "expected a duration such as 500ms, 10s, 1.5h or 2h45m".into())
+        .ok_or_else(|| "expected a duration such as 500ms, 10s, 1.5h or 2h45m".to_owned())
+        .and_then(crate::duration::at_most_longest)
 }
 
 /// Go's duration syntax: a sequence of decimal numbers, each with a unit (`ns`, `us`, `µs`, `ms`, `s`,

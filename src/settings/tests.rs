@@ -55,6 +55,33 @@ fn precedence_is_defaults_then_file_then_prefixed_env_then_reference_env() {
     assert_eq!(s.grpc.port, 7200);
 }
 
+/// A duration too long to add to the clock is refused at the start, named, in every spelling.
+#[test]
+fn durations_longer_than_a_century_are_refused() {
+    for (name, value, named) in [
+        ("REDIS_TIMEOUT", "10000000000000000000s", "REDIS_TIMEOUT"),
+        ("RATELIMITD_OVERLOAD__DEADLINE", "300000000000y", "deadline"),
+        (
+            "RATELIMITD_REDIS__BREAKER_OPEN_FOR",
+            "101years",
+            "breaker_open_for",
+        ),
+    ] {
+        let err = Settings::load(None, &env(&[(name, value)]))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("100 years") && err.contains(named),
+            "{name}: {err}"
+        );
+    }
+    let s = Settings::load(
+        None,
+        &env(&[("RATELIMITD_REDIS__BREAKER_OPEN_FOR", "99years")]),
+    );
+    assert!(s.is_ok(), "{s:?}");
+}
+
 #[test]
 fn toml_files_are_read_too() {
     let dir = tempfile::tempdir().unwrap();

@@ -408,6 +408,25 @@ async fn the_sum_follows_the_entries_on_a_cluster() {
     the_sum_follows_the_entries(&store, &nodes, 2).await;
 }
 
+/// A log whose entries in Redis claim more hits than a count can hold (written by hand, or damaged) is
+/// inspected all the same, its count never above the hits really taken.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_log_whose_entries_claim_impossible_hits_is_inspected() {
+    let redis = RedisProcess::start(&[]);
+    let store = Store::Redis(redis_store(redis.addr(), RedisTopology::Single).await);
+    let check = |cost| log_check("damaged:", 100, HOUR_MS, cost);
+    for _ in 0..20 {
+        apply(&store, vec![check(1)], false).await;
+    }
+    let key = redis_key(&redis, "*damaged:*");
+    // Two entries from long ago, of 2^64 - 1 hits each.
+    let most = u64::MAX.to_string();
+    let (first, second) = (format!("1:1:{most}"), format!("2:2:{most}"));
+    redis.cli(&["ZADD", &key, "1", &first, "2", &second]);
+    let (usage, _) = inspect(&store, check(0)).await;
+    assert!(usage.used <= 20.0, "{usage:?}");
+}
+
 /// On a Cluster, each log is inspected on the master that holds it, the script that reads it loaded
 /// there on first use.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -179,7 +179,12 @@ pub fn decide(
             }
         }
         // Saturating: entries are in time order unless the clock stepped back between two of them.
-        let leaves = |i: usize| (log.entries[i].0 + p.window_ms).saturating_sub(now_ms);
+        let leaves = |i: usize| {
+            log.entries[i]
+                .0
+                .saturating_add(p.window_ms)
+                .saturating_sub(now_ms)
+        };
         if low < usable && low - from < WAIT_ENTRIES {
             leaves(low)
         } else if usable.saturating_sub(from) > WAIT_ENTRIES {
@@ -210,8 +215,9 @@ pub fn decide(
     let reset_ms = if record.hits > 0 {
         p.window_ms
     } else if stored > 0 {
-        log.newest_ms()
-            .map_or(0, |last| (last + p.window_ms).saturating_sub(now_ms))
+        log.newest_ms().map_or(0, |last| {
+            last.saturating_add(p.window_ms).saturating_sub(now_ms)
+        })
     } else {
         0
     };

@@ -290,14 +290,14 @@ impl RedisStore {
             .filter(|e| e.0 <= gone_at)
             .map(|e| e.1)
             .chain(log_entries(gone).map(|e| e.1))
-            .sum();
+            .fold(0, u64::saturating_add);
         let Some((newest_ms, _)) = log_entries(newest).next().filter(|e| e.0 > gone_at) else {
             return Ok(None);
         };
         let live: Vec<(u64, u64)> = oldest.into_iter().filter(|e| e.0 > gone_at).collect();
         let rest = total
             .saturating_sub(gone)
-            .saturating_sub(live.iter().map(|e| e.1).sum());
+            .saturating_sub(live.iter().map(|e| e.1).fold(0, u64::saturating_add));
         let log = Log::from_entries(
             live.into_iter()
                 .chain((rest > 0).then_some((newest_ms, rest))),

@@ -697,9 +697,12 @@ async fn a_request_whose_slot_is_split_by_a_migration_waits_for_it_alone() {
     let migration = Migration::start(&cluster, slot, now);
     migration.migrate(&b);
 
+    // It waits for the migration until its deadline: one long enough for the steps below on a
+    // machine busy with the other tests' clusters.
     let waiting = tokio::spawn({
         let (store, both) = (store.clone(), both.clone());
-        async move { store.apply(&both, now, within()).await }
+        let deadline = Deadline::within(Duration::from_secs(30));
+        async move { store.apply(&both, now, deadline).await }
     });
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert!(

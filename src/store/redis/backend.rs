@@ -22,7 +22,7 @@ use fred::{
 use tokio_util::task::TaskTracker;
 
 use super::{
-    coalesce::{asking, importing_closed, is_moved, Bounds, Caller, Pauses, Refused},
+    coalesce::{asking, importing_closed, is_moved, Bounds, Caller, Next, Pauses, Route},
     config::client_config,
     load_scripts,
     node::{is_cluster_down, never_written, Node, Probe},
@@ -527,16 +527,10 @@ impl Backend {
                 if tokio::time::Instant::now() >= until {
                     return Err(err);
                 }
-                match Refused::of(&err) {
-                    Refused::Moved => {
-                        return script.evalsha_with_reload(&cluster, keys, args).await
-                    }
-                    Refused::Asked(server) => {
-                        if let Some(to) = masters.importing(&server) {
-                            return ask_on(&to, &script, keys, args).await;
-                        }
-                    }
-                    Refused::Wait => {}
+                match Next::after(&err, Route::Node, &masters) {
+                    Next::Cluster => return script.evalsha_with_reload(&cluster, keys, args).await,
+                    Next::Asking(to) => return ask_on(&to, &script, keys, args).await,
+                    Next::Pause => {}
                 }
                 let next = tokio::time::Instant::now() + pauses.next();
                 if next >= until {

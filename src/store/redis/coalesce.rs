@@ -325,17 +325,10 @@ impl Caller {
                 Err(CallError::Moved(err)) => err,
                 decided => return decided,
             };
-            let next = match Refused::of(&err) {
-                Refused::Asked(server) if route != Route::Asking => self
-                    .masters
-                    .importing(&server)
-                    .map(|master| (master, Route::Asking)),
-                Refused::Moved if route != Route::Cluster => Some((node.clone(), Route::Cluster)),
-                _ => None,
-            };
-            (to, route) = match next {
-                Some(next) => next,
-                None => {
+            (to, route) = match Next::after(&err, route, &self.masters) {
+                Next::Cluster => (node.clone(), Route::Cluster),
+                Next::Asking(master) => (master, Route::Asking),
+                Next::Pause => {
                     tokio::time::sleep_until((Instant::now() + pauses.next()).min(until)).await;
                     (node.clone(), Route::Node)
                 }
@@ -408,7 +401,7 @@ impl Caller {
 
 /// Which connections a call goes on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Route {
+pub(super) enum Route {
     /// Its server's own, on a Cluster master that has them; else the deployment's.
     Node,
     /// The Cluster client's, which follow redirections.
@@ -417,9 +410,34 @@ enum Route {
     Asking,
 }
 
+/// Where a call of one slot goes after its master refused it as moved.
+pub(super) enum Next {
+    /// Through the Cluster client: the slot is another master's (the client reads the new slot map
+    /// on the way).
+    Cluster,
+    /// To this master, which is importing the slot, right after ASKING: the keys are there already.
+    Asking(Arc<Node>),
+    /// Again to its own master after a pause: the keys are on both sides, the master asked for has
+    /// no connections of its own here, or the call went that way already.
+    Pause,
+}
+
+impl Next {
+    /// Where a call that went by `route` goes after the refusal `err`.
+    pub(super) fn after(err: &Error, route: Route, masters: &Masters) -> Self {
+        match Refused::of(err) {
+            Refused::Asked(server) if route != Route::Asking => {
+                masters.importing(&server).map_or(Self::Pause, Self::Asking)
+            }
+            Refused::Moved if route != Route::Cluster => Self::Cluster,
+            _ => Self::Pause,
+        }
+    }
+}
+
 /// What a Cluster master's refusal of a call of one slot says about where its keys are.
 #[derive(Debug, PartialEq, Eq)]
-pub(super) enum Refused {
+enum Refused {
     /// The slot is another master's now (MOVED), or the refusal names none.
     Moved,
     /// The slot is moving to `Server`, and the keys are there already (ASK).
@@ -430,7 +448,7 @@ pub(super) enum Refused {
 }
 
 impl Refused {
-    pub(super) fn of(err: &Error) -> Self {
+    fn of(err: &Error) -> Self {
         let details = err.details();
         if details.starts_with("TRYAGAIN") {
             return Self::Wait;

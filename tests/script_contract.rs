@@ -1,7 +1,7 @@
 //! decide.lua refuses a malformed call before it reads or writes anything: every integer must be a
 //! whole number from 0 to 2^53, every index must name something the call carries, every count must fit
 //! in what follows. A call the client could never send (the client checks numbers itself) still cannot
-//! corrupt a counter.
+//! corrupt a counter. And leased hits a call gives back are taken off the window they were counted in.
 
 mod common;
 
@@ -103,6 +103,58 @@ fn malformed_calls_are_refused_before_anything_is_written() {
         );
         assert_eq!(redis.cli(&["GET", &key]), "1", "{what} changed the counter");
         assert_eq!(redis.cli(&["DBSIZE"]), "1", "{what} wrote a key");
+    }
+}
+
+/// Leased hits of a sliding window given back after its window ended are taken off the window they
+/// were counted in, found by the grant's time: the state's current count while it is still in that
+/// window, its previous one once requests have moved it on to the next; never the new window's count,
+/// nor the one before the grant's.
+#[test]
+fn a_sliding_window_gets_leased_hits_back_in_the_window_they_were_counted_in() {
+    let (redis, sha, _) = loaded();
+    const DAY_MS: u64 = 86_400_000;
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
+    let today = now_ms - now_ms % DAY_MS;
+    let yesterday = today - DAY_MS;
+    // No request, no lease wanted, one return: key 1, spec 1 (sliding window, 100 a day), 4 hits,
+    // granted yesterday at noon.
+    let give_back: Vec<String> = [
+        0, 1, 1, 1, 1, 1, 100, DAY_MS, 100, 0, 0, 0, 0, 0, 0, 1, 1, 1, 4,
+    ]
+    .iter()
+    .copied()
+    .chain([yesterday + DAY_MS / 2])
+    .map(|n| n.to_string())
+    .collect();
+    let state = |key: &str| redis.cli(&["HMGET", key, "s", "c", "p"]);
+    let cases = [
+        // Not moved on since the grant (no request today yet): yesterday's own count.
+        ("still", yesterday, (10, 5), (6, 5)),
+        // Moved on to today by a request: yesterday's count is now the previous one.
+        ("moved", today, (3, 10), (3, 6)),
+    ];
+    for (name, start, (current, previous), want) in cases {
+        let key = format!("contract_sliding_{name}");
+        redis.cli(&[
+            "HSET",
+            &key,
+            "s",
+            &start.to_string(),
+            "c",
+            &current.to_string(),
+            "p",
+            &previous.to_string(),
+        ]);
+        call(&redis, &sha, &key, &give_back);
+        assert_eq!(
+            state(&key),
+            format!("{start}\n{}\n{}", want.0, want.1),
+            "{name}"
+        );
     }
 }
 

@@ -25,7 +25,8 @@
 --                     1, in order), and the hits it wants beyond its cost when its request consumes
 --   B, 4 per return   leased hits given back before any request is decided: key index, spec index, hits,
 --                     the server time (ms) of the grant they came from (a sliding window takes them off
---                     its current window, or its previous one once the window has moved on). A counter
+--                     the grant's window: its state's current count while the state is in that window,
+--                     its previous count once the state has moved on to the next). A counter
 --                     an operator reset since that grant takes nothing back: the reset's mark (a key
 --                     in the counter's slot, see reset_mark below and src/store/keys.rs) holds when.
 --   then K - #KEYS key names
@@ -636,10 +637,13 @@ for b = 1, #returns do
       s1[k] = max(s1[k] - hits, 0)
       dirty[k] = s
     elseif alg[s] == 1 then
+      -- The window the hits were counted in is the grant's, not this call's: its count is the state's
+      -- current one while the state is in that window, its previous one once the state has moved on
+      -- to the next (as refund.lua finds a decision's window by its stamp).
       local w = win[s]
-      local start = now - now % w
-      if s1[k] == start then s2[k] = max(s2[k] - hits, 0); dirty[k] = s
-      elseif s1[k] + w == start then s3[k] = max(s3[k] - hits, 0); dirty[k] = s end
+      local granted_in = returns[b][4] - returns[b][4] % w
+      if s1[k] == granted_in then s2[k] = max(s2[k] - hits, 0); dirty[k] = s
+      elseif s1[k] == granted_in + w then s3[k] = max(s3[k] - hits, 0); dirty[k] = s end
     end
   end
 end

@@ -6,7 +6,8 @@
 //!   20 ms deadline is answered by the policy before its deadline; a call with a deadline of seconds is
 //!   answered by the policy once the server is found unresponsive (under a second), later ones at once;
 //!   everything recovers without a restart.
-//! - `on_backend_error: local` decides from the replica's memory at limit / replicas while Redis is down.
+//! - `on_backend_error: local` decides from the replica's memory at limit / replicas while Redis is down,
+//!   a request that waited for Redis at the time its wait ended.
 
 mod common;
 
@@ -516,4 +517,62 @@ fn metric(text: &str, name: &str) -> u64 {
     text.lines()
         .find_map(|l| l.strip_prefix(name)?.trim().parse().ok())
         .unwrap_or(0)
+}
+
+/// A request that waited for a hung Redis until its deadline is decided by the local fallback at the
+/// time the wait ended, not the time it came: its reset counts from then (a lagging time would put it
+/// behind the requests decided meanwhile, or read as the clock stepping back).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_local_fallback_decides_a_request_that_waited_at_the_time_its_wait_ended() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let redis = RedisProcess::start(&["--enable-debug-command", "local"]);
+    let rules = rules_dir();
+    let mut cmd = common::binary(rules.path());
+    cmd.env("REDIS_URL", redis.addr())
+        .env("RATELIMITD_ON_BACKEND_ERROR", "local")
+        // Waited for until the caller's deadline, not found unresponsive before it, nor cut at
+        // the default bound of a second.
+        .env("RATELIMITD_REDIS__UNRESPONSIVE_AFTER", "10s")
+        .env("RATELIMITD_OVERLOAD__DEADLINE", "5s");
+    let replica = start_binary(&mut cmd);
+    assert!(replica.serving_within(Duration::from_secs(20)));
+    let mut client = connect(replica.grpc).await;
+    assert_eq!(
+        ask(&mut client, &[("login", "ann")], None).await.0,
+        "Ok",
+        "on Redis"
+    );
+
+    // Not across the end of an hour, whose window the reset below is read in.
+    let in_hour_ms = |t: std::time::SystemTime| {
+        t.duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64 % 3_600_000
+    };
+    let in_hour = in_hour_ms(std::time::SystemTime::now());
+    if in_hour > 3_600_000 - 15_000 {
+        tokio::time::sleep(Duration::from_millis(3_600_000 - in_hour + 100)).await;
+    }
+    let mut sleep = std::net::TcpStream::connect(("127.0.0.1", redis.port)).unwrap();
+    sleep.write_all(b"DEBUG SLEEP 5\r\n").unwrap();
+    while answers_ping(redis.port, Duration::from_millis(100)) {}
+    let mut call = tonic::Request::new(request("waits", vec![descriptor(&[("login", "bob")])]));
+    call.set_timeout(Duration::from_secs(3));
+    let answer = client.should_rate_limit(call).await.unwrap().into_inner();
+    let answered_ms = in_hour_ms(std::time::SystemTime::now());
+    let reset_s = answer.statuses[0]
+        .duration_until_reset
+        .as_ref()
+        .map_or(0, |d| d.seconds as u64);
+    // The hour's end, seen from when the answer came: the reset the fallback gives, within its
+    // rounding up to a whole second (the request came about 3 s before).
+    let left_s = (3_600_000 - answered_ms).div_ceil(1000);
+    assert!(
+        reset_s <= left_s + 1,
+        "reset {reset_s} s with {left_s} s of the hour left: decided at the time the request came"
+    );
+    assert!(reset_s + 1 >= left_s, "reset {reset_s} s, {left_s} s left");
+    let mut reply = [0; 5];
+    sleep
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    sleep.read_exact(&mut reply).unwrap();
 }

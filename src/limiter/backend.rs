@@ -123,9 +123,17 @@ impl CacheableStore for Backend {
                     );
                 }
                 self.fallback_decisions.fetch_add(1, Ordering::Relaxed);
+                // Decided at the time the store gave up, not the time the request came: the wait
+                // for it (up to `redis.timeout`) would put this request behind those the fallback
+                // decided meanwhile, and a lag past a second reads as the clock stepping back.
+                let waited = u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX);
                 let local = fallback
                     .store
-                    .apply(&fallback.share(batch), now_millis, deadline)
+                    .apply(
+                        &fallback.share(batch),
+                        now_millis.saturating_add(waited),
+                        deadline,
+                    )
                     .await?;
                 Ok((local, false))
             }

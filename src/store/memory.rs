@@ -115,8 +115,12 @@ impl MemoryStore {
         self.len() == 0
     }
 
-    /// Drops every counter whose state has expired; returns how many.
+    /// Drops every counter whose state has expired; returns how many. A request that read the clock
+    /// before the sweep and reaches its counter after it is decided at the sweep's time (see
+    /// [`MemoryStore::steady_ms`]): it finds the counter gone only in a window where it would have
+    /// expired.
     pub fn sweep(&self, now_ms: u64) -> usize {
+        let now_ms = self.steady_ms(now_ms);
         self.counters
             .each()
             .map(|mut shard| self.purge(&mut shard, now_ms))
@@ -478,6 +482,29 @@ mod tests {
             denied.outcomes[0].retry_ms, 2,
             "two hits leave at 11 005, the lagging one among them"
         );
+    }
+
+    /// A request that read the clock before a sweep dropped its counter, expired by the sweep's time,
+    /// is decided at that time: in the next window, counted there.
+    #[test]
+    fn a_request_that_lags_a_sweep_is_counted_in_the_window_after_it() {
+        let store = MemoryStore::new(100);
+        let mut check = check("swept_", 1, 1, 1, Role::Enforce);
+        check.params.limit = 1;
+        let once = Batch {
+            checks: vec![check],
+            consume_on_deny: false,
+            known_denied: false,
+        };
+        assert!(!store.apply_now(&once, 1_999).unwrap().denied);
+        assert_eq!(store.sweep(2_000), 1);
+        // Read at 1 998, before the sweep: the window of 1 000 is full, but its counter is gone.
+        assert!(
+            !store.apply_now(&once, 1_998).unwrap().denied,
+            "in the window of 2 000"
+        );
+        let next = store.apply_now(&once, 2_001).unwrap();
+        assert!(next.denied, "that window's one hit was counted: {next:?}");
     }
 
     /// A clock that steps back further than a request can lag is taken as it is, and time goes on

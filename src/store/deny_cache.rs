@@ -77,6 +77,8 @@ pub struct DenyCache {
     /// When each shard was last swept for room (ms; `u64::MAX`: never). Read and written under the
     /// shard's lock.
     swept_ms: [AtomicU64; SHARDS],
+    /// Counts the clears: a denial the store decided before one is not remembered after it.
+    clears: AtomicU64,
 }
 
 impl DenyCache {
@@ -86,7 +88,13 @@ impl DenyCache {
             per_shard: max_entries.div_ceil(SHARDS).max(1),
             taken: std::array::from_fn(|_| AtomicUsize::new(0)),
             swept_ms: std::array::from_fn(|_| AtomicU64::new(u64::MAX)),
+            clears: AtomicU64::new(0),
         }
+    }
+
+    /// What [`DenyCache::remember`] is given: read before the store is asked.
+    pub fn clears(&self) -> u64 {
+        self.clears.load(Ordering::SeqCst)
     }
 
     /// The remembered denial of this check, if it still holds at `now_ms`.
@@ -118,6 +126,21 @@ impl DenyCache {
 
     /// Remembers a denial answered by the store for a request sent at `sent_ms`.
     pub fn insert(&self, key: &str, params: Params, cost: u64, outcome: Outcome, sent_ms: u64) {
+        self.remember(self.clears(), key, params, cost, outcome, sent_ms);
+    }
+
+    /// [`DenyCache::insert`], unless the cache was cleared since [`DenyCache::clears`] read `seen`: an
+    /// operator's reset (or new rules) came while the store was deciding, and the denial may no
+    /// longer hold.
+    pub fn remember(
+        &self,
+        seen: u64,
+        key: &str,
+        params: Params,
+        cost: u64,
+        outcome: Outcome,
+        sent_ms: u64,
+    ) {
         if outcome.allowed || outcome.retry_ms == 0 {
             return;
         }
@@ -136,6 +159,11 @@ impl DenyCache {
         let key = self.entries.hash(key);
         let index = self.entries.shard_of(key);
         let mut shard = self.entries.lock(index);
+        // Read with the shard locked: a clear counts itself before it clears the shards, so it
+        // either clears this entry after it is written or is seen here.
+        if self.clears() != seen {
+            return;
+        }
         let taken = &self.taken[index];
         let fits = |taken: &AtomicUsize| taken.load(Ordering::Relaxed) + places <= self.per_shard;
         if !fits(taken) && shard.get(key).is_none() {
@@ -159,8 +187,10 @@ impl DenyCache {
         }
     }
 
-    /// Forgets everything (the rules changed).
+    /// Forgets everything (the rules changed, an operator reset a counter), and what the store is
+    /// deciding meanwhile.
     pub fn clear(&self) {
+        self.clears.fetch_add(1, Ordering::SeqCst);
         for (mut shard, taken) in self.entries.each().zip(&self.taken) {
             shard.clear();
             taken.store(0, Ordering::Relaxed);
@@ -250,6 +280,7 @@ impl<S: CacheableStore> DenyCached<S> {
         now_millis: u64,
         deadline: Deadline,
     ) -> Result<Applied, StoreError> {
+        let seen = cache.clears();
         let (applied, cacheable) = self
             .store
             .apply_cacheable(batch, now_millis, deadline)
@@ -257,7 +288,7 @@ impl<S: CacheableStore> DenyCached<S> {
         if cacheable {
             for (c, outcome) in batch.checks.iter().zip(&applied.outcomes) {
                 if remembered(c) && !outcome.allowed {
-                    cache.insert(&c.key, c.params, c.cost, *outcome, now_millis);
+                    cache.remember(seen, &c.key, c.params, c.cost, *outcome, now_millis);
                 }
             }
         }
@@ -402,11 +433,13 @@ mod tests {
         assert!(cache.lookup("k", &params(5), 2, 1).is_none());
     }
 
-    /// A memory store that counts the batches it is asked, and says whether its denials may be remembered.
+    /// A memory store that counts the batches it is asked, and says whether its denials may be remembered;
+    /// it clears `clears` while it decides (an operator's reset seen by this replica meanwhile).
     struct Counted {
         store: MemoryStore,
         asked: AtomicUsize,
         cacheable: bool,
+        clears: Option<Arc<DenyCache>>,
     }
 
     impl CounterStore for Counted {
@@ -417,7 +450,11 @@ mod tests {
             deadline: Deadline,
         ) -> Result<Applied, StoreError> {
             self.asked.fetch_add(1, Ordering::Relaxed);
-            self.store.apply(batch, now, deadline).await
+            let applied = self.store.apply(batch, now, deadline).await;
+            if let Some(cache) = &self.clears {
+                cache.clear();
+            }
+            applied
         }
     }
 
@@ -437,8 +474,29 @@ mod tests {
             store: MemoryStore::new(100),
             asked: AtomicUsize::new(0),
             cacheable,
+            clears: None,
         };
         DenyCached::new(store, Some(Arc::new(DenyCache::new(100))))
+    }
+
+    /// A denial the store decided while the cache was cleared (an operator reset the counter) is not
+    /// remembered: the next request goes to the store, which may allow it.
+    #[tokio::test]
+    async fn a_denial_decided_while_the_cache_is_cleared_is_not_remembered() {
+        let cache = Arc::new(DenyCache::new(100));
+        let store = Counted {
+            store: MemoryStore::new(100),
+            asked: AtomicUsize::new(0),
+            cacheable: true,
+            clears: Some(cache.clone()),
+        };
+        let cached = DenyCached::new(store, Some(cache.clone()));
+        let one = [Check::fixed_window("one_".into(), 1, 60, 1, Role::Enforce)];
+        decide(&cached, &one, 60_000).await;
+        assert_eq!(decide(&cached, &one, 60_001).await, (true, vec![false]));
+        assert!(cache.is_empty(), "the denial came back after the clear");
+        assert_eq!(decide(&cached, &one, 60_002).await, (true, vec![false]));
+        assert_eq!(cached.store.asked.load(Ordering::Relaxed), 3);
     }
 
     /// Asks `cached` to decide `checks` at `now_ms`: whether the request was denied, and which checks the

@@ -262,6 +262,69 @@ async fn the_fleet_admits_exactly_the_limit_with_leases() {
     }
 }
 
+/// Leases granted by calls whose requests had stopped waiting (Redis paused past their deadline) are
+/// given back: once every lease ended, Redis counts the requests admitted and at most those answered
+/// by the policy while it was paused (their calls ran after it), never hits no replica holds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leases_granted_after_their_requests_deadline_are_given_back() {
+    inside_one_day().await;
+    let redis = RedisProcess::start(&[]);
+    let url = redis.addr();
+    let s = TestServer::start_with_clock(&[("hot.yaml", RULES)], Clock::System, move |s| {
+        s.backend = Some(BackendKind::Redis);
+        s.redis.url = url;
+        s.redis.topology = RedisTopology::Single;
+        s.hash_secret = ratelimitd::settings::Secret("leases".into());
+    })
+    .await;
+    s.wait_serving(Duration::from_secs(20)).await;
+    let (ok, failed) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+    let done = Arc::new(AtomicBool::new(false));
+    let mut callers = Vec::new();
+    for _ in 0..32 {
+        let mut client = s.client().await;
+        let (ok, failed, done) = (ok.clone(), failed.clone(), done.clone());
+        callers.push(tokio::spawn(async move {
+            while !done.load(Ordering::Relaxed) {
+                let mut r = tonic::Request::new(request(
+                    "hot",
+                    vec![descriptor(&[("generic_key", "busy")])],
+                ));
+                r.set_timeout(Duration::from_millis(100));
+                match client.should_rate_limit(r).await {
+                    Ok(a) if a.get_ref().overall_code == Code::Ok as i32 => &ok,
+                    Ok(a) => panic!("denied under a limit of a billion: {a:?}"),
+                    Err(_) => &failed,
+                }
+                .fetch_add(1, Ordering::Relaxed);
+            }
+        }));
+    }
+    // Leases held and renewed, then Redis paused twice past every request's deadline.
+    tokio::time::sleep(Duration::from_millis(1_000)).await;
+    for _ in 0..2 {
+        assert_eq!(redis.cli(&["CLIENT", "PAUSE", "400", "ALL"]), "OK");
+        tokio::time::sleep(Duration::from_millis(1_200)).await;
+    }
+    done.store(true, Ordering::Relaxed);
+    for c in callers {
+        c.await.unwrap();
+    }
+    s.wait_leases_given_back(Duration::from_secs(5)).await;
+    // The last give-backs, of leases granted after their deadline, are sent at once but not waited.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let (ok, failed) = (ok.load(Ordering::Relaxed), failed.load(Ordering::Relaxed));
+    let key = redis.cli(&["--scan", "--pattern", "hot_generic_key_busy_*"]);
+    let counted: u64 = redis.cli(&["GET", key.trim()]).parse().unwrap();
+    eprintln!("{ok} admitted, {failed} answered by the policy, {counted} counted");
+    assert!(failed > 0, "some requests waited past their deadline");
+    assert!(
+        (ok..=ok + failed).contains(&counted),
+        "{counted} counted for {ok} admitted and {failed} answered by the policy"
+    );
+    s.stop().await;
+}
+
 /// One call of the operators' API: its status.
 fn admin_call(addr: std::net::SocketAddr, method: &str, path: &str, body: &str) -> u16 {
     use std::io::{Read, Write};

@@ -216,6 +216,7 @@ impl Backend {
                 calls: settings.calls_in_flight.max(1),
             },
             tasks,
+            give_back_within: settings.timeout,
         });
         let backend = Arc::new_cyclic(|this| Self {
             name,

@@ -40,7 +40,7 @@ use tokio_util::task::TaskTracker;
 
 use super::{
     backend::Masters,
-    node::{never_written, BoxedCall, Node},
+    node::{never_written, BoxedCall, LateAnswer, Node},
     redis_error,
     script::{unpack_reply, DecideCall, Part, PartReply, Return},
 };
@@ -74,12 +74,39 @@ struct Answered {
 }
 
 impl Waiting {
-    fn answer(self, reply: Result<PartReply, StoreError>) {
-        let _ = self.answer.send(Answered {
+    /// Hands the part its answer. When its caller has stopped waiting, returns the hits it was granted
+    /// in leases: counted in Redis as if admitted, held by no replica, to be given back.
+    fn answer(self, reply: Result<PartReply, StoreError>) -> Vec<Return> {
+        let answered = Answered {
             part: self.part,
             reply,
-        });
+        };
+        match self.answer.send(answered) {
+            Err(Answered {
+                part,
+                reply: Ok(reply),
+            }) => unheld(&part, &reply).collect(),
+            _ => Vec::new(),
+        }
     }
+}
+
+/// The hits `reply` leased to checks of `part`, as returns.
+fn unheld<'a>(part: &'a Part, reply: &'a PartReply) -> impl Iterator<Item = Return> + 'a {
+    reply
+        .grants
+        .iter()
+        .filter(|grant| grant.hits > 0)
+        .filter_map(|grant| {
+            let check = part.checks.get(grant.check)?;
+            Some(Return {
+                key: check.key.clone(),
+                slot: check.slot,
+                spec: check.spec,
+                hits: grant.hits,
+                granted_ms: grant.server_ms,
+            })
+        })
 }
 
 /// The parts waiting for one server, and its calls in flight.
@@ -161,6 +188,8 @@ pub struct Caller {
     pub bounds: Bounds,
     /// Calls whose callers stopped waiting, and the lanes' own tasks, watched until they end.
     pub tasks: TaskTracker,
+    /// How long leased hits nobody holds are given back for (`REDIS_TIMEOUT`).
+    pub give_back_within: Duration,
 }
 
 impl Caller {
@@ -234,9 +263,11 @@ impl Caller {
         };
         match reply {
             Ok(replies) => {
+                let mut unheld = Vec::new();
                 for (waiting, reply) in batch.into_iter().zip(replies) {
-                    waiting.answer(Ok(reply));
+                    unheld.extend(waiting.answer(Ok(reply)));
                 }
+                self.give_back_unheld(node, unheld);
             }
             Err(err) => {
                 for waiting in batch {
@@ -246,10 +277,54 @@ impl Caller {
         }
     }
 
+    /// For a call of `parts` that asks for leases: what to do with its answer if it comes after the
+    /// call stopped waiting (every caller's deadline passed, or the server seemed unresponsive): give
+    /// back what it leased, which no replica will hold.
+    fn unheld_when_late(
+        self: &Arc<Self>,
+        node: &Arc<Node>,
+        parts: &[&Part],
+    ) -> Option<LateAnswer<Bytes>> {
+        if !parts.iter().any(|part| part.asks_lease()) {
+            return None;
+        }
+        let mut parts: Vec<Part> = parts.iter().map(|&part| part.clone()).collect();
+        let (caller, node) = (self.clone(), node.clone());
+        Some(Box::new(move |answer: &Result<Bytes, Error>| {
+            let Ok(bytes) = answer else {
+                return;
+            };
+            let mut each: Vec<&mut Part> = parts.iter_mut().collect();
+            let replies =
+                unpack_reply(bytes).and_then(|ints| PartReply::parse_all(&ints, &mut each));
+            let Ok(replies) = replies else {
+                return;
+            };
+            let returns = parts.iter().zip(&replies).flat_map(|(p, r)| unheld(p, r));
+            caller.give_back_unheld(&node, returns.collect());
+        }))
+    }
+
+    /// Gives back, in a task of its own, the hits leases granted to parts whose callers had stopped
+    /// waiting (Redis answered after their deadline): no replica holds them, and they would weigh on
+    /// the counter until its window ends.
+    fn give_back_unheld(self: &Arc<Self>, node: &Arc<Node>, returns: Vec<Return>) {
+        if returns.is_empty() {
+            return;
+        }
+        let (caller, node) = (self.clone(), node.clone());
+        self.tasks.spawn(async move {
+            let until = Instant::now() + caller.give_back_within;
+            if let Err(err) = caller.give_back(&node, &returns, until).await {
+                tracing::warn!(server = %node.name(), "leased hits granted after their request's deadline not given back: {err}");
+            }
+        });
+    }
+
     /// Decides a part of a call its server refused as moved, in a call of its own, and answers it. One
     /// of a single slot follows the slot; one of several that is refused again goes back to its
     /// request, to go one slot per call.
-    async fn alone(&self, node: &Arc<Node>, mut waiting: Waiting) {
+    async fn alone(self: &Arc<Self>, node: &Arc<Node>, mut waiting: Waiting) {
         let until = waiting.until;
         if waiting.answer.is_closed() || Instant::now() >= until {
             // Its caller has stopped waiting: nothing is sent, nothing counted.
@@ -273,12 +348,13 @@ impl Caller {
                 .ok_or_else(|| StoreError::Backend("decide.lua answered no part".into()))
         }
         .await;
-        waiting.answer(reply);
+        let unheld = waiting.answer(reply);
+        self.give_back_unheld(node, unheld);
     }
 
     /// Gives leased hits back to `node`'s keys, in a call of their own; waits until `until`.
     pub async fn give_back(
-        &self,
+        self: &Arc<Self>,
         node: &Arc<Node>,
         returns: &[Return],
         until: Instant,
@@ -312,7 +388,7 @@ impl Caller {
     /// already there, and again a moment later while they are on both sides. Nothing was written by a
     /// refused call.
     async fn follow(
-        &self,
+        self: &Arc<Self>,
         node: &Arc<Node>,
         parts: &[&Part],
         returns: &[Return],
@@ -342,7 +418,7 @@ impl Caller {
     /// One EVALSHA of `parts` (after giving back `returns`), loading the script again when the server
     /// lost it; its reply's integers.
     async fn call(
-        &self,
+        self: &Arc<Self>,
         node: &Arc<Node>,
         parts: &[&Part],
         returns: &[Return],
@@ -375,7 +451,8 @@ impl Caller {
                     Box::pin(async move { sender.evalsha(sha, keys, args).await })
                 };
                 let late = StoreError::Deadline(until.saturating_duration_since(Instant::now()));
-                node.wait_boxed(&self.tasks, call, until, late)
+                let on_late = self.unheld_when_late(node, parts);
+                node.wait_boxed(&self.tasks, call, until, late, on_late)
             };
             match waiting.await? {
                 Ok(reply) => return Ok(unpack_reply(&reply)?),

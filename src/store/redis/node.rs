@@ -297,20 +297,22 @@ impl Node {
         until: Instant,
         late: StoreError,
     ) -> impl Future<Output = Result<Result<R, Error>, StoreError>> + Send + 'static {
-        self.wait_boxed(tasks, Box::pin(call), until, late)
+        self.wait_boxed(tasks, Box::pin(call), until, late, None)
     }
 
-    /// [`Node::wait`] for a call its caller has boxed already (one of several kinds).
+    /// [`Node::wait`] for a call its caller has boxed already (one of several kinds); `on_late` is
+    /// given the answer if it comes after the wait ended.
     pub fn wait_boxed<R: Send + 'static>(
         self: &Arc<Self>,
         tasks: &TaskTracker,
         call: BoxedCall<R>,
         until: Instant,
         late: StoreError,
+        on_late: Option<LateAnswer<R>>,
     ) -> impl Future<Output = Result<Result<R, Error>, StoreError>> + Send + 'static {
         let (node, tasks) = (self.clone(), tasks.clone());
         async move {
-            let mut call = Watched::new(node.clone(), tasks, call);
+            let mut call = Watched::new(node.clone(), tasks, call, on_late);
             tokio::select! {
                 biased;
                 result = &mut call => Ok(result),
@@ -396,21 +398,32 @@ fn is_answer(err: &Error) -> bool {
 
 pub type BoxedCall<R> = Pin<Box<dyn Future<Output = Result<R, Error>> + Send>>;
 
+/// What to do with the answer to a call once it comes, when nobody waits for it any more.
+pub type LateAnswer<R> = Box<dyn FnOnce(&Result<R, Error>) + Send>;
+
 /// A command in flight, watched until it ends. Dropped before its end (the caller's answer was due, or
-/// the caller went away), it keeps being watched by a background task.
+/// the caller went away), it keeps being watched by a background task, which hands its answer to
+/// `on_late`.
 pub struct Watched<R: Send + 'static> {
     node: Arc<Node>,
     tasks: TaskTracker,
     call: Option<BoxedCall<R>>,
+    on_late: Option<LateAnswer<R>>,
 }
 
 impl<R: Send + 'static> Watched<R> {
-    fn new(node: Arc<Node>, tasks: TaskTracker, call: BoxedCall<R>) -> Self {
+    fn new(
+        node: Arc<Node>,
+        tasks: TaskTracker,
+        call: BoxedCall<R>,
+        on_late: Option<LateAnswer<R>>,
+    ) -> Self {
         node.started();
         Self {
             node,
             tasks,
             call: Some(call),
+            on_late,
         }
     }
 }
@@ -444,18 +457,21 @@ impl<R: Send + 'static> Drop for Watched<R> {
             node.outstanding.fetch_sub(1, Ordering::Relaxed);
             return;
         }
+        let on_late = self.on_late.take();
         self.tasks.spawn(async move {
-            tokio::select! {
+            let result = tokio::select! {
                 biased;
-                result = &mut call => {
-                    node.ended(&result);
-                    return;
+                result = &mut call => result,
+                _ = node.silence() => {
+                    node.unresponsive();
+                    // Still waiting: a late answer closes the breaker at once.
+                    call.await
                 }
-                _ = node.silence() => node.unresponsive(),
-            }
-            // Still waiting: a late answer closes the breaker at once.
-            let result = call.await;
+            };
             node.ended(&result);
+            if let Some(on_late) = on_late {
+                on_late(&result);
+            }
         });
     }
 }

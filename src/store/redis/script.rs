@@ -94,6 +94,11 @@ pub struct Part {
 }
 
 impl Part {
+    /// Whether a check of the part asks for a quota lease.
+    pub fn asks_lease(&self) -> bool {
+        self.checks.iter().any(|check| check.want > 0)
+    }
+
     /// The checks `checks` (indexes into the batch) of one request, whose storage keys are `keys` and
     /// slots `slot_of`; `complete` says whether they are all of its checks; `now_ms` is the server time
     /// the fixed-window keys were computed for; `wants` (per check of the batch, or empty) the lease

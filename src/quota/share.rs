@@ -263,24 +263,31 @@ pub fn pool(windows: &mut BTreeMap<usize, Window>, limits: &[LimitUse]) -> f64 {
         let mut rate = limit.rate;
         if let Some(w) = limit.window {
             let known = windows.get(&k).copied().unwrap_or_default();
-            let (added, previous) = if known.start_ms == w.start_ms {
-                (known.added + w.added, known.previous)
+            let spent = if w.start_ms < known.start_ms {
+                // A report of a window before the one recorded (it waited behind reports of the
+                // next): the recorded window stands, and others spend at its rate.
+                known.rate
             } else {
-                (w.added, known.rate)
+                let (added, previous) = if known.start_ms == w.start_ms {
+                    (known.added + w.added, known.previous)
+                } else {
+                    (w.added, known.rate)
+                };
+                let others = (w.used - added).max(0.0);
+                let current = others * 1000.0 / w.elapsed_ms.max(w.floor_ms).max(1) as f64;
+                let weight = (w.elapsed_ms as f64 / (w.window_ms as f64 / 4.0).max(1.0)).min(1.0);
+                let spent = weight * current + (1.0 - weight) * previous;
+                windows.insert(
+                    k,
+                    Window {
+                        start_ms: w.start_ms,
+                        added,
+                        rate: spent,
+                        previous,
+                    },
+                );
+                spent
             };
-            let others = (w.used - added).max(0.0);
-            let current = others * 1000.0 / w.elapsed_ms.max(w.floor_ms).max(1) as f64;
-            let weight = (w.elapsed_ms as f64 / (w.window_ms as f64 / 4.0).max(1.0)).min(1.0);
-            let spent = weight * current + (1.0 - weight) * previous;
-            windows.insert(
-                k,
-                Window {
-                    start_ms: w.start_ms,
-                    added,
-                    rate: spent,
-                    previous,
-                },
-            );
             rate = (rate - spent).max(0.0);
         }
         pool = pool.min(rate);
@@ -549,8 +556,38 @@ mod tests {
             window: None,
         };
         assert_eq!(pool(&mut windows, &[next, other]), 10.0);
-        assert_eq!(pool(&mut windows, &[window(10_000.0, 0.0, 1_000)]), 0.0);
+        assert_eq!(pool(&mut windows, &[at(64_000, 10_000.0, 0.0, 1_000)]), 0.0);
         assert_eq!(pool(&mut windows, &[]), 0.0);
+    }
+
+    /// A report of a window that comes after reports of the next one (its call waited) changes
+    /// nothing recorded: the next window keeps the hits reports added to it.
+    #[test]
+    fn a_late_report_of_the_window_before_leaves_the_next_one_as_recorded() {
+        let mut windows = BTreeMap::new();
+        let at = |start_ms: u64, used: f64, added: f64, elapsed_ms: u64| LimitUse {
+            rate: 100.0,
+            window: Some(WindowUse {
+                start_ms,
+                used,
+                added,
+                window_ms: 8_000,
+                elapsed_ms,
+                floor_ms: 200,
+            }),
+        };
+        // The new window: 100 counted after 2 s, all of them added by a report.
+        assert_eq!(
+            pool(&mut windows, &[at(64_000, 100.0, 100.0, 2_000)]),
+            100.0
+        );
+        let recorded = windows[&0];
+        // The window before, reported late: the pool is what the new window leaves.
+        assert_eq!(pool(&mut windows, &[at(56_000, 700.0, 50.0, 7_900)]), 100.0);
+        assert_eq!(windows[&0], recorded);
+        // The new window's next report: both reports' hits are the Envoys', none are others'.
+        assert_eq!(pool(&mut windows, &[at(64_000, 150.0, 50.0, 3_000)]), 100.0);
+        assert_eq!(windows[&0].added, 150.0);
     }
 
     #[test]

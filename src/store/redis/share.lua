@@ -94,18 +94,25 @@ for k = 0, n_limits - 1 do
     local start, used, added = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3])
     local window, elapsed, floor = tonumber(ARGV[a + 4]), tonumber(ARGV[a + 5]), tonumber(ARGV[a + 6])
     local w = windows[tostring(k)] or { 0, 0, 0, 0 }
-    local previous
-    if w[1] == start then
-      added = w[2] + added
-      previous = w[4]
+    local spent
+    if start < w[1] then
+      -- A report of a window before the one recorded (it waited behind reports of the next): the
+      -- recorded window stands, and others spend at its rate.
+      spent = w[3]
     else
-      previous = w[3]
+      local previous
+      if w[1] == start then
+        added = w[2] + added
+        previous = w[4]
+      else
+        previous = w[3]
+      end
+      local others = math.max(used - added, 0)
+      local current = others * 1000 / math.max(math.max(elapsed, floor), 1)
+      local weight = math.min(elapsed / math.max(window / 4, 1), 1)
+      spent = weight * current + (1 - weight) * previous
+      redis.call('HSET', KEYS[1], '~' .. k, num(start) .. ' ' .. num(added) .. ' ' .. num(spent) .. ' ' .. num(previous))
     end
-    local others = math.max(used - added, 0)
-    local current = others * 1000 / math.max(math.max(elapsed, floor), 1)
-    local weight = math.min(elapsed / math.max(window / 4, 1), 1)
-    local spent = weight * current + (1 - weight) * previous
-    redis.call('HSET', KEYS[1], '~' .. k, num(start) .. ' ' .. num(added) .. ' ' .. num(spent) .. ' ' .. num(previous))
     rate = math.max(rate - spent, 0)
   end
   if pool == nil or rate < pool then

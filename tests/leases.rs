@@ -64,10 +64,7 @@ async fn fleet_with_admin(redis: &RedisProcess, admin: Admin) -> Vec<TestServer>
     for i in 0..3 {
         let url = redis.addr();
         let s = TestServer::start_with_clock(&[("hot.yaml", RULES)], Clock::System, move |s| {
-            s.backend = Some(BackendKind::Redis);
-            s.redis.url = url;
-            s.redis.topology = RedisTopology::Single;
-            s.hash_secret = ratelimitd::settings::Secret("leases".into());
+            on_redis(s, url);
             match admin {
                 Admin::SeenWhileHeld => s.redis.lease_for = Duration::from_secs(3),
                 Admin::SeenLate if i > 0 => {
@@ -85,6 +82,14 @@ async fn fleet_with_admin(redis: &RedisProcess, admin: Admin) -> Vec<TestServer>
         fleet.push(s);
     }
     fleet
+}
+
+/// A replica of the fleet: on the Redis at `url`, with the defaults.
+fn on_redis(s: &mut ratelimitd::settings::Settings, url: String) {
+    s.backend = Some(BackendKind::Redis);
+    s.redis.url = url;
+    s.redis.topology = RedisTopology::Single;
+    s.hash_secret = ratelimitd::settings::Secret("leases".into());
 }
 
 /// 64 callers spread over the fleet send requests on `generic_key=value` until `stop` says so; returns
@@ -270,13 +275,9 @@ async fn leases_granted_after_their_requests_deadline_are_given_back() {
     inside_one_day().await;
     let redis = RedisProcess::start(&[]);
     let url = redis.addr();
-    let s = TestServer::start_with_clock(&[("hot.yaml", RULES)], Clock::System, move |s| {
-        s.backend = Some(BackendKind::Redis);
-        s.redis.url = url;
-        s.redis.topology = RedisTopology::Single;
-        s.hash_secret = ratelimitd::settings::Secret("leases".into());
-    })
-    .await;
+    let s =
+        TestServer::start_with_clock(&[("hot.yaml", RULES)], Clock::System, |s| on_redis(s, url))
+            .await;
     s.wait_serving(Duration::from_secs(20)).await;
     let (ok, failed) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
     let done = Arc::new(AtomicBool::new(false));

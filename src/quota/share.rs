@@ -526,11 +526,9 @@ mod tests {
         assert_eq!(targets(100.0, &[1e12, 80.0]), vec![50.0, 50.0]);
     }
 
-    #[test]
-    fn what_others_spend_of_a_fixed_window_comes_off_the_pool_and_reports_do_not() {
-        let mut windows = BTreeMap::new();
-        // 800 per 8 s windows.
-        let at = |start_ms: u64, used: f64, added: f64, elapsed_ms: u64| LimitUse {
+    /// A limit of 800 per 8 s windows as a call of the window starting at `start_ms` sees it.
+    fn at(start_ms: u64, used: f64, added: f64, elapsed_ms: u64) -> LimitUse {
+        LimitUse {
             rate: 100.0,
             window: Some(WindowUse {
                 start_ms,
@@ -540,7 +538,12 @@ mod tests {
                 elapsed_ms,
                 floor_ms: 200,
             }),
-        };
+        }
+    }
+
+    #[test]
+    fn what_others_spend_of_a_fixed_window_comes_off_the_pool_and_reports_do_not() {
+        let mut windows = BTreeMap::new();
         let window = |used, added, elapsed| at(56_000, used, added, elapsed);
         // Reports added 300 of the 300 counted after 3 s: the whole rate is the Envoys'.
         assert_eq!(pool(&mut windows, &[window(300.0, 300.0, 3_000)]), 100.0);
@@ -565,17 +568,6 @@ mod tests {
     #[test]
     fn a_late_report_of_the_window_before_leaves_the_next_one_as_recorded() {
         let mut windows = BTreeMap::new();
-        let at = |start_ms: u64, used: f64, added: f64, elapsed_ms: u64| LimitUse {
-            rate: 100.0,
-            window: Some(WindowUse {
-                start_ms,
-                used,
-                added,
-                window_ms: 8_000,
-                elapsed_ms,
-                floor_ms: 200,
-            }),
-        };
         // The new window: 100 counted after 2 s, all of them added by a report.
         assert_eq!(
             pool(&mut windows, &[at(64_000, 100.0, 100.0, 2_000)]),

@@ -118,8 +118,18 @@ impl MemoryStore {
     /// Drops every counter whose state has expired; returns how many. A request that read the clock
     /// before the sweep and reaches its counter after it is decided at the sweep's time (see
     /// [`MemoryStore::steady_ms`]): it finds the counter gone only in a window where it would have
-    /// expired.
+    /// expired. A clock more than [`MOST_LAG_MS`] behind the latest time has stepped back: the
+    /// store's time goes on from it.
     pub fn sweep(&self, now_ms: u64) -> usize {
+        let latest = self.latest_ms.fetch_max(now_ms, Ordering::Relaxed);
+        if latest > now_ms.saturating_add(MOST_LAG_MS) {
+            let _ = self.latest_ms.compare_exchange(
+                latest,
+                now_ms,
+                Ordering::Relaxed,
+                Ordering::Relaxed,
+            );
+        }
         let now_ms = self.steady_ms(now_ms);
         self.counters
             .each()
@@ -193,21 +203,20 @@ impl MemoryStore {
     /// counter are decided in the order they take its lock, and a request that read the clock first
     /// but took the lock second (its thread paused in between) would otherwise take a fixed window's
     /// counter back to the window before, forgetting the hits of the new one, or write a sliding log's
-    /// entries out of order. A request more than [`MOST_LAG_MS`] behind is taken at its own time: the
-    /// clock has stepped back, and time goes on from there.
+    /// entries out of order. A request more than [`MOST_LAG_MS`] behind is taken at its own time (the
+    /// clock may have stepped back), and the latest time stays: only a sweep, which reads the clock
+    /// afresh, takes a step back for the store (see [`MemoryStore::sweep`]).
     fn steady_ms(&self, now_ms: u64) -> u64 {
-        let latest = self.latest_ms.fetch_max(now_ms, Ordering::Relaxed);
-        if latest <= now_ms {
-            now_ms
-        } else if latest - now_ms <= MOST_LAG_MS {
+        // Read first, written only when later: most requests of a busy store find a later time
+        // there, and leave its cache line shared. Read with the counters locked, it holds at
+        // least the time of whichever request held them before.
+        let mut latest = self.latest_ms.load(Ordering::Relaxed);
+        if now_ms > latest {
+            latest = self.latest_ms.fetch_max(now_ms, Ordering::Relaxed);
+        }
+        if latest > now_ms && latest - now_ms <= MOST_LAG_MS {
             latest
         } else {
-            let _ = self.latest_ms.compare_exchange(
-                latest,
-                now_ms,
-                Ordering::Relaxed,
-                Ordering::Relaxed,
-            );
             now_ms
         }
     }
@@ -507,20 +516,26 @@ mod tests {
         assert!(next.denied, "that window's one hit was counted: {next:?}");
     }
 
-    /// A clock that steps back further than a request can lag is taken as it is, and time goes on
-    /// from there.
+    /// A clock that steps back further than a request can lag is taken as it is, and once a sweep
+    /// has seen it, time goes on from there; one request that lags by more than that does not take
+    /// the store's time back.
     #[test]
     fn after_the_clock_steps_back_requests_are_decided_at_its_time() {
         let store = MemoryStore::new(100);
-        let fixed = one("stepped_", 1);
+        let (fixed, other) = (one("stepped_", 1), one("other_", 1));
         for _ in 0..5 {
             store.apply_now(&fixed, 20_000).unwrap();
+            store.apply_now(&other, 20_000).unwrap();
         }
         assert!(store.apply_now(&fixed, 20_100).unwrap().denied);
         assert!(
             !store.apply_now(&fixed, 5_000).unwrap().denied,
             "the window of 5 000, not of 20 000"
         );
+        // Not a step back for the store: a request read just before 20 000 and decided after the
+        // others is still decided at 20 100, in the full window.
+        assert!(store.apply_now(&other, 19_999).unwrap().denied);
+        store.sweep(5_000);
         for _ in 0..4 {
             store.apply_now(&fixed, 5_000).unwrap();
         }

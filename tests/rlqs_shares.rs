@@ -36,7 +36,9 @@ struct Step {
     demand: Option<f64>,
     pushed: Vec<usize>,
     rate: f64,
-    window: Option<(u64, f64, f64, u64)>,
+    /// A fixed window spent by others: its number, used, added, elapsed ms, and whether it is of the
+    /// long length (the rule changed between reports).
+    window: Option<(u64, f64, f64, u64, bool)>,
 }
 
 fn step() -> impl Strategy<Value = Step> {
@@ -45,7 +47,13 @@ fn step() -> impl Strategy<Value = Step> {
         prop::option::weighted(0.8, 0.0f64..400.0),
         prop::collection::vec(0usize..6, 0..4),
         prop::sample::select(vec![50.0, 100.0, 250.5]),
-        prop::option::of((0u64..3, 0.0f64..500.0, 0.0f64..50.0, 0u64..4_000)),
+        prop::option::of((
+            0u64..3,
+            0.0f64..500.0,
+            0.0f64..50.0,
+            0u64..4_000,
+            prop::bool::weighted(0.2),
+        )),
     )
         .prop_map(|(reporter, demand, pushed, rate, window)| Step {
             reporter,
@@ -82,13 +90,16 @@ fn call(step: &Step, hold_ms: u64) -> Call {
     Call {
         limits: vec![LimitUse {
             rate: step.rate,
-            window: step.window.map(|(w, used, added, elapsed)| WindowUse {
-                start_ms: 1_000_000 + w * 8_000,
-                used: used.floor(),
-                added: added.floor(),
-                window_ms: 8_000,
-                elapsed_ms: elapsed,
-                floor_ms: 200,
+            window: step.window.map(|(w, used, added, elapsed, long)| {
+                let window_ms = if long { 24_000 } else { 8_000 };
+                WindowUse {
+                    start_ms: 1_000_000 + w * window_ms,
+                    used: used.floor(),
+                    added: added.floor(),
+                    window_ms,
+                    elapsed_ms: elapsed,
+                    floor_ms: 200,
+                }
             }),
         }],
         counts_for_ms: 600_000,

@@ -263,9 +263,10 @@ pub fn pool(windows: &mut BTreeMap<usize, Window>, limits: &[LimitUse]) -> f64 {
         let mut rate = limit.rate;
         if let Some(w) = limit.window {
             let known = windows.get(&k).copied().unwrap_or_default();
-            let spent = if w.start_ms < known.start_ms {
-                // A report of a window before the one recorded (it waited behind reports of the
-                // next): the recorded window stands, and others spend at its rate.
+            let spent = if w.start_ms.saturating_add(w.window_ms) <= known.start_ms {
+                // A report of a window that ended before the one recorded began (it waited behind
+                // reports of the next): the recorded window stands, and others spend at its rate.
+                // A window of another length (the rule changed) is not one before.
                 known.rate
             } else {
                 let (added, previous) = if known.start_ms == w.start_ms {
@@ -580,6 +581,13 @@ mod tests {
         // The new window's next report: both reports' hits are the Envoys', none are others'.
         assert_eq!(pool(&mut windows, &[at(64_000, 150.0, 50.0, 3_000)]), 100.0);
         assert_eq!(windows[&0].added, 150.0);
+        // The rule changed to 24 s windows: the one from 48 000 runs on past 64 000, and is recorded.
+        let mut longer = at(48_000, 400.0, 10.0, 17_000);
+        if let Some(w) = &mut longer.window {
+            w.window_ms = 24_000;
+        }
+        pool(&mut windows, &[longer]);
+        assert_eq!((windows[&0].start_ms, windows[&0].added), (48_000, 10.0));
     }
 
     #[test]

@@ -95,9 +95,10 @@ for k = 0, n_limits - 1 do
     local window, elapsed, floor = tonumber(ARGV[a + 4]), tonumber(ARGV[a + 5]), tonumber(ARGV[a + 6])
     local w = windows[tostring(k)] or { 0, 0, 0, 0 }
     local spent
-    if start < w[1] then
-      -- A report of a window before the one recorded (it waited behind reports of the next): the
-      -- recorded window stands, and others spend at its rate.
+    if start + window <= w[1] then
+      -- A report of a window that ended before the one recorded began (it waited behind reports of
+      -- the next): the recorded window stands, and others spend at its rate. A window of another
+      -- length (the rule changed) is not one before.
       spent = w[3]
     else
       local previous

@@ -124,8 +124,8 @@ impl CacheableStore for Backend {
                 }
                 self.fallback_decisions.fetch_add(1, Ordering::Relaxed);
                 // Decided at the time the store gave up, not the time the request came: the wait
-                // for it (up to `redis.timeout`) would put this request behind those the fallback
-                // decided meanwhile, and a lag past a second reads as the clock stepping back.
+                // for it (up to the request's deadline) would put this request behind those the
+                // fallback decided meanwhile. (With a manual clock, tests', the wait is real time.)
                 let waited = u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX);
                 let local = fallback
                     .store

@@ -202,7 +202,7 @@ impl Caller {
         until: Instant,
         late: StoreError,
     ) -> Result<PartReply, StoreError> {
-        let (answer, answered) = oneshot::channel();
+        let (answer, mut answered) = oneshot::channel();
         let waiting = Waiting {
             part,
             until,
@@ -213,7 +213,7 @@ impl Caller {
         }
         tokio::select! {
             biased;
-            answer = answered => match answer {
+            answer = &mut answered => match answer {
                 Ok(Answered { part, reply }) => {
                     drop(part);
                     reply
@@ -222,7 +222,14 @@ impl Caller {
                     "the Redis call carrying this request was dropped".into(),
                 )),
             },
-            _ = tokio::time::sleep_until(until) => Err(late),
+            _ = tokio::time::sleep_until(until) => {
+                // An answer sent as the wait ended is not held by this request: its leases go back.
+                answered.close();
+                if let Ok(Answered { part, reply: Ok(reply) }) = answered.try_recv() {
+                    self.give_back_unheld(node, unheld(&part, &reply).collect());
+                }
+                Err(late)
+            }
         }
     }
 

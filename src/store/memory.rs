@@ -498,10 +498,8 @@ mod tests {
     #[test]
     fn a_request_that_lags_a_sweep_is_counted_in_the_window_after_it() {
         let store = MemoryStore::new(100);
-        let mut check = check("swept_", 1, 1, 1, Role::Enforce);
-        check.params.limit = 1;
         let once = Batch {
-            checks: vec![check],
+            checks: vec![check("swept_", 1, 1, 1, Role::Enforce)],
             consume_on_deny: false,
             known_denied: false,
         };

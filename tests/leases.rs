@@ -37,6 +37,8 @@ descriptors:
   - key: generic_key
     value: bucket
     rate_limit: {unit: day, requests_per_unit: 1000000000, algorithm: token_bucket}
+  - key: caller
+    rate_limit: {unit: second, requests_per_unit: 1000000000}
 "#;
 
 const ADMIN_TOKEN: &str = "leases-admin-token-0123456789abcdef";
@@ -322,6 +324,82 @@ async fn leases_granted_after_their_requests_deadline_are_given_back() {
     assert!(
         (ok..=ok + failed).contains(&counted),
         "{counted} counted for {ok} admitted and {failed} answered by the policy"
+    );
+    s.stop().await;
+}
+
+/// A request whose checks count on two servers (here the main Redis and the per-second one) is
+/// answered by the policy when one of them fails; what the other leased it goes back rather than stay
+/// counted for no replica. The per-second Redis refuses every write (out of memory): every request
+/// that asks for a lease on the main one is answered by the policy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leases_granted_to_a_request_another_server_failed_are_given_back() {
+    inside_one_day().await;
+    let (redis, per_second) = (RedisProcess::start(&[]), RedisProcess::start(&[]));
+    let (url, second_url) = (redis.addr(), per_second.addr());
+    let s = TestServer::start_with_clock(&[("hot.yaml", RULES)], Clock::System, |s| {
+        on_redis(s, url);
+        s.redis_per_second = Some(ratelimitd::store::redis::RedisSettings {
+            url: second_url,
+            ..Default::default()
+        });
+    })
+    .await;
+    s.wait_serving(Duration::from_secs(20)).await;
+    assert_eq!(per_second.cli(&["CONFIG", "SET", "maxmemory", "1"]), "OK");
+    let sent = Arc::new(AtomicU64::new(0));
+    let mut callers = Vec::new();
+    for i in 0..16 {
+        let mut client = s.client().await;
+        let sent = sent.clone();
+        callers.push(tokio::spawn(async move {
+            for n in 0..100 {
+                // The hot daily counter, and a per-second one of this request alone (never leased).
+                let caller = format!("{i}-{n}");
+                let descriptors = vec![
+                    descriptor(&[("generic_key", "busy")]),
+                    descriptor(&[("caller", caller.as_str())]),
+                ];
+                // Answered UNAVAILABLE: the default policy on a Redis error.
+                let answer = client.should_rate_limit(request("hot", descriptors)).await;
+                assert_eq!(answer.unwrap_err().code(), tonic::Code::Unavailable);
+                sent.fetch_add(1, Ordering::Relaxed);
+            }
+        }));
+    }
+    for c in callers {
+        c.await.unwrap();
+    }
+    // Give-backs of leases no request holds are sent at once but not waited for.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    // The same traffic with the per-second Redis back: the counter is hot enough to be leased (and
+    // may have been already: a request that goes again, after the per-second Redis's clock told it
+    // another window, holds the grant the main one made).
+    assert_eq!(per_second.cli(&["CONFIG", "SET", "maxmemory", "0"]), "OK");
+    let mut client = s.client().await;
+    let mut n = 0;
+    while s.metric("ratelimitd_redis_lease_granted_hits_total").await == Some(0.0) {
+        n += 1;
+        assert!(n <= 2_000, "never leased");
+        let caller = format!("after-{n}");
+        let descriptors = vec![
+            descriptor(&[("generic_key", "busy")]),
+            descriptor(&[("caller", caller.as_str())]),
+        ];
+        let answer = client.should_rate_limit(request("hot", descriptors)).await;
+        assert_eq!(answer.unwrap().get_ref().overall_code, Code::Ok as i32);
+        sent.fetch_add(1, Ordering::Relaxed);
+    }
+    s.wait_leases_given_back(Duration::from_secs(5)).await;
+    let sent = sent.load(Ordering::Relaxed);
+    let key = redis.cli(&["--scan", "--pattern", "hot_generic_key_busy_*"]);
+    let counted: u64 = redis.cli(&["GET", key.trim()]).parse().unwrap();
+    let refused = per_second.cli(&["INFO", "errorstats"]);
+    eprintln!("{sent} requests, {counted} counted; {refused}");
+    assert!(refused.contains("errorstat_OOM"), "{refused}");
+    assert!(
+        counted <= sent,
+        "{counted} hits counted for {sent} requests of one hit each"
     );
     s.stop().await;
 }

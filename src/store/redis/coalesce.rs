@@ -74,39 +74,90 @@ struct Answered {
 }
 
 impl Waiting {
-    /// Hands the part its answer. When its caller has stopped waiting, returns the hits it was granted
-    /// in leases: counted in Redis as if admitted, held by no replica, to be given back.
-    fn answer(self, reply: Result<PartReply, StoreError>) -> Vec<Return> {
+    /// Hands the part its answer, which carries the hits it was granted in leases until a lease holds
+    /// them: an answer its caller never reads (it stopped waiting, or went away) gives them back.
+    fn answer(self, caller: &Arc<Caller>, node: &Arc<Node>, reply: Result<PartReply, StoreError>) {
+        let reply = reply.map(|mut reply| {
+            reply.unheld = Unheld::of(caller, node, &self.part, &reply);
+            reply
+        });
         let answered = Answered {
             part: self.part,
             reply,
         };
-        match self.answer.send(answered) {
-            Err(Answered {
-                part,
-                reply: Ok(reply),
-            }) => unheld(&part, &reply).collect(),
-            _ => Vec::new(),
-        }
+        // Refused when its caller is gone: dropped, the answer gives its grants back.
+        let _ = self.answer.send(answered);
     }
 }
 
-/// The hits `reply` leased to checks of `part`, as returns.
-fn unheld<'a>(part: &'a Part, reply: &'a PartReply) -> impl Iterator<Item = Return> + 'a {
+/// The hits `reply` leased to checks of `part`, as returns, each with its check's place in the part.
+fn unheld<'a>(part: &'a Part, reply: &'a PartReply) -> impl Iterator<Item = (usize, Return)> + 'a {
     reply
         .grants
         .iter()
         .filter(|grant| grant.hits > 0)
         .filter_map(|grant| {
             let check = part.checks.get(grant.check)?;
-            Some(Return {
+            let give_back = Return {
                 key: check.key.clone(),
                 slot: check.slot,
                 spec: check.spec,
                 hits: grant.hits,
                 granted_ms: grant.server_ms,
+            };
+            Some((grant.check, give_back))
+        })
+}
+
+/// Hits a part was leased that no lease of this replica holds yet. Carried by the part's reply from
+/// the moment the call is answered, and given back when dropped: a reply its caller never reads, or
+/// one its request drops (another server of the request failed, the request went away), leaves no
+/// hits counted for no replica. The request takes out those a lease came to hold ([`Unheld::held`]).
+pub struct Unheld {
+    caller: Arc<Caller>,
+    node: Arc<Node>,
+    /// By the check's place in its part.
+    returns: Vec<(usize, Return)>,
+}
+
+impl Unheld {
+    /// What `reply` leased to `part`'s checks, if anything.
+    fn of(
+        caller: &Arc<Caller>,
+        node: &Arc<Node>,
+        part: &Part,
+        reply: &PartReply,
+    ) -> Option<Box<Self>> {
+        let returns: Vec<(usize, Return)> = unheld(part, reply).collect();
+        (!returns.is_empty()).then(|| {
+            Box::new(Self {
+                caller: caller.clone(),
+                node: node.clone(),
+                returns,
             })
         })
+    }
+
+    /// A lease holds now what was granted to the check at `check` in the part.
+    pub fn held(&mut self, check: usize) {
+        self.returns.retain(|(c, _)| *c != check);
+    }
+}
+
+impl Drop for Unheld {
+    fn drop(&mut self) {
+        let returns = self.returns.drain(..).map(|(_, r)| r).collect();
+        self.caller.give_back_unheld(&self.node, returns);
+    }
+}
+
+impl std::fmt::Debug for Unheld {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Unheld")
+            .field("server", &self.node.name())
+            .field("returns", &self.returns)
+            .finish()
+    }
 }
 
 /// The parts waiting for one server, and its calls in flight.
@@ -222,14 +273,8 @@ impl Caller {
                     "the Redis call carrying this request was dropped".into(),
                 )),
             },
-            _ = tokio::time::sleep_until(until) => {
-                // An answer sent as the wait ended is not held by this request: its leases go back.
-                answered.close();
-                if let Ok(Answered { part, reply: Ok(reply) }) = answered.try_recv() {
-                    self.give_back_unheld(node, unheld(&part, &reply).collect());
-                }
-                Err(late)
-            }
+            // An answer sent as the wait ended goes with the receiver, and gives its leases back.
+            _ = tokio::time::sleep_until(until) => Err(late),
         }
     }
 
@@ -270,15 +315,13 @@ impl Caller {
         };
         match reply {
             Ok(replies) => {
-                let mut unheld = Vec::new();
                 for (waiting, reply) in batch.into_iter().zip(replies) {
-                    unheld.extend(waiting.answer(Ok(reply)));
+                    waiting.answer(self, node, Ok(reply));
                 }
-                self.give_back_unheld(node, unheld);
             }
             Err(err) => {
                 for waiting in batch {
-                    waiting.answer(Err(err.clone()));
+                    waiting.answer(self, node, Err(err.clone()));
                 }
             }
         }
@@ -308,22 +351,23 @@ impl Caller {
                 return;
             };
             let returns = parts.iter().zip(&replies).flat_map(|(p, r)| unheld(p, r));
-            caller.give_back_unheld(&node, returns.collect());
+            caller.give_back_unheld(&node, returns.map(|(_, r)| r).collect());
         }))
     }
 
-    /// Gives back, in a task of its own, the hits leases granted to parts whose callers had stopped
-    /// waiting (Redis answered after their deadline): no replica holds them, and they would weigh on
-    /// the counter until its window ends.
+    /// Gives back, in a task of its own, hits leases granted that no replica holds (their callers had
+    /// stopped waiting, or their requests failed or went away): they would weigh on the counter until
+    /// its window ends.
     fn give_back_unheld(self: &Arc<Self>, node: &Arc<Node>, returns: Vec<Return>) {
-        if returns.is_empty() {
+        // Outside the runtime (it is shutting down) there is nothing left to send them with.
+        if returns.is_empty() || tokio::runtime::Handle::try_current().is_err() {
             return;
         }
         let (caller, node) = (self.clone(), node.clone());
         self.tasks.spawn(async move {
             let until = Instant::now() + caller.give_back_within;
             if let Err(err) = caller.give_back(&node, &returns, until).await {
-                tracing::warn!(server = %node.name(), "leased hits granted after their request's deadline not given back: {err}");
+                tracing::warn!(server = %node.name(), "leased hits no replica holds (their request stopped waiting, failed or went away) not given back: {err}");
             }
         });
     }
@@ -335,7 +379,7 @@ impl Caller {
         let until = waiting.until;
         if waiting.answer.is_closed() || Instant::now() >= until {
             // Its caller has stopped waiting: nothing is sent, nothing counted.
-            waiting.answer(Err(StoreError::Deadline(Duration::ZERO)));
+            waiting.answer(self, node, Err(StoreError::Deadline(Duration::ZERO)));
             return;
         }
         let reply = async {
@@ -355,8 +399,7 @@ impl Caller {
                 .ok_or_else(|| StoreError::Backend("decide.lua answered no part".into()))
         }
         .await;
-        let unheld = waiting.answer(reply);
-        self.give_back_unheld(node, unheld);
+        waiting.answer(self, node, reply);
     }
 
     /// Gives leased hits back to `node`'s keys, in a call of their own; waits until `until`.

@@ -10,7 +10,9 @@
 //! window that has ended has nothing to give back). Counted hits plus what replicas hold never exceed the
 //! limit, so the fleet never admits more than it; the last sixteenth of a limit is counted request by
 //! request, so when it runs out only leases still held (each at most `lease_for` of one replica's
-//! traffic) wait to be spent or given back.
+//! traffic) wait to be spent or given back. Hits granted that no lease comes to hold (the request failed
+//! or went away, or the lease it asked for ended meanwhile) go back with the reply that carried them
+//! ([`super::coalesce::Unheld`]).
 //!
 //! Only fixed and sliding windows are leased: a hit counted early in those windows counts exactly like
 //! the same hit counted later in the same window. (A bucket refilled in the meantime, or a log whose
@@ -63,6 +65,10 @@ pub struct Taken {
     pub local: PerCheck<Option<Outcome>>,
     /// Per check: hits to ask for in a lease with its call (0: none).
     pub want: PerCheck<u64>,
+    /// Per check answered from a lease or asking for one: that lease. What goes back to it after the
+    /// request, or a grant for it, goes to no other when it ended meanwhile (an operator's reset dropped
+    /// it, or its renewal took too long) and another took its place.
+    lease_of: PerCheck<u64>,
     /// A lease this request needs is empty while another request brings more: wait for it, then take
     /// again, rather than ask Redis alongside.
     pub wait: Option<Pin<Box<OwnedNotified>>>,
@@ -73,6 +79,7 @@ impl Taken {
         Self {
             local: smallvec![None; checks],
             want: smallvec![0; checks],
+            lease_of: smallvec![0; checks],
             wait: None,
         }
     }
@@ -91,6 +98,8 @@ impl Taken {
 /// Hits this replica holds on one counter.
 #[derive(Debug)]
 struct Lease {
+    /// Which lease of this replica it is: a grant asked for one that ended goes to no other.
+    id: u64,
     /// The limit it was leased for; a check with other parameters does not use it.
     params: Params,
     /// The key's Cluster slot and the spec it was leased under, to give hits back.
@@ -145,11 +154,16 @@ impl<'a> Settling<'a> {
         }
     }
 
-    /// The request was decided: it consumed (or not), and these leases were granted.
-    pub fn finish(mut self, consumed: bool, grants: &[(usize, Grant, u16, Spec)]) {
+    /// The request was decided: it consumed (or not), and these leases were granted. Returns, per
+    /// check, whether a lease holds its grant now; the others are for the caller to give back.
+    pub fn finish(
+        mut self,
+        consumed: bool,
+        grants: &[(usize, Grant, u16, Spec)],
+    ) -> PerCheck<bool> {
         self.done = true;
         self.leases
-            .settle(self.batch, self.keys, &self.taken, consumed, grants);
+            .settle(self.batch, self.keys, &self.taken, consumed, grants)
     }
 }
 
@@ -206,6 +220,8 @@ pub struct Leases {
     held: Mutex<HashMap<Bytes, Lease>>,
     /// `held.len()`, read without the lock.
     count: AtomicUsize,
+    /// The next lease's id.
+    ids: AtomicU64,
     epoch: Instant,
     granted: AtomicU64,
     returned: AtomicU64,
@@ -236,6 +252,15 @@ fn leasable(check: &Check) -> bool {
         && keys::has_reset_mark(check.key.as_bytes())
 }
 
+/// The lease `id` on `key`, if it is still held (not ended, nor replaced by another).
+fn held_lease<'h>(
+    held: &'h mut HashMap<Bytes, Lease>,
+    key: &Bytes,
+    id: u64,
+) -> Option<&'h mut Lease> {
+    held.get_mut(key).filter(|lease| lease.id == id)
+}
+
 impl Leases {
     pub fn new(settings: LeaseSettings) -> Self {
         Self {
@@ -244,6 +269,7 @@ impl Leases {
             hasher: foldhash::fast::RandomState::default(),
             held: Mutex::new(HashMap::new()),
             count: AtomicUsize::new(0),
+            ids: AtomicU64::new(1),
             epoch: Instant::now(),
             granted: AtomicU64::new(0),
             returned: AtomicU64::new(0),
@@ -324,6 +350,7 @@ impl Leases {
                         // Ask for more with this request, while the others spend what is left.
                         lease.renewing = true;
                         taken.want[i] = size;
+                        taken.lease_of[i] = lease.id;
                     } else if lease.renewing
                         && lease.left < cost
                         && may_wait
@@ -336,6 +363,7 @@ impl Leases {
                     } else if lease.last_grant > 0 && lease.left >= cost {
                         lease.ends_at = (now + self.settings.lease_for).min(lease.window_ends);
                         lease.left -= cost;
+                        taken.lease_of[i] = lease.id;
                         lease.remaining = lease.remaining.saturating_sub(cost);
                         taken.local[i] = Some(Outcome {
                             allowed: true,
@@ -359,12 +387,14 @@ impl Leases {
                         && lease.left == 0
                         && now >= lease.ask_after =>
                 {
-                    self.placeholder(&mut held, keys, i, check, &backend_of, now);
+                    taken.lease_of[i] =
+                        self.placeholder(&mut held, keys, i, check, &backend_of, now);
                     taken.want[i] = size;
                 }
                 Some(_) => {}
                 None if hot => {
-                    self.placeholder(&mut held, keys, i, check, &backend_of, now);
+                    taken.lease_of[i] =
+                        self.placeholder(&mut held, keys, i, check, &backend_of, now);
                     taken.want[i] = size;
                 }
                 None => {}
@@ -378,7 +408,7 @@ impl Leases {
     }
 
     /// An empty lease that a request is asking to fill: the requests after it go to Redis as before
-    /// instead of asking too.
+    /// instead of asking too. Returns its id.
     fn placeholder(
         &self,
         held: &mut HashMap<Bytes, Lease>,
@@ -387,10 +417,12 @@ impl Leases {
         check: &Check,
         backend_of: &impl Fn(&Check) -> usize,
         now: Instant,
-    ) {
+    ) -> u64 {
+        let id = self.ids.fetch_add(1, Ordering::Relaxed);
         held.insert(
             keys[i].clone(),
             Lease {
+                id,
                 params: check.params,
                 slot: 0,
                 spec: [0; 8],
@@ -408,6 +440,7 @@ impl Leases {
             },
         );
         self.count.store(held.len(), Ordering::Relaxed);
+        id
     }
 
     /// Hits to ask for: what the counter's rate takes in `lease_for`, and at least what makes a counter
@@ -429,15 +462,16 @@ impl Leases {
         taken: &Taken,
         consumed: bool,
         grants: &[(usize, Grant, u16, Spec)],
-    ) {
+    ) -> PerCheck<bool> {
+        let mut holds = smallvec![false; taken.want.len()];
         if !taken.any_local() && taken.want.iter().all(|&w| w == 0) {
-            return;
+            return holds;
         }
         let now = Instant::now();
         let mut held = self.lock();
         if !consumed {
-            for (i, outcome) in taken.local.iter().enumerate() {
-                if let (Some(_), Some(lease)) = (outcome, held.get_mut(&keys[i])) {
+            for (i, _) in taken.local.iter().enumerate().filter(|(_, o)| o.is_some()) {
+                if let Some(lease) = held_lease(&mut held, &keys[i], taken.lease_of[i]) {
                     let cost = batch.checks[i].bounded_cost();
                     lease.left += cost;
                     lease.remaining = lease.remaining.saturating_add(cost);
@@ -448,7 +482,7 @@ impl Leases {
             if *want == 0 {
                 continue;
             }
-            let Some(lease) = held.get_mut(&keys[i]) else {
+            let Some(lease) = held_lease(&mut held, &keys[i], taken.lease_of[i]) else {
                 continue;
             };
             lease.renewing = false;
@@ -482,7 +516,9 @@ impl Leases {
             lease.slot = slot;
             lease.spec = spec;
             self.granted.fetch_add(grant.hits, Ordering::Relaxed);
+            holds[i] = true;
         }
+        holds
     }
 
     /// Removes the leases that ended (all of them with `all`), and returns what they have left to give
@@ -674,6 +710,42 @@ mod tests {
         // Denied by another check, or dropped on the way (an error, a caller gone): given back.
         drop(Settling::new(&leases, &batch, &keys(), taken));
         assert_eq!(leases.lock()[&keys()[0]].left, 12);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn what_was_taken_or_asked_for_a_lease_that_ended_goes_to_no_other() {
+        let (leases, batch) = (leases(), batch(1000, 1));
+        warm(&leases, &batch, 9);
+        let asking = take(&leases, &batch);
+        Settling::new(&leases, &batch, &keys(), asking).finish(true, &[grant(40)]);
+        for _ in 0..20 {
+            let taken = take(&leases, &batch);
+            Settling::new(&leases, &batch, &keys(), taken).finish(true, &[]);
+        }
+        // Half spent: one request asks for more, another takes a hit it will not consume.
+        let renewing = take(&leases, &batch);
+        assert!(renewing.want[0] > 0);
+        let spending = take(&leases, &batch);
+        assert!(spending.local[0].is_some());
+        // An operator's reset ends every lease, and the next request gets a new one, before those
+        // two are settled.
+        leases.drop_all();
+        let asking = take(&leases, &batch);
+        assert!(asking.want[0] > 0);
+        Settling::new(&leases, &batch, &keys(), asking).finish(true, &[grant(20)]);
+        let holds = Settling::new(&leases, &batch, &keys(), renewing).finish(true, &[grant(30)]);
+        assert_eq!(
+            holds[..],
+            [false],
+            "the grant is for the caller to give back"
+        );
+        drop(Settling::new(&leases, &batch, &keys(), spending));
+        assert_eq!(
+            leases.lock()[&keys()[0]].left,
+            20,
+            "the new lease's grant alone"
+        );
+        assert_eq!(leases.stats().granted, 60);
     }
 
     #[tokio::test(start_paused = true)]

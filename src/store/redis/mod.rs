@@ -297,6 +297,8 @@ impl RedisStore {
                 let calls = pairs.map(|(group, part)| self.decide_part(group, part, deadline));
                 let mut decided = Groups::new();
                 let replies = join_all(calls).await;
+                // A failed server fails the request: the other servers' replies are dropped with it,
+                // and give back what they leased.
                 for (group, reply) in groups.into_iter().zip(replies) {
                     match reply {
                         Err(StoreError::SlotsMoved) if !by_slot => moved = true,
@@ -319,7 +321,7 @@ impl RedisStore {
             if moved || !mismatches.is_empty() {
                 // What counts over its limit and was counted keeps that count and answer; the rest is
                 // given back and decided again.
-                leased.finish(false, &grants);
+                hold(&groups, &mut slots, &leased.finish(false, &grants));
                 self.refund_consumed(batch, &keys, &groups, &slots, deadline)
                     .await?;
                 if !mismatches.is_empty() {
@@ -366,7 +368,7 @@ impl RedisStore {
                     .await?;
                 report_refunded(batch, &keys, &groups, &slots, &leased.taken, &mut outcomes);
             }
-            leased.finish(consumed, &grants);
+            hold(&groups, &mut slots, &leased.finish(consumed, &grants));
             return Ok(Applied { denied, outcomes });
         }
     }
@@ -696,6 +698,20 @@ fn storage_keys(batch: &Batch, server_ms: impl Fn(&Check) -> u64) -> Vec<Bytes> 
         keys.push(buffer.split().freeze());
     }
     keys
+}
+
+/// Takes the grants that leases hold now (`holds`, per check of the batch) out of what the replies give
+/// back when dropped; the others (their lease ended while they were asked for) go back to Redis.
+fn hold(groups: &[Group], slots: &mut [PartReply], holds: &[bool]) {
+    for (group, slot) in groups.iter().zip(slots) {
+        if let Some(unheld) = &mut slot.unheld {
+            for grant in &slot.grants {
+                if holds[group.checks[grant.check]] {
+                    unheld.held(grant.check);
+                }
+            }
+        }
+    }
 }
 
 /// The outcomes of every slot and of the leases, in the order of the batch's checks.

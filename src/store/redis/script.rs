@@ -19,7 +19,10 @@ use bytes::Bytes;
 use fred::types::{Key, Value};
 use smallvec::SmallVec;
 
-use super::super::{Batch, Check, Outcome, Role, StoreError};
+use super::{
+    super::{Batch, Check, Outcome, Role, StoreError},
+    coalesce::Unheld,
+};
 use crate::algorithm::{Algorithm, Decision};
 
 pub const DECIDE_LUA: &str = include_str!("decide.lua");
@@ -521,7 +524,7 @@ fn decision(spec: &Spec, c: &[i64], server_ms: i64) -> Decision {
 }
 
 /// The answer to one part.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct PartReply {
     /// Nothing was decided: retry with keys for `server_ms`.
     pub window_mismatch: bool,
@@ -533,6 +536,9 @@ pub struct PartReply {
     pub outcomes: Vec<Outcome>,
     /// The leases granted to checks of the part that asked for one.
     pub grants: Vec<Grant>,
+    /// The granted hits no lease holds yet, given back if the reply is dropped before one does (set
+    /// when the reply reaches its caller).
+    pub unheld: Option<Box<Unheld>>,
 }
 
 /// A quota lease granted to one check.
@@ -568,6 +574,7 @@ impl PartReply {
                     server_ms,
                     outcomes: Vec::new(),
                     grants: Vec::new(),
+                    unheld: None,
                 }),
                 STATUS_DECIDED => {
                     let mut outcomes = std::mem::take(&mut part.outcomes);
@@ -598,6 +605,7 @@ impl PartReply {
                         server_ms,
                         outcomes,
                         grants,
+                        unheld: None,
                     });
                 }
                 _ => return Err(bad()),

@@ -168,10 +168,24 @@ pub struct Quota {
 /// What a bucket of a report is answered.
 #[derive(Debug)]
 pub(super) enum Decided {
-    /// Now: the action to queue (`None`: not answered).
-    Now(Option<Action>),
+    /// Now: the answer to queue (`None`: not answered).
+    Now(Option<Answer>),
     /// When its bucket's next recomputation here settles it on the stream.
     Later,
+}
+
+/// The answer to a bucket's report.
+#[derive(Debug)]
+pub(super) enum Answer {
+    /// An action to send as it is.
+    Action(Action),
+    /// A share of the bucket: made an assignment on the stream when it is queued, under the stream's
+    /// lock, so that a newer share another recomputation pushed meanwhile is never replaced by it.
+    Share {
+        grant: f64,
+        target: f64,
+        version: u64,
+    },
 }
 
 /// A report of a bucket, counted and waiting for the bucket's recomputation.
@@ -409,16 +423,18 @@ impl Quota {
                 return Decided::Now(None);
             }
             BucketRule::Unmatched => {
-                return Decided::Now(Some(if stream.forget_rule(&usage.slot, self) {
-                    self.stats.abandoned.fetch_add(1, Ordering::Relaxed);
-                    Action::Abandon
-                } else {
-                    self.allow_all()
-                }));
+                return Decided::Now(Some(Answer::Action(
+                    if stream.forget_rule(&usage.slot, self) {
+                        self.stats.abandoned.fetch_add(1, Ordering::Relaxed);
+                        Action::Abandon
+                    } else {
+                        self.allow_all()
+                    },
+                )));
             }
             BucketRule::Unlimited { .. } => {
                 stream.forget_rule(&usage.slot, self);
-                return Decided::Now(Some(self.allow_all()));
+                return Decided::Now(Some(Answer::Action(self.allow_all())));
             }
             BucketRule::Limited(limits) => limits,
         };
@@ -437,12 +453,12 @@ impl Quota {
             Ok(charged) => charged,
             Err(err) => {
                 tracing::debug!(error = %err, "rate limit quota usage not counted");
-                return Decided::Now(self.store_failed());
+                return Decided::Now(self.store_failed().map(Answer::Action));
             }
         };
         if limits.shadow {
             stream.forget_rule(&usage.slot, self);
-            return Decided::Now(Some(self.allow_all()));
+            return Decided::Now(Some(Answer::Action(self.allow_all())));
         }
         let uses = limit_uses(
             &limits,
@@ -487,7 +503,7 @@ impl Quota {
                     let deadline = Deadline::within(quota.parts.store_wait);
                     let actions = quota.recompute(&key, reporters, deadline).await;
                     for ((stream, slot), action) in streams.into_iter().zip(actions) {
-                        stream.settle(slot, action);
+                        stream.settle(slot, action, &quota);
                     }
                 });
                 Decided::Later
@@ -503,7 +519,7 @@ impl Quota {
         key: &str,
         mut reporters: Vec<Reporter>,
         deadline: Deadline,
-    ) -> Vec<Option<Action>> {
+    ) -> Vec<Option<Answer>> {
         // A member that reported twice while waiting is listed with its later report; one whose stream
         // ended, or whose bucket now shares under another rule, is not listed (its hits still count).
         let mut answered = vec![true; reporters.len()];
@@ -560,7 +576,7 @@ impl Quota {
                         if r.listed.sent_version == 0 {
                             r.stream.forget_rule(&r.slot, self);
                         }
-                        self.store_failed()
+                        self.store_failed().map(Answer::Action)
                     })
                     .collect();
             }
@@ -591,7 +607,11 @@ impl Quota {
                         target,
                         version,
                         ..
-                    } => r.stream.answer(&r.slot, grant, target, version, self),
+                    } => Some(Answer::Share {
+                        grant,
+                        target,
+                        version,
+                    }),
                     Given::Full => {
                         // Not a member of the bucket: neither a subscriber nor pushed to.
                         r.stream.forget_rule(&r.slot, self);

@@ -25,8 +25,8 @@ use super::{
     lock,
     share::{significant, DemandUpdate},
     stats::{RuleStat, Unanswered},
-    strategy, Action, BucketAction, BucketId, Decided, LocalMember, Quota, Report, ReportError,
-    Strategy, Usage,
+    strategy, Action, Answer, BucketAction, BucketId, Decided, LocalMember, Quota, Report,
+    ReportError, Strategy, Usage,
 };
 use crate::limiter::{BucketLimits, RequestLimits};
 
@@ -218,8 +218,8 @@ impl Stream {
             }
             for (slot, decided) in decided {
                 // A bucket that waits for a recomputation is answered with it.
-                if let Decided::Now(action) = decided {
-                    queued |= state.settle(slot, action);
+                if let Decided::Now(answer) = decided {
+                    queued |= state.settle(slot, answer, quota);
                 }
             }
         }
@@ -423,8 +423,28 @@ impl Actions {
 
 impl StreamState {
     /// Takes the answer to a report of the bucket in `slot` (`None`: not answered, or not yet); true
-    /// when an action was queued.
-    fn settle(&mut self, slot: BucketSlot, action: Option<Action>) -> bool {
+    /// when an action was queued. A share is not answered when a newer one went out, or waits to, or
+    /// while the others still hold it.
+    fn settle(&mut self, slot: BucketSlot, answer: Option<Answer>, quota: &Quota) -> bool {
+        let action = match answer {
+            Some(Answer::Share {
+                grant,
+                target,
+                version,
+            }) => self.buckets.get_mut(&slot).and_then(|tracked| {
+                // A share older than the one sent says nothing of the bucket now.
+                if version > tracked.sent_version {
+                    tracked.target = target;
+                }
+                let action = assignment(tracked, grant, target, version, quota);
+                if action.is_none() && grant <= 0.0 && target > 0.0 {
+                    quota.stats.unanswered(Unanswered::Waiting);
+                }
+                action
+            }),
+            Some(Answer::Action(action)) => Some(action),
+            None => None,
+        };
         let Some(action) = action else {
             // Not answered (waiting for a share, the store failing): a merged report gets no old
             // blanket rule either.
@@ -626,8 +646,8 @@ impl StreamInner {
     }
 
     /// Takes the answer to a report of the bucket that waited for a later recomputation.
-    pub(super) fn settle(&self, slot: BucketSlot, action: Option<Action>) {
-        let queued = lock(&self.state).settle(slot, action);
+    pub(super) fn settle(&self, slot: BucketSlot, answer: Option<Answer>, quota: &Quota) {
+        let queued = lock(&self.state).settle(slot, answer, quota);
         self.undefer(queued);
     }
 
@@ -676,26 +696,6 @@ impl StreamInner {
         true
     }
 
-    /// The answer to a report of the bucket: its grant as a strategy, unless a newer one went out
-    /// already, or the bucket waits for a share the others still hold.
-    pub(super) fn answer(
-        &self,
-        slot: &BucketSlot,
-        grant: f64,
-        target: f64,
-        version: u64,
-        quota: &Quota,
-    ) -> Option<Action> {
-        let mut state = lock(&self.state);
-        let tracked = state.buckets.get_mut(slot)?;
-        tracked.target = target;
-        let action = assignment(tracked, grant, target, version, quota);
-        if action.is_none() && grant <= 0.0 && target > 0.0 {
-            quota.stats.unanswered(Unanswered::Waiting);
-        }
-        action
-    }
-
     /// A grant another stream's recomputation changed: queued unless a newer one went out already.
     pub(super) fn push(
         &self,
@@ -710,7 +710,9 @@ impl StreamInner {
             let Some(tracked) = state.buckets.get_mut(slot) else {
                 return;
             };
-            tracked.target = target;
+            if version > tracked.sent_version {
+                tracked.target = target;
+            }
             match assignment(tracked, grant, target, version, quota) {
                 Some(action) => {
                     state.queue(slot.clone(), action);
@@ -806,4 +808,109 @@ fn valid_bucket(bucket: &BucketId, limits: &RequestLimits) -> bool {
         && bucket
             .iter()
             .all(|(k, v)| k.len() <= limits.max_key_bytes && v.len() <= limits.max_value_bytes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{
+        clock::Clock,
+        limiter::{Limiter, OnBackendError, Options},
+        quota::{state::MemoryShares, QuotaParts, Shares},
+        rules::Rules,
+        store::{memory::MemoryStore, Store},
+        telemetry::Metrics,
+    };
+
+    fn quota() -> Arc<Quota> {
+        let store = Arc::new(Store::Memory(MemoryStore::new(10)));
+        let clock = Clock::manual(0);
+        let limiter = Limiter::new(
+            Arc::new(Rules::default()),
+            store.clone(),
+            clock.clone(),
+            Options::default(),
+        );
+        Quota::new(QuotaParts {
+            limiter: Arc::new(limiter),
+            store,
+            shares: Shares::Memory(MemoryShares::new(clock.clone(), 10)),
+            settings: Default::default(),
+            on_backend_error: OnBackendError::Allow,
+            store_wait: Duration::from_secs(1),
+            clock,
+            metrics: Arc::new(Metrics::new()),
+        })
+    }
+
+    /// A stream tracking one bucket, and that bucket.
+    fn stream_with_bucket(quota: &Arc<Quota>) -> (Stream, BucketSlot) {
+        let stream = quota.open().unwrap();
+        let slot: BucketSlot = (Arc::from("edge"), Arc::new(vec![("k".into(), "v".into())]));
+        let tracked = Tracked {
+            member: Arc::from("m-1"),
+            reported_at: None,
+            abandoned_at: None,
+            rule: None,
+            sent: None,
+            blanket: None,
+            sent_version: 0,
+            admissible: None,
+            target: 0.0,
+            merged: (0, 0),
+            lowered: false,
+        };
+        lock(&stream.inner.state)
+            .buckets
+            .insert(slot.clone(), tracked);
+        (stream, slot)
+    }
+
+    fn rate(action: &Action) -> f64 {
+        match action {
+            Action::Assign {
+                strategy: Strategy::TokenBucket(bucket),
+                ..
+            } => bucket.rate(),
+            other => panic!("not a token bucket: {other:?}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_share_answered_after_a_newer_one_was_pushed_leaves_the_newer() {
+        let quota = quota();
+        let (stream, slot) = stream_with_bucket(&quota);
+        // A report's recomputation gave the bucket version 1 (10 a second); before the report's other
+        // buckets were decided, another stream's recomputation pushed version 2 (20 a second).
+        stream.inner.push(&slot, 20.0, 20.0, 2, &quota);
+        let older = Answer::Share {
+            grant: 10.0,
+            target: 10.0,
+            version: 1,
+        };
+        assert!(!lock(&stream.inner.state).settle(slot.clone(), Some(older), &quota));
+        let actions = stream.actions().next().await.unwrap();
+        assert_eq!(actions.len(), 1);
+        assert_eq!(rate(&actions[0].action), 20.0);
+        assert_eq!(lock(&stream.inner.state).buckets[&slot].target, 20.0);
+        // Sent already: an older share queued afterwards does not follow it either.
+        let older = Answer::Share {
+            grant: 10.0,
+            target: 10.0,
+            version: 1,
+        };
+        assert!(!lock(&stream.inner.state).settle(slot.clone(), Some(older), &quota));
+        assert!(lock(&stream.inner.state).pending.is_empty());
+        // A newer one does.
+        let newer = Answer::Share {
+            grant: 30.0,
+            target: 30.0,
+            version: 3,
+        };
+        assert!(lock(&stream.inner.state).settle(slot, Some(newer), &quota));
+        assert_eq!(
+            rate(&stream.actions().next().await.unwrap()[0].action),
+            30.0
+        );
+    }
 }

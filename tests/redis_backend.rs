@@ -989,7 +989,7 @@ async fn keys_a_migration_has_moved_already_are_decided_at_once_and_counted_exac
 /// A Cluster that lost a master without a replica answers CLUSTERDOWN on every master (Redis's default
 /// `cluster-require-full-coverage yes`), and the Redis client makes a new connection after each such
 /// reply. The replica says so once per master and keeps their breakers open until the Cluster serves
-/// again, then decides every request.
+/// again, then decides every request. A master no request reaches after that is not reported open.
 #[test]
 fn a_cluster_down_is_said_once_per_master_and_served_again_when_it_is_back() {
     let mut cluster = RedisCluster::start(false);
@@ -1020,17 +1020,45 @@ fn a_cluster_down_is_said_once_per_master_and_served_again_when_it_is_back() {
 
     cluster.masters[0].kill();
     // Past the node timeout (1 s) the other masters answer CLUSTERDOWN: 4 s of requests.
+    let breaker = || {
+        let (_, metrics) = common::http_request(running.http, "GET", "/metrics", "");
+        let line = "ratelimitd_backend_breaker_open{backend=\"redis\"} ";
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(line)?.parse::<u8>().ok())
+            .expect("the breaker gauge")
+    };
     let until = Instant::now() + Duration::from_secs(4);
     let mut while_down = std::collections::BTreeMap::<u16, u32>::new();
+    let mut seen_open = false;
     while Instant::now() < until {
         for (code, n) in answers(0) {
             *while_down.entry(code).or_default() += n;
         }
+        seen_open |= breaker() == 1;
     }
     assert!(while_down.contains_key(&503), "{while_down:?}");
+    assert!(
+        seen_open,
+        "the gauge showed a breaker open while the Cluster was down"
+    );
 
     cluster.masters[0].restart();
     cluster.wait_ok();
+    // One counter, on one master: the others get no request.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while common::http_request(running.http, "POST", "/json", &body(100)).0 != 200 {
+        assert!(Instant::now() < deadline, "not served again");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let deadline = Instant::now() + Duration::from_secs(3);
+    while breaker() != 0 {
+        assert!(
+            Instant::now() < deadline,
+            "a breaker reported open 3 s after the Cluster served again"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
     let deadline = Instant::now() + Duration::from_secs(10);
     while answers(100) != [(200, 30)].into() {
         assert!(Instant::now() < deadline, "not served again");

@@ -110,8 +110,23 @@ impl Breaker {
         was_closed
     }
 
+    /// Whether it is open (in its pause, due for a probe, or with a probe out).
+    #[cfg(test)]
     pub fn is_open(&self) -> bool {
         !matches!(*self.state(), State::Closed { .. })
+    }
+
+    /// Whether requests are answered without asking the server now: open and not yet due for a probe,
+    /// or a probe out. An open breaker no request came to since its pause ended is not: the next
+    /// request asks (the metric would otherwise say "open" for as long as the server gets no traffic,
+    /// long after it came back).
+    pub fn refusing(&self) -> bool {
+        let now = Instant::now();
+        match *self.state() {
+            State::Closed { .. } => false,
+            State::Open { until } => now < until,
+            State::HalfOpen { since } => now < since + self.open_for,
+        }
     }
 }
 
@@ -139,6 +154,28 @@ mod tests {
         assert!(b.allow());
         assert!(b.success(), "the probe's answer closes it");
         assert!(b.allow() && b.allow() && !b.is_open());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn it_refuses_while_it_answers_without_asking_and_not_after() {
+        let b = Breaker::new(1, Duration::from_millis(500));
+        assert!(!b.refusing());
+        assert!(b.failure());
+        assert!(b.refusing());
+        // No request since: the next one would ask the server.
+        tokio::time::advance(Duration::from_millis(500)).await;
+        assert!(b.is_open() && !b.refusing());
+        // That request is the probe; the others are refused while it is out.
+        assert!(b.allow());
+        assert!(b.refusing());
+        assert!(b.failure());
+        assert!(b.refusing());
+        // A probe whose caller went away: not refusing once another probe may go.
+        tokio::time::advance(Duration::from_millis(500)).await;
+        assert!(b.allow());
+        tokio::time::advance(Duration::from_millis(500)).await;
+        assert!(!b.refusing());
+        assert!(b.allow() && b.success() && !b.refusing());
     }
 
     #[tokio::test(start_paused = true)]

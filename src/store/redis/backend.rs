@@ -542,12 +542,12 @@ impl Backend {
         }
     }
 
-    /// Whether a circuit breaker in front of one of its servers is open.
+    /// Whether a circuit breaker in front of one of its servers answers without asking it now.
     pub fn breaker_open(&self) -> bool {
-        self.single.breaker.is_open()
+        self.single.breaker.refusing()
             || lock(&self.masters)
                 .values()
-                .any(|node| node.breaker.is_open())
+                .any(|node| node.breaker.refusing())
     }
 
     /// Notes that a pooled connection reached `server`. Outside a Cluster they all reach one server, and

@@ -328,6 +328,60 @@ async fn leases_granted_after_their_requests_deadline_are_given_back() {
     s.stop().await;
 }
 
+/// A replica that shuts down while Redis is slow: leases granted to requests that had stopped waiting
+/// are given back before its connections close, not lost with them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leases_granted_as_a_replica_shuts_down_are_given_back() {
+    inside_one_day().await;
+    let redis = RedisProcess::start(&[]);
+    let url = redis.addr();
+    let s =
+        TestServer::start_with_clock(&[("hot.yaml", RULES)], Clock::System, |s| on_redis(s, url))
+            .await;
+    s.wait_serving(Duration::from_secs(20)).await;
+    let (ok, failed) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+    let done = Arc::new(AtomicBool::new(false));
+    let mut callers = Vec::new();
+    for _ in 0..32 {
+        let mut client = s.client().await;
+        let (ok, failed, done) = (ok.clone(), failed.clone(), done.clone());
+        callers.push(tokio::spawn(async move {
+            while !done.load(Ordering::Relaxed) {
+                let mut r = tonic::Request::new(request(
+                    "hot",
+                    vec![descriptor(&[("generic_key", "busy")])],
+                ));
+                r.set_timeout(Duration::from_millis(100));
+                match client.should_rate_limit(r).await {
+                    Ok(a) if a.get_ref().overall_code == Code::Ok as i32 => &ok,
+                    Ok(a) => panic!("denied under a limit of a billion: {a:?}"),
+                    Err(_) => &failed,
+                }
+                .fetch_add(1, Ordering::Relaxed);
+            }
+        }));
+    }
+    // Leases held and renewed; then Redis pauses, the requests waiting on it pass their deadline, and
+    // the replica shuts down while their calls are still out.
+    tokio::time::sleep(Duration::from_millis(1_000)).await;
+    assert_eq!(redis.cli(&["CLIENT", "PAUSE", "500", "ALL"]), "OK");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    done.store(true, Ordering::Relaxed);
+    for c in callers {
+        c.await.unwrap();
+    }
+    s.stop().await;
+    let (ok, failed) = (ok.load(Ordering::Relaxed), failed.load(Ordering::Relaxed));
+    let key = redis.cli(&["--scan", "--pattern", "hot_generic_key_busy_*"]);
+    let counted: u64 = redis.cli(&["GET", key.trim()]).parse().unwrap();
+    eprintln!("{ok} admitted, {failed} answered by the policy, {counted} counted");
+    assert!(failed > 0, "some requests waited past their deadline");
+    assert!(
+        (ok..=ok + failed).contains(&counted),
+        "{counted} counted for {ok} admitted and {failed} answered by the policy"
+    );
+}
+
 /// A request whose checks count on two servers (here the main Redis and the per-second one) is
 /// answered by the policy when one of them fails; what the other leased it goes back rather than stay
 /// counted for no replica. The per-second Redis refuses every write (out of memory): every request

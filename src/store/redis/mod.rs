@@ -628,13 +628,15 @@ impl CounterStore for RedisStore {
         self.give_back(self.leases.ended(true)).await;
     }
 
-    /// Closes the connections and waits briefly for the commands still watched.
+    /// Waits briefly for the commands still watched, and what their answers start (leased hits given
+    /// back, granted to requests that had stopped waiting), then closes the connections: closed first,
+    /// those answers would find no connection to give their hits back on.
     async fn close(&self) {
         self.tasks.close();
+        let _ = tokio::time::timeout(Duration::from_secs(1), self.tasks.wait()).await;
         for backend in self.backends() {
             backend.close().await;
         }
-        let _ = tokio::time::timeout(Duration::from_secs(1), self.tasks.wait()).await;
     }
 }
 

@@ -1146,3 +1146,27 @@ async fn a_runtime_limit_wins_over_the_override_which_wins_over_the_rules() {
         (2, "per_tenant".into())
     );
 }
+
+/// A replica whose operators' API cannot start after its settings were read (its token file went away
+/// meanwhile) stops with the reason, rather than serve gRPC without that API and never exit.
+#[tokio::test]
+async fn an_operators_api_that_cannot_start_stops_the_replica() {
+    let s = common::TestServer::start_with_clock(
+        &[("api.yaml", RULES)],
+        ratelimitd::clock::Clock::System,
+        |s| {
+            s.admin.enabled = true;
+            s.admin.token_file = Some("/nonexistent/ratelimitd-admin-token".into());
+        },
+    )
+    .await;
+    let ended = tokio::time::timeout(Duration::from_secs(10), s.handle)
+        .await
+        .expect("the replica stopped")
+        .unwrap();
+    let err = ended.expect_err("stopped with an error").to_string();
+    assert!(
+        err.contains("admin.token_file=/nonexistent/ratelimitd-admin-token"),
+        "{err}"
+    );
+}

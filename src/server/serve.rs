@@ -63,6 +63,12 @@ impl Serving {
         services: Services,
         tasks: &Tasks,
     ) -> Result<Self, ServerError> {
+        // What can fail is done before any listener serves: a replica must not serve gRPC without the
+        // operators' API it was asked for, and then never stop.
+        let admin = match listeners.admin {
+            Some(listener) => Some((listener, AdminSecrets::load(settings)?)),
+            None => None,
+        };
         let stop_accepting = CancellationToken::new();
         let grpc_addr = listeners.grpc.local_addr().ok();
         let http_addr = listeners.http.local_addr().ok();
@@ -93,15 +99,16 @@ impl Serving {
                 stop_accepting.clone(),
             ));
         }
-        if let Some(listener) = listeners.admin {
+        if let Some((listener, secrets)) = admin {
             serve_admin(
                 settings,
                 listener,
+                secrets,
                 &services,
                 timeouts,
                 &stop_accepting,
                 tasks,
-            )?;
+            );
         }
         let http = tasks.spawn(http1::serve(
             http_acceptor(listeners.http, "HTTP"),
@@ -155,26 +162,39 @@ impl Serving {
     }
 }
 
-/// Serves the operators' API on its own listener until `stop_accepting`, with the token (and TLS) of
-/// the settings.
+/// The operators' API's token, and its TLS when set, as the settings name them.
+struct AdminSecrets {
+    token: admin::Token,
+    tls: Option<Arc<ReloadingTls>>,
+}
+
+impl AdminSecrets {
+    fn load(settings: &Settings) -> Result<Self, ServerError> {
+        let admin = &settings.admin;
+        let token =
+            admin::Token::from_settings(admin).map_err(|e| ServerError::Setup(e.to_string()))?;
+        let tls = if admin.tls.enabled {
+            let tls = ReloadingTls::load_files(admin.tls.files())
+                .map_err(|e| ServerError::Setup(format!("admin TLS: {e}")))?;
+            Some(Arc::new(tls))
+        } else {
+            None
+        };
+        Ok(Self { token, tls })
+    }
+}
+
+/// Serves the operators' API on its own listener until `stop_accepting`.
 fn serve_admin(
     settings: &Settings,
     listener: tokio::net::TcpListener,
+    AdminSecrets { token, tls }: AdminSecrets,
     services: &Services,
     timeouts: http1::Timeouts,
     stop_accepting: &CancellationToken,
     tasks: &Tasks,
-) -> Result<(), ServerError> {
+) {
     let admin = &settings.admin;
-    let token =
-        admin::Token::from_settings(admin).map_err(|e| ServerError::Setup(e.to_string()))?;
-    let tls = if admin.tls.enabled {
-        let tls = ReloadingTls::load_files(admin.tls.files())
-            .map_err(|e| ServerError::Setup(format!("admin TLS: {e}")))?;
-        Some(Arc::new(tls))
-    } else {
-        None
-    };
     let state = admin::AdminState {
         limiter: services.limiter.clone(),
         token: Arc::new(token),
@@ -205,7 +225,6 @@ fn serve_admin(
             tracing::warn!("the operators' API listens beyond this host without TLS: its bearer token crosses the network in the clear; set admin.tls");
         }
     }
-    Ok(())
 }
 
 /// The largest request message of health checks and reflection: a service's name, a file's or a

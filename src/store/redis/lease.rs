@@ -133,8 +133,9 @@ struct Lease {
 }
 
 /// What leases took for one request, settled exactly once: by [`Settling::finish`] once the request is
-/// decided, or as a request that consumed nothing when it is dropped before (an error, or a caller that
-/// went away), so that taken hits always go back and a renewal never stays pending.
+/// decided, by [`Settling::again`] when it goes again, or as a request that consumed nothing when it is
+/// dropped before (an error, or a caller that went away), so that taken hits always go back and a
+/// renewal never stays pending.
 pub struct Settling<'a> {
     leases: &'a Leases,
     batch: &'a Batch,
@@ -162,8 +163,20 @@ impl<'a> Settling<'a> {
         grants: &[(usize, Grant, u16, Spec)],
     ) -> PerCheck<bool> {
         self.done = true;
+        let answered = self.taken.local.iter().filter(|o| o.is_some()).count() as u64;
+        if answered > 0 {
+            self.leases.answered.fetch_add(answered, Ordering::Relaxed);
+        }
         self.leases
             .settle(self.batch, self.keys, &self.taken, consumed, grants)
+    }
+
+    /// The request goes again (a window or a Cluster slot moved): what leases answered goes back, to
+    /// be taken again, and these leases were granted. Returns what [`Settling::finish`] does.
+    pub fn again(mut self, grants: &[(usize, Grant, u16, Spec)]) -> PerCheck<bool> {
+        self.done = true;
+        self.leases
+            .settle(self.batch, self.keys, &self.taken, false, grants)
     }
 }
 
@@ -190,7 +203,7 @@ pub struct LeaseStats {
     pub held: usize,
     /// Hits leased to this replica in all.
     pub granted: u64,
-    /// Hits given back in all.
+    /// Hits given back in all (that Redis took).
     pub returned: u64,
     /// Checks answered from a lease, without Redis.
     pub answered: u64,
@@ -400,10 +413,6 @@ impl Leases {
                 None => {}
             }
         }
-        let answered = taken.local.iter().filter(|o| o.is_some()).count() as u64;
-        if answered > 0 {
-            self.answered.fetch_add(answered, Ordering::Relaxed);
-        }
         taken
     }
 
@@ -539,7 +548,6 @@ impl Leases {
             lease.renewed.notify_waiters();
             let over = lease.params.algorithm == Algorithm::FixedWindow && now >= lease.reset_at;
             if lease.left > 0 && !over {
-                self.returned.fetch_add(lease.left, Ordering::Relaxed);
                 ended.push(Ended {
                     backend: lease.backend,
                     give_back: Return {
@@ -580,9 +588,19 @@ impl Leases {
         })
     }
 
+    /// Counts `hits` of ended leases as given back: Redis took them.
+    pub fn returned(&self, hits: u64) {
+        self.returned.fetch_add(hits, Ordering::Relaxed);
+    }
+
     pub fn stats(&self) -> LeaseStats {
+        // Not the requests asking for a first grant: nothing is held there yet.
+        let held = match self.count.load(Ordering::Relaxed) {
+            0 => 0,
+            _ => self.lock().values().filter(|l| l.last_grant > 0).count(),
+        };
         LeaseStats {
-            held: self.count.load(Ordering::Relaxed),
+            held,
             granted: self.granted.load(Ordering::Relaxed),
             returned: self.returned.load(Ordering::Relaxed),
             answered: self.answered.load(Ordering::Relaxed),
@@ -676,6 +694,29 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
+    async fn the_metrics_count_leases_held_and_checks_answered_once() {
+        let (leases, batch) = (leases(), batch(1000, 1));
+        warm(&leases, &batch, 9);
+        let asking = take(&leases, &batch);
+        assert_eq!(leases.stats().held, 0, "asked for, nothing held yet");
+        Settling::new(&leases, &batch, &keys(), asking).finish(true, &[grant(10)]);
+        assert_eq!(leases.stats().held, 1);
+        // Taken, then given back as its request goes again (it waited, failed or a window moved),
+        // then taken and decided: one answer.
+        drop(Settling::new(
+            &leases,
+            &batch,
+            &keys(),
+            take(&leases, &batch),
+        ));
+        Settling::new(&leases, &batch, &keys(), take(&leases, &batch)).again(&[]);
+        assert_eq!(leases.stats().answered, 0);
+        Settling::new(&leases, &batch, &keys(), take(&leases, &batch)).finish(true, &[]);
+        assert_eq!(leases.stats().answered, 1);
+        assert_eq!(leases.lock()[&keys()[0]].left, 9);
+    }
+
+    #[tokio::test(start_paused = true)]
     async fn reported_hits_never_heat_a_counter_nor_spend_its_lease() {
         let (leases, batch) = (leases(), batch(100_000, 1));
         let mut report = batch.clone();
@@ -762,6 +803,8 @@ mod tests {
         assert_eq!(ended.len(), 1);
         assert_eq!(ended[0].give_back.hits, 39);
         assert_eq!(ended[0].give_back.spec, grant(0).3);
+        assert_eq!(leases.stats().returned, 0, "counted once Redis took them");
+        leases.returned(39);
         assert_eq!(leases.stats().returned, 39);
         assert_eq!(leases.stats().held, 0);
     }

@@ -321,7 +321,7 @@ impl RedisStore {
             if moved || !mismatches.is_empty() {
                 // What counts over its limit and was counted keeps that count and answer; the rest is
                 // given back and decided again.
-                hold(&groups, &mut slots, &leased.finish(false, &grants));
+                hold(&groups, &mut slots, &leased.again(&grants));
                 self.refund_consumed(batch, &keys, &groups, &slots, deadline)
                     .await?;
                 if !mismatches.is_empty() {
@@ -427,8 +427,11 @@ impl RedisStore {
             .map(|(backend, node, returns)| async move {
                 let b = self.backend(backend);
                 let until = Instant::now() + b.timeout;
-                if let Err(err) = b.caller.give_back(&node, &returns, until).await {
-                    tracing::warn!(server = %node.name(), "could not give leased hits back: {err}");
+                match b.caller.give_back(&node, &returns, until).await {
+                    Ok(()) => self.leases.returned(returns.iter().map(|r| r.hits).sum()),
+                    Err(err) => {
+                        tracing::warn!(server = %node.name(), "could not give leased hits back: {err}");
+                    }
                 }
             });
         join_all(calls).await;

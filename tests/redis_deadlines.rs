@@ -576,3 +576,42 @@ async fn the_local_fallback_decides_a_request_that_waited_at_the_time_its_wait_e
         .unwrap();
     sleep.read_exact(&mut reply).unwrap();
 }
+
+/// With Redis unreachable and `on_backend_error: local`, a request the fallback cannot decide either
+/// (its memory holds as many counters as it may) is an error, counted as one, and not as a fallback
+/// decision.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_the_local_fallback_cannot_decide_is_not_counted_as_decided_by_it() {
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = closed.local_addr().unwrap().to_string();
+    drop(closed);
+    let s = common::TestServer::start_with_clock(
+        &[("waits.yaml", RULES)],
+        ratelimitd::clock::Clock::System,
+        |s| {
+            s.backend = Some(ratelimitd::settings::BackendKind::Redis);
+            s.redis.url = url;
+            s.on_backend_error = ratelimitd::limiter::OnBackendError::Local;
+            s.memory.max_keys = 2;
+        },
+    )
+    .await;
+    let mut client = s.client().await;
+    let mut codes = BTreeMap::new();
+    for user in ["ann", "ben", "cid"] {
+        let answer = client
+            .should_rate_limit(request("waits", vec![descriptor(&[("user", user)])]))
+            .await;
+        let code = match answer {
+            Ok(a) => format!("{:?}", Code::try_from(a.into_inner().overall_code).unwrap()),
+            Err(status) => format!("{:?}", status.code()),
+        };
+        tally(&mut codes, code);
+    }
+    assert_eq!(codes, [("Ok".into(), 2), ("Unavailable".into(), 1)].into());
+    assert_eq!(
+        s.metric("ratelimitd_fallback_decisions_total").await,
+        Some(2.0)
+    );
+    s.stop().await;
+}

@@ -122,7 +122,6 @@ impl CacheableStore for Backend {
                         fallback.replicas
                     );
                 }
-                self.fallback_decisions.fetch_add(1, Ordering::Relaxed);
                 // Decided at the time the store gave up, not the time the request came: the wait
                 // for it (up to the request's deadline) would put this request behind those the
                 // fallback decided meanwhile. (With a manual clock, tests', the wait is real time.)
@@ -135,6 +134,8 @@ impl CacheableStore for Backend {
                         deadline,
                     )
                     .await?;
+                // Counted once decided: a memory store full of counters answers an error too.
+                self.fallback_decisions.fetch_add(1, Ordering::Relaxed);
                 Ok((local, false))
             }
             (Err(err), None) => Err(err),

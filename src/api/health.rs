@@ -23,6 +23,9 @@ pub struct Health {
     awaiting_rules: AtomicBool,
     backend_ready: AtomicBool,
     shutting_down: AtomicBool,
+    /// One publication at a time, each of the status when it got here: two interleaved could write an
+    /// older status last (SERVING, decided as the backend connected, after a shutdown's NOT_SERVING).
+    publishing: tokio::sync::Mutex<()>,
 }
 
 impl Health {
@@ -41,6 +44,7 @@ impl Health {
             awaiting_rules: AtomicBool::new(await_rules),
             backend_ready: AtomicBool::new(backend_ready),
             shutting_down: AtomicBool::new(false),
+            publishing: tokio::sync::Mutex::new(()),
         }
     }
 
@@ -71,6 +75,7 @@ impl Health {
     }
 
     pub async fn publish(&self) {
+        let _alone = self.publishing.lock().await;
         let status = if self.is_serving() {
             ServingStatus::Serving
         } else {

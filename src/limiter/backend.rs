@@ -68,7 +68,7 @@ impl Backend {
             fallback: fallback.filter(|_| on_backend_error == OnBackendError::Local),
             duration: metrics.histogram(
                 "ratelimitd_backend_call_duration_seconds",
-                "Time of one call to the counter store (one Redis script call per slot).",
+                "Time the counter store took to decide one request (Redis: its script calls; next to nothing when leases or an open breaker answered).",
                 vec![("backend", backend.to_string())],
             ),
             fallback_decisions: metrics.counter(

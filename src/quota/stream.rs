@@ -104,6 +104,25 @@ struct Tracked {
     lowered: bool,
 }
 
+impl Tracked {
+    /// A bucket the stream has just met, as the member `member`.
+    fn new(member: Arc<str>) -> Self {
+        Self {
+            member,
+            reported_at: None,
+            abandoned_at: None,
+            rule: None,
+            sent: None,
+            blanket: None,
+            sent_version: 0,
+            admissible: None,
+            target: 0.0,
+            merged: (0, 0),
+            lowered: false,
+        }
+    }
+}
+
 /// The token buckets an Envoy enforced since its last report, as a bound on what it can have admitted:
 /// each new bucket starts full (`burst`), and refills at most at the highest rate sent, a fill at a time.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -313,22 +332,7 @@ impl Stream {
                 }
                 state.next_bucket += 1;
                 let member = format!("{}-{:x}", self.inner.id, state.next_bucket).into();
-                state.buckets.insert(
-                    slot.clone(),
-                    Tracked {
-                        member,
-                        reported_at: None,
-                        abandoned_at: None,
-                        rule: None,
-                        sent: None,
-                        blanket: None,
-                        sent_version: 0,
-                        admissible: None,
-                        target: 0.0,
-                        merged: (0, 0),
-                        lowered: false,
-                    },
-                );
+                state.buckets.insert(slot.clone(), Tracked::new(member));
             }
             let Some(tracked) = state.buckets.get_mut(&slot) else {
                 continue;
@@ -847,22 +851,9 @@ mod tests {
     fn stream_with_bucket(quota: &Arc<Quota>) -> (Stream, BucketSlot) {
         let stream = quota.open().unwrap();
         let slot: BucketSlot = (Arc::from("edge"), Arc::new(vec![("k".into(), "v".into())]));
-        let tracked = Tracked {
-            member: Arc::from("m-1"),
-            reported_at: None,
-            abandoned_at: None,
-            rule: None,
-            sent: None,
-            blanket: None,
-            sent_version: 0,
-            admissible: None,
-            target: 0.0,
-            merged: (0, 0),
-            lowered: false,
-        };
         lock(&stream.inner.state)
             .buckets
-            .insert(slot.clone(), tracked);
+            .insert(slot.clone(), Tracked::new(Arc::from("m-1")));
         (stream, slot)
     }
 

@@ -269,6 +269,93 @@ async fn the_fleet_admits_exactly_the_limit_with_leases() {
     }
 }
 
+/// One replica on `redis`, with the defaults, serving.
+async fn replica(redis: &RedisProcess) -> TestServer {
+    let url = redis.addr();
+    let s =
+        TestServer::start_with_clock(&[("hot.yaml", RULES)], Clock::System, |s| on_redis(s, url))
+            .await;
+    s.wait_serving(Duration::from_secs(20)).await;
+    s
+}
+
+/// 32 callers on the hot `busy` counter, each request with a 100 ms deadline, until stopped.
+struct Impatient {
+    ok: Arc<AtomicU64>,
+    failed: Arc<AtomicU64>,
+    done: Arc<AtomicBool>,
+    callers: Vec<tokio::task::JoinHandle<()>>,
+}
+
+/// What [`Impatient`] callers were answered: admitted, and answered by the policy (their deadline
+/// passed first).
+struct Answered {
+    ok: u64,
+    failed: u64,
+}
+
+impl Impatient {
+    /// Callers on `s`, sending for a second before this returns: leases held and renewed.
+    async fn start(s: &TestServer) -> Self {
+        let (ok, failed) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+        let done = Arc::new(AtomicBool::new(false));
+        let mut callers = Vec::new();
+        for _ in 0..32 {
+            let mut client = s.client().await;
+            let (ok, failed, done) = (ok.clone(), failed.clone(), done.clone());
+            callers.push(tokio::spawn(async move {
+                while !done.load(Ordering::Relaxed) {
+                    let mut r = tonic::Request::new(request(
+                        "hot",
+                        vec![descriptor(&[("generic_key", "busy")])],
+                    ));
+                    r.set_timeout(Duration::from_millis(100));
+                    match client.should_rate_limit(r).await {
+                        Ok(a) if a.get_ref().overall_code == Code::Ok as i32 => &ok,
+                        Ok(a) => panic!("denied under a limit of a billion: {a:?}"),
+                        Err(_) => &failed,
+                    }
+                    .fetch_add(1, Ordering::Relaxed);
+                }
+            }));
+        }
+        tokio::time::sleep(Duration::from_millis(1_000)).await;
+        Self {
+            ok,
+            failed,
+            done,
+            callers,
+        }
+    }
+
+    async fn stop(self) -> Answered {
+        self.done.store(true, Ordering::Relaxed);
+        for c in self.callers {
+            c.await.unwrap();
+        }
+        Answered {
+            ok: self.ok.load(Ordering::Relaxed),
+            failed: self.failed.load(Ordering::Relaxed),
+        }
+    }
+}
+
+impl Answered {
+    /// Once every lease ended, Redis counts the requests admitted and at most those answered by the
+    /// policy (their calls may have run after they stopped waiting): never hits no replica holds.
+    fn assert_counted_by(&self, redis: &RedisProcess) {
+        let Self { ok, failed } = *self;
+        let key = redis.cli(&["--scan", "--pattern", "hot_generic_key_busy_*"]);
+        let counted: u64 = redis.cli(&["GET", key.trim()]).parse().unwrap();
+        eprintln!("{ok} admitted, {failed} answered by the policy, {counted} counted");
+        assert!(failed > 0, "some requests waited past their deadline");
+        assert!(
+            (ok..=ok + failed).contains(&counted),
+            "{counted} counted for {ok} admitted and {failed} answered by the policy"
+        );
+    }
+}
+
 /// Leases granted by calls whose requests had stopped waiting (Redis paused past their deadline) are
 /// given back: once every lease ended, Redis counts the requests admitted and at most those answered
 /// by the policy while it was paused (their calls ran after it), never hits no replica holds.
@@ -276,55 +363,18 @@ async fn the_fleet_admits_exactly_the_limit_with_leases() {
 async fn leases_granted_after_their_requests_deadline_are_given_back() {
     inside_one_day().await;
     let redis = RedisProcess::start(&[]);
-    let url = redis.addr();
-    let s =
-        TestServer::start_with_clock(&[("hot.yaml", RULES)], Clock::System, |s| on_redis(s, url))
-            .await;
-    s.wait_serving(Duration::from_secs(20)).await;
-    let (ok, failed) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
-    let done = Arc::new(AtomicBool::new(false));
-    let mut callers = Vec::new();
-    for _ in 0..32 {
-        let mut client = s.client().await;
-        let (ok, failed, done) = (ok.clone(), failed.clone(), done.clone());
-        callers.push(tokio::spawn(async move {
-            while !done.load(Ordering::Relaxed) {
-                let mut r = tonic::Request::new(request(
-                    "hot",
-                    vec![descriptor(&[("generic_key", "busy")])],
-                ));
-                r.set_timeout(Duration::from_millis(100));
-                match client.should_rate_limit(r).await {
-                    Ok(a) if a.get_ref().overall_code == Code::Ok as i32 => &ok,
-                    Ok(a) => panic!("denied under a limit of a billion: {a:?}"),
-                    Err(_) => &failed,
-                }
-                .fetch_add(1, Ordering::Relaxed);
-            }
-        }));
-    }
-    // Leases held and renewed, then Redis paused twice past every request's deadline.
-    tokio::time::sleep(Duration::from_millis(1_000)).await;
+    let s = replica(&redis).await;
+    let callers = Impatient::start(&s).await;
+    // Redis paused twice past every request's deadline.
     for _ in 0..2 {
         assert_eq!(redis.cli(&["CLIENT", "PAUSE", "400", "ALL"]), "OK");
         tokio::time::sleep(Duration::from_millis(1_200)).await;
     }
-    done.store(true, Ordering::Relaxed);
-    for c in callers {
-        c.await.unwrap();
-    }
+    let answered = callers.stop().await;
     s.wait_leases_given_back(Duration::from_secs(5)).await;
     // The last give-backs, of leases granted after their deadline, are sent at once but not waited.
     tokio::time::sleep(Duration::from_millis(500)).await;
-    let (ok, failed) = (ok.load(Ordering::Relaxed), failed.load(Ordering::Relaxed));
-    let key = redis.cli(&["--scan", "--pattern", "hot_generic_key_busy_*"]);
-    let counted: u64 = redis.cli(&["GET", key.trim()]).parse().unwrap();
-    eprintln!("{ok} admitted, {failed} answered by the policy, {counted} counted");
-    assert!(failed > 0, "some requests waited past their deadline");
-    assert!(
-        (ok..=ok + failed).contains(&counted),
-        "{counted} counted for {ok} admitted and {failed} answered by the policy"
-    );
+    answered.assert_counted_by(&redis);
     s.stop().await;
 }
 
@@ -334,52 +384,15 @@ async fn leases_granted_after_their_requests_deadline_are_given_back() {
 async fn leases_granted_as_a_replica_shuts_down_are_given_back() {
     inside_one_day().await;
     let redis = RedisProcess::start(&[]);
-    let url = redis.addr();
-    let s =
-        TestServer::start_with_clock(&[("hot.yaml", RULES)], Clock::System, |s| on_redis(s, url))
-            .await;
-    s.wait_serving(Duration::from_secs(20)).await;
-    let (ok, failed) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
-    let done = Arc::new(AtomicBool::new(false));
-    let mut callers = Vec::new();
-    for _ in 0..32 {
-        let mut client = s.client().await;
-        let (ok, failed, done) = (ok.clone(), failed.clone(), done.clone());
-        callers.push(tokio::spawn(async move {
-            while !done.load(Ordering::Relaxed) {
-                let mut r = tonic::Request::new(request(
-                    "hot",
-                    vec![descriptor(&[("generic_key", "busy")])],
-                ));
-                r.set_timeout(Duration::from_millis(100));
-                match client.should_rate_limit(r).await {
-                    Ok(a) if a.get_ref().overall_code == Code::Ok as i32 => &ok,
-                    Ok(a) => panic!("denied under a limit of a billion: {a:?}"),
-                    Err(_) => &failed,
-                }
-                .fetch_add(1, Ordering::Relaxed);
-            }
-        }));
-    }
-    // Leases held and renewed; then Redis pauses, the requests waiting on it pass their deadline, and
-    // the replica shuts down while their calls are still out.
-    tokio::time::sleep(Duration::from_millis(1_000)).await;
+    let s = replica(&redis).await;
+    let callers = Impatient::start(&s).await;
+    // Redis pauses, the requests waiting on it pass their deadline, and the replica shuts down while
+    // their calls are still out.
     assert_eq!(redis.cli(&["CLIENT", "PAUSE", "500", "ALL"]), "OK");
     tokio::time::sleep(Duration::from_millis(300)).await;
-    done.store(true, Ordering::Relaxed);
-    for c in callers {
-        c.await.unwrap();
-    }
+    let answered = callers.stop().await;
     s.stop().await;
-    let (ok, failed) = (ok.load(Ordering::Relaxed), failed.load(Ordering::Relaxed));
-    let key = redis.cli(&["--scan", "--pattern", "hot_generic_key_busy_*"]);
-    let counted: u64 = redis.cli(&["GET", key.trim()]).parse().unwrap();
-    eprintln!("{ok} admitted, {failed} answered by the policy, {counted} counted");
-    assert!(failed > 0, "some requests waited past their deadline");
-    assert!(
-        (ok..=ok + failed).contains(&counted),
-        "{counted} counted for {ok} admitted and {failed} answered by the policy"
-    );
+    answered.assert_counted_by(&redis);
 }
 
 /// A request whose checks count on two servers (here the main Redis and the per-second one) is

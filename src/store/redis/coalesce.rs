@@ -253,7 +253,7 @@ impl Caller {
         until: Instant,
         late: StoreError,
     ) -> Result<PartReply, StoreError> {
-        let (answer, mut answered) = oneshot::channel();
+        let (answer, answered) = oneshot::channel();
         let waiting = Waiting {
             part,
             until,
@@ -264,7 +264,7 @@ impl Caller {
         }
         tokio::select! {
             biased;
-            answer = &mut answered => match answer {
+            answer = answered => match answer {
                 Ok(Answered { part, reply }) => {
                     drop(part);
                     reply

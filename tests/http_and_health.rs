@@ -190,3 +190,67 @@ async fn reflection_lists_the_services() {
     assert!(!files.file_descriptor_proto.is_empty());
     s.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_watches_and_reflection_sessions_end_at_the_drain_instead_of_holding_the_shutdown() {
+    // The default grace period: what a replica with a watching client waited at every shutdown.
+    let s = TestServer::start(&[("web.yaml", RULES)], |s| {
+        s.shutdown.grace_period = ratelimitd::settings::Settings::default()
+            .shutdown
+            .grace_period;
+    })
+    .await;
+    let channel = s.channel().await;
+    let mut watch = HealthClient::new(channel.clone())
+        .watch(HealthCheckRequest {
+            service: SERVICE_NAME.into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let first = watch.message().await.unwrap().unwrap();
+    assert_eq!(first.status, ServingStatus::Serving as i32);
+    // A reflection session whose client keeps its side open, as an interactive tool does.
+    let (questions, outbound) = tokio::sync::mpsc::channel(1);
+    let mut session = ServerReflectionClient::new(channel)
+        .server_reflection_info(tokio_stream::wrappers::ReceiverStream::new(outbound))
+        .await
+        .unwrap()
+        .into_inner();
+    questions
+        .send(ServerReflectionRequest {
+            host: String::new(),
+            message_request: Some(MessageRequest::ListServices(String::new())),
+        })
+        .await
+        .unwrap();
+    assert!(session.next().await.unwrap().is_ok());
+
+    let began = Instant::now();
+    s.shutdown.cancel();
+    let within = Duration::from_secs(5);
+    let not_serving = tokio::time::timeout(within, watch.message()).await;
+    let not_serving = not_serving.expect("NOT_SERVING pushed to the watcher");
+    assert_eq!(
+        not_serving.unwrap().unwrap().status,
+        ServingStatus::NotServing as i32
+    );
+    let ended = tokio::time::timeout(within, watch.message())
+        .await
+        .expect("the watch ends at the drain");
+    let status = ended.expect_err("ended with a status");
+    assert_eq!(status.code(), tonic::Code::Unavailable, "{status:?}");
+    assert!(status.message().contains("shutting down"), "{status:?}");
+    let ended = tokio::time::timeout(within, session.next())
+        .await
+        .expect("the reflection session ends at the drain");
+    let status = ended.unwrap().expect_err("ended with a status");
+    assert_eq!(status.code(), tonic::Code::Unavailable, "{status:?}");
+    tokio::time::timeout(within, s.handle)
+        .await
+        .expect("the server stops without waiting for the grace period")
+        .unwrap()
+        .unwrap();
+    assert!(began.elapsed() < within, "{:?}", began.elapsed());
+    drop(questions);
+}

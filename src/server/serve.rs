@@ -19,8 +19,8 @@ use crate::{
     api::{
         admin,
         conn::{
-            Acceptor, Bounds, ConnectionAge, HeldBytes, TrackCallsLayer, WholeMessagesLayer,
-            QUOTA_STREAM, SHOULD_RATE_LIMIT,
+            Acceptor, Bounds, ConnectionAge, EndAtDrainLayer, HeldBytes, TrackCallsLayer,
+            WholeMessagesLayer, QUOTA_STREAM, SHOULD_RATE_LIMIT,
         },
         grpc::{RateLimitApi, RefusalsAsInvalidArgument},
         health::Health,
@@ -273,6 +273,9 @@ fn serve_grpc(
     );
     let router = grpc_server(settings, &age)
         .layer(TrackCallsLayer)
+        .layer(EndAtDrainLayer {
+            draining: stop_accepting.clone(),
+        })
         .layer(MethodStatsLayer::new(&services.metrics))
         .layer(WholeMessagesLayer {
             timeout: settings.grpc.message_timeout,

@@ -25,6 +25,10 @@
 //!   whatever still runs on it. tonic's own `max_connection_age_grace` is not used: with it set, tonic
 //!   skips the GOAWAY at the age and only closes the connection abruptly at the age plus the grace.
 //!
+//! - **Drain** (gRPC). Health watches and reflection sessions end with UNAVAILABLE when the listeners
+//!   stop accepting ([`EndAtDrainLayer`]): open for as long as their clients like, they would otherwise
+//!   hold every shutdown for the whole grace period.
+//!
 //! Every timer is polled from the connection's own reads and writes, so an idle connection (a read
 //! pending, nothing to write) is woken and closed on time, and nothing runs beside the connection.
 //!
@@ -33,6 +37,7 @@
 //! - `bounds` — the bounds from the settings ([`Bounds`], [`ConnectionAge`]) and the timers each
 //!   connection arms from them; `deadline` holds the timers, `preface` follows the HTTP/2 preface.
 //! - `calls` — the calls in flight on each connection ([`TrackCallsLayer`], [`Activity`]).
+//! - `drain` — the streams that end when the drain begins ([`EndAtDrainLayer`]).
 //! - `io` — the connection as the servers see it ([`Counted`], [`ConnectionInfo`]).
 //! - `messages` — request messages whole and in time ([`WholeMessagesLayer`]).
 
@@ -40,6 +45,7 @@ mod accept;
 mod bounds;
 mod calls;
 mod deadline;
+mod drain;
 mod io;
 mod messages;
 mod preface;
@@ -47,6 +53,7 @@ mod preface;
 pub use accept::{Acceptor, Closing, Place};
 pub use bounds::{Bounds, ConnectionAge};
 pub use calls::{Activity, CallGuard, Guarded, TrackCalls, TrackCallsLayer, TrackedCall};
+pub use drain::{EndAtDrain, EndAtDrainLayer, Ending, EndingCall};
 pub use io::{ConnectionInfo, Counted};
 pub use messages::{
     HeldBytes, WholeMessages, WholeMessagesLayer, WholeMessagesService, HELD_FULL, MESSAGE_TIMEOUT,

@@ -7,7 +7,8 @@
 //! sixteenth of what the limit has left: it counts those hits at once, as if admitted, and hands them to
 //! this replica, which admits requests from them itself until they are spent, the window ends, or it has
 //! not used them for `redis.lease_for`. What is left is then given back (to the window it was leased from; a fixed
-//! window that has ended has nothing to give back). Counted hits plus what replicas hold never exceed the
+//! window that has ended has nothing to give back), and so is what a sliding window's lease has left when
+//! its renewal is granted in the next window: each hit is spent in the window that counted it. Counted hits plus what replicas hold never exceed the
 //! limit, so the fleet never admits more than it; the last sixteenth of a limit is counted request by
 //! request, so when it runs out only leases still held (each at most `lease_for` of one replica's
 //! traffic) wait to be spent or given back. Hits granted that no lease comes to hold (the request failed
@@ -231,6 +232,9 @@ pub struct Leases {
     /// at worst would keep a counter from being leased, which costs only the calls leases save).
     hasher: foldhash::fast::RandomState,
     held: Mutex<HashMap<Bytes, Lease>>,
+    /// What leases had left of an earlier sliding window when a grant of the next one came, to give
+    /// back with the next sweep (taken after `held` when both are).
+    moved_on: Mutex<Vec<Ended>>,
     /// `held.len()`, read without the lock.
     count: AtomicUsize,
     /// The next lease's id.
@@ -265,6 +269,17 @@ fn leasable(check: &Check) -> bool {
         && keys::has_reset_mark(check.key.as_bytes())
 }
 
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Whether a sliding window's hits granted at `earlier` (server ms) were counted in another window than
+/// those granted at `later`. (A fixed window's key names its window: its grants are all of one.)
+fn in_another_window(check: &Check, earlier: u64, later: u64) -> bool {
+    let window = check.params.window_ms.max(1);
+    check.params.algorithm == Algorithm::SlidingWindow && earlier / window != later / window
+}
+
 /// The lease `id` on `key`, if it is still held (not ended, nor replaced by another).
 fn held_lease<'h>(
     held: &'h mut HashMap<Bytes, Lease>,
@@ -281,6 +296,7 @@ impl Leases {
             heat: (0..HEAT_SLOTS).map(|_| Heat::default()).collect(),
             hasher: foldhash::fast::RandomState::default(),
             held: Mutex::new(HashMap::new()),
+            moved_on: Mutex::new(Vec::new()),
             count: AtomicUsize::new(0),
             ids: AtomicU64::new(1),
             epoch: Instant::now(),
@@ -291,7 +307,7 @@ impl Leases {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Bytes, Lease>> {
-        self.held.lock().unwrap_or_else(|p| p.into_inner())
+        lock(&self.held)
     }
 
     /// Counts `hits` on the counter `key` and returns its rate: hits in the current second so far, or
@@ -513,6 +529,22 @@ impl Leases {
                 _ => Some(reset_at),
             }
             .unwrap_or(now);
+            if lease.left > 0 && in_another_window(check, lease.granted_ms, grant.server_ms) {
+                // A renewal answered in the sliding window after the one the lease's hits were counted
+                // in: those go back to their window, not spent in this one (where the window they were
+                // counted in weighs less than one, so each would admit more than its hit).
+                lock(&self.moved_on).push(Ended {
+                    backend: lease.backend,
+                    give_back: Return {
+                        key: keys[i].clone(),
+                        slot: lease.slot,
+                        spec: lease.spec,
+                        hits: lease.left,
+                        granted_ms: lease.granted_ms,
+                    },
+                });
+                lease.left = 0;
+            }
             if lease.left == 0 {
                 lease.granted_ms = grant.server_ms;
             }
@@ -533,12 +565,12 @@ impl Leases {
     /// Removes the leases that ended (all of them with `all`), and returns what they have left to give
     /// back: nothing for a fixed window whose window is over.
     pub fn ended(&self, all: bool) -> Vec<Ended> {
+        let mut ended = std::mem::take(&mut *lock(&self.moved_on));
         if self.count.load(Ordering::Relaxed) == 0 {
-            return Vec::new();
+            return ended;
         }
         let now = Instant::now();
         let mut held = self.lock();
-        let mut ended = Vec::new();
         held.retain(|key, lease| {
             // A lease being renewed waits for its request's answer (due within a second).
             let renewal_due = lease.renewing && now < lease.ends_at + Duration::from_secs(1);
@@ -570,6 +602,7 @@ impl Leases {
     /// that never counted them. Left in the old one, they are at worst counted twice until it expires,
     /// which never admits more than a limit.
     pub fn drop_all(&self) {
+        lock(&self.moved_on).clear();
         if self.count.load(Ordering::Relaxed) == 0 {
             return;
         }
@@ -787,6 +820,60 @@ mod tests {
             "the new lease's grant alone"
         );
         assert_eq!(leases.stats().granted, 60);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_sliding_window_lease_renewed_in_the_next_window_gives_back_what_it_had_left() {
+        let leases = leases();
+        let mut batch = batch(100_000, 1);
+        batch.checks[0].params.algorithm = Algorithm::SlidingWindow;
+        batch.checks[0].params.window_ms = 60_000;
+        // Granted at 1 s and 31 s of the window from 0 to 60 s, then at 61 s, in the next one.
+        let grant_at = |hits, server_ms: u64| {
+            let (i, mut grant, slot, spec) = grant(hits);
+            grant.server_ms = server_ms;
+            grant.reset_ms = 120_000 - server_ms % 60_000;
+            (i, grant, slot, spec)
+        };
+        let spend_until_renewing = |leases: &Leases| loop {
+            let taken = take(leases, &batch);
+            if taken.want[0] > 0 {
+                return taken;
+            }
+            assert!(taken.local[0].is_some());
+            Settling::new(leases, &batch, &keys(), taken).finish(true, &[]);
+        };
+        warm(&leases, &batch, 9);
+        let asking = take(&leases, &batch);
+        Settling::new(&leases, &batch, &keys(), asking).finish(true, &[grant_at(40, 1_000)]);
+        let renewing = spend_until_renewing(&leases);
+        let left = leases.lock()[&keys()[0]].left;
+        assert!(left > 0);
+        // In the same window, the grant joins what is left.
+        Settling::new(&leases, &batch, &keys(), renewing).finish(true, &[grant_at(30, 31_000)]);
+        assert_eq!(leases.lock()[&keys()[0]].left, left + 30);
+        assert!(leases.ended(false).is_empty());
+
+        let renewing = spend_until_renewing(&leases);
+        let left = leases.lock()[&keys()[0]].left;
+        Settling::new(&leases, &batch, &keys(), renewing).finish(true, &[grant_at(30, 61_000)]);
+        assert_eq!(
+            leases.lock()[&keys()[0]].left,
+            30,
+            "only the next window's grant is spent in it"
+        );
+        let ended = leases.ended(false);
+        assert_eq!(ended.len(), 1, "the lease itself goes on");
+        assert_eq!(
+            (ended[0].give_back.hits, ended[0].give_back.granted_ms),
+            (left, 1_000),
+            "given back to the window that counted them"
+        );
+        let ended = leases.ended(true);
+        assert_eq!(
+            (ended[0].give_back.hits, ended[0].give_back.granted_ms),
+            (30, 61_000)
+        );
     }
 
     #[tokio::test(start_paused = true)]

@@ -480,8 +480,27 @@ async fn local_fallback_admits_the_replicas_share_while_redis_is_down_then_retur
         "the log says the fallback serves"
     );
 
-    // Back on Redis once it answers again: its own counts, not the fallback's.
+    // Redis back and no request coming: nothing is decided from memory, whatever the last request met.
     redis.restart();
+    let idle = Instant::now() + Duration::from_secs(15);
+    loop {
+        let metrics = http_request(replica.http, "GET", "/metrics", "").1;
+        if metrics.contains("ratelimitd_fallback_active 0") {
+            break;
+        }
+        assert!(
+            Instant::now() < idle,
+            "the fallback still said active with Redis back and no traffic: {}",
+            metrics
+                .lines()
+                .filter(|l| l.contains("fallback") || l.contains("backend_up"))
+                .collect::<Vec<_>>()
+                .join("\n")
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    // Back on Redis once it answers again: its own counts, not the fallback's.
     let back = Instant::now() + Duration::from_secs(15);
     loop {
         let (code, _) = ask(&mut client, &[("login", "carl")], deadline).await;

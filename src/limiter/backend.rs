@@ -76,7 +76,7 @@ impl Backend {
                 "Requests decided from this replica's memory because the store could not decide (on_backend_error: local).",
                 Vec::new(),
             ),
-            fallback_episode: FallbackEpisode::register(metrics),
+            fallback_episode: FallbackEpisode::register(metrics, store.clone()),
             store,
         }
     }
@@ -157,7 +157,9 @@ impl CounterStore for Backend {
 
 /// Whether the local fallback is deciding, told once per episode in the log: an episode starts with the
 /// first fallback decision after a quiet second and ends with a store answer a second after the last
-/// fallback decision (a store failing for some requests only does not flood the log).
+/// fallback decision (a store failing for some requests only does not flood the log). The gauge also
+/// turns 0 when requests stop coming once the store can be reached again: nothing is decided from
+/// memory then, although no store answer has ended the episode yet.
 #[derive(Debug)]
 struct FallbackEpisode {
     active: AtomicBool,
@@ -170,7 +172,7 @@ impl FallbackEpisode {
     const QUIET_MS: u64 = 1_000;
 
     /// A new episode tracker, its state exposed as the `ratelimitd_fallback_active` gauge.
-    fn register(metrics: &Metrics) -> Arc<Self> {
+    fn register(metrics: &Metrics, store: Arc<Store>) -> Arc<Self> {
         let episode = Arc::new(Self {
             active: AtomicBool::new(false),
             last_ms: AtomicU64::new(0),
@@ -181,7 +183,10 @@ impl FallbackEpisode {
             "ratelimitd_fallback_active",
             "1 while the local fallback decides because the store cannot (on_backend_error: local).",
             Box::new(move || {
-                let active = read.active.load(Ordering::Relaxed);
+                let active = read.deciding(|| {
+                    let health = store.health();
+                    health.up && !health.breaker_open
+                });
                 vec![(Vec::new(), f64::from(u8::from(active)))]
             }),
         );
@@ -190,6 +195,17 @@ impl FallbackEpisode {
 
     fn now_ms(&self) -> u64 {
         u64::try_from(self.epoch.elapsed().as_millis()).unwrap_or(u64::MAX) + 1
+    }
+
+    /// Whether the fallback decides now: in an episode, with a fallback decision within the last second or
+    /// a store that cannot be reached (no connection, or its breaker open).
+    fn deciding(&self, reachable: impl FnOnce() -> bool) -> bool {
+        let recent = || {
+            self.now_ms()
+                .saturating_sub(self.last_ms.load(Ordering::Relaxed))
+                <= Self::QUIET_MS
+        };
+        self.active.load(Ordering::Relaxed) && (recent() || !reachable())
     }
 
     /// Records a fallback decision; true when it starts an episode.

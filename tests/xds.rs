@@ -227,6 +227,45 @@ async fn an_invalid_set_is_nacked_with_the_rules_file_message_and_the_old_rules_
     s.stop().await;
 }
 
+/// Control planes list a set's resources in no set order: the same set in another order is the set
+/// served (one fingerprint across the fleet, nothing compiled again), and a refusal names the same
+/// resources whichever came first.
+#[tokio::test]
+async fn a_set_sent_again_in_another_order_is_the_set_served() {
+    let plane = ControlPlane::start().await;
+    let api = one_rule("api-route", "api", "user", 2, RateLimitUnit::Minute);
+    let web = one_rule("web-route", "web", "user", 3, RateLimitUnit::Minute);
+    plane.push("1", vec![api.clone(), web.clone()]);
+    let s = On::Memory.server(&plane, |_| {}).await;
+    s.wait_serving(WITHIN).await;
+    plane.answer_to("1", WITHIN).await;
+    let rules_info = async || {
+        let (_, text) = s.http("GET", "/metrics", "").await;
+        let line = text
+            .lines()
+            .find(|l| l.starts_with("ratelimitd_rules_info{"));
+        line.expect("the rules' info").to_owned()
+    };
+    let served = rules_info().await;
+
+    plane.push("2", vec![web.clone(), api.clone()]);
+    let ack = plane.answer_to("2", WITHIN).await.request;
+    assert_eq!((ack.version_info.as_str(), ack.error_detail), ("2", None));
+    assert_eq!(rules_info().await, served, "one set, one fingerprint");
+
+    let twin = one_rule("api-other", "api", "user", 5, RateLimitUnit::Minute);
+    plane.push("3", vec![api.clone(), twin.clone()]);
+    let refused = plane.answer_to("3", WITHIN).await.request.error_detail;
+    let refused = refused
+        .expect("two resources of one domain are refused")
+        .message;
+    plane.push("4", vec![twin, api]);
+    let again = plane.answer_to("4", WITHIN).await.request.error_detail;
+    assert_eq!(again.expect("refused again").message, refused);
+    assert_eq!(rules_info().await, served, "the set served stays");
+    s.stop().await;
+}
+
 #[tokio::test]
 async fn a_restarted_control_plane_is_reconnected_and_its_rules_applied() {
     let (mut plane, s, mut client) = serving_version_1(&On::Memory, 2).await;

@@ -231,6 +231,36 @@ async fn new_and_deleted_files_add_and_remove_domains() {
     s.stop().await;
 }
 
+/// A deploy that removes the rules folder and writes it anew: while it is gone the rules served stay (a
+/// refused load, as for a broken file), and the new folder is loaded once it is there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rules_folder_removed_and_written_anew_keeps_the_rules_meanwhile() {
+    let parent = tempfile::tempdir().unwrap();
+    let dir = parent.path().join("rules");
+    fs::create_dir(&dir).unwrap();
+    fs::write(dir.join("web.yaml"), V1).unwrap();
+    let s = start(&dir, false).await;
+
+    fs::remove_dir_all(&dir).unwrap();
+    wait_loads(&s, "the folder is gone", |(_, errors)| errors >= 1).await;
+    wait_rules(&s, "old rules kept", |t| t.contains(&user_limit(1))).await;
+    let mut c = s.client().await;
+    let resp = ask(&mut c, request("web", vec![descriptor(&[("user", "g")])])).await;
+    assert_eq!(
+        resp.statuses[0]
+            .current_limit
+            .as_ref()
+            .map(|l| l.requests_per_unit),
+        Some(1),
+        "still limited while the folder is gone"
+    );
+
+    fs::create_dir(&dir).unwrap();
+    fs::write(dir.join("web.yaml"), V2).unwrap();
+    wait_rules(&s, "written anew", |t| t.contains(&user_limit(7))).await;
+    s.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_editor_saving_through_a_rename_is_picked_up() {
     let dir = tempfile::tempdir().unwrap();

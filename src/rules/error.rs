@@ -181,10 +181,18 @@ pub struct BuildError {
 /// Why a rules folder could not be loaded. Every message starts with the file (or the folder) at fault.
 #[derive(Debug, thiserror::Error)]
 pub enum LoadError {
-    #[error("{root}: {source}")]
-    Walk { root: String, source: io::Error },
+    /// The rules folder is not there (at start, an empty rule set: see [`crate::rules::reload`]).
+    #[error("{root}: the rules folder does not exist")]
+    Missing { root: String },
+    #[error("{root}: the rules folder is not a folder")]
+    NotAFolder { root: String },
+    /// A folder (the root, or one under it) that could not be read, by its path.
+    #[error("{folder}: {source}")]
+    Walk { folder: String, source: io::Error },
     #[error("{file}: points outside the rules folder")]
     Outside { file: String },
+    #[error("{file}: a link that cannot be followed: {reason}")]
+    Unresolved { file: String, reason: String },
     #[error("{file}: cannot read file: {source}")]
     Read { file: String, source: io::Error },
     #[error("{file}: error loading config file: not UTF-8 text")]

@@ -68,9 +68,12 @@ enum Found {
     File(PathBuf),
     /// A symlink (to a file or a folder) that resolves outside the root.
     Outside,
+    /// A symlink that resolves to nothing (dangling, or through a folder that cannot be entered).
+    Unresolved(String),
 }
 
-/// Loads every rules file of the source. A missing root folder is an empty rule set.
+/// Loads every rules file of the source; all or nothing. A root folder that is not there is
+/// [`LoadError::Missing`].
 pub fn load(source: &Source) -> Result<Loaded, LoadError> {
     let mut parsed = Vec::new();
     let mut fingerprint = Fingerprint::default();
@@ -83,6 +86,7 @@ pub fn load(source: &Source) -> Result<Loaded, LoadError> {
         let path = match what {
             Found::File(path) => path,
             Found::Outside => return Err(LoadError::Outside { file: name }),
+            Found::Unresolved(reason) => return Err(LoadError::Unresolved { file: name, reason }),
         };
         let (text, file) = read(&name, &path, source.max_yaml_nodes)?;
         fingerprint.add(name.as_bytes());
@@ -126,18 +130,34 @@ impl Loaded {
 
 /// Everything under the source's root by dotted name, sorted: the load order.
 fn find(source: &Source) -> Result<Vec<(String, Found)>, LoadError> {
-    let mut found = Vec::new();
+    let shown = || source.root.display().to_string();
     // The root's real path, resolved once: a swap of the root during the load does not mix versions.
-    if let Ok(root) = fs::canonicalize(&source.root) {
-        if root.is_dir() {
-            walk(&root, &root, source.ignore_dotfiles, &mut found).map_err(|err| {
-                LoadError::Walk {
-                    root: source.root.display().to_string(),
-                    source: err,
-                }
-            })?;
+    let root = match fs::canonicalize(&source.root) {
+        Ok(root) => root,
+        Err(err) if err.kind() == std::io::ErrorKind::NotFound => {
+            return Err(LoadError::Missing { root: shown() });
         }
+        Err(source) => {
+            return Err(LoadError::Walk {
+                folder: shown(),
+                source,
+            })
+        }
+    };
+    if !root.is_dir() {
+        return Err(LoadError::NotAFolder { root: shown() });
     }
+    let mut found = Vec::new();
+    let walk = Walk {
+        root: &root,
+        ignore_dotfiles: source.ignore_dotfiles,
+        key_prefix: source.key_prefix.as_deref(),
+    };
+    walk.folder(&root, &mut found)
+        .map_err(|(folder, source)| LoadError::Walk {
+            folder: folder.display().to_string(),
+            source,
+        })?;
     found.sort();
     Ok(found)
 }
@@ -167,48 +187,73 @@ fn read(name: &str, path: &Path, max_yaml_nodes: usize) -> Result<(String, Domai
     Ok((text, parsed))
 }
 
-/// Collects the files under `dir` by dotted name. `root` is a real path (no symlinks), so every path
-/// built under it is real too, except at the symlinks themselves, which are resolved here.
-fn walk(
-    root: &Path,
-    dir: &Path,
+/// A walk of the rules root. `root` is a real path (no symlinks), so every path built under it is real
+/// too, except at the symlinks themselves, which are resolved here.
+struct Walk<'a> {
+    root: &'a Path,
     ignore_dotfiles: bool,
-    out: &mut Vec<(String, Found)>,
-) -> std::io::Result<()> {
-    let dotted = |path: &Path| {
-        let relative = path.strip_prefix(root).unwrap_or(path);
+    /// Only the files whose dotted names start with it are read: folders that cannot hold one are not
+    /// entered (another application's folder beside ours, a `lost+found` only root may read).
+    key_prefix: Option<&'a str>,
+}
+
+impl Walk<'_> {
+    /// Collects the files under `dir` by dotted name; an error names the folder that failed.
+    fn folder(
+        &self,
+        dir: &Path,
+        out: &mut Vec<(String, Found)>,
+    ) -> Result<(), (PathBuf, std::io::Error)> {
+        let failed = |err| (dir.to_owned(), err);
+        for entry in fs::read_dir(dir).map_err(failed)? {
+            let entry = entry.map_err(failed)?;
+            let name = entry.file_name();
+            if self.ignore_dotfiles && name.to_string_lossy().starts_with('.') {
+                continue;
+            }
+            let path = entry.path();
+            let file_type = entry.file_type().map_err(failed)?;
+            if file_type.is_dir() {
+                if self.may_hold_rules(&self.dotted(&path)) {
+                    self.folder(&path, out)?;
+                }
+            } else if file_type.is_file() {
+                out.push((self.dotted(&path), Found::File(path)));
+            } else if file_type.is_symlink() {
+                let found = match fs::canonicalize(&path) {
+                    // An editor's lock (Emacs' `.#web.yaml` links to nothing by design).
+                    Err(_) if name.to_string_lossy().starts_with('.') => continue,
+                    Err(err) => Found::Unresolved(err.to_string()),
+                    Ok(target) if !target.starts_with(self.root) => Found::Outside,
+                    Ok(target) if target.is_file() => Found::File(target),
+                    // A link to a folder inside the root is not entered: its files are walked where
+                    // they are.
+                    Ok(_) => continue,
+                };
+                out.push((self.dotted(&path), found));
+            }
+        }
+        Ok(())
+    }
+
+    /// `path`'s name in the rules: its path under the root, dotted.
+    fn dotted(&self, path: &Path) -> String {
+        let relative = path.strip_prefix(self.root).unwrap_or(path);
         relative
             .components()
             .map(|c| c.as_os_str().to_string_lossy())
             .collect::<Vec<_>>()
             .join(".")
-    };
-    for entry in fs::read_dir(dir)? {
-        let entry = entry?;
-        let name = entry.file_name();
-        if ignore_dotfiles && name.to_string_lossy().starts_with('.') {
-            continue;
-        }
-        let path = entry.path();
-        let file_type = entry.file_type()?;
-        if file_type.is_dir() {
-            walk(root, &path, ignore_dotfiles, out)?;
-        } else if file_type.is_file() {
-            out.push((dotted(&path), Found::File(path)));
-        } else if file_type.is_symlink() {
-            // A dangling link is skipped, as before; one that cannot be resolved is nothing to read.
-            let Ok(target) = fs::canonicalize(&path) else {
-                continue;
-            };
-            if !target.starts_with(root) {
-                out.push((dotted(&path), Found::Outside));
-            } else if target.is_file() {
-                out.push((dotted(&path), Found::File(target)));
-            }
-            // A link to a folder inside the root is not entered: its files are walked where they are.
-        }
     }
-    Ok(())
+
+    /// Whether the folder named `dotted` may hold a file the source reads.
+    fn may_hold_rules(&self, dotted: &str) -> bool {
+        let Some(prefix) = self.key_prefix else {
+            return true;
+        };
+        let inside = format!("{dotted}.");
+        inside.starts_with(prefix) || prefix.starts_with(&inside)
+    }
 }
 
 #[cfg(test)]
@@ -323,6 +368,58 @@ mod tests {
         }
     }
 
+    #[test]
+    fn a_missing_root_and_a_root_that_is_a_file_are_told_apart_from_an_empty_folder() {
+        let dir = tempfile::tempdir().unwrap();
+        let empty = load(&source(dir.path(), None, false)).unwrap();
+        assert!(empty.files.is_empty());
+        let gone = dir.path().join("gone");
+        let err = load(&source(&gone, None, false)).unwrap_err();
+        assert!(matches!(err, LoadError::Missing { .. }), "{err}");
+        assert_eq!(
+            err.to_string(),
+            format!("{}: the rules folder does not exist", gone.display())
+        );
+        let file = dir.path().join("web.yaml");
+        fs::write(&file, ONE).unwrap();
+        let err = load(&source(&file, None, false)).unwrap_err().to_string();
+        assert!(
+            err.ends_with("web.yaml: the rules folder is not a folder"),
+            "{err}"
+        );
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn a_link_to_nothing_is_refused_by_name_where_its_name_is_read() {
+        use std::os::unix::fs::symlink;
+        let dir = tempfile::tempdir().unwrap();
+        fs::create_dir_all(dir.path().join("config")).unwrap();
+        fs::create_dir_all(dir.path().join("other")).unwrap();
+        fs::write(dir.path().join("config/one.yaml"), ONE).unwrap();
+        // Another application's dangling link beside the rules is none of theirs.
+        symlink("releases/41/app.yaml", dir.path().join("other/app.yaml")).unwrap();
+        let loaded = load(&source(dir.path(), Some("config."), false)).unwrap();
+        assert_eq!(loaded.files, vec!["config.one.yaml"]);
+
+        // An editor's lock beside a file being edited links to nothing by design.
+        symlink(
+            "root@host.4242:1700000000",
+            dir.path().join("config/.#one.yaml"),
+        )
+        .unwrap();
+        assert!(load(&source(dir.path(), Some("config."), false)).is_ok());
+
+        symlink("releases/42/web.yaml", dir.path().join("config/web.yaml")).unwrap();
+        let err = load(&source(dir.path(), Some("config."), false))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.starts_with("config.web.yaml: a link that cannot be followed: "),
+            "{err}"
+        );
+    }
+
     #[cfg(unix)]
     #[test]
     fn links_inside_the_folder_and_a_symlinked_root_load() {
@@ -362,12 +459,5 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert_eq!(err, "config: points outside the rules folder");
-    }
-
-    #[test]
-    fn a_missing_folder_is_an_empty_rule_set() {
-        let dir = tempfile::tempdir().unwrap();
-        let loaded = load(&source(&dir.path().join("absent"), None, false)).unwrap();
-        assert!(loaded.rules.domains.is_empty());
     }
 }

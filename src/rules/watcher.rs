@@ -29,7 +29,7 @@ use notify::{
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use super::{load, Loaded, Rules, Source};
+use super::{load, Fingerprint, LoadError, Loaded, Rules, Source};
 
 /// Outcomes of rules loads, for logs and metrics.
 #[derive(Debug, Default)]
@@ -88,15 +88,33 @@ impl Publisher {
         serves
     }
 
+    /// Whether a rule set is served (none before the first load).
+    pub fn serves(&self) -> bool {
+        self.rules.snapshot().is_some()
+    }
+
     /// Counts a refused load; the rules served stay as they are.
     pub fn refuse(&self) {
         self.stats.errors.fetch_add(1, Ordering::Relaxed);
     }
 }
 
-/// Loads the rules files once and publishes them if valid; returns whether the rules changed.
+/// Loads the rules files once and publishes them if valid; returns whether the rules changed. A rules
+/// folder that is not there is an empty rule set only while none is served (at start, where the server
+/// warns of it): later it is a deploy between removing the folder and writing it anew, and the rules
+/// served stay.
 pub fn reload(source: &Source, publisher: &Publisher) -> bool {
-    match load(source) {
+    let loaded = match load(source) {
+        Err(LoadError::Missing { .. }) if !publisher.serves() => Loaded::build(
+            Vec::new(),
+            Fingerprint::default().finish(),
+            source.merge_domains,
+            source.default_algorithm,
+        )
+        .map_err(LoadError::from),
+        loaded => loaded,
+    };
+    match loaded {
         Ok(loaded) => {
             for what in &loaded.ignored {
                 tracing::warn!(path = %source.root.display(), "rules file field ignored: {what}");
@@ -324,6 +342,38 @@ mod tests {
                 "{kind:?} {path}"
             );
         }
+    }
+
+    #[test]
+    fn a_missing_folder_is_an_empty_rule_set_at_start_and_refused_once_rules_are_served() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().join("rules");
+        let stats = Arc::new(ReloadStats::default());
+        let rules = Arc::new(Rules::default());
+        let publisher = Publisher::new(rules.clone(), stats.clone(), Box::new(|_| {}));
+        let source = Source {
+            root: root.clone(),
+            key_prefix: None,
+            ignore_dotfiles: false,
+            merge_domains: false,
+            default_algorithm: crate::algorithm::Algorithm::FixedWindow,
+            swap_point: None,
+            max_yaml_nodes: crate::rules::DEFAULT_MAX_YAML_NODES,
+        };
+        assert!(reload(&source, &publisher), "at start: no rules");
+        assert_eq!(rules.snapshot().unwrap().domains.len(), 0);
+
+        std::fs::create_dir(&root).unwrap();
+        std::fs::write(
+            root.join("web.yaml"),
+            "domain: web\ndescriptors:\n  - key: user\n    rate_limit: {unit: minute, requests_per_unit: 1}\n",
+        )
+        .unwrap();
+        assert!(reload(&source, &publisher));
+        std::fs::remove_dir_all(&root).unwrap();
+        assert!(!reload(&source, &publisher), "gone: the rules served stay");
+        assert_eq!(rules.snapshot().unwrap().domains.len(), 1);
+        assert_eq!(stats.errors.load(Ordering::Relaxed), 1);
     }
 
     #[test]

@@ -204,7 +204,8 @@ pub(super) fn load_rules(
 /// Loads the rules files, and starts watching them with `rules.watch`.
 fn load_files(settings: &Settings, publisher: Arc<rules::Publisher>, tasks: &Tasks) {
     let source = settings.rules.source();
-    if !source.root.is_dir() {
+    let missing = matches!(std::fs::metadata(&source.root), Err(e) if e.kind() == std::io::ErrorKind::NotFound);
+    if missing {
         // Otherwise the only sign is `files=0`, and every request is answered as for an unknown domain.
         let rules = &settings.rules;
         let why = if rules.path.is_none()

@@ -354,6 +354,61 @@ async fn an_idle_service_loads_its_rules_once_even_when_they_are_read() {
     }
 }
 
+/// A rules file the service cannot read (written by root, mode 0600, for a service running as another
+/// user, as the image does) is refused at start; once its mode is fixed, it is loaded without a restart.
+#[test]
+fn a_rules_file_made_readable_is_loaded() {
+    use std::os::unix::{fs::PermissionsExt, process::CommandExt};
+    if !nix_is_root() {
+        eprintln!("skipped: running the service as another user takes root");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    fs::set_permissions(dir.path(), fs::Permissions::from_mode(0o755)).unwrap();
+    // The binary where that user may run it (the build's folder may be closed to others).
+    let bin = dir.path().join("ratelimitd");
+    if fs::hard_link(env!("CARGO_BIN_EXE_ratelimitd"), &bin).is_err() {
+        fs::copy(env!("CARGO_BIN_EXE_ratelimitd"), &bin).unwrap();
+    }
+    let rules = dir.path().join("rules");
+    fs::create_dir(&rules).unwrap();
+    fs::set_permissions(&rules, fs::Permissions::from_mode(0o755)).unwrap();
+    let file = rules.join("web.yaml");
+    fs::write(&file, V1).unwrap();
+    fs::set_permissions(&file, fs::Permissions::from_mode(0o600)).unwrap();
+    let mut cmd = std::process::Command::new(&bin);
+    cmd.env_clear()
+        .envs(common::LOOPBACK)
+        .env("RATELIMITD_RULES__PATH", &rules)
+        .uid(65534)
+        .gid(65534);
+    let running = common::start_binary(&mut cmd);
+    running.wait_log("web.yaml: cannot read file", Duration::from_secs(10));
+
+    fs::set_permissions(&file, fs::Permissions::from_mode(0o644)).unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let (_, served) = common::http_request(running.http, "GET", "/rlconfig", "");
+        if served.contains(&user_limit(1)) {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "not loaded after its mode was fixed:\n{}",
+            running.log.lock().unwrap()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// Whether the tests run as root.
+fn nix_is_root() -> bool {
+    std::process::Command::new("id")
+        .arg("-u")
+        .output()
+        .is_ok_and(|out| out.stdout.trim_ascii() == b"0")
+}
+
 #[test]
 fn a_link_to_a_file_outside_the_folder_is_refused_and_its_content_never_shown() {
     const SECRET: &str = "TOP-SECRET-7f3a9c";

@@ -262,6 +262,9 @@ impl Watched {
         let changes = match event.kind {
             EventKind::Create(_) | EventKind::Remove(_) => true,
             EventKind::Modify(ModifyKind::Data(_) | ModifyKind::Name(_) | ModifyKind::Any) => true,
+            // A file's mode or owner changed: a file the service could not read may be readable now
+            // (reads change no metadata the kernel reports, so loads do not start loads).
+            EventKind::Modify(ModifyKind::Metadata(_)) => true,
             EventKind::Access(AccessKind::Close(AccessMode::Write)) => true,
             EventKind::Modify(_) | EventKind::Access(_) => false,
             // The kernel dropped events (queue overflow): anything may have changed.
@@ -309,6 +312,10 @@ mod tests {
                 EventKind::Access(AccessKind::Close(AccessMode::Write)),
                 "/srv/runtime/current/ratelimit/config/web.yaml",
             ),
+            (
+                EventKind::Modify(ModifyKind::Metadata(MetadataKind::Permissions)),
+                "/srv/runtime/current/ratelimit/config/web.yaml",
+            ),
             (EventKind::Other, "/anywhere"),
         ] {
             assert!(
@@ -324,10 +331,6 @@ mod tests {
             (
                 EventKind::Access(AccessKind::Close(AccessMode::Read)),
                 "/srv/runtime/current/ratelimit",
-            ),
-            (
-                EventKind::Modify(ModifyKind::Metadata(MetadataKind::Any)),
-                "/srv/runtime/current/ratelimit/config/web.yaml",
             ),
             // Neighbours in the watched parent folders.
             (data, "/srv/runtime/current/other.yaml"),

@@ -204,7 +204,7 @@ fn validate_keys(node: &Yaml) -> Result<(), ParseError> {
         Yaml::Map(entries) => {
             for (k, v) in entries {
                 let Yaml::String(name) = k else {
-                    return Err(ParseError::KeyNotString(k.to_string()));
+                    return Err(ParseError::KeyNotString(k.shown()));
                 };
                 if !VALID_KEYS.contains(&name.as_str()) && !RuleFlags::KEYS.contains(&name.as_str())
                 {
@@ -219,7 +219,7 @@ fn validate_keys(node: &Yaml) -> Result<(), ParseError> {
         Yaml::List(items) => {
             for item in items {
                 if !matches!(item, Yaml::Map(_)) {
-                    return Err(ParseError::ListItemNotMap(item.to_string()));
+                    return Err(ParseError::ListItemNotMap(item.shown()));
                 }
                 validate_keys(item)?;
             }
@@ -523,6 +523,14 @@ descriptors:
             (
                 "domain: d\ndescriptors:\n  - just_a_string\n",
                 "config error, yaml file contains list of type other than map: just_a_string",
+            ),
+            (
+                "domain: d\ndescriptors:\n  - just_a_string_that_goes_on_for_many_more_words\n",
+                "config error, yaml file contains list of type other than map: just_a_string_that_goes_on_for_m... (46 characters)",
+            ),
+            (
+                "domain: d\n[a, b, c, d, e, f, g, h, i, j, k, l, m, n, o, p, q, r, s, t, u, v, w, x, y, z]: x\n",
+                "config error, key is not of type string: [a b c d e f g h i j k l m n o p... (53 characters)",
             ),
             (
                 "domain: d\ndescriptors:\n  - key: a\n    value: 1.5\n",

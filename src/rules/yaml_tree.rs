@@ -118,6 +118,20 @@ impl<'de> Visitor<'de> for YamlVisitor {
 }
 
 impl Yaml {
+    /// The value as the reference's own messages print it, cut after a few words: a list item or a key
+    /// that is a whole text (a file of secrets read by mistake) is never repeated in full.
+    pub fn shown(&self) -> String {
+        const FULL: usize = 40;
+        const KEPT: usize = 32;
+        let text = self.to_string();
+        let length = text.chars().count();
+        if length <= FULL {
+            return text;
+        }
+        let kept: String = text.chars().take(KEPT).collect();
+        format!("{kept}... ({length} characters)")
+    }
+
     /// The value as the reference's YAML decoder names it in type errors: a short scalar in full, a
     /// longer one by its first seven characters, a list or a map by its kind alone. A file that is not
     /// a rules file at all (a whole text read as one scalar) is thus never repeated in a message.

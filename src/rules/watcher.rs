@@ -149,8 +149,15 @@ impl RulesWatch {
         let (tx, changes) = mpsc::unbounded_channel::<()>();
         let filter = watched.clone();
         let watcher = notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
-            if let Ok(event) = event {
-                if filter.may_change_rules(&event) {
+            match event {
+                Ok(event) if filter.may_change_rules(&event) => {
+                    let _ = tx.send(());
+                }
+                Ok(_) => {}
+                // A folder created under the root could not be watched (the watch limit): changes in it
+                // go unnoticed, so it is said; the reload it may miss is tried at once.
+                Err(err) => {
+                    warn_unwatched(&err);
                     let _ = tx.send(());
                 }
             }
@@ -175,11 +182,16 @@ impl RulesWatch {
         for parent in self.watched.parents() {
             let _ = self.watcher.watch(parent, RecursiveMode::NonRecursive);
         }
-        if let Err(err) = self
+        match self
             .watcher
             .watch(&self.watched.root, RecursiveMode::Recursive)
         {
-            tracing::debug!(path = %self.source.root.display(), "not watching the rules root yet: {err}");
+            Ok(()) => {}
+            // Not there yet: its parent's watch sees it come.
+            Err(err) if matches!(err.kind, notify::ErrorKind::PathNotFound) => {
+                tracing::debug!(path = %self.source.root.display(), "not watching the rules root yet: {err}");
+            }
+            Err(err) => warn_unwatched(&err),
         }
     }
 
@@ -225,6 +237,18 @@ impl RulesWatch {
             }
         }
     }
+}
+
+/// Says that changes to the rules may go unnoticed, and why (most often the system's limit on inotify
+/// watches, `fs.inotify.max_user_watches`, which every container of one user on a node shares).
+fn warn_unwatched(err: &notify::Error) {
+    let why = match err.kind {
+        notify::ErrorKind::MaxFilesWatch => {
+            "the system's limit on watched folders is reached (raise fs.inotify.max_user_watches)"
+        }
+        _ => "the watch failed",
+    };
+    tracing::warn!(paths = ?err.paths, "changes to the rules may go unnoticed, so they may not reload: {why}: {err}");
 }
 
 /// The paths the watcher listens to, absolute so that they compare with the paths of events.

@@ -165,6 +165,33 @@ async fn a_configmap_update_swaps_the_rules_in() {
     s.stop().await;
 }
 
+/// The reference layout's defaults (`RUNTIME_WATCH_ROOT=true`, files named `config.*`) over a ConfigMap
+/// whose keys are `config.*.yaml`: the files read are links into the hidden folders, whose swap is the
+/// change.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_configmap_of_config_keys_in_the_reference_layout_swaps_the_rules_in() {
+    let dir = tempfile::tempdir().unwrap();
+    let mount = dir.path().join("ratelimit");
+    fs::create_dir(&mount).unwrap();
+    configmap_publish(&mount, 1, &[("config.web.yaml", V1)]);
+    let root = dir.path().to_owned();
+    let s = TestServer::start(&[], move |s| {
+        s.rules.path = None;
+        s.rules.runtime_root = Some(root);
+        s.rules.runtime_subdirectory = "ratelimit".into();
+        s.rules.runtime_watch_root = true;
+        s.rules.ignore_dotfiles = true;
+        s.rules.reload_delay = RELOAD_DELAY;
+    })
+    .await;
+    wait_rules(&s, "initial", |t| t.contains(&user_limit(1))).await;
+    assert_loaded_once(&s, "after the ..data swap", || {
+        configmap_publish(&mount, 2, &[("config.web.yaml", V2)])
+    })
+    .await;
+    s.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_broken_file_keeps_the_old_rules_until_it_is_fixed() {
     let dir = tempfile::tempdir().unwrap();
@@ -227,6 +254,51 @@ async fn new_and_deleted_files_add_and_remove_domains() {
     assert_eq!(
         resp.statuses[0].current_limit, None,
         "an unknown domain again"
+    );
+    s.stop().await;
+}
+
+/// A file under the rules folder rewritten all the time (a sidecar's status, a generator looping) never
+/// leaves the quiet a reload waits for: a change is loaded anyway, after ten quiet periods at most.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_change_is_loaded_while_another_file_is_rewritten_all_the_time() {
+    let dir = tempfile::tempdir().unwrap();
+    fs::write(dir.path().join("web.yaml"), V1).unwrap();
+    let s = start(dir.path(), false).await;
+    let busy = dir.path().join("other.yaml");
+    // Written beside the folder and renamed in: a load never reads it half written.
+    let staging = tempfile::tempdir().unwrap();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let writer = {
+        let (busy, stop) = (busy.clone(), stop.clone());
+        let staged = staging.path().join("other.yaml");
+        std::thread::spawn(move || {
+            // Bounded: at most 15 s of rewriting, whatever the test does.
+            for _ in 0..150 {
+                if stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    return;
+                }
+                fs::write(&staged, OTHER).unwrap();
+                fs::rename(&staged, &busy).unwrap();
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let changed = std::time::Instant::now();
+    fs::write(dir.path().join("web.yaml"), V2).unwrap();
+    wait_rules(&s, "changed while the other file is rewritten", |t| {
+        t.contains(&user_limit(7))
+    })
+    .await;
+    let took = changed.elapsed();
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    writer.join().unwrap();
+    // Ten quiet periods of 250 ms, at most twice (the change landing just after a load began), and
+    // the loads.
+    assert!(
+        took < Duration::from_secs(8),
+        "loaded {took:?} after the change"
     );
     s.stop().await;
 }

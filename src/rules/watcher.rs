@@ -129,6 +129,9 @@ pub fn reload(source: &Source, publisher: &Publisher) -> bool {
     }
 }
 
+/// A burst of changes is loaded after this many quiet periods (`rules.reload_delay`) at most.
+const SETTLE_AT_MOST: u32 = 10;
+
 /// Watches registered on the rules folder. Events are collected from [`RulesWatch::start`] on, so that a
 /// change made while the first load runs is not missed; [`RulesWatch::run`] acts on them.
 pub struct RulesWatch {
@@ -207,11 +210,18 @@ impl RulesWatch {
                 _ = stop.cancelled() => return,
                 event = self.changes.recv() => if event.is_none() { return },
             }
-            // Let the burst settle: kubelet and editors write several files and links in a row.
+            // Let the burst settle: kubelet and editors write several files and links in a row. Changes
+            // that never pause (a file rewritten all the time) are loaded every `SETTLE_AT_MOST` quiet
+            // periods, not never.
+            let settled_by = tokio::time::Instant::now() + quiet.saturating_mul(SETTLE_AT_MOST);
             loop {
+                let left = settled_by.saturating_duration_since(tokio::time::Instant::now());
+                if left.is_zero() {
+                    break;
+                }
                 tokio::select! {
                     _ = stop.cancelled() => return,
-                    more = tokio::time::timeout(quiet, self.changes.recv()) => match more {
+                    more = tokio::time::timeout(quiet.min(left), self.changes.recv()) => match more {
                         Ok(Some(())) => continue,
                         Ok(None) => return,
                         Err(_) => break,
@@ -294,6 +304,8 @@ impl Watched {
             // The kernel dropped events (queue overflow): anything may have changed.
             EventKind::Any | EventKind::Other => return true,
         };
+        // Not filtered by the key prefix: a file read may be a link into any folder under the root
+        // (a ConfigMap's `config.web.yaml` into `..data`), whose changes are then the file's.
         changes
             && event.paths.iter().any(|path| {
                 path.starts_with(&self.root) || self.swap_point.as_deref() == Some(path.as_path())
@@ -340,6 +352,15 @@ mod tests {
                 EventKind::Modify(ModifyKind::Metadata(MetadataKind::Permissions)),
                 "/srv/runtime/current/ratelimit/config/web.yaml",
             ),
+            (
+                EventKind::Create(CreateKind::Folder),
+                "/srv/runtime/current/ratelimit/config",
+            ),
+            (
+                EventKind::Remove(RemoveKind::Folder),
+                "/srv/runtime/current/ratelimit",
+            ),
+            (data, "/srv/runtime/current/ratelimit/config.yaml"),
             (EventKind::Other, "/anywhere"),
         ] {
             assert!(

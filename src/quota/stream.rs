@@ -214,35 +214,24 @@ impl Stream {
         self.evict_idle();
         let (usages, resent) = self.track(&domain, report.usages, &limits);
         let (inner, domain) = (&self.inner, &domain);
-        // Its answers go out together: actions wait until it has queued them.
+        // Its answers go out together: actions wait until it has queued them, or for `hold_for` at
+        // most, and not at all when one lowers a grant. Woken by the first answer queued, to start
+        // that wait.
         inner.defer();
-        let decided: Vec<(BucketSlot, Decided)> = futures_util::stream::iter(usages)
-            .map(|usage| async move {
-                let slot = usage.slot.clone();
-                let action = quota.decide(inner, domain, usage).await;
-                (slot, action)
-            })
-            .buffer_unordered(CONCURRENT_BUCKETS)
-            .collect()
-            .await;
-        let mut queued = false;
-        {
-            let mut state = lock(&self.inner.state);
-            // A merged report: the last assignment again, unless a newer one waits to be sent.
-            for (slot, strategy) in resent {
-                if !state.pending.has(&slot) {
-                    state.queue(slot, quota.assign(strategy));
-                    queued = true;
-                }
-            }
-            for (slot, decided) in decided {
-                // A bucket that waits for a recomputation is answered with it.
-                if let Decided::Now(answer) = decided {
-                    queued |= state.settle(slot, answer, quota);
-                }
-            }
+        if resent {
+            inner.ready.notify_one();
         }
-        self.inner.undefer(queued);
+        // Each answer is queued as soon as it is decided (a bucket that waits for a recomputation is
+        // answered with it): a lowered grant goes out at once, not after the report's last bucket.
+        futures_util::stream::iter(usages)
+            .for_each_concurrent(CONCURRENT_BUCKETS, |usage| async move {
+                let slot = usage.slot.clone();
+                if let Decided::Now(answer) = quota.decide(inner, domain, usage).await {
+                    inner.queue_answer(slot, answer, quota);
+                }
+            })
+            .await;
+        self.inner.undefer(false);
         Ok(())
     }
 
@@ -293,14 +282,16 @@ impl Stream {
         self.inner.release(evicted, &self.quota);
     }
 
-    /// The buckets of a report this stream takes, with their demand; and those of its buckets whose
-    /// report is merged into the next, with the strategy to send them again.
+    /// The buckets of a report this stream takes, with their demand; and whether it queued the last
+    /// assignment again for buckets whose report is merged into the next (unless a newer one waits to
+    /// be sent). Queued under the lock that read them, so that a newer one (another stream's
+    /// recomputation) is queued after it, and replaces or follows it.
     fn track(
         &self,
         domain: &Arc<str>,
         usages: Vec<Usage>,
         limits: &RequestLimits,
-    ) -> (Vec<TrackedUsage>, Vec<(BucketSlot, Strategy)>) {
+    ) -> (Vec<TrackedUsage>, bool) {
         let settings = &self.quota.parts.settings;
         let floor = (settings.report_period / 10).max(Duration::from_millis(1));
         let early = (settings.report_period / 10).min(super::TTL_MARGIN);
@@ -308,7 +299,7 @@ impl Stream {
         let mut state = lock(&self.inner.state);
         let mut seen: HashSet<Arc<BucketId>> = HashSet::new();
         let mut out = Vec::new();
-        let mut resent = Vec::new();
+        let mut resent = false;
         for usage in usages {
             if !valid_bucket(&usage.bucket, limits) {
                 self.quota.stats.unanswered(Unanswered::InvalidBucket);
@@ -346,8 +337,10 @@ impl Stream {
                     allowed.saturating_add(usage.allowed),
                     denied.saturating_add(usage.denied),
                 );
-                if let Some(strategy) = tracked.sent.map(|(s, _)| s).or(tracked.blanket) {
-                    resent.push((slot, strategy));
+                let last = tracked.sent.map(|(s, _)| s).or(tracked.blanket);
+                if let Some(strategy) = last.filter(|_| !state.pending.has(&slot)) {
+                    state.queue(slot, self.quota.assign(strategy));
+                    resent = true;
                 }
                 continue;
             }
@@ -643,6 +636,19 @@ impl StreamInner {
             debug_assert!(state.awaiting > 0, "an answer ended that was not to come");
             state.awaiting = state.awaiting.saturating_sub(1);
             queued || (state.awaiting == 0 && !state.pending.is_empty())
+        };
+        if wake {
+            self.ready.notify_one();
+        }
+    }
+
+    /// Queues the answer to a report of the bucket in `slot` as it is decided, the report still being
+    /// decided: the actions are woken to start their wait (or go at once, for a lowered grant).
+    fn queue_answer(&self, slot: BucketSlot, answer: Option<Answer>, quota: &Quota) {
+        let wake = {
+            let mut state = lock(&self.state);
+            let first = state.pending.is_empty();
+            state.settle(slot, answer, quota) && (first || state.urgent)
         };
         if wake {
             self.ready.notify_one();

@@ -61,11 +61,12 @@ impl Health {
         self.publish().await;
     }
 
-    /// Records a successful rules load with this many domains.
-    pub async fn rules_loaded(&self, domains: usize) {
+    /// Records a successful rules load with this many domains; [`Health::publish`] then says it. Apart,
+    /// so that loads are recorded in their order (as they are swapped in) while their publications run
+    /// as tasks in any order: each publishes the status at its time, the last one the newest.
+    pub fn rules_loaded(&self, domains: usize) {
         self.rules_loaded.store(domains > 0, Ordering::SeqCst);
         self.awaiting_rules.store(false, Ordering::SeqCst);
-        self.publish().await;
     }
 
     /// Turns NOT_SERVING for good.
@@ -84,5 +85,29 @@ impl Health {
         for name in ["", SERVICE_NAME] {
             self.reporter.set_service_status(name, status).await;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Two rule sets swapped in one after the other (none, then three domains), their publications
+    /// run in the other order: health says what the newest set makes it.
+    #[tokio::test]
+    async fn publications_out_of_order_say_the_newest_rules() {
+        let reporter = HealthReporter::new();
+        let health = Health::new(reporter, true, true, false);
+        health.rules_loaded(0);
+        health.rules_loaded(3);
+        health.publish().await;
+        health.publish().await;
+        assert!(health.is_serving());
+        health.rules_loaded(0);
+        health.publish().await;
+        assert!(
+            !health.is_serving(),
+            "a set without domains, when one is required"
+        );
     }
 }

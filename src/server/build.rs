@@ -185,8 +185,9 @@ pub(super) fn load_rules(
                 fingerprint = format!("{:016x}", loaded.fingerprint),
                 "rules loaded"
             );
+            health.rules_loaded(domains);
             let health = health.clone();
-            tasks.spawn(async move { health.rules_loaded(domains).await });
+            tasks.spawn(async move { health.publish().await });
         })
     };
     let publisher = Arc::new(rules::Publisher::new(

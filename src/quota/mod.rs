@@ -382,7 +382,7 @@ impl Quota {
         let rules = &self.stats.rules;
         metrics.gauge_fn(
             "ratelimitd_rlqs_subscribers",
-            "Envoys this replica streams to that report a bucket of the rule and hold a share of it.",
+            "Envoys this replica streams to that report a bucket of the rule: subscribed, holding a share of it or waiting for one.",
             rule_series(rules, |s| lock(&s.live).0 as f64),
         );
         metrics.gauge_fn(
@@ -392,7 +392,7 @@ impl Quota {
         );
         metrics.counter_fn(
             "ratelimitd_rlqs_allowed_total",
-            "Requests Envoys reported allowed under the rule's buckets (counted on its counters too).",
+            "Requests Envoys reported allowed under the rule's buckets (charged to its counters too, up to what the assignments sent let an Envoy admit).",
             rule_series(rules, |s| s.allowed.load(Ordering::Relaxed) as f64),
         );
         metrics.counter_fn(

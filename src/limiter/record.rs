@@ -208,7 +208,10 @@ impl Limiter {
                     &*found
                 }
             };
-            self.record_rule(counters, verdict, plan::hits(request, descriptor), consumed);
+            // Counted as the store decides them: what its limit could never allow counts as that bound,
+            // so that no caller's `hits_addend` takes a counter to its end (where it would stay).
+            let hits = plan::hits(request, descriptor).min(verdict.most_hits);
+            self.record_rule(counters, verdict, hits, consumed);
         }
         if denied && self.options.shadow_mode {
             self.options.metrics.count(

@@ -23,6 +23,8 @@ pub(super) struct Verdict<'a> {
     pub role: Role,
     /// The limit's requests per unit.
     pub limit: u64,
+    /// The most hits its check is decided on: past what the limit could ever allow, one more.
+    pub most_hits: u64,
     pub outcome: Outcome,
     /// The local deny cache answered at least one of the descriptor's checks.
     pub from_cache: bool,
@@ -74,6 +76,7 @@ pub(super) fn choose<'a>(
                     node,
                     role,
                     limit: u64::from(applicable.requests_per_unit()),
+                    most_hits: applicable.params().bounded_cost(u64::MAX),
                     outcome,
                     from_cache,
                 });

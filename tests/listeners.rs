@@ -558,6 +558,11 @@ async fn calls_that_declare_large_messages_and_send_nothing_more_hold_no_memory_
         metrics.contains("ratelimitd_requests_total{result=\"error\"} 100\n"),
         "{metrics}"
     );
+    // Nothing was decided: the ten seconds their senders took are not a time to decide.
+    assert!(
+        metrics.contains("rate_limit_check_duration_seconds_count 0\n"),
+        "{metrics}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

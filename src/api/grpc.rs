@@ -243,8 +243,7 @@ where
 
     fn call(&mut self, request: http::Request<B>) -> Self::Future {
         // Another path under this service is an unknown method: tonic's UNIMPLEMENTED, no request of ours.
-        let counted = (request.uri().path() == SHOULD_RATE_LIMIT)
-            .then(|| (self.limiter.clone(), std::time::Instant::now()));
+        let counted = (request.uri().path() == SHOULD_RATE_LIMIT).then(|| self.limiter.clone());
         Refused {
             answer: self.inner.call(request),
             counted,
@@ -259,7 +258,7 @@ pin_project_lite::pin_project! {
     pub struct Refused<F> {
         #[pin]
         answer: F,
-        counted: Option<(Arc<Limiter>, std::time::Instant)>,
+        counted: Option<Arc<Limiter>>,
     }
 }
 
@@ -276,10 +275,10 @@ where
         let this = self.project();
         let answer = std::task::ready!(this.answer.poll(cx))?;
         let (answer, refused) = refusals_are_invalid_argument(answer);
-        if let (Some(refused), Some((limiter, began))) = (refused, this.counted.take()) {
+        if let (Some(refused), Some(limiter)) = (refused, this.counted.take()) {
             match refused {
-                Refusal::Unread => limiter.record_unreadable(began.elapsed()),
-                Refusal::Shed => limiter.record_shed(began.elapsed()),
+                Refusal::Unread => limiter.record_unreadable(),
+                Refusal::Shed => limiter.record_shed(),
             }
         }
         std::task::Poll::Ready(Ok(answer))

@@ -225,7 +225,7 @@ async fn declared_too_long(
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.trim().parse::<u64>().ok());
     if declared.is_some_and(|len| len > json_body_limit(limits) as u64) {
-        state.limiter.record_unreadable(std::time::Duration::ZERO);
+        state.limiter.record_unreadable();
         return too_large(limits);
     }
     next.run(request).await
@@ -238,12 +238,11 @@ async fn decide_json(
     State(state): State<AppState>,
     body: Result<Bytes, axum::extract::rejection::BytesRejection>,
 ) -> Response {
-    let began = std::time::Instant::now();
     let body = match body {
         Ok(body) => body,
         // Larger than the bound, or cut short: counted as the requests that cannot be read are.
         Err(refused) => {
-            state.limiter.record_unreadable(began.elapsed());
+            state.limiter.record_unreadable();
             let status = refused.status();
             if status == StatusCode::PAYLOAD_TOO_LARGE {
                 return too_large(state.limiter.request_limits());
@@ -254,7 +253,7 @@ async fn decide_json(
     let request = match json::parse_request(&body, state.limiter.request_limits()) {
         Ok(r) => r,
         Err(err) => {
-            state.limiter.record_unreadable(began.elapsed());
+            state.limiter.record_unreadable();
             tracing::debug!(error = %err, "bad /json request");
             // The reference's words, and why.
             return (StatusCode::BAD_REQUEST, format!("Bad Request: {err}\n")).into_response();

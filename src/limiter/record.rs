@@ -104,18 +104,19 @@ impl Limiter {
     /// Records a request refused before it could be read as one (a `/json` body that is no request, or
     /// past `request_limits`): an invalid request, answered with an error, as one refused after it was
     /// read is.
-    pub fn record_unreadable(&self, took: Duration) {
-        self.record_refused("invalid_request", took);
+    pub fn record_unreadable(&self) {
+        self.record_refused("invalid_request");
     }
 
     /// Records a request refused before it was read because the replica holds all it takes of requests
     /// still arriving (`grpc.max_held_bytes`): an error of kind `overloaded`, as other shed requests.
-    pub fn record_shed(&self, took: Duration) {
-        self.record_refused("overloaded", took);
+    pub fn record_shed(&self) {
+        self.record_refused("overloaded");
     }
 
-    fn record_refused(&self, kind: &str, took: Duration) {
-        self.series.check_duration.observe(took);
+    /// Not timed: nothing was decided, and the time such a request took is its sender's (a body that
+    /// never came in full waits `grpc.message_timeout`), which the time to decide must not carry.
+    fn record_refused(&self, kind: &str) {
         self.count_error(kind);
         self.series.requests_error.add(1);
     }

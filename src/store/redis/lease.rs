@@ -6,12 +6,12 @@
 //! of about what the counter takes in `redis.lease_for`. The script grants it while it is at most a
 //! sixteenth of what the limit has left: it counts those hits at once, as if admitted, and hands them to
 //! this replica, which admits requests from them itself until they are spent, the window ends, or it has
-//! not used them for `redis.lease_for`. What is left is then given back (to the window it was leased from; a fixed
-//! window that has ended has nothing to give back), and so is what a sliding window's lease has left when
-//! its renewal is granted in the next window: each hit is spent in the window that counted it. Counted hits plus what replicas hold never exceed the
-//! limit, so the fleet never admits more than it; the last sixteenth of a limit is counted request by
-//! request, so when it runs out only leases still held (each at most `lease_for` of one replica's
-//! traffic) wait to be spent or given back. Hits granted that no lease comes to hold (the request failed
+//! not used them for `redis.lease_for`. What is left is then given back (to the window it was leased
+//! from; a fixed window that has ended has nothing to give back), and so is what a sliding window's
+//! lease has left when its renewal is granted in the next window: each hit is spent in the window that
+//! counted it. Counted hits plus what replicas hold never exceed the limit, so the fleet never admits
+//! more than it; the last sixteenth of a limit is counted request by request, so when it runs out only
+//! leases still held (each at most `lease_for` of one replica's traffic) wait to be spent or given back. Hits granted that no lease comes to hold (the request failed
 //! or went away, or the lease it asked for ended meanwhile) go back with the reply that carried them
 //! ([`super::coalesce::Unheld`]).
 //!
@@ -41,7 +41,10 @@ use tokio::{
     time::Instant,
 };
 
-use super::script::{Grant, Return, Spec};
+use super::{
+    backend::lock,
+    script::{Grant, Return, Spec},
+};
 use crate::{
     algorithm::{Algorithm, Params},
     store::{keys, Batch, Check, Outcome},
@@ -131,6 +134,22 @@ struct Lease {
     ask_after: Instant,
     /// Woken when that request is answered.
     renewed: Arc<Notify>,
+}
+
+impl Lease {
+    /// What it has left, to give back to the counter `key` (to the window of its earliest grant).
+    fn give_back(&self, key: Bytes) -> Ended {
+        Ended {
+            backend: self.backend,
+            give_back: Return {
+                key,
+                slot: self.slot,
+                spec: self.spec,
+                hits: self.left,
+                granted_ms: self.granted_ms,
+            },
+        }
+    }
 }
 
 /// What leases took for one request, settled exactly once: by [`Settling::finish`] once the request is
@@ -267,10 +286,6 @@ fn leasable(check: &Check) -> bool {
         && check.bounded_cost() <= check.params.limit
         && !check.reported
         && keys::has_reset_mark(check.key.as_bytes())
-}
-
-fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// Whether a sliding window's hits granted at `earlier` (server ms) were counted in another window than
@@ -533,16 +548,7 @@ impl Leases {
                 // A renewal answered in the sliding window after the one the lease's hits were counted
                 // in: those go back to their window, not spent in this one (where the window they were
                 // counted in weighs less than one, so each would admit more than its hit).
-                lock(&self.moved_on).push(Ended {
-                    backend: lease.backend,
-                    give_back: Return {
-                        key: keys[i].clone(),
-                        slot: lease.slot,
-                        spec: lease.spec,
-                        hits: lease.left,
-                        granted_ms: lease.granted_ms,
-                    },
-                });
+                lock(&self.moved_on).push(lease.give_back(keys[i].clone()));
                 lease.left = 0;
             }
             if lease.left == 0 {
@@ -580,16 +586,7 @@ impl Leases {
             lease.renewed.notify_waiters();
             let over = lease.params.algorithm == Algorithm::FixedWindow && now >= lease.reset_at;
             if lease.left > 0 && !over {
-                ended.push(Ended {
-                    backend: lease.backend,
-                    give_back: Return {
-                        key: key.clone(),
-                        slot: lease.slot,
-                        spec: lease.spec,
-                        hits: lease.left,
-                        granted_ms: lease.granted_ms,
-                    },
-                });
+                ended.push(lease.give_back(key.clone()));
             }
             false
         });

@@ -214,7 +214,7 @@ impl Walk<'_> {
             let path = entry.path();
             let file_type = entry.file_type().map_err(failed)?;
             if file_type.is_dir() {
-                if may_be_read(&self.dotted(&path), self.key_prefix) {
+                if self.may_hold_rules(&self.dotted(&path)) {
                     self.folder(&path, out)?;
                 }
             } else if file_type.is_file() {
@@ -236,28 +236,24 @@ impl Walk<'_> {
         Ok(())
     }
 
+    /// `path`'s name in the rules: its path under the root, dotted.
     fn dotted(&self, path: &Path) -> String {
-        dotted(self.root, path)
+        let relative = path.strip_prefix(self.root).unwrap_or(path);
+        relative
+            .components()
+            .map(|c| c.as_os_str().to_string_lossy())
+            .collect::<Vec<_>>()
+            .join(".")
     }
-}
 
-/// `path`'s name in the rules: its path under `root`, dotted.
-fn dotted(root: &Path, path: &Path) -> String {
-    let relative = path.strip_prefix(root).unwrap_or(path);
-    relative
-        .components()
-        .map(|c| c.as_os_str().to_string_lossy())
-        .collect::<Vec<_>>()
-        .join(".")
-}
-
-/// Whether the file or folder named `dotted` is, or may hold, a file read under `key_prefix` (one whose
-/// dotted name starts with it); anything is with no prefix.
-fn may_be_read(dotted: &str, key_prefix: Option<&str>) -> bool {
-    let Some(prefix) = key_prefix else {
-        return true;
-    };
-    dotted.starts_with(prefix) || prefix.starts_with(&format!("{dotted}."))
+    /// Whether the folder named `dotted` is, or may hold, a file read under the key prefix (one whose
+    /// dotted name starts with it); any is with no prefix.
+    fn may_hold_rules(&self, dotted: &str) -> bool {
+        let Some(prefix) = self.key_prefix else {
+            return true;
+        };
+        dotted.starts_with(prefix) || prefix.starts_with(&format!("{dotted}."))
+    }
 }
 
 #[cfg(test)]

@@ -15,7 +15,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use common::{
     ask, descriptor,
     redis::{RedisCluster, RedisProcess},
-    request_costing, with_hits, with_override, TestServer,
+    request, request_costing, with_hits, with_override, TestServer,
 };
 use ratelimitd::{
     clock::Clock,
@@ -554,4 +554,59 @@ async fn the_table_on_a_redis_cluster() {
         .filter(|m| m.cli(&["DBSIZE"]) != "0")
         .count();
     assert_eq!(holding, 3, "the counters are spread over every master");
+}
+
+/// A caller that puts an override of another unit between its plain requests: the override has the key
+/// of the rule's limit, and each must keep its own count. On the memory store (the default) the
+/// override's window once took the shared counter over, and the rule's next request started anew.
+async fn overrides_of_another_unit_leave_the_rule_alone(store: &str, server: &TestServer) {
+    let mut client = server.client().await;
+    let plain = || request("alternating", one(&[("user", "u")]));
+    let overriding = || {
+        request(
+            "alternating",
+            overridden(&[("user", "u")], 1_000, Unit::Minute),
+        )
+    };
+    let mut codes = Vec::new();
+    for question in [
+        plain(),
+        plain(),
+        plain(),
+        plain(),
+        overriding(),
+        plain(),
+        overriding(),
+        plain(),
+    ] {
+        codes.push(read(&ask(&mut client, question).await)[..2].to_owned());
+    }
+    assert_eq!(
+        codes,
+        ["OK", "OK", "OK", "OV", "OK", "OV", "OK", "OV"],
+        "{store}: three an hour, however many overrides come between"
+    );
+}
+
+const ALTERNATING: (&str, &str) = (
+    "alternating.yaml",
+    "domain: alternating\ndescriptors:\n  - key: user\n    rate_limit: {unit: hour, requests_per_unit: 3}\n",
+);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_override_of_another_unit_does_not_restart_the_rules_window() {
+    let memory = TestServer::start(&[ALTERNATING], |_| {}).await;
+    overrides_of_another_unit_leave_the_rule_alone("memory", &memory).await;
+    memory.stop().await;
+
+    let redis = RedisProcess::start(&[]);
+    let on_redis = TestServer::start_with_clock(&[ALTERNATING], Clock::System, |s| {
+        s.backend = Some(BackendKind::Redis);
+        s.redis.url = redis.addr();
+    })
+    .await;
+    on_redis.wait_serving(Duration::from_secs(20)).await;
+    clear_of_an_hour_end().await;
+    overrides_of_another_unit_leave_the_rule_alone("redis", &on_redis).await;
+    on_redis.stop().await;
 }

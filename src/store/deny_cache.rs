@@ -99,7 +99,9 @@ impl DenyCache {
 
     /// The remembered denial of this check, if it still holds at `now_ms`.
     pub fn lookup(&self, key: &str, params: &Params, cost: u64, now_ms: u64) -> Option<Outcome> {
-        let key = self.entries.hash(key);
+        // Kept by window too, as the memory store keeps its counters: a request's override of a rule's
+        // unit has the key of the rule's first limit, and its denial is another one.
+        let key = self.entries.hash(key, params.window_ms);
         let index = self.entries.shard_of(key);
         let mut shard = self.entries.lock(index);
         let entry = shard.get(key)?;
@@ -156,7 +158,7 @@ impl DenyCache {
             outcome,
             since_ms: sent_ms,
         };
-        let key = self.entries.hash(key);
+        let key = self.entries.hash(key, params.window_ms);
         let index = self.entries.shard_of(key);
         let mut shard = self.entries.lock(index);
         // Read with the shard locked: a clear counts itself before it clears the shards, so it
@@ -431,6 +433,20 @@ mod tests {
         assert!(cache.lookup("k", &params(5), 3, 1).is_some());
         cache.clear();
         assert!(cache.lookup("k", &params(5), 2, 1).is_none());
+    }
+
+    #[test]
+    fn denials_of_one_key_in_two_windows_are_both_kept() {
+        let cache = DenyCache::new(100);
+        let hourly = Params {
+            window_ms: 3_600_000,
+            ..params(5)
+        };
+        cache.insert("k", params(5), 1, denied(1000), 0);
+        cache.insert("k", hourly, 1, denied(60_000), 0);
+        assert_eq!(cache.len(), 2);
+        assert_eq!(cache.lookup("k", &params(5), 1, 1).unwrap().retry_ms, 999);
+        assert_eq!(cache.lookup("k", &hourly, 1, 1).unwrap().retry_ms, 59_999);
     }
 
     /// A memory store that counts the batches it is asked, and says whether its denials may be remembered;

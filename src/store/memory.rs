@@ -45,6 +45,17 @@ pub const KEY_BYTES: usize = 1024;
 /// time (see [`MemoryStore::steady_ms`]); a clock further behind has stepped back.
 pub const MOST_LAG_MS: u64 = 1_000;
 
+/// The tag a check's counter is kept under beside its key: its window's length. A fixed window's key
+/// is the reference layout's without the window start Redis appends, so limits of one key with
+/// different windows (a request's override of a rule's unit has the key of the rule's first limit)
+/// would otherwise share one counter, each taking it to its own window and forgetting the other's
+/// hits. The other algorithms have their window in the key already. (On Redis the window start tells
+/// them apart, but for windows that start together, a minute's and an hour's at the top of an hour,
+/// which then share a key as they do in the reference service.)
+fn window_of(check: &Check) -> u64 {
+    check.params.window_ms
+}
+
 /// How many times a counter of this key counts against `max_keys`.
 fn weight(key: &str) -> usize {
     key.len().div_ceil(KEY_BYTES).max(1)
@@ -88,15 +99,15 @@ impl MemoryStore {
         }
     }
 
-    /// The live state of a counter, read without changing it (for the operators' API).
-    pub fn state_of(&self, key: &str, now_ms: u64) -> Option<State> {
-        let key = self.counters.hash(key);
+    /// The live state of a check's counter, read without changing it (for the operators' API).
+    pub fn state_of(&self, check: &Check, now_ms: u64) -> Option<State> {
+        let key = self.counters.hash(&check.key, window_of(check));
         live_state(self.counters.lock_of(key).get(key), now_ms).cloned()
     }
 
-    /// Forgets a counter (an operator's reset); whether there was one.
-    pub fn forget(&self, key: &str) -> bool {
-        let key = self.counters.hash(key);
+    /// Forgets a check's counter (an operator's reset); whether there was one.
+    pub fn forget(&self, check: &Check) -> bool {
+        let key = self.counters.hash(&check.key, window_of(check));
         let removed = self.counters.lock_of(key).remove(key);
         if let Some(entry) = &removed {
             self.len.fetch_sub(1, Ordering::Relaxed);
@@ -223,11 +234,11 @@ impl MemoryStore {
 
     fn apply_now(&self, batch: &Batch, now_ms: u64) -> Result<Applied, StoreError> {
         let checks = &batch.checks;
-        // One entry per counter key: a fixed-window state carries its window start, and a state from
-        // an earlier window has expired. Each key is hashed once, here.
+        // One entry per counter key and window: a fixed-window state carries its window start, and a
+        // state from an earlier window has expired. Each key is hashed once, here.
         let mut held = self
             .counters
-            .lock_keys(checks.iter().map(|c| c.key.as_str()));
+            .lock_keys(checks.iter().map(|c| (c.key.as_str(), window_of(c))));
         // Read with the counters locked: a request that locks one of them after this one reads it later.
         let now_ms = self.steady_ms(now_ms);
         let mut decided = decide_in_order(checks, &held, now_ms, |_| true);
@@ -683,6 +694,29 @@ mod tests {
         assert!(store.is_empty());
     }
 
+    /// A request's override of a rule's unit has the key of the rule's first limit (Redis tells them
+    /// apart by the window start it appends, but for windows that start together): each keeps its own
+    /// counter, and neither resets the other.
+    #[test]
+    fn limits_of_one_key_in_two_windows_count_apart() {
+        let store = MemoryStore::new(100);
+        let per_minute = one("k_", 60);
+        let per_second = one("k_", 1);
+        for _ in 0..5 {
+            assert!(!run(&store, &per_minute, 100).denied);
+        }
+        assert!(
+            run(&store, &per_minute, 100).denied,
+            "the sixth in a minute"
+        );
+        assert!(!run(&store, &per_second, 100).denied, "its own count");
+        assert!(
+            run(&store, &per_minute, 101).denied,
+            "still the minute's sixth: the other window did not start it anew"
+        );
+        assert_eq!(store.len(), 2);
+    }
+
     #[test]
     fn a_long_key_counts_once_per_kib_against_the_bound() {
         let store = MemoryStore::new(4);
@@ -698,7 +732,8 @@ mod tests {
             assert!(store.apply_now(&one(k, 60), 11_000).is_ok(), "{k}");
         }
         assert!(store.apply_now(&one("e_", 60), 11_000).is_err());
-        assert!(store.forget("a_"));
+        assert!(store.forget(&one("a_", 60).checks[0]));
+        assert!(!store.forget(&one("b_", 1).checks[0]), "another window's");
         assert!(store.apply_now(&one("e_", 60), 11_000).is_ok());
     }
 

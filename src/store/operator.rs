@@ -98,10 +98,7 @@ impl Store {
         match self {
             Store::Memory(store) => Ok(Read {
                 now_ms,
-                states: checks
-                    .iter()
-                    .map(|c| store.state_of(&c.key, now_ms))
-                    .collect(),
+                states: checks.iter().map(|c| store.state_of(c, now_ms)).collect(),
             }),
             Store::Redis(store) => store.read(checks, now_ms).await,
             Store::Noop => Ok(Read {
@@ -114,7 +111,7 @@ impl Store {
     /// Clears the counters of the checks (every algorithm's state); returns how many held something.
     pub async fn clear(&self, checks: &[Check], now_ms: u64) -> Result<usize, StoreError> {
         match self {
-            Store::Memory(store) => Ok(checks.iter().filter(|c| store.forget(&c.key)).count()),
+            Store::Memory(store) => Ok(checks.iter().filter(|c| store.forget(c)).count()),
             Store::Redis(store) => store.clear(checks, now_ms).await,
             Store::Noop => Ok(0),
         }

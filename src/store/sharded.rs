@@ -2,6 +2,10 @@
 //! different keys seldom wait for one another. The memory store keeps its counters in one, the deny cache
 //! its denials.
 //!
+//! An entry is found by its key and a tag: two entries may share a key under different tags (the memory
+//! store keeps a fixed window's counter under the key of the reference layout, which leaves the
+//! window's length to the key's Redis suffix, and tags it with that length).
+//!
 //! Keys are spread by a hasher seeded at random per map, so that nobody can choose keys that all land in
 //! one shard or one chain of a shard. A key is hashed once per use ([`Hashed`]): the same hash picks its
 //! shard (from its high half) and finds it there (hashbrown's table uses the low bits and the top seven),
@@ -20,21 +24,33 @@ use smallvec::SmallVec;
 /// Per-batch bookkeeping, on the stack for batches of up to eight keys.
 type Small<T> = SmallVec<[T; 8]>;
 
-/// A key with its hash under one map's hasher.
+/// A key and its tag, with their hash under one map's hasher.
 #[derive(Debug, Clone, Copy)]
 pub struct Hashed<'k> {
     key: &'k str,
+    tag: u64,
     hash: u64,
 }
 
-/// One entry: its hash (for growing the table), its key and its value.
-type Slot<V> = (u64, Box<str>, V);
+/// One entry: its hash (for growing the table), its key and tag, and its value.
+#[derive(Debug)]
+struct Slot<V> {
+    hash: u64,
+    tag: u64,
+    key: Box<str>,
+    value: V,
+}
 
 impl Hashed<'_> {
-    /// Whether `slot` holds this key: the full hash first, which tells nearly every other key apart
-    /// without reading the slot's key from the heap.
-    fn is_in<V>(&self, (hash, key, _): &Slot<V>) -> bool {
-        *hash == self.hash && **key == *self.key
+    /// Whether `slot` holds this key and tag: the full hash first, which tells nearly every other key
+    /// apart without reading the slot's key from the heap.
+    fn is_in<V>(&self, slot: &Slot<V>) -> bool {
+        slot.hash == self.hash && slot.tag == self.tag && *slot.key == *self.key
+    }
+
+    /// Whether both are the same key under the same tag.
+    fn same(&self, other: &Self) -> bool {
+        self.hash == other.hash && self.tag == other.tag && self.key == other.key
     }
 }
 
@@ -60,27 +76,32 @@ impl<V> Shard<V> {
     pub fn get(&self, key: Hashed<'_>) -> Option<&V> {
         self.table
             .find(key.hash, |slot| key.is_in(slot))
-            .map(|(_, _, v)| v)
+            .map(|slot| &slot.value)
     }
 
     pub fn get_mut(&mut self, key: Hashed<'_>) -> Option<&mut V> {
         self.table
             .find_mut(key.hash, |slot| key.is_in(slot))
-            .map(|(_, _, v)| v)
+            .map(|slot| &mut slot.value)
     }
 
     /// Stores `value` under `key`, replacing what was there; whether the key is new here.
     pub fn insert(&mut self, key: Hashed<'_>, value: V) -> bool {
         match self
             .table
-            .entry(key.hash, |slot| key.is_in(slot), |(hash, _, _)| *hash)
+            .entry(key.hash, |slot| key.is_in(slot), |slot| slot.hash)
         {
             Entry::Occupied(mut held) => {
-                held.get_mut().2 = value;
+                held.get_mut().value = value;
                 false
             }
             Entry::Vacant(room) => {
-                room.insert((key.hash, key.key.into(), value));
+                room.insert(Slot {
+                    hash: key.hash,
+                    tag: key.tag,
+                    key: key.key.into(),
+                    value,
+                });
                 true
             }
         }
@@ -90,7 +111,7 @@ impl<V> Shard<V> {
         self.table
             .find_entry(key.hash, |slot| key.is_in(slot))
             .ok()
-            .map(|entry| entry.remove().0 .2)
+            .map(|entry| entry.remove().0.value)
     }
 
     /// Keeps the entries for which `keep` is true; returns the sum of `weight` over those dropped.
@@ -100,10 +121,10 @@ impl<V> Shard<V> {
         weight: impl Fn(&V) -> usize,
     ) -> usize {
         let mut dropped = 0;
-        self.table.retain(|(_, _, v)| {
-            let kept = keep(v);
+        self.table.retain(|slot| {
+            let kept = keep(&slot.value);
             if !kept {
-                dropped += weight(v);
+                dropped += weight(&slot.value);
             }
             kept
         });
@@ -138,11 +159,12 @@ impl<V> Sharded<V> {
         self.shards.len()
     }
 
-    /// `key` hashed for this map.
-    pub fn hash<'k>(&self, key: &'k str) -> Hashed<'k> {
+    /// `key` under `tag`, hashed for this map.
+    pub fn hash<'k>(&self, key: &'k str, tag: u64) -> Hashed<'k> {
         Hashed {
             key,
-            hash: self.hasher.hash_one(key),
+            tag,
+            hash: self.hasher.hash_one((key, tag)),
         }
     }
 
@@ -174,14 +196,15 @@ impl<V> Sharded<V> {
         (0..self.shards.len()).map(|i| self.lock(i))
     }
 
-    /// Locks the shards of all these keys at once, each once, in ascending order: two callers locking
-    /// overlapping shards this way cannot deadlock. Each key is hashed here, once.
-    pub fn lock_keys<'k>(&self, keys: impl Iterator<Item = &'k str>) -> Held<'_, 'k, V> {
+    /// Locks the shards of all these keys (each under its tag) at once, each shard once, in ascending
+    /// order: two callers locking overlapping shards this way cannot deadlock. Each key is hashed here,
+    /// once.
+    pub fn lock_keys<'k>(&self, keys: impl Iterator<Item = (&'k str, u64)>) -> Held<'_, 'k, V> {
         let mut hashed: Small<(Hashed<'k>, usize)> = Small::new();
         // The shards to lock, ascending and each once; a request has a handful of keys.
         let mut shards: Small<usize> = Small::new();
-        for key in keys {
-            let key = self.hash(key);
+        for (key, tag) in keys {
+            let key = self.hash(key, tag);
             let shard = self.shard_of(key);
             if let Err(at) = shards.binary_search(&shard) {
                 shards.insert(at, shard);
@@ -224,10 +247,10 @@ impl<'a, V> Held<'a, '_, V> {
         self.guards[at].1.get_mut(hashed)
     }
 
-    /// Whether the `a`-th and `b`-th keys given are the same key (their hashes tell most apart).
+    /// Whether the `a`-th and `b`-th keys given are the same key under the same tag (their hashes tell
+    /// most apart).
     pub fn same_key(&self, a: usize, b: usize) -> bool {
-        let (a, b) = (self.keys[a].0, self.keys[b].0);
-        a.hash == b.hash && a.key == b.key
+        self.keys[a].0.same(&self.keys[b].0)
     }
 
     /// Stores `value` under the `key`-th key given, replacing what was there; whether the key is new.
@@ -257,14 +280,14 @@ mod tests {
         let map: Sharded<u32> = Sharded::new(8);
         for i in 0..100 {
             let key = format!("k{i}");
-            let hashed = map.hash(&key);
+            let hashed = map.hash(&key, 0);
             map.lock_of(hashed).insert(hashed, i);
         }
         for i in 0..100 {
             let key = format!("k{i}");
-            let hashed = map.hash(&key);
+            let hashed = map.hash(&key, 0);
             assert_eq!(map.lock_of(hashed).get(hashed), Some(&i));
-            let held = map.lock_keys([key.as_str()].into_iter());
+            let held = map.lock_keys([(key.as_str(), 0)].into_iter());
             assert_eq!(held.get(0), Some(&i), "the same shard through lock_keys");
         }
         assert_eq!(map.each().map(|s| s.len()).sum::<usize>(), 100);
@@ -275,26 +298,41 @@ mod tests {
     fn entries_are_replaced_removed_and_kept_across_growth() {
         let map: Sharded<u32> = Sharded::new(1);
         let keys: Vec<String> = (0..1000).map(|i| format!("key {i}")).collect();
-        let mut held = map.lock_keys(keys.iter().map(String::as_str).take(8));
+        let mut held = map.lock_keys(keys.iter().map(|k| (k.as_str(), 0)).take(8));
         held.insert(3, 1);
         held.insert(3, 2);
         assert_eq!((held.get(3), held.get(4)), (Some(&2), None));
         drop(held);
         let mut shard = map.lock(0);
         for (i, key) in keys.iter().enumerate() {
-            shard.insert(map.hash(key), i as u32);
+            shard.insert(map.hash(key, 0), i as u32);
         }
         assert_eq!(shard.len(), 1000);
         assert!(keys
             .iter()
             .enumerate()
-            .all(|(i, k)| shard.get(map.hash(k)) == Some(&(i as u32))));
-        assert_eq!(shard.remove(map.hash(&keys[7])), Some(7));
-        assert_eq!(shard.remove(map.hash(&keys[7])), None);
+            .all(|(i, k)| shard.get(map.hash(k, 0)) == Some(&(i as u32))));
+        assert_eq!(shard.remove(map.hash(&keys[7], 0)), Some(7));
+        assert_eq!(shard.remove(map.hash(&keys[7], 0)), None);
         // The odd ones go (one of them removed above), their values summed.
         let dropped = shard.retain_weighed(|v| v % 2 == 0, |v| *v as usize);
         assert_eq!(dropped, (1..1000).step_by(2).sum::<usize>() - 7);
         assert_eq!(shard.len(), 500);
-        assert_eq!(shard.get(map.hash(&keys[10])), Some(&10));
+        assert_eq!(shard.get(map.hash(&keys[10], 0)), Some(&10));
+    }
+
+    #[test]
+    fn one_key_under_two_tags_is_two_entries() {
+        let map: Sharded<u32> = Sharded::new(4);
+        let mut held = map.lock_keys([("k", 60_000), ("k", 1_000), ("k", 60_000)].into_iter());
+        assert!(!held.same_key(0, 1) && held.same_key(0, 2));
+        assert!(held.insert(0, 1) && held.insert(1, 2));
+        assert!(!held.insert(2, 3), "the first entry again");
+        assert_eq!((held.get(0), held.get(1)), (Some(&3), Some(&2)));
+        drop(held);
+        let minute = map.hash("k", 60_000);
+        assert_eq!(map.lock_of(minute).remove(minute), Some(3));
+        let second = map.hash("k", 1_000);
+        assert_eq!(map.lock_of(second).get(second), Some(&2), "kept");
     }
 }

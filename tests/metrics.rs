@@ -84,6 +84,14 @@ async fn metrics_count_known_traffic_by_rule() {
         ),
         1.0
     );
+    // A rule's every counter from its first hit on: its first denial shows in rate() then.
+    assert_eq!(
+        rule(
+            "ratelimit_service_rate_limit_over_limit",
+            "route_/orders.method"
+        ),
+        0.0
+    );
     assert!(
         !text.contains("sk_live_RAW"),
         "raw API key in /metrics:\n{text}"
@@ -105,6 +113,10 @@ async fn metrics_count_known_traffic_by_rule() {
             7.0,
         ),
         ("ratelimit_service_rate_limit_domain_not_found", 1.0),
+        // Exported before their first event, which rate() would not see otherwise.
+        ("ratelimitd_request_errors_total{kind=\"backend\"}", 0.0),
+        ("ratelimitd_backend_failures_total{answer=\"error\"}", 0.0),
+        ("ratelimit_service_global_shadow_mode", 0.0),
         ("ratelimit_service_config_load_success", 1.0),
         ("ratelimit_service_config_load_error", 0.0),
         ("ratelimitd_backend_up{backend=\"memory\"}", 1.0),

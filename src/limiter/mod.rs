@@ -222,7 +222,7 @@ pub struct Limiter {
 
 impl Limiter {
     pub fn new(rules: Arc<Rules>, store: Arc<Store>, clock: Clock, options: Options) -> Self {
-        let series = Series::new(&options.metrics);
+        let series = Series::new(&options.metrics, options.on_backend_error);
         let shared = store.clone();
         let backend = Backend::new(
             store,

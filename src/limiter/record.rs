@@ -39,10 +39,25 @@ pub(super) struct Series {
     requests_ok: Arc<StripedCounter>,
     requests_over_limit: Arc<StripedCounter>,
     requests_error: Arc<StripedCounter>,
+    /// `ratelimitd_request_errors_total`, by kind, in the order of [`ERROR_KINDS`].
+    errors: [Arc<AtomicU64>; ERROR_KINDS.len()],
+    /// `ratelimitd_backend_failures_total` under the answer `on_backend_error` gives.
+    backend_failures: Arc<AtomicU64>,
+    domain_not_found: Arc<AtomicU64>,
+    global_shadow_mode: Arc<AtomicU64>,
     /// When the next failure of the store may be logged, and how many came since the last line.
     failures_log_at_ms: AtomicU64,
     failures_unlogged: AtomicU64,
 }
+
+/// The kinds of `ratelimitd_request_errors_total`.
+const ERROR_KINDS: [&str; 5] = [
+    "invalid_request",
+    "no_rules",
+    "backend",
+    "overloaded",
+    "deadline",
+];
 
 /// A failure of the store is logged at most this often; the line says how many came since the last one.
 const FAILURES_LOG_EVERY_MS: u64 = 10_000;
@@ -55,7 +70,10 @@ fn since_start_ms() -> u64 {
 }
 
 impl Series {
-    pub(super) fn new(metrics: &Metrics) -> Self {
+    /// Every series is exported from here on, at 0 until its first event: a series that appeared
+    /// with its first event would hide that event from `rate()` and `increase()` (an outage shorter
+    /// than a scrape interval would not show at all).
+    pub(super) fn new(metrics: &Metrics, on_backend_error: OnBackendError) -> Self {
         let requests = |result: &str| {
             metrics.striped_counter(
                 "ratelimitd_requests_total",
@@ -73,6 +91,29 @@ impl Series {
             requests_ok: requests("ok"),
             requests_over_limit: requests("over_limit"),
             requests_error: requests("error"),
+            errors: ERROR_KINDS.map(|kind| {
+                metrics.counter(
+                    "ratelimitd_request_errors_total",
+                    "Requests answered with an error, by kind.",
+                    vec![("kind", kind.to_string())],
+                )
+            }),
+            backend_failures: metrics.counter(
+                "ratelimitd_backend_failures_total",
+                "Requests the counter store could not decide, by the on_backend_error answer they got.",
+                vec![("answer", failure_answer(on_backend_error).to_string())],
+            ),
+            // No domain label: request domains are not bounded by the rules.
+            domain_not_found: metrics.counter(
+                "ratelimit_service_rate_limit_domain_not_found",
+                "Requests for a domain no rules file declares.",
+                Vec::new(),
+            ),
+            global_shadow_mode: metrics.counter(
+                "ratelimit_service_global_shadow_mode",
+                "Requests answered OK only because of global shadow mode.",
+                Vec::new(),
+            ),
             failures_log_at_ms: AtomicU64::new(0),
             failures_unlogged: AtomicU64::new(0),
         }
@@ -126,19 +167,9 @@ impl Limiter {
     /// every call (out of memory, a user without EVALSHA) shows in the log and the metrics even when the
     /// policy answers OK.
     pub(super) fn record_backend_failure(&self, err: &StoreError) {
-        // `local` reaches here only without a fallback to decide (or with it failing too): the caller
-        // gets the error. The fallback's own decisions are `ratelimitd_fallback_decisions_total`.
-        let answer = match self.options.on_backend_error {
-            OnBackendError::Error | OnBackendError::Local => "error",
-            OnBackendError::Allow => "allow",
-            OnBackendError::Deny => "deny",
-        };
-        self.options.metrics.count(
-            "ratelimitd_backend_failures_total",
-            "Requests the counter store could not decide, by the on_backend_error answer they got.",
-            vec![("answer", answer.to_string())],
-            1,
-        );
+        // The fallback's own decisions are `ratelimitd_fallback_decisions_total`.
+        self.series.backend_failures.fetch_add(1, Ordering::Relaxed);
+        let answer = failure_answer(self.options.on_backend_error);
         let series = &self.series;
         series.failures_unlogged.fetch_add(1, Ordering::Relaxed);
         // Monotonic: a wall clock stepped back would silence the line until it caught up.
@@ -165,23 +196,14 @@ impl Limiter {
     }
 
     fn count_error(&self, kind: &str) {
-        self.options.metrics.count(
-            "ratelimitd_request_errors_total",
-            "Requests answered with an error, by kind.",
-            vec![("kind", kind.to_string())],
-            1,
-        );
+        if let Some(at) = ERROR_KINDS.iter().position(|k| *k == kind) {
+            self.series.errors[at].fetch_add(1, Ordering::Relaxed);
+        }
     }
 
-    /// Records a request for a domain no rules file declares (no domain label: request domains are not
-    /// bounded by the rules).
+    /// Records a request for a domain no rules file declares.
     pub(super) fn record_unknown_domain(&self) {
-        self.options.metrics.count(
-            "ratelimit_service_rate_limit_domain_not_found",
-            "Requests for a domain no rules file declares.",
-            Vec::new(),
-            1,
-        );
+        self.series.domain_not_found.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Records a decided request: its denied descriptors in `/debug/top`, each limited descriptor in its
@@ -215,12 +237,9 @@ impl Limiter {
             self.record_rule(counters, verdict, hits, consumed);
         }
         if denied && self.options.shadow_mode {
-            self.options.metrics.count(
-                "ratelimit_service_global_shadow_mode",
-                "Requests answered OK only because of global shadow mode.",
-                Vec::new(),
-                1,
-            );
+            self.series
+                .global_shadow_mode
+                .fetch_add(1, Ordering::Relaxed);
         }
     }
 
@@ -379,5 +398,15 @@ pub(super) fn rule_label(
     RuleLabel {
         text: parts.join(".").into(),
         request_values_of: from_any_request_value.then(|| written_key(&path)),
+    }
+}
+
+/// The `answer` label of a request the store could not decide: `local` reaches the count only without a
+/// fallback to decide (or with it failing too), and the caller then gets the error.
+fn failure_answer(on_backend_error: OnBackendError) -> &'static str {
+    match on_backend_error {
+        OnBackendError::Error | OnBackendError::Local => "error",
+        OnBackendError::Allow => "allow",
+        OnBackendError::Deny => "deny",
     }
 }

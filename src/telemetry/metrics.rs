@@ -449,14 +449,6 @@ impl Metrics {
         }
     }
 
-    /// Adds `by` to a counter, creating its series on first use.
-    pub fn count(&self, name: &'static str, help: &'static str, labels: Labels, by: u64) {
-        if by > 0 {
-            self.counter(name, help, labels)
-                .fetch_add(by, Ordering::Relaxed);
-        }
-    }
-
     /// A gauge whose values are read at render time.
     pub fn gauge_fn(&self, name: &'static str, help: &'static str, read: Reading) {
         self.reading(name, help, "gauge", read);
@@ -493,15 +485,15 @@ impl Metrics {
                 })
                 .collect();
             sorted.sort_by(|a, b| (&a.0, &a.1).cmp(&(&b.0, &b.1)));
+            // Every counter of a rule from its first hit on, zeros included: a series that appeared
+            // with a rule's first denial would hide that denial from `rate()`.
             for (name, help, counter) in RULE_FAMILIES {
                 let _ = writeln!(out, "# HELP {name} {help}");
                 let _ = writeln!(out, "# TYPE {name} counter");
                 for (domain, rule, counters) in &sorted {
                     let value = counters.get(*counter);
-                    if value > 0 {
-                        let labels = [("domain", domain.to_string()), ("rule", rule.to_string())];
-                        let _ = writeln!(out, "{name}{} {value}", render_labels(&labels, None));
-                    }
+                    let labels = [("domain", domain.to_string()), ("rule", rule.to_string())];
+                    let _ = writeln!(out, "{name}{} {value}", render_labels(&labels, None));
                 }
             }
         }
@@ -697,8 +689,10 @@ mod tests {
     fn renders_counters_gauges_and_histograms_in_text_format() {
         let m = Metrics::new();
         let labels = || vec![("domain", "d".to_string()), ("rule", "a\"b".to_string())];
-        m.count("c_total", "A counter.", labels(), 2);
-        m.count("c_total", "A counter.", labels(), 3);
+        m.counter("c_total", "A counter.", labels())
+            .fetch_add(2, Ordering::Relaxed);
+        m.counter("c_total", "A counter.", labels())
+            .fetch_add(3, Ordering::Relaxed);
         m.histogram("lat_seconds", "Latency.", vec![])
             .observe(Duration::from_micros(300));
         m.gauge_fn("g", "A gauge.", Box::new(|| vec![(vec![], 1.5)]));

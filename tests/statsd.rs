@@ -21,7 +21,7 @@ use common::{
 use ratelimitd::{
     clock::Clock,
     proto::rate_limit_response::Code,
-    settings::{Settings, StatsdProtocol},
+    settings::{BackendKind, OnBackendError, Settings, StatsdProtocol},
 };
 
 const RULES: &str = r#"
@@ -293,6 +293,52 @@ async fn counts_made_while_statsd_is_away_arrive_when_it_returns() {
         counters["ratelimit.service.rate_limit.api.user.total_hits"], 3,
         "every hit once"
     );
+}
+
+/// Requests Redis could not decide are the reference's `redis_error` whatever `on_backend_error`
+/// answered them with; answered with the error, they are not also a `service_error`.
+#[tokio::test]
+async fn requests_redis_could_not_decide_are_redis_errors_whatever_the_answer() {
+    for (policy, want) in [
+        (OnBackendError::Allow, Code::Ok),
+        (OnBackendError::Deny, Code::OverLimit),
+        (OnBackendError::Error, Code::Unknown),
+        // Decided from this replica's memory instead.
+        (OnBackendError::Local, Code::Ok),
+    ] {
+        let statsd = StatsdListener::start().await;
+        let port = statsd.addr.port();
+        let nowhere = free_port();
+        let s = TestServer::start_with_clock(&[("api.yaml", RULES)], Clock::System, |s| {
+            s.backend = Some(BackendKind::Redis);
+            s.redis.url = format!("127.0.0.1:{nowhere}");
+            s.on_backend_error = policy;
+            statsd_to(s, port, StatsdProtocol::Tcp);
+        })
+        .await;
+        let mut c = s.client().await;
+        for _ in 0..3 {
+            let answer = c
+                .should_rate_limit(request("api", vec![descriptor(&[("tenant", "t")])]))
+                .await;
+            let code = answer.map_or(Code::Unknown, |a| a.into_inner().overall_code());
+            assert_eq!(code, want, "{policy:?}");
+        }
+        s.stop().await;
+        let counters = statsd
+            .wait_counter("ratelimit_server.ShouldRateLimit.total_requests", 3, WITHIN)
+            .await;
+        let errors = |kind: &str| {
+            counters
+                .get(&format!("ratelimit.service.call.should_rate_limit.{kind}"))
+                .copied()
+        };
+        assert_eq!(
+            (errors("redis_error"), errors("service_error")),
+            (Some(3), None),
+            "{policy:?}: {counters:#?}"
+        );
+    }
 }
 
 /// The median and the 99th percentile of `times`.

@@ -44,16 +44,18 @@ const COUNTERS: &[(&str, NameOf)] = &[
     ("ratelimit_service_rate_limit_domain_not_found", |_| {
         Some("ratelimit.service.rate_limit.domain_not_found".into())
     }),
+    // The store's failures are `redis_error` whatever `on_backend_error` answered them with (the
+    // reference always answers an error): a request answered with the error is counted by
+    // `ratelimitd_backend_failures_total` too, and so only there.
     ("ratelimitd_request_errors_total", |labels| {
-        let kind = label(labels, "kind")?;
-        Some(format!(
-            "ratelimit.service.call.should_rate_limit.{}",
-            if kind == "backend" {
-                "redis_error"
-            } else {
-                "service_error"
-            }
-        ))
+        (label(labels, "kind")? != "backend")
+            .then(|| "ratelimit.service.call.should_rate_limit.service_error".into())
+    }),
+    ("ratelimitd_backend_failures_total", |_| {
+        Some("ratelimit.service.call.should_rate_limit.redis_error".into())
+    }),
+    ("ratelimitd_fallback_decisions_total", |_| {
+        Some("ratelimit.service.call.should_rate_limit.redis_error".into())
     }),
     ("ratelimit_service_total_requests", |labels| {
         Some(format!(

@@ -1145,6 +1145,14 @@ async fn a_runtime_limit_wins_over_the_override_which_wins_over_the_rules() {
         counted_against(&running, "t", None),
         (2, "per_tenant".into())
     );
+    // Each in its own series: the operators' limits apart from the callers' overrides.
+    let (_, metrics) = http_request(running.http, "GET", "/metrics", "");
+    for (rule, hits) in [("tenant", 3), ("override", 2), ("runtime", 2)] {
+        let series = format!(
+            "ratelimit_service_rate_limit_total_hits{{domain=\"api\",rule=\"{rule}\"}} {hits}\n"
+        );
+        assert!(metrics.contains(&series), "{series} in\n{metrics}");
+    }
 }
 
 /// A replica whose operators' API cannot start after its settings were read (its token file went away

@@ -227,7 +227,7 @@ impl Limiter {
             let counters = match held {
                 Some(counters) => counters,
                 None => {
-                    found = self.rule_counters(&request.domain, descriptor, verdict.node);
+                    found = self.rule_counters(&request.domain, descriptor, verdict);
                     &*found
                 }
             };
@@ -250,9 +250,14 @@ impl Limiter {
         &self,
         domain: &str,
         descriptor: &Descriptor,
-        node: Option<&Node>,
+        verdict: &Verdict<'_>,
     ) -> Arc<RuleCounters> {
-        let rule = rule_label(node, descriptor, &self.options);
+        let node = verdict.node;
+        let rule = if verdict.runtime {
+            Cow::Borrowed("runtime").into()
+        } else {
+            rule_label(node, descriptor, &self.options)
+        };
         match rule.request_values_of {
             // Request values in the label: at most so many series per rule, then one for the rest.
             Some(written) => self.options.metrics.rule_within(

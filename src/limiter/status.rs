@@ -18,8 +18,10 @@ use crate::{
 pub(super) struct Verdict<'a> {
     /// The descriptor's position in the request.
     pub index: usize,
-    /// Its rule (none for an override).
+    /// Its rule (none for an override or a runtime limit).
     pub node: Option<&'a Node>,
+    /// Its limit is an operator's runtime limit.
+    pub runtime: bool,
     pub role: Role,
     /// The limit's requests per unit.
     pub limit: u64,
@@ -74,6 +76,8 @@ pub(super) fn choose<'a>(
                 verdicts.push(Verdict {
                     index,
                     node,
+                    // Runtime limits come as the limit of no rule (see `plan::resolve_one`).
+                    runtime: node.is_none() && matches!(applicable, Applicable::Rule { .. }),
                     role,
                     limit: u64::from(applicable.requests_per_unit()),
                     most_hits: applicable.params().bounded_cost(u64::MAX),

@@ -53,7 +53,10 @@ async fn metrics_count_known_traffic_by_rule() {
         .unwrap_err();
     ask(
         &mut c,
-        request("nowhere", vec![descriptor(&[("user", "x")])]),
+        request(
+            "nowhere",
+            vec![descriptor(&[("user", "x")]), descriptor(&[("user", "y")])],
+        ),
     )
     .await;
     // A /json body that is no request is an invalid request too, answered with an error.
@@ -112,7 +115,8 @@ async fn metrics_count_known_traffic_by_rule() {
             "ratelimitd_backend_call_duration_seconds_count{backend=\"memory\"}",
             7.0,
         ),
-        ("ratelimit_service_rate_limit_domain_not_found", 1.0),
+        // Each descriptor of the request, as the reference counts them.
+        ("ratelimit_service_rate_limit_domain_not_found", 2.0),
         // Exported before their first event, which rate() would not see otherwise.
         ("ratelimitd_request_errors_total{kind=\"backend\"}", 0.0),
         ("ratelimitd_backend_failures_total{answer=\"error\"}", 0.0),

@@ -308,7 +308,7 @@ impl Limiter {
         let rules = rules.as_deref().ok_or(LimitError::NoRules)?;
         let domain = rules.domains.get(&request.domain);
         if domain.is_none() {
-            self.record_unknown_domain();
+            self.record_unknown_domain(request.descriptors.len());
         }
         let lookup = runtime
             .as_deref()

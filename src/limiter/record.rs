@@ -106,7 +106,7 @@ impl Series {
             // No domain label: request domains are not bounded by the rules.
             domain_not_found: metrics.counter(
                 "ratelimit_service_rate_limit_domain_not_found",
-                "Requests for a domain no rules file declares.",
+                "Descriptors asked of a domain no rules file declares.",
                 Vec::new(),
             ),
             global_shadow_mode: metrics.counter(
@@ -201,9 +201,12 @@ impl Limiter {
         }
     }
 
-    /// Records a request for a domain no rules file declares.
-    pub(super) fn record_unknown_domain(&self) {
-        self.series.domain_not_found.fetch_add(1, Ordering::Relaxed);
+    /// Records the descriptors of a request for a domain no rules file declares: the reference counts
+    /// each descriptor it looks up there.
+    pub(super) fn record_unknown_domain(&self, descriptors: usize) {
+        self.series
+            .domain_not_found
+            .fetch_add(descriptors as u64, Ordering::Relaxed);
     }
 
     /// Records a decided request: its denied descriptors in `/debug/top`, each limited descriptor in its

@@ -227,6 +227,33 @@ async fn an_invalid_set_is_nacked_with_the_rules_file_message_and_the_old_rules_
     s.stop().await;
 }
 
+/// A response of a type ratelimitd never asked for is ignored, as Envoy ignores one: no NACK, which on
+/// an aggregated stream would subscribe ratelimitd to that type, and the rules served stay.
+#[tokio::test]
+async fn a_response_of_a_type_not_asked_for_is_ignored() {
+    let (plane, s, mut client) = serving_version_1(&On::Memory, 2).await;
+    let cluster = "type.googleapis.com/envoy.config.cluster.v3.Cluster";
+    plane.push_unrequested("c1", cluster, user_limit(7));
+    wait_for("the response sent", WITHIN, async || plane.nonce_of("c1")).await;
+    // The next set of rules is applied as usual, and nothing on the stream named the other type.
+    plane.push("2", user_limit(9));
+    let ack = plane.answer_to("2", WITHIN).await.request;
+    assert_eq!((ack.version_info.as_str(), ack.error_detail), ("2", None));
+    assert_eq!(limit_of(&mut client, "api", "a").await.unwrap().0, Some(9));
+    let seen: Vec<(String, String)> = plane
+        .seen()
+        .into_iter()
+        .map(|s| (s.request.type_url, s.request.response_nonce))
+        .collect();
+    let c1 = plane.nonce_of("c1").unwrap();
+    assert!(
+        seen.iter()
+            .all(|(type_url, nonce)| type_url == RATE_LIMIT_CONFIG_TYPE && *nonce != c1),
+        "{seen:?}"
+    );
+    s.stop().await;
+}
+
 /// Control planes list a set's resources in no set order: the same set in another order is the set
 /// served (one fingerprint across the fleet, nothing compiled again), and a refusal names the same
 /// resources whichever came first.

@@ -44,6 +44,8 @@ use super::wait_for;
 pub struct Snapshot {
     pub version: String,
     pub resources: Vec<RateLimitConfig>,
+    /// The responses' type: the rules' unless a test sends another.
+    pub type_url: String,
 }
 
 /// A request the control plane received.
@@ -156,6 +158,17 @@ impl ControlPlane {
         self.snapshots.send_replace(Some(Snapshot {
             version: version.into(),
             resources,
+            type_url: RATE_LIMIT_CONFIG_TYPE.into(),
+        }));
+    }
+
+    /// Sends a response of `type_url`, which nobody asked for, to the streams open (as a control plane
+    /// that pushes every type to every node does), holding the rules' resources.
+    pub fn push_unrequested(&self, version: &str, type_url: &str, resources: Vec<RateLimitConfig>) {
+        self.snapshots.send_replace(Some(Snapshot {
+            version: version.into(),
+            resources,
+            type_url: type_url.into(),
         }));
     }
 
@@ -294,7 +307,7 @@ impl AggregatedDiscoveryService for Ads {
                 let response = DiscoveryResponse {
                     version_info: snapshot.version.clone(),
                     resources: snapshot.resources.iter().map(resource).collect(),
-                    type_url: RATE_LIMIT_CONFIG_TYPE.into(),
+                    type_url: snapshot.type_url.clone(),
                     nonce,
                 };
                 if tx.send(Ok(response)).await.is_err() {

@@ -192,7 +192,9 @@ impl XdsClient {
                         answered = true;
                         self.connected.store(true, Ordering::Relaxed);
                     }
-                    let reply = self.answer(response, applied).await;
+                    let Some(reply) = self.answer(response, applied).await else {
+                        continue;
+                    };
                     if requests.send(reply).await.is_err() {
                         break "the request stream closed".to_owned();
                     }
@@ -208,16 +210,22 @@ impl XdsClient {
     /// service already serves (sent again on a new stream, or by a control plane that resends) is ACKed
     /// without being compiled, and the set refused last is refused again with its message; another is
     /// compiled off the runtime's workers, since a large one takes seconds that requests would
-    /// otherwise wait through.
-    async fn answer(&self, response: DiscoveryResponse, applied: &mut String) -> DiscoveryRequest {
+    /// otherwise wait through. A response of a type ratelimitd never asked for is ignored, as Envoy
+    /// ignores one: on an aggregated stream any request of that type, a NACK too, would subscribe to it.
+    async fn answer(
+        &self,
+        response: DiscoveryResponse,
+        applied: &mut String,
+    ) -> Option<DiscoveryRequest> {
         let version = response.version_info.as_str();
         if response.type_url != RATE_LIMIT_CONFIG_TYPE {
-            let reason = format!(
-                "ratelimitd subscribes to {RATE_LIMIT_CONFIG_TYPE} only, not {}",
+            tracing::warn!(
+                version,
+                type_url = %response.type_url,
+                "xDS response ignored: ratelimitd subscribes to {RATE_LIMIT_CONFIG_TYPE} only, not {}",
                 response.type_url
             );
-            tracing::warn!(version, "xDS response refused: {reason}");
-            return self.request(&response.type_url, "", &response.nonce, Some(reason));
+            return None;
         }
         let print = fingerprint(&response.resources);
         if self.publisher.already_serves(print) {
@@ -227,7 +235,7 @@ impl XdsClient {
                 "xDS rules version {version} applied: the rules served already"
             );
             *applied = response.version_info.clone();
-            return self.request(RATE_LIMIT_CONFIG_TYPE, version, &response.nonce, None);
+            return Some(self.request(RATE_LIMIT_CONFIG_TYPE, version, &response.nonce, None));
         }
         let known = (self.refused.lock().unwrap_or_else(|p| p.into_inner()))
             .as_ref()
@@ -255,7 +263,7 @@ impl XdsClient {
                     "xDS rules version {version} applied"
                 );
                 *applied = response.version_info.clone();
-                self.request(RATE_LIMIT_CONFIG_TYPE, version, &response.nonce, None)
+                Some(self.request(RATE_LIMIT_CONFIG_TYPE, version, &response.nonce, None))
             }
             Err(message) => {
                 self.publisher.refuse();
@@ -266,12 +274,12 @@ impl XdsClient {
                 );
                 *self.refused.lock().unwrap_or_else(|p| p.into_inner()) =
                     Some((print, message.clone()));
-                self.request(
+                Some(self.request(
                     RATE_LIMIT_CONFIG_TYPE,
                     applied,
                     &response.nonce,
                     Some(message),
-                )
+                ))
             }
         }
     }

@@ -117,6 +117,7 @@ fn algorithms(c: &mut Criterion) {
                         },
                         cost: 1,
                         role: Role::Enforce,
+                        further_limit: false,
                         per_second: false,
                         reported: false,
                     }],

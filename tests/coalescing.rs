@@ -61,35 +61,47 @@ fn view(a: &Applied) -> (bool, Vec<(bool, u64)>) {
 /// (now and then the limit, one above it, or 2^64 - 1), consume-on-deny now and then; the limit of key
 /// `e` counts over its limit (a budget fed reported usage), so its hits are counted whatever its
 /// request's decision, the other checks of its request keeping their all-or-nothing. Windows of a day
-/// keep time out of the comparison.
+/// keep time out of the comparison. Quota checks are now and then further limits of one descriptor.
 fn trace(seed: u64, algorithm: Algorithm, requests: usize, max_checks: usize) -> Vec<Batch> {
     let mut rng = SmallRng::seed_from_u64(seed);
     let roles = [Role::Enforce, Role::Enforce, Role::Shadow, Role::Quota];
     (0..requests)
-        .map(|_| Batch {
-            checks: (0..rng.random_range(1..=max_checks))
-                .map(|_| {
-                    let key = ["a", "bb", "c", "dd", "e"][rng.random_range(0..5)];
-                    let limit = [4, 7][key.len() % 2];
-                    let cost = [0, 1, 1, 1, 2, limit, limit + 1, u64::MAX][rng.random_range(0..8)];
-                    Check {
-                        key: format!("seed{seed}:{}:{key}_", algorithm.name()),
-                        params: Params {
-                            algorithm,
-                            limit,
-                            window_ms: 86_400_000,
-                            burst: limit,
-                            count_over_limit: key == "e",
-                        },
-                        cost,
-                        role: roles[rng.random_range(0..4)],
-                        per_second: false,
-                        reported: false,
-                    }
-                })
-                .collect(),
-            consume_on_deny: rng.random_bool(0.2),
-            known_denied: false,
+        .map(|_| {
+            let mut batch = Batch {
+                checks: (0..rng.random_range(1..=max_checks))
+                    .map(|_| {
+                        let key = ["a", "bb", "c", "dd", "e"][rng.random_range(0..5)];
+                        let limit = [4, 7][key.len() % 2];
+                        let cost =
+                            [0, 1, 1, 1, 2, limit, limit + 1, u64::MAX][rng.random_range(0..8)];
+                        Check {
+                            key: format!("seed{seed}:{}:{key}_", algorithm.name()),
+                            params: Params {
+                                algorithm,
+                                limit,
+                                window_ms: 86_400_000,
+                                burst: limit,
+                                count_over_limit: key == "e",
+                            },
+                            cost,
+                            role: roles[rng.random_range(0..4)],
+                            further_limit: false,
+                            per_second: false,
+                            reported: false,
+                        }
+                    })
+                    .collect(),
+                consume_on_deny: rng.random_bool(0.2),
+                known_denied: false,
+            };
+            // Now and then a quota check is a further limit of the quota descriptor before it.
+            for i in 1..batch.checks.len() {
+                let quota = |c: &Check| c.role == Role::Quota;
+                if quota(&batch.checks[i - 1]) && quota(&batch.checks[i]) && rng.random_bool(0.5) {
+                    batch.checks[i].further_limit = true;
+                }
+            }
+            batch
         })
         .collect()
 }
@@ -193,6 +205,7 @@ async fn on_cluster_a_requests_checks_on_one_server_are_decided_together() {
                 checks: vec![Check {
                     cost: 0,
                     role: Role::Enforce,
+                    further_limit: false,
                     ..check.clone()
                 }],
                 ..Batch::default()

@@ -81,7 +81,7 @@ fn malformed_calls_are_refused_before_anything_is_written() {
         ("above 2^53", with(6, "1152921504606846976")),
         ("not a number", with(7, "minute")),
         ("an unknown algorithm", with(5, "9")),
-        ("an unknown role", with(10, "3")),
+        ("an unknown role", with(10, "4")),
         ("a count-over-limit flag other than 0 or 1", with(11, "2")),
         ("a negative debt", with(12, "-1")),
         ("a key index past the keys", with(16, "2")),

@@ -414,6 +414,27 @@ fn several_descriptor_rows() -> Vec<Row> {
             ),
         ),
         row(
+            "quota_with_several_limits",
+            r#"
+  - key: quota_a
+    quota_mode: true
+    rate_limit: {unit: hour, requests_per_unit: 1, name: a_hourly}
+    rate_limits:
+      - {unit: day, requests_per_unit: 100, name: a_daily}
+  - key: quota_b
+    quota_mode: true
+    rate_limit: {unit: hour, requests_per_unit: 1, name: quota_b}
+"#,
+            // A quota descriptor is over when any of its limits is: here both are, and so the request.
+            again(
+                || pair(&[("quota_a", "")], &[("quota_b", "")]),
+                &[
+                    "OK: OK 0 left of a_hourly, OK 0 left of quota_b",
+                    "OVER: OVER 0 left of a_hourly, OVER 0 left of quota_b",
+                ],
+            ),
+        ),
+        row(
             "several_limits_on_one_rule",
             r#"
   - key: user

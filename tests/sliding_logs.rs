@@ -37,6 +37,7 @@ fn log_check(key: &str, limit: u64, window_ms: u64, cost: u64) -> Check {
         },
         cost,
         role: Role::Enforce,
+        further_limit: false,
         per_second: false,
         reported: false,
     }

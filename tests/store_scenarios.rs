@@ -39,6 +39,7 @@ impl Case<'_> {
             },
             cost,
             role,
+            further_limit: false,
             per_second: window_secs == 1,
             reported: false,
         }
@@ -153,6 +154,29 @@ async fn shadow_never_denies_and_quota_denies_only_when_all_are_over(c: Case<'_>
     assert!(!a.denied, "q2 still has quota");
     assert!(!a.outcomes[0].allowed && a.outcomes[1].allowed);
     assert!(c.apply(quota(), false).await.denied);
+}
+
+/// A quota descriptor with two limits (a rule's `rate_limits`) is over when either is: with the other
+/// quota descriptor over too, the request is denied, and nothing is consumed.
+async fn a_quota_descriptor_is_over_when_any_of_its_limits_is(c: Case<'_>) {
+    let request = || {
+        let mut daily = c.check("q_daily", 100, 3600, 1, Role::Quota);
+        daily.further_limit = true;
+        vec![
+            c.check("q_fast", 1, 3600, 1, Role::Quota),
+            daily,
+            c.check("q_other", 1, 3600, 1, Role::Quota),
+        ]
+    };
+    assert!(!c.apply(request(), false).await.denied);
+    let a = c.apply(request(), false).await;
+    let allowed: Vec<bool> = a.outcomes.iter().map(|o| o.allowed).collect();
+    assert_eq!(allowed, [false, true, false]);
+    assert!(a.denied, "both quota descriptors are over");
+    assert_eq!(a.outcomes[1].remaining, 99, "the daily limit as it stands");
+    let daily = c.check("q_daily", 100, 3600, 0, Role::Enforce);
+    let left = c.apply(vec![daily], false).await.outcomes[0].remaining;
+    assert_eq!(left, 99, "the denied request consumed nothing");
 }
 
 async fn the_same_key_twice_counts_twice(c: Case<'_>) {
@@ -317,6 +341,7 @@ async fn a_bucket_that_never_refills_stays_spent(store: &Store) {
         },
         cost: 1,
         role: Role::Enforce,
+        further_limit: false,
         per_second: false,
         reported: false,
     };
@@ -399,6 +424,7 @@ async fn run_table(store: &Store) {
         consume_on_deny_counts_every_check,
         costs_above_one_and_zero_cost_checks,
         shadow_never_denies_and_quota_denies_only_when_all_are_over,
+        a_quota_descriptor_is_over_when_any_of_its_limits_is,
         the_same_key_twice_counts_twice,
         extreme_costs_are_denied_without_changing_anything,
         a_budget_counts_the_report_past_its_limit,
@@ -479,6 +505,7 @@ async fn a_budget_is_counted_once_when_its_request_goes_again(url: String) {
         },
         cost: 4,
         role: Role::Enforce,
+        further_limit: false,
         per_second: false,
         reported: false,
     };

@@ -255,6 +255,7 @@ mod tests {
             },
             cost: 1,
             role: Role::Enforce,
+            further_limit: false,
             per_second: false,
             reported: false,
         };

@@ -497,7 +497,7 @@ fn build(
             + values.iter().map(|v| v.len()).sum::<usize>()
             + 2 * descriptor.entries.len()
             + 48;
-        for applicable in limits {
+        for (nth, applicable) in limits.iter().enumerate() {
             let params = applicable.params();
             let mut key = new_key();
             key.reserve(key_len);
@@ -519,6 +519,7 @@ fn build(
                 params,
                 cost,
                 role,
+                further_limit: nth > 0,
                 per_second: applicable.unit() == Unit::Second,
                 reported: false,
             });

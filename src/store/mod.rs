@@ -49,6 +49,10 @@ pub struct Check {
     /// Hits this request adds; 0 only checks.
     pub cost: u64,
     pub role: Role,
+    /// A further limit of the descriptor of the check before it (a rule's `rate_limits`): a quota
+    /// descriptor is over when any of its limits is, and counts once among the request's quota
+    /// descriptors.
+    pub further_limit: bool,
     /// The limit's unit is SECOND: with a per-second Redis (`REDIS_PERSECOND`), counted there.
     pub per_second: bool,
     /// Hits reported after they were admitted (a rate limit quota report), not a request asking: the
@@ -71,6 +75,7 @@ impl Check {
             },
             cost,
             role,
+            further_limit: false,
             per_second: window_secs == 1,
             reported: false,
         }
@@ -122,26 +127,30 @@ pub struct Batch {
 
 impl Batch {
     /// Whether a request with these per-check verdicts is denied: an enforced check is over, or the
-    /// request has quota checks and all of them are over.
+    /// request has quota descriptors and all of them are over (a descriptor is over when any of its
+    /// limits is). decide.lua decides the same way.
     pub fn is_denied(&self, allowed: impl Fn(usize) -> bool) -> bool {
         if self.known_denied {
             return true;
         }
-        let mut quota_checks = 0;
-        let mut quota_over = 0;
+        let (mut quota, mut quota_over, mut this_over) = (0, 0, false);
         for (i, check) in self.checks.iter().enumerate() {
             match check.role {
                 Role::Enforce if !allowed(i) => return true,
                 Role::Quota => {
-                    quota_checks += 1;
-                    if !allowed(i) {
+                    if !check.further_limit || quota == 0 {
+                        quota += 1;
+                        this_over = false;
+                    }
+                    if !allowed(i) && !this_over {
+                        this_over = true;
                         quota_over += 1;
                     }
                 }
                 _ => {}
             }
         }
-        quota_checks > 0 && quota_over == quota_checks
+        quota > 0 && quota_over == quota
     }
 }
 

@@ -13,7 +13,9 @@
 --                     and the string keys of one group are read with one MGET (a group is one hash slot)
 --   S, 8 per spec     limit specs: algorithm (0 fixed window, 1 sliding window, 2 sliding log,
 --                     3 token bucket, 4 GCRA), limit, window (ms), burst, fixed-window start (s; 0 for
---                     the others), role of its checks (0 enforce, 1 shadow, 2 quota), counts over its
+--                     the others), role of its checks (0 enforce, 1 shadow, 2 quota, 3 quota: a further
+--                     limit of the descriptor of the check before it, which is over when any of its
+--                     limits is and counts once among the quota descriptors), counts over its
 --                     limit (1/0), debt (how far past its capacity such a limit's state may go: see below)
 --   R, per request    flags (scope + 4 x consume_on_deny), n checks, then n times: key index, spec index,
 --                     cost
@@ -172,7 +174,7 @@ local specs = count(8)
 for s = 1, specs do
   alg[s], limit[s], win[s], burst[s] = code(5, 'known algorithm'), int(), int(), int()
   local start = int()
-  role[s] = code(3, 'role')
+  role[s] = code(4, 'role')
   over[s], debt[s] = code(2, 'flag (0 or 1)') == 1, int()
   valid[s] = alg[s] ~= 0 or (win[s] >= 1000 and now_s - now_s % (win[s] / 1000) == start)
 end
@@ -671,7 +673,7 @@ for r = 1, requests do
     reply[head + 1], reply[head + 2] = 0, 0
     local o, undone, tentative = head + 2, 0, false
     local denied = scope == 2
-    local quota, quota_over = 0, 0
+    local quota, quota_over, this_over = 0, 0, false
     for i = first_check, last_check do
       local k, s, cost = ckey[i], cspec[i], ccost[i]
       local ok
@@ -703,9 +705,9 @@ for r = 1, requests do
       end
       local role_i = role[s]
       if role_i == 0 and not ok then denied = true
-      elseif role_i == 2 then
-        quota = quota + 1
-        if not ok then quota_over = quota_over + 1 end
+      elseif role_i >= 2 then
+        if role_i == 2 or quota == 0 then quota, this_over = quota + 1, false end
+        if not ok and not this_over then quota_over, this_over = quota_over + 1, true end
       end
     end
     rn = o

@@ -47,10 +47,11 @@ enum Scope {
 const CONSUME_ON_DENY: i64 = 4;
 
 /// The role code of a check, as the script's header numbers them.
-fn role_code(role: Role) -> i64 {
-    match role {
+fn role_code(check: &Check) -> i64 {
+    match check.role {
         Role::Enforce => 0,
         Role::Shadow => 1,
+        Role::Quota if check.further_limit => 3,
         Role::Quota => 2,
     }
 }
@@ -174,7 +175,7 @@ pub fn spec(check: &Check, now_ms: u64) -> Result<Spec, StoreError> {
         integer(p.window_ms, "window")?,
         integer(p.burst, "burst")?,
         integer(check.window_start_secs(now_ms).unwrap_or(0), "window start")?,
-        role_code(check.role),
+        role_code(check),
         i64::from(p.count_over_limit),
         integer(p.debt(), "debt")?,
     ])
@@ -816,6 +817,7 @@ mod tests {
             },
             cost: 3,
             role: Role::Quota,
+            further_limit: false,
             per_second: false,
             reported: false,
         };

@@ -435,6 +435,26 @@ fn several_descriptor_rows() -> Vec<Row> {
             ),
         ),
         row(
+            "quota_in_shadow_mode",
+            r#"
+  - key: quota_shadow
+    quota_mode: true
+    shadow_mode: true
+    rate_limit: {unit: hour, requests_per_unit: 1, name: quota_shadow}
+  - key: quota_c
+    quota_mode: true
+    rate_limit: {unit: hour, requests_per_unit: 1, name: quota_c}
+"#,
+            // A shadow rule's status is OK: as a quota descriptor, it always has quota left.
+            again(
+                || pair(&[("quota_shadow", "")], &[("quota_c", "")]),
+                &[
+                    "OK: OK 0 left of quota_shadow, OK 0 left of quota_c",
+                    "OK: OK 0 left of quota_shadow, OVER 0 left of quota_c",
+                ],
+            ),
+        ),
+        row(
             "several_limits_on_one_rule",
             r#"
   - key: user

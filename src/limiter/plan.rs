@@ -317,14 +317,19 @@ pub(super) fn global_quota_mode(resolved: &mut [Resolved<'_>]) {
     }
 }
 
-/// In global quota mode, a descriptor that matched no limit, or a shadow rule (whose status is OK),
-/// counts as a quota descriptor that passed: with one in the request, its quota checks deny nothing.
-/// Unlimited descriptors count for neither.
-fn passes_as_quota(resolved: &[Resolved<'_>]) -> bool {
+/// Whether a quota descriptor of the request passes whatever the store says, so that its quota checks
+/// deny nothing: a shadow rule's status is always OK, and a shadow rule with `quota_mode` is a quota
+/// descriptor (every shadow rule is in global quota mode, and so is a descriptor that matched no
+/// limit). Unlimited descriptors count for neither.
+fn passes_as_quota(resolved: &[Resolved<'_>], global: bool) -> bool {
     resolved.iter().any(|r| match r {
-        Resolved::NoLimit => true,
-        Resolved::Limited { role, .. } => *role == Role::Shadow,
-        Resolved::Unlimited(_) => false,
+        Resolved::NoLimit => global,
+        Resolved::Limited {
+            role: Role::Shadow,
+            node,
+            ..
+        } => global || node.is_some_and(|n| n.flags.quota_mode),
+        Resolved::Limited { .. } | Resolved::Unlimited(_) => false,
     })
 }
 
@@ -476,7 +481,7 @@ fn build(
         known_denied: false,
     };
     // The store decides by the checks' roles: quota checks that cannot deny go as shadow ones.
-    let quota_denies = !(options.quota_mode && passes_as_quota(resolved));
+    let quota_denies = !passes_as_quota(resolved, options.quota_mode);
     for (descriptor, r) in request.descriptors.iter().zip(resolved) {
         let Resolved::Limited { limits, node, role } = r else {
             continue;

@@ -140,7 +140,7 @@ enum LimitsCommand {
         /// How long it lasts from now (30m, 72h, 7days)
         #[arg(long, conflicts_with = "expires_at")]
         expires_in: Option<String>,
-        /// When it ends, RFC 3339 (2026-12-04T18:00:00Z)
+        /// When it ends, RFC 3339 with Z or its offset (2026-12-04T18:00:00Z, 2026-12-04T19:00:00+01:00)
         #[arg(long)]
         expires_at: Option<String>,
     },

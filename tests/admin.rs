@@ -772,6 +772,40 @@ async fn the_audit_log_records_refusals_and_cannot_be_forged() {
     assert!(!log.contains(TOKEN), "{log}");
 }
 
+/// An expiry written with an offset from UTC (as `date --rfc-3339` and most programs write local times)
+/// ends at that instant, and one without an offset is refused rather than taken as UTC.
+#[tokio::test]
+async fn an_expiry_with_an_offset_ends_at_that_instant() {
+    let files = Files::new();
+    let running = start_binary(&mut with_admin(&files));
+    let admin = admin_addr(&running);
+    // Two years ahead, whatever year the test runs in.
+    let year: u32 = humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string()
+        [..4]
+        .parse()
+        .unwrap();
+    let set = |at: String| {
+        let body = json!({
+            "domain": "api",
+            "descriptor": descriptor("tenant", "paris"),
+            "limit": { "requests_per_unit": 5, "unit": "hour" },
+            "expires_at": at,
+        });
+        call(admin, "PUT", "/v1/limits", Some(TOKEN), &body)
+    };
+    let (status, answer) = set(format!("{}-06-01T12:00:00.250+02:00", year + 2));
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(
+        answer["expires_at"],
+        format!("{}-06-01T10:00:00Z", year + 2),
+        "{answer}"
+    );
+    let (status, answer) = set(format!("{}-06-01T12:00:00", year + 2));
+    assert_eq!(status, 400, "{answer}");
+    let error = answer["error"].as_str().unwrap_or_default();
+    assert!(error.contains("no offset"), "{error}");
+}
+
 /// Expiries the API cannot keep (past 10 years, past what a time or a `u64` of ms holds) are refused
 /// with a 400 and set nothing; a record already stored with one (as earlier versions wrote) is still
 /// listed and deleted, and the listener keeps answering.

@@ -25,6 +25,7 @@ mod auth;
 pub mod client;
 mod listen;
 mod options;
+mod timestamp;
 
 pub use auth::{Token, TokenError, MIN_TOKEN_BYTES};
 pub use listen::serve;
@@ -492,16 +493,12 @@ fn expiry(expires_in: Option<&str>, expires_at: Option<&str>) -> Result<Option<E
                     "expires_in {within:?}: {e}; write e.g. 30m, 72h, 7days"
                 ))
             }),
-        (None, Some(at)) => humantime::parse_rfc3339_weak(at)
-            .map(|t| {
-                let ms = t
-                    .duration_since(UNIX_EPOCH)
-                    .map_or(Some(0), |d| u64::try_from(d.as_millis()).ok());
-                Some(Expiry::At(ms))
-            })
+        // Before the epoch reads as the epoch: long past, refused as such.
+        (None, Some(at)) => timestamp::parse_ms(at)
+            .map(|ms| Some(Expiry::At(Some(u64::try_from(ms).unwrap_or(0)))))
             .map_err(|e| {
                 bad_request(format!(
-                    "expires_at {at:?}: {e}; write e.g. 2026-12-04T18:00:00Z"
+                    "expires_at {at:?}: {e}; write e.g. 2026-12-04T18:00:00Z or 2026-12-04T19:00:00+01:00"
                 ))
             }),
         (None, None) => Ok(None),

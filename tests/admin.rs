@@ -772,6 +772,46 @@ async fn the_audit_log_records_refusals_and_cannot_be_forged() {
     assert!(!log.contains(TOKEN), "{log}");
 }
 
+/// A DELETE of an id no record has answers 404 and changes nothing: the generation stays, so no replica
+/// reads the records again nor forgets its denials and leases (a token holder repeating it would
+/// otherwise keep the whole fleet flushing).
+#[tokio::test]
+async fn a_delete_of_nothing_moves_no_generation() {
+    let files = Files::new();
+    let redis = RedisProcess::start(&[]);
+    let mut cmd = with_admin(&files);
+    on_redis(&mut cmd, &redis);
+    let running = start_binary(&mut cmd);
+    let admin = admin_addr(&running);
+    let body = json!({
+        "domain": "api",
+        "descriptor": descriptor("tenant", "t"),
+        "limit": { "requests_per_unit": 5, "unit": "hour" },
+    });
+    let (status, set) = call(admin, "PUT", "/v1/limits", Some(TOKEN), &body);
+    assert_eq!(status, 200, "{set}");
+    let generation = || redis.cli(&["GET", "{ratelimitd}:operator_changes"]);
+    let before = generation();
+    let (status, answer) = call(
+        admin,
+        "DELETE",
+        "/v1/limits",
+        Some(TOKEN),
+        &json!({ "id": "0123456789abcdef" }),
+    );
+    assert_eq!(status, 404, "{answer}");
+    assert_eq!(generation(), before, "nothing deleted, nothing announced");
+    let (status, answer) = call(
+        admin,
+        "DELETE",
+        "/v1/limits",
+        Some(TOKEN),
+        &json!({ "id": set["id"] }),
+    );
+    assert_eq!(status, 200, "{answer}");
+    assert_ne!(generation(), before, "a delete that deleted moves it");
+}
+
 /// An expiry written with an offset from UTC (as `date --rfc-3339` and most programs write local times)
 /// ends at that instant, and one without an offset is refused rather than taken as UTC.
 #[tokio::test]

@@ -311,8 +311,12 @@ impl Limiter {
             .map_err(|e| OperatorError::Invalid(format!("cannot write the record: {e}")))?;
         let keys = self.record_keys();
         self.shared.put_record(&keys, &record.id, &text).await?;
-        self.refresh_runtime_limits().await?;
-        self.purge_expired().await?;
+        // Set: what follows only tidies up, and its failure must not make the caller (and the audit log)
+        // take the limit for refused.
+        self.after_change(&record.id).await;
+        if let Err(err) = self.purge_expired().await {
+            tracing::warn!(id = record.id, "expired runtime limits not deleted: {err}");
+        }
         Ok(record)
     }
 
@@ -345,10 +349,24 @@ impl Limiter {
             .shared
             .delete_records(&self.record_keys(), &[id.to_owned()])
             .await?;
-        self.refresh_runtime_limits().await?;
+        if deleted > 0 {
+            self.after_change(id).await;
+        }
         match deleted {
             0 => Err(OperatorError::NotFound(id.to_owned())),
             _ => Ok(known),
+        }
+    }
+
+    /// Reads the runtime limits again after a change made in the store, for this replica to apply it at
+    /// once; when that fails, the change holds all the same, and this replica applies it with its next
+    /// refresh, as the others do.
+    async fn after_change(&self, id: &str) {
+        if let Err(err) = self.refresh_runtime_limits().await {
+            tracing::warn!(
+                id,
+                "runtime limit changed, but not read back yet (this replica applies it with its next refresh): {err}"
+            );
         }
     }
 

@@ -78,7 +78,10 @@ impl LocalRecords {
     fn delete(&self, ids: &[String]) -> usize {
         let mut held = self.lock();
         let deleted = ids.iter().filter(|id| held.1.remove(*id).is_some()).count();
-        held.0 += 1;
+        // Nothing deleted, nothing changed: the replicas keep what they remember.
+        if deleted > 0 {
+            held.0 += 1;
+        }
         deleted
     }
 

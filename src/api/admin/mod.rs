@@ -543,19 +543,24 @@ async fn set_limit(
     Ok(ok(limit_json(&record)))
 }
 
+/// The value of `name` in a query string, decoded as forms encode it (`+` for a space, as Python's
+/// `requests` and HTML forms write one; `%2B` for a plus sign).
+fn query_value(query: &str, name: &str) -> Option<String> {
+    query.split('&').find_map(|pair| {
+        let (key, value) = pair.split_once('=')?;
+        (key == name).then(|| {
+            percent_encoding::percent_decode_str(&value.replace('+', " "))
+                .decode_utf8_lossy()
+                .into_owned()
+        })
+    })
+}
+
 async fn list_limits(
     State(state): State<AdminState>,
     axum::extract::RawQuery(query): axum::extract::RawQuery,
 ) -> Result<Response, Refused> {
-    let domain = query.as_deref().and_then(|q| {
-        q.split('&')
-            .find_map(|kv| kv.strip_prefix("domain="))
-            .map(|d| {
-                percent_encoding::percent_decode_str(d)
-                    .decode_utf8_lossy()
-                    .into_owned()
-            })
-    });
+    let domain = query.as_deref().and_then(|q| query_value(q, "domain"));
     let limits = state.limiter.runtime_limits().await?;
     // Up to tens of megabytes of JSON at the bound: written off the threads that decide requests.
     let body = tokio::task::spawn_blocking(move || {
@@ -646,4 +651,19 @@ async fn delete_limit(
     );
     who.audit("limit delete", &what, Ok(&format!("id {id} deleted")));
     Ok(ok(json!({ "deleted": limit_json(&record) })))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::query_value;
+
+    #[test]
+    fn query_values_are_decoded_as_forms_encode_them() {
+        let value = |q| query_value(q, "domain");
+        assert_eq!(value("domain=my+domain").as_deref(), Some("my domain"));
+        assert_eq!(value("domain=a%2Bb").as_deref(), Some("a+b"));
+        assert_eq!(value("x=1&domain=api%20v2").as_deref(), Some("api v2"));
+        assert_eq!(value("subdomain=api"), None);
+        assert_eq!(value("domain"), None);
+    }
 }

@@ -105,8 +105,8 @@ impl MemoryStore {
         live_state(self.counters.lock_of(key).get(key), now_ms).cloned()
     }
 
-    /// Forgets a check's counter (an operator's reset); whether there was one.
-    pub fn forget(&self, check: &Check) -> bool {
+    /// Forgets a check's counter (an operator's reset); whether there was one still live at `now_ms`.
+    pub fn forget(&self, check: &Check, now_ms: u64) -> bool {
         let key = self.counters.hash(&check.key, window_of(check));
         let removed = self.counters.lock_of(key).remove(key);
         if let Some(entry) = &removed {
@@ -114,7 +114,7 @@ impl MemoryStore {
             self.weight
                 .fetch_sub(entry.weight as usize, Ordering::Relaxed);
         }
-        removed.is_some()
+        removed.is_some_and(|e| e.expires_at_ms > now_ms)
     }
 
     /// Number of counters held, expired or not.
@@ -732,8 +732,16 @@ mod tests {
             assert!(store.apply_now(&one(k, 60), 11_000).is_ok(), "{k}");
         }
         assert!(store.apply_now(&one("e_", 60), 11_000).is_err());
-        assert!(store.forget(&one("a_", 60).checks[0]));
-        assert!(!store.forget(&one("b_", 1).checks[0]), "another window's");
+        assert!(store.forget(&one("a_", 60).checks[0], 11_000));
+        assert!(
+            !store.forget(&one("b_", 1).checks[0], 11_000),
+            "another window's"
+        );
+        run(&store, &one("f_", 1), 12);
+        assert!(
+            !store.forget(&one("f_", 1).checks[0], 13_000),
+            "ended: nothing to clear"
+        );
         assert!(store.apply_now(&one("e_", 60), 11_000).is_ok());
     }
 

@@ -114,7 +114,7 @@ impl Store {
     /// Clears the counters of the checks (every algorithm's state); returns how many held something.
     pub async fn clear(&self, checks: &[Check], now_ms: u64) -> Result<usize, StoreError> {
         match self {
-            Store::Memory(store) => Ok(checks.iter().filter(|c| store.forget(c)).count()),
+            Store::Memory(store) => Ok(checks.iter().filter(|c| store.forget(c, now_ms)).count()),
             Store::Redis(store) => store.clear(checks, now_ms).await,
             Store::Noop => Ok(0),
         }

@@ -812,6 +812,56 @@ async fn a_delete_of_nothing_moves_no_generation() {
     assert_ne!(generation(), before, "a delete that deleted moves it");
 }
 
+/// Expired runtime limits are deleted when a replica lists them, but a limit set again meanwhile under
+/// the same id (its descriptor's), on another replica, stays: the store deletes a record only if it has
+/// expired as stored, not as the listing replica last read it.
+#[tokio::test]
+async fn a_limit_set_again_is_not_purged_as_the_expired_one_it_replaced() {
+    let files = Files::new();
+    let redis = RedisProcess::start(&[]);
+    let mut cmd = with_admin(&files);
+    on_redis(&mut cmd, &redis);
+    let running = start_binary(&mut cmd);
+    let admin = admin_addr(&running);
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
+    let record = |expires_at_ms: u64, set_by: &str| {
+        json!({
+            "id": "00000000000000bb",
+            "domain": "api",
+            "descriptor": [["tenant", "again"]],
+            "limit": { "requests_per_unit": 1, "unit": "hour" },
+            "expires_at_ms": expires_at_ms,
+            "set_at_ms": now_ms,
+            "set_by": set_by,
+        })
+        .to_string()
+    };
+    let hash = "{ratelimitd}:runtime_limits";
+    redis.cli(&[
+        "HSET",
+        hash,
+        "00000000000000bb",
+        &record(now_ms + 4_000, "first"),
+    ]);
+    redis.cli(&["INCR", "{ratelimitd}:operator_changes"]);
+    wait_for("the record read", Duration::from_secs(10), async || {
+        let (_, listed) = call(admin, "GET", "/v1/limits", Some(TOKEN), &Value::Null);
+        (listed["limits"].as_array().map_or(0, Vec::len) == 1).then_some(())
+    })
+    .await;
+    // Set again by another replica, whose change this one has not read yet.
+    let again = record(now_ms + 3_600_000, "second");
+    redis.cli(&["HSET", hash, "00000000000000bb", &again]);
+    tokio::time::sleep(Duration::from_millis(4_100)).await;
+    // This replica still holds the first, expired: its listing purges what it holds as expired.
+    let (status, _) = call(admin, "GET", "/v1/limits", Some(TOKEN), &Value::Null);
+    assert_eq!(status, 200);
+    assert_eq!(redis.cli(&["HGET", hash, "00000000000000bb"]), again);
+}
+
 /// An expiry written with an offset from UTC (as `date --rfc-3339` and most programs write local times)
 /// ends at that instant, and one without an offset is refused rather than taken as UTC.
 #[tokio::test]

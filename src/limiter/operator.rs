@@ -413,10 +413,13 @@ impl Limiter {
                 .collect()
         });
         if !expired.is_empty() {
-            self.shared
-                .delete_records(&self.record_keys(), &expired)
+            let purged = self
+                .shared
+                .purge_records(&self.record_keys(), &expired, now_ms)
                 .await?;
-            self.refresh_runtime_limits().await?;
+            if purged > 0 {
+                self.refresh_runtime_limits().await?;
+            }
         }
         Ok(())
     }

@@ -85,6 +85,29 @@ impl LocalRecords {
         deleted
     }
 
+    /// Deletes those of `ids` whose record, as held now, expired by `now_ms` (see
+    /// [`Store::purge_records`]).
+    fn purge(&self, ids: &[String], now_ms: u64) -> usize {
+        let mut held = self.lock();
+        let expired = |text: &str| {
+            serde_json::from_str::<serde_json::Value>(text)
+                .ok()
+                .and_then(|record| record.get("expires_at_ms")?.as_u64())
+                .is_some_and(|at| at <= now_ms)
+        };
+        let doomed: Vec<&String> = ids
+            .iter()
+            .filter(|id| held.1.get(*id).is_some_and(|text| expired(text)))
+            .collect();
+        for id in &doomed {
+            held.1.remove(*id);
+        }
+        if !doomed.is_empty() {
+            held.0 += 1;
+        }
+        doomed.len()
+    }
+
     fn announce(&self) {
         self.lock().0 += 1;
     }
@@ -163,6 +186,22 @@ impl Store {
         }
     }
 
+    /// Deletes the records of `ids` that, as stored now, expired by `now_ms`; returns how many. A record
+    /// a replica read as expired may have been set again meanwhile under the same id (the id is the
+    /// descriptor's): that one stays.
+    pub async fn purge_records(
+        &self,
+        keys: &RecordKeys,
+        ids: &[String],
+        now_ms: u64,
+    ) -> Result<usize, StoreError> {
+        match self {
+            Store::Memory(store) => Ok(store.records.purge(ids, now_ms)),
+            Store::Redis(store) => store.purge_records(keys, ids, now_ms).await,
+            Store::Noop => Err(keeps_nothing()),
+        }
+    }
+
     /// Moves the generation on without changing a record (after a reset), so that every replica
     /// forgets what it remembers of the counters.
     pub async fn announce(&self, keys: &RecordKeys) -> Result<(), StoreError> {
@@ -230,6 +269,22 @@ mod tests {
         let next = store.records(&keys, Some(0)).await.unwrap().unwrap();
         assert_eq!((next.generation, next.records.len()), (1, 1));
         assert_eq!(store.delete_records(&keys, &["a".into()]).await.unwrap(), 1);
+        // Nothing to delete: the generation stays.
+        assert_eq!(store.delete_records(&keys, &["a".into()]).await.unwrap(), 0);
+        // A purge deletes only what has expired as held now.
+        store
+            .put_record(&keys, "old", r#"{"expires_at_ms":100}"#)
+            .await
+            .unwrap();
+        store
+            .put_record(&keys, "new", r#"{"expires_at_ms":900}"#)
+            .await
+            .unwrap();
+        let both = ["old".to_string(), "new".to_string()];
+        assert_eq!(store.purge_records(&keys, &both, 500).await.unwrap(), 1);
+        assert_eq!(store.purge_records(&keys, &both, 500).await.unwrap(), 0);
+        let held = store.records(&keys, None).await.unwrap().unwrap();
+        assert_eq!((held.generation, held.records.len()), (5, 1));
         store.announce(&keys).await.unwrap();
         assert_eq!(
             store
@@ -238,7 +293,7 @@ mod tests {
                 .unwrap()
                 .unwrap()
                 .generation,
-            3
+            6
         );
     }
 }

@@ -414,6 +414,19 @@ impl RedisStore {
         self.change_records(keys, "delete", &ids).await
     }
 
+    pub(crate) async fn purge_records(
+        &self,
+        keys: &RecordKeys,
+        ids: &[String],
+        now_ms: u64,
+    ) -> Result<usize, StoreError> {
+        let now = now_ms.to_string();
+        let args: Vec<&str> = std::iter::once(now.as_str())
+            .chain(ids.iter().map(String::as_str))
+            .collect();
+        self.change_records(keys, "purge", &args).await
+    }
+
     pub(crate) async fn announce(&self, keys: &RecordKeys) -> Result<(), StoreError> {
         self.change_records(keys, "announce", &[]).await?;
         Ok(())

@@ -6,8 +6,11 @@
 --           it, or a replica promoted before it saw the last changes, never shows a value a ratelimitd
 --           replica already knows beside other records.
 -- ARGV[1]   the new generation (decimal digits).
--- ARGV[2]   the change: 'put' (ARGV[3] the id, ARGV[4] the record), 'delete' (ARGV[3..] the ids), or
---           'announce' (no record changes: after a reset, so that replicas forget what they remember).
+-- ARGV[2]   the change: 'put' (ARGV[3] the id, ARGV[4] the record), 'delete' (ARGV[3..] the ids),
+--           'purge' (ARGV[3] a time in ms since the epoch, ARGV[4..] ids: each is deleted only if its
+--           record as stored now has expired by then, so that a limit set again meanwhile, on another
+--           replica, under the same id, stays), or 'announce' (no record changes: after a reset, so
+--           that replicas forget what they remember).
 --
 -- The generation is written first: a command this Redis user may not run leaves at worst a generation
 -- moved on with the records unchanged, never records that no replica reads. A delete of ids none of
@@ -16,24 +19,35 @@
 -- Reply: how many records were deleted (0 for 'put' and 'announce').
 
 local change = ARGV[2]
-if change ~= 'put' and change ~= 'delete' and change ~= 'announce' then
+if change ~= 'put' and change ~= 'delete' and change ~= 'purge' and change ~= 'announce' then
   return redis.error_reply('ERR records.lua: unknown change ' .. tostring(change))
 end
+-- The ids a delete or a purge deletes, read first (HGET rather than HEXISTS: the ACL users set up for
+-- earlier versions allow it).
+local doomed = {}
 if change == 'delete' then
-  local held = false
   for i = 3, #ARGV do
-    -- HGET rather than HEXISTS: the ACL users set up for earlier versions allow it.
-    if redis.call('HGET', KEYS[1], ARGV[i]) then held = true; break end
+    if redis.call('HGET', KEYS[1], ARGV[i]) then doomed[#doomed + 1] = ARGV[i] end
   end
-  if not held then return 0 end
+elseif change == 'purge' then
+  local now = tonumber(ARGV[3])
+  for i = 4, #ARGV do
+    local text = redis.call('HGET', KEYS[1], ARGV[i])
+    if text then
+      local read, record = pcall(cjson.decode, text)
+      local at = read and type(record) == 'table' and record['expires_at_ms']
+      if type(at) == 'number' and now and at <= now then doomed[#doomed + 1] = ARGV[i] end
+    end
+  end
 end
+if (change == 'delete' or change == 'purge') and #doomed == 0 then return 0 end
 redis.call('SET', KEYS[2], ARGV[1])
 local deleted = 0
 if change == 'put' then
   redis.call('HSET', KEYS[1], ARGV[3], ARGV[4])
-elseif change == 'delete' then
-  for i = 3, #ARGV do
-    deleted = deleted + redis.call('HDEL', KEYS[1], ARGV[i])
+else
+  for _, id in ipairs(doomed) do
+    deleted = deleted + redis.call('HDEL', KEYS[1], id)
   end
 end
 return deleted

@@ -269,7 +269,11 @@ async fn send(settings: &ClientSettings, call: &Call) -> Result<Value, ClientErr
     }
 }
 
-/// Sends one request on a new connection and reads the whole answer (at most 16 MiB).
+/// The largest answer read: a listing at `runtime_limits.max_limits` runs to tens of megabytes, more
+/// with long descriptors.
+const MOST_ANSWER_BYTES: usize = 1 << 30;
+
+/// Sends one request on a new connection and reads the whole answer (at most [`MOST_ANSWER_BYTES`]).
 async fn exchange<IO>(io: IO, request: Request<Body>) -> Result<(u16, Vec<u8>), String>
 where
     IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
@@ -285,10 +289,12 @@ where
     let answer = match response {
         Ok(response) => {
             let status = response.status().as_u16();
-            axum::body::to_bytes(Body::new(response.into_body()), 16 << 20)
+            axum::body::to_bytes(Body::new(response.into_body()), MOST_ANSWER_BYTES)
                 .await
                 .map(|b| (status, b.to_vec()))
-                .map_err(|e| e.to_string())
+                .map_err(|e| {
+                    format!("its answer was not read in full ({e}; at most 1 GiB is read)")
+                })
         }
         Err(err) => Err(err),
     };

@@ -3,7 +3,8 @@
 //! `envoy` mode is the reference service's: three headers (limit, remaining, reset) describing one
 //! descriptor, the one with the least quota left, or the (last) enforced descriptor that is over its
 //! limit. `ietf` mode sends the fields of the IETF httpapi ratelimit-headers draft: `RateLimit-Policy`
-//! lists every limit that applied (`"name";q=<quota>;w=<window seconds>`) and `RateLimit` describes the
+//! lists every limit that applied, each limit of each descriptor (`"name";q=<quota>;w=<window seconds>`),
+//! and `RateLimit` describes the
 //! same descriptor as `envoy` mode (`"name";r=<remaining>;t=<seconds to reset>`). Whenever headers are
 //! on, an OVER_LIMIT answer also carries `Retry-After`.
 
@@ -11,13 +12,13 @@ use super::{plan::Resolved, Code, DescriptorStatus, HeaderNames, ResponseHeaders
 use crate::store::Role;
 
 /// The headers of an answer with these statuses, chosen from `resolved` (each descriptor's limits and
-/// role); `windows` holds the window of each limited descriptor's reported limit, in order.
+/// role); `reported` holds, per descriptor, the position among its limits of the one its status reports.
 pub(super) fn build(
     mode: ResponseHeaders,
     names: &HeaderNames,
     statuses: &[DescriptorStatus],
     resolved: &[Resolved<'_>],
-    windows: &[u64],
+    reported: &[Option<usize>],
     overall: Code,
 ) -> Vec<(String, String)> {
     if mode == ResponseHeaders::Off {
@@ -37,20 +38,20 @@ pub(super) fn build(
             (names.reset.clone(), reset.to_string()),
         ],
         ResponseHeaders::Ietf => {
-            // Limited statuses and their windows, in order.
-            let limited = statuses
-                .iter()
-                .enumerate()
-                .filter(|(_, s)| s.current_limit.is_some())
-                .zip(windows);
             let mut policies = Vec::new();
             let mut chosen_name = String::new();
-            for ((i, s), window) in limited {
-                let Some(l) = &s.current_limit else { continue };
-                let name = policy_name(l.name.as_deref(), i);
-                policies.push(format!("{name};q={};w={window}", l.requests_per_unit));
-                if i == index {
-                    chosen_name = name;
+            for (i, (r, reported)) in resolved.iter().zip(reported).enumerate() {
+                let (Resolved::Limited { limits, .. }, Some(reported)) = (r, reported) else {
+                    continue;
+                };
+                for (nth, limit) in limits.iter().enumerate() {
+                    // Named by its place in its rule, which `replaces` dropping another leaves as it is.
+                    let name = policy_name(limit.name().map(|n| &**n), i, limit.index());
+                    let window = limit.params().window_ms / 1000;
+                    policies.push(format!("{name};q={};w={window}", limit.requests_per_unit()));
+                    if i == index && nth == *reported {
+                        chosen_name = name;
+                    }
                 }
             }
             vec![
@@ -74,9 +75,14 @@ pub(super) fn build(
     headers
 }
 
-/// A policy name as a structured-field string: the rule's `name`, or `d<descriptor index>`.
-fn policy_name(name: Option<&str>, index: usize) -> String {
-    let raw = name.map_or_else(|| format!("d{index}"), str::to_owned);
+/// A policy name as a structured-field string: the limit's `name`, or `d<descriptor index>` (a further
+/// limit of its rule `d<descriptor index>.<its position in the rule>`).
+fn policy_name(name: Option<&str>, index: usize, in_rule: usize) -> String {
+    let raw = match (name, in_rule) {
+        (Some(name), _) => name.to_owned(),
+        (None, 0) => format!("d{index}"),
+        (None, in_rule) => format!("d{index}.{in_rule}"),
+    };
     let escaped: String = raw
         .chars()
         .filter(|c| (' '..='~').contains(c))

@@ -35,9 +35,9 @@ pub(super) struct Verdict<'a> {
 /// Every descriptor's status, and what the headers and the metrics need besides.
 pub(super) struct Decided<'a> {
     statuses: Vec<DescriptorStatus>,
-    /// The window (seconds) of each limited descriptor's reported limit, in order, for the IETF policy
-    /// header.
-    windows: Small<u64>,
+    /// Per descriptor, the position among its limits of the one its status reports (none for a
+    /// descriptor without one), for the IETF headers.
+    reported: Small<Option<usize>>,
     /// One per limited descriptor that has an outcome.
     pub verdicts: Small<Verdict<'a>>,
 }
@@ -48,15 +48,21 @@ pub(super) fn choose<'a>(
     outcomes: &[Outcome],
     from_cache: &[bool],
 ) -> Decided<'a> {
-    let mut windows = Small::new();
+    let mut reported = Small::new();
     let mut verdicts = Small::new();
     let mut check = 0;
     let statuses = resolved
         .iter()
         .enumerate()
         .map(|(index, r)| match *r {
-            Resolved::NoLimit => DescriptorStatus::no_limit(),
-            Resolved::Unlimited(_) => DescriptorStatus::unlimited(),
+            Resolved::NoLimit => {
+                reported.push(None);
+                DescriptorStatus::no_limit()
+            }
+            Resolved::Unlimited(_) => {
+                reported.push(None);
+                DescriptorStatus::unlimited()
+            }
             Resolved::Limited {
                 ref limits,
                 node,
@@ -68,11 +74,11 @@ pub(super) fn choose<'a>(
                     .get(checks.clone())
                     .is_some_and(|c| c.contains(&true));
                 let outcomes = outcomes.get(checks).unwrap_or_default();
-                let Some((applicable, outcome)) = closest(limits, outcomes) else {
-                    windows.push(0);
+                let Some((nth, applicable, outcome)) = closest(limits, outcomes) else {
+                    reported.push(None);
                     return DescriptorStatus::no_limit();
                 };
-                windows.push(applicable.params().window_ms / 1000);
+                reported.push(Some(nth));
                 verdicts.push(Verdict {
                     index,
                     node,
@@ -90,7 +96,7 @@ pub(super) fn choose<'a>(
         .collect();
     Decided {
         statuses,
-        windows,
+        reported,
         verdicts,
     }
 }
@@ -110,7 +116,7 @@ impl Decided<'_> {
             &options.header_names,
             &self.statuses,
             resolved,
-            &self.windows,
+            &self.reported,
             overall_code,
         );
         Response {
@@ -121,22 +127,25 @@ impl Decided<'_> {
     }
 }
 
-/// The descriptor's limit closest to denying, with its outcome: a denying one (the longest wait first),
-/// else the one with the least quota left. `outcomes` are the limits' own, in order.
-fn closest<'a>(limits: &Limits<'a>, outcomes: &[Outcome]) -> Option<(Applicable<'a>, Outcome)> {
-    let mut chosen: Option<(Applicable<'a>, Outcome)> = None;
-    for (&applicable, &outcome) in limits.iter().zip(outcomes) {
+/// The descriptor's limit closest to denying, with its position and outcome: a denying one (the longest
+/// wait first), else the one with the least quota left. `outcomes` are the limits' own, in order.
+fn closest<'a>(
+    limits: &Limits<'a>,
+    outcomes: &[Outcome],
+) -> Option<(usize, Applicable<'a>, Outcome)> {
+    let mut chosen: Option<(usize, Applicable<'a>, Outcome)> = None;
+    for (nth, (&applicable, &outcome)) in limits.iter().zip(outcomes).enumerate() {
         let closer =
             chosen
                 .as_ref()
-                .is_none_or(|(_, best)| match (outcome.allowed, best.allowed) {
+                .is_none_or(|(_, _, best)| match (outcome.allowed, best.allowed) {
                     (false, true) => true,
                     (false, false) => outcome.retry_after > best.retry_after,
                     (true, true) => outcome.remaining < best.remaining,
                     (true, false) => false,
                 });
         if closer {
-            chosen = Some((applicable, outcome));
+            chosen = Some((nth, applicable, outcome));
         }
     }
     chosen

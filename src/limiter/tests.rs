@@ -532,6 +532,40 @@ async fn ietf_headers_list_the_policies_and_describe_the_closest() {
     );
 }
 
+/// A descriptor with several limits lists each in the policy, and `RateLimit` names the one its status
+/// reports, whichever it is.
+#[tokio::test]
+async fn ietf_headers_list_every_limit_of_a_descriptor() {
+    let options = Options {
+        response_headers: ResponseHeaders::Ietf,
+        ..Options::default()
+    };
+    let clock = Clock::manual(2_222_000);
+    let l = limiter_with(options, clock.clone());
+    let r = req(vec![desc(&[("multi", "x")]), desc(&[("k", "j")])]);
+    let header = |resp: &Response, name: &str| {
+        resp.response_headers
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.clone())
+            .unwrap_or_default()
+    };
+    let first = ask(&l, &r).await;
+    assert_eq!(
+        header(&first, "RateLimit-Policy"),
+        r#""per_second";q=2;w=1, "per_day";q=3;w=86400, "k_limit";q=3;w=60"#
+    );
+    assert_eq!(header(&first, "RateLimit"), r#""per_second";r=1;t=1"#);
+    ask(&l, &r).await;
+    // A second on: a new second's quota, one hit of the day's left.
+    clock.advance_millis(1_000);
+    let later = ask(&l, &r).await;
+    assert_eq!(
+        header(&later, "RateLimit"),
+        format!("\"per_day\";r=0;t={}", 86_400 - 2_223)
+    );
+}
+
 #[tokio::test]
 async fn cidr_rules_count_per_address_or_per_network_when_shared() {
     let l = limiter();

@@ -123,14 +123,18 @@ pub fn parse_file_within(text: &str, max_yaml_nodes: usize) -> Result<DomainFile
     budget.max_events = max_yaml_nodes.saturating_mul(2).saturating_add(4096);
     options.budget = Some(budget);
     options.alias_limits.max_total_replayed_events = MAX_ALIAS_REPLAYED_EVENTS;
+    // A key written twice in one map is read as the reference reads it, the last one winning (see
+    // `keep_last`).
+    options.duplicate_keys = serde_saphyr::options::DuplicateKeyPolicy::PassThrough;
     let docs: Vec<Yaml> = serde_saphyr::from_multiple_with_options(text, options)
         .map_err(|e| syntax_error(&e, max_yaml_nodes))?;
     // Like the reference, only the first document counts.
-    let root = docs.into_iter().next().unwrap_or(Yaml::Null);
+    let mut root = docs.into_iter().next().unwrap_or(Yaml::Null);
+    let mut ignored = Vec::new();
+    keep_last(&mut root, &mut ignored);
     validate_keys(&root)?;
     let mut domain = String::new();
     let mut descriptors = Vec::new();
-    let mut ignored = Vec::new();
     if let Yaml::Map(entries) = &root {
         for (k, v) in entries {
             match key_str(k) {
@@ -195,6 +199,42 @@ fn syntax_error(err: &serde_saphyr::Error, max_yaml_nodes: usize) -> ParseError 
         _ => SyntaxProblem::NotRules,
     };
     ParseError::Syntax { at, problem }
+}
+
+/// Drops, in every map, the entries whose key is written again later in it, with a warning each: the
+/// reference's YAML decoder reads such a file without a word, each key's last value winning, and a
+/// refusal would keep every rule of the file from loading.
+fn keep_last(node: &mut Yaml, ignored: &mut Vec<String>) {
+    match node {
+        Yaml::Map(entries) => {
+            // Where each key is written last.
+            let mut last = std::collections::HashMap::with_capacity(entries.len());
+            for (i, (k, _)) in entries.iter().enumerate() {
+                if let Yaml::String(name) = k {
+                    last.insert(name.clone(), i);
+                }
+            }
+            if last.len() < entries.len() {
+                let mut i = 0;
+                entries.retain(|(k, _)| {
+                    let kept = !matches!(k, Yaml::String(name) if last.get(name) != Some(&i));
+                    if !kept {
+                        ignored.push(format!(
+                            "'{}' is written twice in one map: the last one is read, as the reference reads it",
+                            k.shown()
+                        ));
+                    }
+                    i += 1;
+                    kept
+                });
+            }
+            for (_, v) in entries.iter_mut() {
+                keep_last(v, ignored);
+            }
+        }
+        Yaml::List(items) => items.iter_mut().for_each(|item| keep_last(item, ignored)),
+        _ => {}
+    }
 }
 
 /// First pass: map keys must be strings from [`VALID_KEYS`]; list items must be maps; leaves must be
@@ -503,6 +543,27 @@ descriptors:
             .is_empty());
     }
 
+    /// The reference's decoder reads a key written twice, the last one winning: so does ratelimitd, with
+    /// a warning, rather than refuse every rule of the file.
+    #[test]
+    fn a_key_written_twice_is_read_as_the_last_one() {
+        let f = parse_file(
+            "domain: first\ndomain: d\ndescriptors:\n  - key: k\n    rate_limit: {unit: hour, requests_per_unit: 1}\n    rate_limit: {unit: day, requests_per_unit: 7}\n    metadata: {team: a, team: b}\n",
+        )
+        .unwrap();
+        assert_eq!(f.domain, "d");
+        let limit = f.descriptors[0].rate_limit.as_ref().unwrap();
+        assert_eq!((limit.unit.as_str(), limit.requests_per_unit), ("day", 7));
+        assert_eq!(
+            f.ignored,
+            [
+                "'domain' is written twice in one map: the last one is read, as the reference reads it",
+                "'rate_limit' is written twice in one map: the last one is read, as the reference reads it",
+                "'team' is written twice in one map: the last one is read, as the reference reads it",
+            ]
+        );
+    }
+
     #[test]
     fn only_the_first_document_counts() {
         let f = parse_file("domain: one\n---\ndomain: two\n").unwrap();
@@ -608,14 +669,6 @@ descriptors:
             (
                 "domain: *SECRET\n",
                 "line 1 column 9: alias references unknown anchor",
-            ),
-            (
-                "SECRET: x\nSECRET: y\n",
-                "line 2 column 1: a key appears twice in one map",
-            ),
-            (
-                "domain: d\ndomain: SECRET\n",
-                "line 2 column 1: a key appears twice in one map",
             ),
             ("domain: !!binary SECRET\n", "line 1 column 18: "),
             (

@@ -247,21 +247,33 @@ fn the_reference_switches_a_deployment_carries_decide_start_or_stop_as_they_say(
     );
 }
 
-/// The reference's RUNTIME_SUBDIRECTORY without its RUNTIME_ROOT (whose default ratelimitd does not
-/// share): the start names the folder it looked for and why, instead of serving with no rules in silence.
+/// The reference's RUNTIME_SUBDIRECTORY without its RUNTIME_ROOT: the rules are looked for under the
+/// reference's default root, as there, and not in ./config, where the image keeps its example rules
+/// (they would be served instead of the deployment's own, without a word). The folder it looked for is
+/// named at start.
 #[test]
-fn a_missing_rules_folder_is_named_at_start() {
-    let empty = tempfile::tempdir().unwrap();
+fn a_reference_subdirectory_without_its_root_reads_the_reference_default_root() {
+    if std::path::Path::new("/srv/runtime_data/current/ratelimit").exists() {
+        eprintln!("skipped: this machine has rules at the reference's default root");
+        return;
+    }
+    let cwd = tempfile::tempdir().unwrap();
+    std::fs::create_dir(cwd.path().join("config")).unwrap();
+    std::fs::write(
+        cwd.path().join("config/example.yaml"),
+        "domain: example\ndescriptors:\n  - key: k\n    rate_limit: {unit: hour, requests_per_unit: 1}\n",
+    )
+    .unwrap();
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_ratelimitd"));
     cmd.env_clear()
-        .current_dir(empty.path())
+        .current_dir(cwd.path())
         .env("RUNTIME_SUBDIRECTORY", "ratelimit")
         .envs(common::LOOPBACK);
     let running = start_serving(&mut cmd);
     let log = running.log.lock().unwrap().clone();
     assert!(
-        log.contains("the rules folder config does not exist")
-            && log.contains("RUNTIME_SUBDIRECTORY is set but RUNTIME_ROOT is not"),
+        log.contains("the rules folder /srv/runtime_data/current/ratelimit does not exist")
+            && log.contains("RUNTIME_SUBDIRECTORY is set and RUNTIME_ROOT is not"),
         "{log}"
     );
 }

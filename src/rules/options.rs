@@ -101,14 +101,26 @@ pub struct Source {
     pub max_yaml_nodes: usize,
 }
 
+/// The reference's `RUNTIME_ROOT` when it is not set.
+pub const REFERENCE_RUNTIME_ROOT: &str = "/srv/runtime_data/current";
+
 impl RulesSettings {
+    /// The reference layout's root: `RUNTIME_ROOT`, or the reference's default when only
+    /// `RUNTIME_SUBDIRECTORY` is set (a deployment of the reference that relies on that default).
+    fn runtime_root(&self) -> Option<PathBuf> {
+        self.runtime_root.clone().or_else(|| {
+            (!self.runtime_subdirectory.is_empty()).then(|| PathBuf::from(REFERENCE_RUNTIME_ROOT))
+        })
+    }
+
     /// Resolves the settings into the folder to read.
     pub fn source(&self) -> Source {
-        let swap_point = match (&self.path, &self.runtime_root) {
+        let runtime_root = self.runtime_root();
+        let swap_point = match (&self.path, &runtime_root) {
             (None, Some(runtime_root)) => Some(runtime_root.clone()),
             _ => None,
         };
-        let (root, key_prefix) = match (&self.path, &self.runtime_root) {
+        let (root, key_prefix) = match (&self.path, &runtime_root) {
             (Some(path), _) => (path.clone(), None),
             (None, Some(runtime_root)) => {
                 let base = join_nonempty(runtime_root, &self.runtime_subdirectory);

@@ -213,7 +213,7 @@ fn load_files(settings: &Settings, publisher: Arc<rules::Publisher>, tasks: &Tas
             && rules.runtime_root.is_none()
             && !rules.runtime_subdirectory.is_empty()
         {
-            " (RUNTIME_SUBDIRECTORY is set but RUNTIME_ROOT is not: without it the rules are read from ./config)"
+            " (RUNTIME_SUBDIRECTORY is set and RUNTIME_ROOT is not: the reference's default root is read, as the reference reads it)"
         } else {
             ""
         };

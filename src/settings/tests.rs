@@ -515,6 +515,19 @@ fn runtime_layouts_resolve_like_the_reference() {
     assert_eq!(src.root, PathBuf::from("/srv/data/ratelimit/rules"));
     assert_eq!(src.key_prefix, None);
     assert!(src.ignore_dotfiles);
+
+    // RUNTIME_SUBDIRECTORY alone: the reference's default root, swapped as a whole like any.
+    let s = Settings::load(None, &env(&[("RUNTIME_SUBDIRECTORY", "ratelimit")])).unwrap();
+    let src = s.rules.source();
+    assert_eq!(
+        src.root,
+        PathBuf::from("/srv/runtime_data/current/ratelimit")
+    );
+    assert_eq!(src.key_prefix.as_deref(), Some("config."));
+    assert_eq!(
+        src.swap_point,
+        Some(PathBuf::from("/srv/runtime_data/current"))
+    );
 }
 
 #[test]

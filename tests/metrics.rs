@@ -87,7 +87,8 @@ async fn metrics_count_known_traffic_by_rule() {
         ),
         1.0
     );
-    // A rule's every counter from its first hit on: its first denial shows in rate() then.
+    // A rule's counters from its first hit on: its first denial shows in rate() then. Those it cannot
+    // move (shadow mode for a rule that is not in it) are not exported until they do.
     assert_eq!(
         rule(
             "ratelimit_service_rate_limit_over_limit",
@@ -95,6 +96,12 @@ async fn metrics_count_known_traffic_by_rule() {
         ),
         0.0
     );
+    for absent in [
+        "ratelimit_service_rate_limit_shadow_mode{domain=\"web\",rule=\"route_/orders.method\"}",
+        "ratelimit_service_rate_limit_over_limit_with_local_cache{domain=\"web\",rule=\"route_/orders.method\"}",
+    ] {
+        assert!(!text.contains(absent), "{absent} in:\n{text}");
+    }
     assert!(
         !text.contains("sk_live_RAW"),
         "raw API key in /metrics:\n{text}"

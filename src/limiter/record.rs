@@ -308,6 +308,7 @@ impl Limiter {
         consumed: bool,
     ) {
         let add = |c: RuleCounter, n: u64| counters.add(c, n);
+        counters.seen(verdict.role == Role::Shadow);
         let outcome = &verdict.outcome;
         add(RuleCounter::TotalHits, hits);
         if !outcome.allowed {

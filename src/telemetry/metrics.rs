@@ -165,11 +165,19 @@ pub enum RuleCounter {
 }
 
 /// The reference service's per-rule counters of one `(domain, rule)`, updated without any lookup once
-/// held; striped (see the module's comment).
+/// held; striped (see the module's comment). Beside them, which are exported at 0 before their first
+/// event (see [`RuleCounters::seen`]).
 #[derive(Debug, Default)]
-pub struct RuleCounters(Striped<7>);
+pub struct RuleCounters(Striped<7>, AtomicU64);
 
 impl RuleCounters {
+    /// The counters every limited rule can move, exported from its first hit on.
+    const ANY_RULE: u64 = 1 << RuleCounter::TotalHits as u64
+        | 1 << RuleCounter::WithinLimit as u64
+        | 1 << RuleCounter::NearLimit as u64
+        | 1 << RuleCounter::OverLimit as u64
+        | 1 << RuleCounter::Exceeded as u64;
+
     pub fn add(&self, counter: RuleCounter, by: u64) {
         self.0.add(counter as usize, by);
     }
@@ -177,6 +185,25 @@ impl RuleCounters {
     /// One counter now.
     pub fn get(&self, counter: RuleCounter) -> u64 {
         self.0.sum(counter as usize)
+    }
+
+    /// The rule got a hit: the counters it can move are exported from now on, at 0 until they do (a
+    /// series that appeared with a rule's first denial would hide that denial from `rate()`), its
+    /// shadow-mode count too when it is a shadow rule. Written once: later calls only read.
+    pub fn seen(&self, shadow: bool) {
+        let mut shown = Self::ANY_RULE;
+        if shadow {
+            shown |= 1 << RuleCounter::ShadowMode as u64;
+        }
+        if self.1.load(Ordering::Relaxed) & shown != shown {
+            self.1.fetch_or(shown, Ordering::Relaxed);
+        }
+    }
+
+    /// Whether a counter is exported: it moved, or the rule's hits make it one to watch.
+    fn shown(&self, counter: RuleCounter) -> Option<u64> {
+        let value = self.get(counter);
+        (value > 0 || self.1.load(Ordering::Relaxed) & (1 << counter as u64) != 0).then_some(value)
     }
 }
 
@@ -485,13 +512,13 @@ impl Metrics {
                 })
                 .collect();
             sorted.sort_by(|a, b| (&a.0, &a.1).cmp(&(&b.0, &b.1)));
-            // Every counter of a rule from its first hit on, zeros included: a series that appeared
-            // with a rule's first denial would hide that denial from `rate()`.
             for (name, help, counter) in RULE_FAMILIES {
                 let _ = writeln!(out, "# HELP {name} {help}");
                 let _ = writeln!(out, "# TYPE {name} counter");
                 for (domain, rule, counters) in &sorted {
-                    let value = counters.get(*counter);
+                    let Some(value) = counters.shown(*counter) else {
+                        continue;
+                    };
                     let labels = [("domain", domain.to_string()), ("rule", rule.to_string())];
                     let _ = writeln!(out, "{name}{} {value}", render_labels(&labels, None));
                 }

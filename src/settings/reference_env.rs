@@ -84,13 +84,14 @@ const REFERENCE: &[Row] = &[
     row!("HOST", Trim, |s, v| s.http.host = v.to_owned()),
     row!("PORT", Trim, |s, v| s.http.port = number(v)?),
     row!("GRPC_HOST", Trim, |s, v| s.grpc.host = v.to_owned()),
-    row!("GRPC_PORT", Trim, |s, v| s.grpc.port = number(v)?),
+    row!("GRPC_PORT", Trim, |s, v| if let Some(port) = port(s, "GRPC_PORT", v)? { s.grpc.port = port }),
     row!("GRPC_UDS", Trim, |_s, v| unix_socket(v)?),
     // No debug listener: a Deployment that sets its port is told where its pages are.
-    row!("DEBUG_PORT", Trim, |s, v| s.warnings.push(format!(
-        "DEBUG_PORT={} is not served: ratelimitd has no debug listener; /rlconfig and /metrics are on the HTTP port (PORT)",
-        number::<u16>(v)?
-    ))),
+    row!("DEBUG_PORT", Trim, |s, v| if let Some(port) = port(s, "DEBUG_PORT", v)? {
+        s.warnings.push(format!(
+            "DEBUG_PORT={port} is not served: ratelimitd has no debug listener; /rlconfig and /metrics are on the HTTP port (PORT)"
+        ))
+    }),
     row!("LOG_LEVEL", Trim, |s, v| s.log.level = log_level(v)?),
     row!("LOG_FORMAT", Trim, |s, v| s.log.format = choice(v)?),
     row!("RUNTIME_ROOT", Trim, |s, v| s.rules.runtime_root = Some(PathBuf::from(v))),
@@ -178,7 +179,7 @@ const REFERENCE: &[Row] = &[
     row!("XDS_CLIENT_MAX_MSG_SIZE_IN_BYTES", Trim, |s, v| s.xds.max_message_bytes = number(v)?),
     row!("USE_STATSD", Trim, |s, v| s.statsd.enabled = boolean(v)?),
     row!("STATSD_HOST", Trim, |s, v| s.statsd.host = v.to_owned()),
-    row!("STATSD_PORT", Trim, |s, v| s.statsd.port = number(v)?),
+    row!("STATSD_PORT", Trim, |s, v| if let Some(port) = port(s, "STATSD_PORT", v)? { s.statsd.port = port }),
     // lyft/gostats' own variable, which the reference's statsd sink reads.
     row!("STATSD_PROTOCOL", Trim, |s, v| s.statsd.protocol = Some(choice(v)?)),
     // DogStatsD is a way of writing the statsd stream: asking for it turns the stream on.
@@ -228,7 +229,41 @@ pub(super) fn apply(
             Row::PerSecondRedis => apply_per_second_redis(settings, env)?,
         }
     }
+    if let Some(warning) = http_traces(settings, env) {
+        settings.warnings.push(warning);
+    }
     Ok(())
+}
+
+/// Traces turned on the reference's way, likely meant for OTLP/HTTP, which ratelimitd does not speak:
+/// no `TRACING_EXPORTER_PROTOCOL` (the reference's default is `http`) and an endpoint not on a
+/// collector's gRPC port (4317), or an OpenTelemetry protocol variable saying `http/...`. Said once, at
+/// start: such an endpoint never answers ratelimitd's gRPC.
+fn http_traces(settings: &Settings, env: &HashMap<String, String>) -> Option<String> {
+    let var = |name| read(env, name, Read::Trim);
+    if var("TRACING_ENABLED").is_none()
+        || !settings.tracing.enabled
+        || var("TRACING_EXPORTER_PROTOCOL").is_some()
+    {
+        return None;
+    }
+    let endpoint = settings
+        .tracing
+        .endpoint
+        .as_deref()
+        .or_else(|| var("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
+        .or_else(|| var("OTEL_EXPORTER_OTLP_ENDPOINT"))
+        .unwrap_or("http://localhost:4317");
+    let protocol =
+        var("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL").or_else(|| var("OTEL_EXPORTER_OTLP_PROTOCOL"));
+    let http = match protocol {
+        Some(protocol) => protocol.starts_with("http"),
+        None => !endpoint.trim_end_matches('/').ends_with(":4317"),
+    };
+    http.then(|| format!(
+        "traces go to {endpoint} over OTLP/gRPC, the only protocol ratelimitd exports with, where the reference would speak OTLP/HTTP ({}): point the endpoint at the collector's gRPC port (4317), and set TRACING_EXPORTER_PROTOCOL=grpc",
+        protocol.map_or_else(|| "TRACING_EXPORTER_PROTOCOL is not set".to_owned(), |p| format!("the OpenTelemetry protocol is {p}"))
+    ))
 }
 
 impl<T> Variable<T> {
@@ -292,6 +327,23 @@ fn apply_per_second_redis(
             ..RedisSettings::default()
         });
     apply_redis_client(per_second, "REDIS_PERSECOND_", env)
+}
+
+/// A port; `None` for the address Kubernetes gives every pod of a namespace for each Service in it
+/// (`<SERVICE>_PORT=tcp://10.0.0.7:8125`, with service links on, the default): a Service named `statsd`
+/// or `grpc` beside ratelimitd is no reason to stop its start. Ignored, with a warning.
+fn port(s: &mut Settings, name: &str, value: &str) -> Result<Option<u16>, String> {
+    if ["tcp://", "udp://", "sctp://"]
+        .iter()
+        .any(|scheme| value.starts_with(scheme))
+    {
+        s.warnings.push(format!(
+            "{name}={value} is ignored: it is the address Kubernetes gives every pod for a Service named {}, not a port (set enableServiceLinks: false on the pod to leave it out)",
+            name.trim_end_matches("_PORT").to_lowercase()
+        ));
+        return Ok(None);
+    }
+    number(value).map(Some)
 }
 
 fn number<T: FromStr>(value: &str) -> Result<T, String>

@@ -621,6 +621,59 @@ fn a_wrong_setting_names_the_setting_and_the_value() {
     .unwrap_err()
     .to_string();
     assert!(err.contains("OTLP/gRPC only"), "{err}");
+    // Traces on with no protocol, where the reference would speak OTLP/HTTP: said at start.
+    let warned = |pairs: &[(&str, &str)]| {
+        let s = Settings::load(None, &env(pairs)).unwrap();
+        s.warnings.iter().any(|w| w.contains("over OTLP/gRPC"))
+    };
+    assert!(warned(&[
+        ("TRACING_ENABLED", "true"),
+        ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://otel:4318")
+    ]));
+    assert!(warned(&[
+        ("TRACING_ENABLED", "true"),
+        ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://otel:4317"),
+        ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
+    ]));
+    assert!(!warned(&[
+        ("TRACING_ENABLED", "true"),
+        ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://otel:4317")
+    ]));
+    assert!(!warned(&[
+        ("TRACING_ENABLED", "true"),
+        ("RATELIMITD_TRACING__ENDPOINT", "http://otel:4317")
+    ]));
+    assert!(!warned(&[
+        ("TRACING_ENABLED", "true"),
+        ("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"),
+        ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://otel:14317")
+    ]));
+    let s = Settings::load(
+        None,
+        &env(&[
+            ("TRACING_ENABLED", "true"),
+            ("TRACING_EXPORTER_PROTOCOL", "grpc"),
+        ]),
+    )
+    .unwrap();
+    assert!(s.warnings.is_empty(), "{:?}", s.warnings);
+    // A Service named statsd (or grpc) beside ratelimitd, with Kubernetes' service links: ignored.
+    let s = Settings::load(
+        None,
+        &env(&[
+            ("STATSD_PORT", "tcp://10.0.0.7:8125"),
+            ("GRPC_PORT", "tcp://10.0.0.8:8081"),
+        ]),
+    )
+    .unwrap();
+    assert_eq!((s.statsd.port, s.grpc.port), (8125, 8081));
+    assert_eq!(s.warnings.len(), 2, "{:?}", s.warnings);
+    assert!(
+        s.warnings[0].contains("GRPC_PORT=tcp://10.0.0.8:8081 is ignored")
+            && s.warnings[0].contains("Service named grpc"),
+        "{:?}",
+        s.warnings
+    );
     let err = Settings::load(None, &env(&[("RATELIMITD_MEMORY__MAX_KEYS", "lots")]))
         .unwrap_err()
         .to_string();

@@ -63,11 +63,11 @@ impl Listeners {
     pub async fn bind(settings: &Settings) -> Result<Self, ServerError> {
         let grpc_addr = settings
             .grpc
-            .addr("grpc.host")
+            .addr("GRPC_HOST")
             .map_err(|e| ServerError::Setup(e.to_string()))?;
         let http_addr = settings
             .http
-            .addr("http.host")
+            .addr("HOST")
             .map_err(|e| ServerError::Setup(e.to_string()))?;
         let bind = |what, addr| async move {
             TcpListener::bind(addr)

@@ -59,11 +59,27 @@ impl HttpSettings {
     }
 }
 
+/// `host` and `port` as an address to bind: `host` an IP address, or a name it resolves to (as the
+/// reference binds `localhost`), its first IPv4 address when it has one.
 fn socket_addr(host: &str, port: u16, name: &str) -> Result<SocketAddr, SettingsError> {
-    let ip: IpAddr = host
-        .parse()
-        .map_err(|_| SettingsError::invalid(name, host, "not an IP address"))?;
-    Ok(SocketAddr::new(ip, port))
+    if let Ok(ip) = host.parse::<IpAddr>() {
+        return Ok(SocketAddr::new(ip, port));
+    }
+    let resolved: Vec<SocketAddr> = std::net::ToSocketAddrs::to_socket_addrs(&(host, port))
+        .map_err(|e| {
+            SettingsError::invalid(
+                name,
+                host,
+                format!("neither an IP address nor a name this host resolves ({e})"),
+            )
+        })?
+        .collect();
+    resolved
+        .iter()
+        .find(|a| a.is_ipv4())
+        .or(resolved.first())
+        .copied()
+        .ok_or_else(|| SettingsError::invalid(name, host, "a name that resolves to no address"))
 }
 
 /// The gRPC listener, and when its connections are recycled so that new replicas get their share of
@@ -71,7 +87,7 @@ fn socket_addr(host: &str, port: u16, name: &str) -> Result<SocketAddr, Settings
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct GrpcSettings {
-    /// IP address to bind. Env `GRPC_HOST`; default `0.0.0.0`.
+    /// IP address (or name) to bind. Env `GRPC_HOST`; default `0.0.0.0`.
     pub host: String,
     /// TCP port; 0 picks a free one. Env `GRPC_PORT`; default 8081.
     pub port: u16,
@@ -163,14 +179,24 @@ impl Default for PrometheusSettings {
 impl PrometheusSettings {
     /// The socket address to bind.
     pub fn socket_addr(&self) -> Result<SocketAddr, SettingsError> {
-        let text = if self.addr.starts_with(':') {
-            format!("0.0.0.0{}", self.addr)
-        } else {
-            self.addr.clone()
+        let invalid = || {
+            SettingsError::invalid(
+                "PROMETHEUS_ADDR",
+                &self.addr,
+                "expected <IP address or name>:<port>, or :<port> for every address",
+            )
         };
-        text.parse().map_err(|_| {
-            SettingsError::invalid("PROMETHEUS_ADDR", &self.addr, "expected host:port or :port")
-        })
+        if let Ok(addr) = self.addr.parse() {
+            return Ok(addr);
+        }
+        let (host, port) = self.addr.rsplit_once(':').ok_or_else(invalid)?;
+        let port: u16 = port.parse().map_err(|_| invalid())?;
+        let host = host.trim_start_matches('[').trim_end_matches(']');
+        socket_addr(
+            if host.is_empty() { "0.0.0.0" } else { host },
+            port,
+            "PROMETHEUS_ADDR",
+        )
     }
 }
 

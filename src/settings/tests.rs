@@ -657,6 +657,32 @@ fn a_wrong_setting_names_the_setting_and_the_value() {
     )
     .unwrap();
     assert!(s.warnings.is_empty(), "{:?}", s.warnings);
+    // Host names bind where they resolve, as the reference binds them.
+    let s = Settings::load(
+        None,
+        &env(&[
+            ("HOST", "localhost"),
+            ("GRPC_HOST", "127.0.0.1"),
+            ("USE_PROMETHEUS", "true"),
+            ("PROMETHEUS_ADDR", "localhost:9091"),
+        ]),
+    )
+    .unwrap();
+    assert_eq!(s.http.addr("HOST").unwrap().to_string(), "127.0.0.1:8080");
+    assert_eq!(
+        s.prometheus.socket_addr().unwrap().to_string(),
+        "127.0.0.1:9091"
+    );
+    let err = Settings::load(
+        None,
+        &env(&[("USE_PROMETHEUS", "true"), ("PROMETHEUS_ADDR", "localhost")]),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("PROMETHEUS_ADDR") && err.contains(":<port>"),
+        "{err}"
+    );
     // A Service named statsd (or grpc) beside ratelimitd, with Kubernetes' service links: ignored.
     let s = Settings::load(
         None,

@@ -15,8 +15,8 @@ impl Settings {
             self.validate_redis()?;
         }
         at_least_one("fallback.replicas", self.fallback.replicas as usize)?;
-        self.grpc.addr("grpc.host")?;
-        self.http.addr("http.host")?;
+        self.grpc.addr("GRPC_HOST")?;
+        self.http.addr("HOST")?;
         self.validate_grpc_tls()?;
         if self.redis.tls_client_cert.is_some() != self.redis.tls_client_key.is_some() {
             return Err(SettingsError::invalid(

@@ -195,7 +195,7 @@ fn a_wrong_setting_exits_64_naming_it() {
     let dir = tempfile::tempdir().unwrap();
     for (name, value) in [
         ("GRPC_PORT", "eighty"),
-        ("LOG_FORMAT", "yaml"),
+        ("LOG_LEVEL", "loud"),
         ("RATELIMITD_SHUTDOWN__GRACE_PERIOD", "soon"),
     ] {
         let out = ratelimitd(&[], &[(name, value)], dir.path())

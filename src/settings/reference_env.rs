@@ -93,7 +93,14 @@ const REFERENCE: &[Row] = &[
         ))
     }),
     row!("LOG_LEVEL", Trim, |s, v| s.log.level = log_level(v)?),
-    row!("LOG_FORMAT", Trim, |s, v| s.log.format = choice(v)?),
+    // The reference writes JSON for `json` and text for anything else.
+    row!("LOG_FORMAT", Trim, |s, v| s.log.format = match choice(v) {
+        Ok(format) => format,
+        Err(_) => {
+            s.warnings.push(format!("LOG_FORMAT={v} is not json: logs are text, as the reference writes them"));
+            crate::telemetry::LogFormat::Text
+        }
+    }),
     row!("RUNTIME_ROOT", Trim, |s, v| s.rules.runtime_root = Some(PathBuf::from(v))),
     row!("RUNTIME_SUBDIRECTORY", TrimKeepEmpty, |s, v| s.rules.runtime_subdirectory = v.to_owned()),
     row!("RUNTIME_APPDIRECTORY", Trim, |s, v| s.rules.runtime_appdirectory = v.to_owned()),

@@ -536,7 +536,6 @@ fn a_wrong_setting_names_the_setting_and_the_value() {
         ("GRPC_PORT", "80800"),
         ("PORT", "http"),
         ("LOG_LEVEL", "loud"),
-        ("LOG_FORMAT", "xml"),
         ("SHADOW_MODE", "yes please"),
         ("BACKEND_TYPE", "memcache"),
         ("NEAR_LIMIT_RATIO", "1.5"),
@@ -657,6 +656,14 @@ fn a_wrong_setting_names_the_setting_and_the_value() {
     )
     .unwrap();
     assert!(s.warnings.is_empty(), "{:?}", s.warnings);
+    // Logs are JSON for json and text for anything else, as the reference writes them.
+    let s = Settings::load(None, &env(&[("LOG_FORMAT", "console")])).unwrap();
+    assert_eq!(s.log.format, crate::telemetry::LogFormat::Text);
+    assert!(
+        s.warnings[0].contains("LOG_FORMAT=console"),
+        "{:?}",
+        s.warnings
+    );
     // Host names bind where they resolve, as the reference binds them.
     let s = Settings::load(
         None,

@@ -656,6 +656,18 @@ fn a_wrong_setting_names_the_setting_and_the_value() {
     )
     .unwrap();
     assert!(s.warnings.is_empty(), "{:?}", s.warnings);
+    // Header names are checked when headers are sent, and named by their reference variable.
+    assert!(Settings::load(None, &env(&[("LIMIT_RESET_HEADER", "Reset Time")])).is_ok());
+    let err = Settings::load(
+        None,
+        &env(&[
+            ("LIMIT_RESPONSE_HEADERS_ENABLED", "true"),
+            ("LIMIT_RESET_HEADER", "Reset Time"),
+        ]),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("LIMIT_RESET_HEADER"), "{err}");
     // Logs are JSON for json and text for anything else, as the reference writes them.
     let s = Settings::load(None, &env(&[("LOG_FORMAT", "console")])).unwrap();
     assert_eq!(s.log.format, crate::telemetry::LogFormat::Text);

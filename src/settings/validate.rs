@@ -332,11 +332,16 @@ impl Settings {
         Ok(())
     }
 
+    /// The names of the headers `envoy` mode sends, when it sends them (headers off, the reference
+    /// never reads them either).
     fn validate_header_names(&self) -> Result<(), SettingsError> {
+        if self.response_headers != super::ResponseHeaders::Envoy {
+            return Ok(());
+        }
         for (name, value) in [
-            ("header_names.limit", &self.header_names.limit),
-            ("header_names.remaining", &self.header_names.remaining),
-            ("header_names.reset", &self.header_names.reset),
+            ("LIMIT_LIMIT_HEADER", &self.header_names.limit),
+            ("LIMIT_REMAINING_HEADER", &self.header_names.remaining),
+            ("LIMIT_RESET_HEADER", &self.header_names.reset),
         ] {
             let valid = !value.is_empty()
                 && value

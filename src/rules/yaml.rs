@@ -126,9 +126,9 @@ pub fn parse_file_within(text: &str, max_yaml_nodes: usize) -> Result<DomainFile
     // A key written twice in one map is read as the reference reads it, the last one winning (see
     // `keep_last`).
     options.duplicate_keys = serde_saphyr::options::DuplicateKeyPolicy::PassThrough;
-    let docs: Vec<Yaml> = serde_saphyr::from_multiple_with_options(text, options)
+    // Like the reference, only the first document counts: what follows it is not even parsed.
+    let docs: Vec<Yaml> = serde_saphyr::from_multiple_with_options(first_document(text), options)
         .map_err(|e| syntax_error(&e, max_yaml_nodes))?;
-    // Like the reference, only the first document counts.
     let mut root = docs.into_iter().next().unwrap_or(Yaml::Null);
     let mut ignored = Vec::new();
     keep_last(&mut root, &mut ignored);
@@ -199,6 +199,33 @@ fn syntax_error(err: &serde_saphyr::Error, max_yaml_nodes: usize) -> ParseError 
         _ => SyntaxProblem::NotRules,
     };
     ParseError::Syntax { at, problem }
+}
+
+/// The text of a file's first YAML document: up to the line that starts the next (`---`) or ends this
+/// one (`...`). Such a line at the start of a line is always a document marker (no scalar may hold
+/// one there), so the cut needs no parsing. The reference's decoder reads the first document only, and
+/// never sees a fault in the others.
+fn first_document(text: &str) -> &str {
+    let mut begun = false;
+    let mut at = 0;
+    for line in text.split_inclusive('\n') {
+        let bare = line.trim_end_matches(['\n', '\r']);
+        let marked = |marker: &str| {
+            bare.strip_prefix(marker)
+                .is_some_and(|rest| rest.is_empty() || rest.starts_with([' ', '\t']))
+        };
+        if marked("...") || (begun && marked("---")) {
+            return &text[..at];
+        }
+        let blank = bare.trim().is_empty() || bare.trim_start().starts_with('#');
+        // The first document has begun with its own marker or its first content (a directive, `%`,
+        // comes before its marker).
+        if !blank && !bare.starts_with('%') {
+            begun = true;
+        }
+        at += line.len();
+    }
+    text
 }
 
 /// Drops, in every map, the entries whose key is written again later in it, with a warning each: the
@@ -568,6 +595,19 @@ descriptors:
     fn only_the_first_document_counts() {
         let f = parse_file("domain: one\n---\ndomain: two\n").unwrap();
         assert_eq!(f.domain, "one");
+        // What follows the first document is never read, faults included, as by the reference.
+        for text in [
+            "---\ndomain: one\n---\ndomain: [broken\n",
+            "# rules\n--- # first\ndomain: one\n...\n%%% not yaml\n",
+            "%YAML 1.2\n---\ndomain: one\n--- \n: : :\n",
+            "domain: one\r\n---\r\n{{{\r\n",
+        ] {
+            assert_eq!(parse_file(text).unwrap().domain, "one", "{text:?}");
+        }
+        // A marker inside a value's text is no marker.
+        let f = parse_file("domain: \"a\n  --- b\"\n").unwrap();
+        assert_eq!(f.domain, "a --- b");
+        assert_eq!(first_document("domain: x\n----\n"), "domain: x\n----\n");
     }
 
     #[test]

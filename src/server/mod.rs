@@ -63,11 +63,11 @@ impl Listeners {
     pub async fn bind(settings: &Settings) -> Result<Self, ServerError> {
         let grpc_addr = settings
             .grpc
-            .addr("GRPC_HOST")
+            .addr("grpc.host (GRPC_HOST)")
             .map_err(|e| ServerError::Setup(e.to_string()))?;
         let http_addr = settings
             .http
-            .addr("HOST")
+            .addr("http.host (HOST)")
             .map_err(|e| ServerError::Setup(e.to_string()))?;
         let bind = |what, addr| async move {
             TcpListener::bind(addr)

@@ -15,8 +15,8 @@ impl Settings {
             self.validate_redis()?;
         }
         at_least_one("fallback.replicas", self.fallback.replicas as usize)?;
-        self.grpc.addr("GRPC_HOST")?;
-        self.http.addr("HOST")?;
+        self.grpc.addr("grpc.host (GRPC_HOST)")?;
+        self.http.addr("http.host (HOST)")?;
         self.validate_grpc_tls()?;
         if self.redis.tls_client_cert.is_some() != self.redis.tls_client_key.is_some() {
             return Err(SettingsError::invalid(
@@ -339,9 +339,18 @@ impl Settings {
             return Ok(());
         }
         for (name, value) in [
-            ("LIMIT_LIMIT_HEADER", &self.header_names.limit),
-            ("LIMIT_REMAINING_HEADER", &self.header_names.remaining),
-            ("LIMIT_RESET_HEADER", &self.header_names.reset),
+            (
+                "header_names.limit (LIMIT_LIMIT_HEADER)",
+                &self.header_names.limit,
+            ),
+            (
+                "header_names.remaining (LIMIT_REMAINING_HEADER)",
+                &self.header_names.remaining,
+            ),
+            (
+                "header_names.reset (LIMIT_RESET_HEADER)",
+                &self.header_names.reset,
+            ),
         ] {
             let valid = !value.is_empty()
                 && value

@@ -70,6 +70,15 @@ fn on_redis(cmd: &mut Command, redis: &RedisProcess) {
     cmd.env("REDIS_URL", redis.addr());
 }
 
+/// A replica on `redis` with the operators' API, and where it serves that API.
+fn admin_on_redis(files: &Files, redis: &RedisProcess) -> (Running, SocketAddr) {
+    let mut cmd = with_admin(files);
+    on_redis(&mut cmd, redis);
+    let running = start_binary(&mut cmd);
+    let admin = admin_addr(&running);
+    (running, admin)
+}
+
 /// Where a running binary serves the operators' API, from its log.
 fn admin_addr(running: &Running) -> SocketAddr {
     running.wait_log("Operators' API listening on '", Duration::from_secs(10));
@@ -611,10 +620,7 @@ async fn runtime_limits_set_after_redis_lost_its_data_apply_everywhere() {
 async fn a_runtime_limit_on_a_value_the_rules_hash_since_is_ignored() {
     let redis = RedisProcess::start(&[]);
     let files = Files::new();
-    let mut cmd = with_admin(&files);
-    on_redis(&mut cmd, &redis);
-    let running = start_binary(&mut cmd);
-    let admin = admin_addr(&running);
+    let (running, admin) = admin_on_redis(&files, &redis);
     let body = json!({
         "domain": "api",
         "descriptor": descriptor("tenant", "raw-tenant-secret"),
@@ -779,10 +785,7 @@ async fn the_audit_log_records_refusals_and_cannot_be_forged() {
 async fn a_delete_of_nothing_moves_no_generation() {
     let files = Files::new();
     let redis = RedisProcess::start(&[]);
-    let mut cmd = with_admin(&files);
-    on_redis(&mut cmd, &redis);
-    let running = start_binary(&mut cmd);
-    let admin = admin_addr(&running);
+    let (_running, admin) = admin_on_redis(&files, &redis);
     let body = json!({
         "domain": "api",
         "descriptor": descriptor("tenant", "t"),
@@ -819,10 +822,7 @@ async fn a_delete_of_nothing_moves_no_generation() {
 async fn a_limit_set_again_is_not_purged_as_the_expired_one_it_replaced() {
     let files = Files::new();
     let redis = RedisProcess::start(&[]);
-    let mut cmd = with_admin(&files);
-    on_redis(&mut cmd, &redis);
-    let running = start_binary(&mut cmd);
-    let admin = admin_addr(&running);
+    let (_running, admin) = admin_on_redis(&files, &redis);
     let now_ms = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap()
@@ -903,10 +903,7 @@ async fn an_expiry_with_an_offset_ends_at_that_instant() {
 async fn expiries_out_of_bounds_are_refused_and_never_break_the_listing() {
     let files = Files::new();
     let redis = RedisProcess::start(&[]);
-    let mut cmd = with_admin(&files);
-    on_redis(&mut cmd, &redis);
-    let running = start_binary(&mut cmd);
-    let admin = admin_addr(&running);
+    let (_running, admin) = admin_on_redis(&files, &redis);
     let set = |expiry: Value| {
         let mut body = json!({
             "domain": "api",

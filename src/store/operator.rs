@@ -76,36 +76,35 @@ impl LocalRecords {
     }
 
     fn delete(&self, ids: &[String]) -> usize {
-        let mut held = self.lock();
-        let deleted = ids.iter().filter(|id| held.1.remove(*id).is_some()).count();
-        // Nothing deleted, nothing changed: the replicas keep what they remember.
-        if deleted > 0 {
-            held.0 += 1;
-        }
-        deleted
+        self.delete_where(ids, |_| true)
     }
 
     /// Deletes those of `ids` whose record, as held now, expired by `now_ms` (see
     /// [`Store::purge_records`]).
     fn purge(&self, ids: &[String], now_ms: u64) -> usize {
-        let mut held = self.lock();
-        let expired = |text: &str| {
+        self.delete_where(ids, |text| {
             serde_json::from_str::<serde_json::Value>(text)
                 .ok()
                 .and_then(|record| record.get("expires_at_ms")?.as_u64())
                 .is_some_and(|at| at <= now_ms)
-        };
-        let doomed: Vec<&String> = ids
-            .iter()
-            .filter(|id| held.1.get(*id).is_some_and(|text| expired(text)))
-            .collect();
-        for id in &doomed {
-            held.1.remove(*id);
+        })
+    }
+
+    /// Deletes those of `ids` held whose record `doomed` picks, under one lock; how many.
+    fn delete_where(&self, ids: &[String], doomed: impl Fn(&str) -> bool) -> usize {
+        let mut held = self.lock();
+        let mut deleted = 0;
+        for id in ids {
+            if held.1.get(id).is_some_and(|text| doomed(text)) {
+                held.1.remove(id);
+                deleted += 1;
+            }
         }
-        if !doomed.is_empty() {
+        // Nothing deleted, nothing changed: the replicas keep what they remember.
+        if deleted > 0 {
             held.0 += 1;
         }
-        doomed.len()
+        deleted
     }
 
     fn announce(&self) {

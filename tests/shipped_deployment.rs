@@ -11,7 +11,8 @@ use std::{
     time::Duration,
 };
 
-use common::{http_request, start_binary, Running};
+use common::{descriptor, http_request, start_binary, Running};
+use ratelimitd::proto::{RateLimitDescriptor, RateLimitServiceClient};
 
 fn repository(relative: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join(relative)
@@ -34,6 +35,18 @@ fn base_environment() -> Vec<(String, String)> {
             (e["name"].as_str().unwrap().to_owned(), value.to_owned())
         })
         .collect()
+}
+
+/// The container's memory limit in bytes (`512Mi`).
+fn memory_limit() -> u64 {
+    let container = base_container();
+    let limit = container["resources"]["limits"]["memory"].as_str().unwrap();
+    let mebibytes: u64 = limit
+        .strip_suffix("Mi")
+        .expect("a limit in Mi")
+        .parse()
+        .unwrap();
+    mebibytes << 20
 }
 
 /// The ConfigMap's files under `root`, where the Deployment's RUNTIME_* variables point; `root` stands
@@ -121,4 +134,80 @@ fn domains_served(metrics: &str) -> f64 {
         .find(|l| l.starts_with("ratelimitd_rules_info{"))
         .expect("ratelimitd_rules_info is exported");
     line.rsplit(' ').next().unwrap().parse().unwrap()
+}
+
+/// Peak resident memory of a process, from /proc.
+fn peak_resident_bytes(pid: u32) -> u64 {
+    let status = fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let line = status.lines().find(|l| l.starts_with("VmHWM:")).unwrap();
+    let kib: u64 = line.split_whitespace().nth(1).unwrap().parse().unwrap();
+    kib << 10
+}
+
+/// A memory store filled by callers who choose their counters' keys (a new tenant of the ai rules each
+/// time, as long as a counter key may be: two counters each, its hour and its day, which outlive the
+/// test) stays within the base's memory limit, with room left for the gRPC buffers' bound: the store
+/// says it is full before the kernel kills the replica and every count it held.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_base_memory_store_fills_up_within_the_pods_memory_limit() {
+    const BUFFERS: u64 = 2 * (64 << 20); // Twice grpc.max_held_bytes' default.
+    const PER_REQUEST: usize = 48; // 48 values of ~1 KiB: within a request's 64 KiB.
+    let env = base_environment();
+    let max_keys: usize = env
+        .iter()
+        .find(|(n, _)| n == "RATELIMITD_MEMORY__MAX_KEYS")
+        .expect("the base bounds its memory store")
+        .1
+        .parse()
+        .unwrap();
+    let root = tempfile::tempdir().unwrap();
+    mount_rules(root.path(), &env);
+    let running = start_binary(&mut base_deployment(root.path(), &env));
+    assert!(running.serving_within(Duration::from_secs(20)));
+
+    let mut client = RateLimitServiceClient::connect(format!("http://{}", running.grpc))
+        .await
+        .unwrap();
+    // The counter key holds the domain, key and window besides the value: keep it under 1 KiB, where
+    // it still counts once against max_keys. Each tenant takes two counters.
+    const COUNTERS: usize = 2;
+    let value = |i: usize| format!("tenant-{i:08}-{}", "t".repeat(960));
+    let mut sent = 0;
+    let mut full = None;
+    while sent * COUNTERS < max_keys + PER_REQUEST {
+        let descriptors: Vec<RateLimitDescriptor> = (sent..sent + PER_REQUEST)
+            .map(|i| descriptor(&[("tenant", &value(i))]))
+            .collect();
+        sent += PER_REQUEST;
+        match client
+            .should_rate_limit(common::request("ai", descriptors))
+            .await
+        {
+            Ok(_) => {}
+            Err(status) => {
+                full = Some(status);
+                break;
+            }
+        }
+    }
+    let counters = sent * COUNTERS;
+    let full = full.unwrap_or_else(|| panic!("{counters} new counters were all taken"));
+    assert!(
+        full.message().contains("memory store full"),
+        "refused for another reason: {full:?}"
+    );
+    assert!(
+        counters >= max_keys,
+        "full after {counters} counters, below max_keys {max_keys}"
+    );
+    let peak = peak_resident_bytes(running.child.id());
+    let limit = memory_limit();
+    eprintln!("peak resident {} MiB at {counters} counters", peak >> 20);
+    assert!(
+        peak + BUFFERS <= limit,
+        "peak resident {} MiB + the buffers' {} MiB is over the pod's limit of {} MiB",
+        peak >> 20,
+        BUFFERS >> 20,
+        limit >> 20
+    );
 }

@@ -39,6 +39,8 @@ descriptors:
     rate_limit: {unit: day, requests_per_unit: 1000000000, algorithm: token_bucket}
   - key: caller
     rate_limit: {unit: second, requests_per_unit: 1000000000}
+  - key: probe
+    rate_limit: {unit: day, requests_per_unit: 1000000000, algorithm: sliding_window}
 "#;
 
 const ADMIN_TOKEN: &str = "leases-admin-token-0123456789abcdef";
@@ -467,6 +469,63 @@ async fn leases_granted_to_a_request_another_server_failed_are_given_back() {
     assert!(
         counted <= sent,
         "{counted} hits counted for {sent} requests of one hit each"
+    );
+    s.stop().await;
+}
+
+/// Checks that count nothing (a descriptor's `hits_addend: 0`, as a token budget asks before the request)
+/// on a hot sliding-window counter that holds nothing yet: no lease is asked for on them (a lease rides
+/// on hits counted), so the script calls they share with other requests are answered, and nothing is
+/// counted on the counter they only look at.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn checks_that_count_nothing_on_a_hot_counter_take_no_lease() {
+    inside_one_day().await;
+    let redis = RedisProcess::start(&[]);
+    let s = replica(&redis).await;
+    let failed = Arc::new(AtomicU64::new(0));
+    let mut callers = Vec::new();
+    for i in 0..32 {
+        let mut client = s.client().await;
+        let failed = failed.clone();
+        callers.push(tokio::spawn(async move {
+            for n in 0..100 {
+                // Half the callers look at the probe's counter, the others count on their own ones.
+                let d = if i % 2 == 0 {
+                    common::with_hits(descriptor(&[("probe", "fresh")]), 0)
+                } else {
+                    descriptor(&[("caller", format!("{i}-{n}").as_str())])
+                };
+                match client.should_rate_limit(request("hot", vec![d])).await {
+                    Ok(answer) => assert_eq!(answer.get_ref().overall_code, Code::Ok as i32),
+                    Err(status) => {
+                        if failed.fetch_add(1, Ordering::Relaxed) == 0 {
+                            eprintln!("first error: {status:?}");
+                        }
+                    }
+                }
+            }
+        }));
+    }
+    for c in callers {
+        c.await.unwrap();
+    }
+    assert_eq!(
+        failed.load(Ordering::Relaxed),
+        0,
+        "requests were answered with an error"
+    );
+    s.wait_leases_given_back(Duration::from_secs(5)).await;
+    // One hit counted: the counter held nothing before it.
+    let mut client = s.client().await;
+    let answer = client
+        .should_rate_limit(request("hot", vec![descriptor(&[("probe", "fresh")])]))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        answer.statuses[0].limit_remaining,
+        1_000_000_000 - 1,
+        "{answer:?}"
     );
     s.stop().await;
 }

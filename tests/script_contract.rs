@@ -158,6 +158,43 @@ fn a_sliding_window_gets_leased_hits_back_in_the_window_they_were_counted_in() {
     }
 }
 
+/// A lease asked for beside a check of cost 0 (which counts nothing, so leaves the state as read) is not
+/// granted, and the call is answered: on a sliding window that holds nothing, the grant used to read a
+/// state that was not there and failed the whole call (every request it carried); on one whose state is
+/// in a window that has passed, it was added to that window's count.
+#[test]
+fn a_check_of_cost_0_is_granted_no_lease() {
+    let (redis, sha, _) = loaded();
+    const DAY_MS: u64 = 86_400_000;
+    // One request with one check: key 1, spec 1 (sliding window, 1 000 000 a day), cost 0; a lease of
+    // 100 wanted for that check; no returns.
+    let args: Vec<String> = [
+        0, 1, 1, 1, 1, 1, 1_000_000, DAY_MS, 1_000_000, 0, 0, 0, 0, 1, 1, 1, 1, 1, 0, 1, 1, 100, 0,
+    ]
+    .iter()
+    .map(u64::to_string)
+    .collect();
+    let reply = call(&redis, &sha, "contract_lease_absent", &args);
+    assert!(!reply.contains("ERR"), "{reply}");
+    assert_eq!(reply.lines().last(), Some("0"), "a lease granted: {reply}");
+    assert_eq!(redis.cli(&["EXISTS", "contract_lease_absent"]), "0");
+
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
+    let yesterday = (now_ms - now_ms % DAY_MS - DAY_MS).to_string();
+    let key = "contract_lease_stale";
+    redis.cli(&["HSET", key, "s", &yesterday, "c", "1", "p", "0"]);
+    let reply = call(&redis, &sha, key, &args);
+    assert_eq!(reply.lines().last(), Some("0"), "a lease granted: {reply}");
+    assert_eq!(
+        redis.cli(&["HMGET", key, "s", "c", "p"]),
+        format!("{yesterday}\n1\n0"),
+        "the passed window's count changed"
+    );
+}
+
 /// msgpack, written here by the format's rules (not by the client's own writer): an array of integers,
 /// each in its shortest form, or any element given as raw bytes.
 fn msgpack(elements: &[Element]) -> Vec<u8> {

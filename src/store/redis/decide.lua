@@ -726,7 +726,8 @@ for r = 1, requests do
         end
       end
       -- Leases ride on consuming requests, granted whole while they are at most a sixteenth of what is
-      -- left after the request.
+      -- left after the request, and only beside hits counted: a check of cost 0 left its state as read
+      -- (absent, or in a window that has passed).
       if leasing then
         o = head + 2
         for i = first_check, last_check do
@@ -734,7 +735,7 @@ for r = 1, requests do
           local a, allowed = alg[s], nil
           if a == 0 then o = o + 1; allowed = reply[o] > 0 else allowed = reply[o + 1] == 1; o = o + 4 end
           local wanted = want[i]
-          if wanted and wanted > 0 and allowed then
+          if wanted and wanted > 0 and allowed and ccost[i] > 0 then
             local give = 0
             if a == 0 then
               if limit[s] - s1[k] >= 16 * wanted then give = wanted; s1[k] = s1[k] + give end

@@ -381,8 +381,11 @@ impl Leases {
             let cost = check.bounded_cost();
             let rate = self.observe(&check.key, cost.max(1), now);
             let size = self.size(rate, cost);
-            // The script grants a lease only while it is a sixteenth of what is left at most.
-            let hot = rate >= self.settings.after && size.saturating_mul(16) <= check.params.limit;
+            // The script grants a lease only while it is a sixteenth of what is left at most, and only
+            // beside hits it counts: a check that counts nothing (hits_addend 0) never asks for one.
+            let hot = cost > 0
+                && rate >= self.settings.after
+                && size.saturating_mul(16) <= check.params.limit;
             if !hot && self.count.load(Ordering::Relaxed) == 0 {
                 continue;
             }

@@ -41,6 +41,8 @@ descriptors:
     rate_limit: {unit: second, requests_per_unit: 1000000000}
   - key: probe
     rate_limit: {unit: day, requests_per_unit: 1000000000, algorithm: sliding_window}
+  - key: account
+    rate_limit: {unit: day, requests_per_unit: 1000}
 "#;
 
 const ADMIN_TOKEN: &str = "leases-admin-token-0123456789abcdef";
@@ -397,14 +399,12 @@ async fn leases_granted_as_a_replica_shuts_down_are_given_back() {
     answered.assert_counted_by(&redis);
 }
 
-/// A request whose checks count on two servers (here the main Redis and the per-second one) is
-/// answered by the policy when one of them fails; what the other leased it goes back rather than stay
-/// counted for no replica. The per-second Redis refuses every write (out of memory): every request
-/// that asks for a lease on the main one is answered by the policy.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn leases_granted_to_a_request_another_server_failed_are_given_back() {
-    inside_one_day().await;
-    let (redis, per_second) = (RedisProcess::start(&[]), RedisProcess::start(&[]));
+/// A replica on `redis` and, for its per-second limits, on `per_second`, which then refuses every write
+/// (out of memory).
+async fn with_a_failing_per_second_redis(
+    redis: &RedisProcess,
+    per_second: &RedisProcess,
+) -> TestServer {
     let (url, second_url) = (redis.addr(), per_second.addr());
     let s = TestServer::start_with_clock(&[("hot.yaml", RULES)], Clock::System, |s| {
         on_redis(s, url);
@@ -416,6 +416,18 @@ async fn leases_granted_to_a_request_another_server_failed_are_given_back() {
     .await;
     s.wait_serving(Duration::from_secs(20)).await;
     assert_eq!(per_second.cli(&["CONFIG", "SET", "maxmemory", "1"]), "OK");
+    s
+}
+
+/// A request whose checks count on two servers (here the main Redis and the per-second one) is
+/// answered by the policy when one of them fails; what the other leased it goes back rather than stay
+/// counted for no replica. The per-second Redis refuses every write (out of memory): every request
+/// that asks for a lease on the main one is answered by the policy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leases_granted_to_a_request_another_server_failed_are_given_back() {
+    inside_one_day().await;
+    let (redis, per_second) = (RedisProcess::start(&[]), RedisProcess::start(&[]));
+    let s = with_a_failing_per_second_redis(&redis, &per_second).await;
     let sent = Arc::new(AtomicU64::new(0));
     let mut callers = Vec::new();
     for i in 0..16 {
@@ -445,6 +457,7 @@ async fn leases_granted_to_a_request_another_server_failed_are_given_back() {
     // may have been already: a request that goes again, after the per-second Redis's clock told it
     // another window, holds the grant the main one made).
     assert_eq!(per_second.cli(&["CONFIG", "SET", "maxmemory", "0"]), "OK");
+    let failed = sent.load(Ordering::Relaxed);
     let mut client = s.client().await;
     let mut n = 0;
     while s.metric("ratelimitd_redis_lease_granted_hits_total").await == Some(0.0) {
@@ -466,9 +479,12 @@ async fn leases_granted_to_a_request_another_server_failed_are_given_back() {
     let refused = per_second.cli(&["INFO", "errorstats"]);
     eprintln!("{sent} requests, {counted} counted; {refused}");
     assert!(refused.contains("errorstat_OOM"), "{refused}");
-    assert!(
-        counted <= sent,
-        "{counted} hits counted for {sent} requests of one hit each"
+    // Every request answered OK counted one hit, and none of those the policy answered did.
+    assert_eq!(
+        counted,
+        sent - failed,
+        "{counted} hits counted for {} requests answered OK and {failed} answered UNAVAILABLE",
+        sent - failed
     );
     s.stop().await;
 }
@@ -527,6 +543,44 @@ async fn checks_that_count_nothing_on_a_hot_counter_take_no_lease() {
         1_000_000_000 - 1,
         "{answer:?}"
     );
+    s.stop().await;
+}
+
+/// A request whose limits count on two Redis servers, one of which fails it (out of memory), is answered
+/// by the on_backend_error policy: what the other server counted for it goes back, so that a request
+/// answered with an error (or denied, under `deny`) costs its caller nothing, and a retry is not counted
+/// twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn what_one_server_counted_goes_back_when_another_fails_the_request() {
+    inside_one_day().await;
+    let (redis, per_second) = (RedisProcess::start(&[]), RedisProcess::start(&[]));
+    let s = with_a_failing_per_second_redis(&redis, &per_second).await;
+    let mut client = s.client().await;
+    for n in 0..20 {
+        let value = format!("failed-{n}");
+        let descriptors = vec![
+            descriptor(&[("account", value.as_str())]),
+            descriptor(&[("caller", value.as_str())]),
+        ];
+        let answer = client.should_rate_limit(request("hot", descriptors)).await;
+        assert_eq!(answer.unwrap_err().code(), tonic::Code::Unavailable);
+    }
+    // The give-backs are sent as the requests fail, not waited for.
+    let counted = || -> u64 {
+        let keys = redis.cli(&["--scan", "--pattern", "hot_account_*"]);
+        keys.lines()
+            .filter(|k| !k.is_empty())
+            .map(|k| redis.cli(&["GET", k]).parse::<u64>().unwrap())
+            .sum()
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while counted() > 0 && std::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(counted(), 0, "hits of failed requests stayed counted");
+    // The main Redis was asked: the accounts' counters exist.
+    let keys = redis.cli(&["--scan", "--pattern", "hot_account_*"]);
+    assert_eq!(keys.lines().filter(|k| !k.is_empty()).count(), 20, "{keys}");
     s.stop().await;
 }
 

@@ -297,16 +297,25 @@ impl RedisStore {
                 let calls = pairs.map(|(group, part)| self.decide_part(group, part, deadline));
                 let mut decided = Groups::new();
                 let replies = join_all(calls).await;
-                // A failed server fails the request: the other servers' replies are dropped with it,
-                // and give back what they leased.
+                let mut failed = None;
                 for (group, reply) in groups.into_iter().zip(replies) {
                     match reply {
                         Err(StoreError::SlotsMoved) if !by_slot => moved = true,
-                        reply => {
-                            slots.push(reply?);
+                        Err(err) => {
+                            failed.get_or_insert(err);
+                        }
+                        Ok(reply) => {
+                            slots.push(reply);
                             decided.push(group);
                         }
                     }
+                }
+                if let Some(err) = failed {
+                    // A failed server fails the request, which the on_backend_error policy answers:
+                    // what the other servers counted for it goes back, and their replies are dropped
+                    // with it, giving back what they leased.
+                    self.give_back_counted(batch, &keys, &decided, &slots);
+                    return Err(err);
                 }
                 groups = decided;
             }
@@ -539,6 +548,47 @@ impl RedisStore {
         slots: &[PartReply],
         deadline: Deadline,
     ) -> Result<(), StoreError> {
+        let calls = self.refund_calls(batch, keys, groups, slots, deadline);
+        for result in join_all(calls).await {
+            result?.map_err(redis_error)?;
+        }
+        Ok(())
+    }
+
+    /// [`Self::refund_consumed`] for a request that failed: sent at once and not waited for, within
+    /// the servers' own bound (`REDIS_TIMEOUT`, each server's) rather than the request's deadline,
+    /// which may have passed.
+    fn give_back_counted(
+        &self,
+        batch: &Batch,
+        keys: &[Bytes],
+        groups: &[Group],
+        slots: &[PartReply],
+    ) {
+        let timeout = self.main.timeout.max(self.backend(1).timeout);
+        let deadline = Deadline::within(timeout);
+        for call in self.refund_calls(batch, keys, groups, slots, deadline) {
+            self.tasks.spawn(async move {
+                if let Err(err) = call.await.and_then(|r| r.map_err(redis_error)) {
+                    tracing::warn!(
+                        "hits counted for a request that another Redis failed were not given back: {err}"
+                    );
+                }
+            });
+        }
+    }
+
+    /// The refund.lua calls that give back what the decided `slots` consumed, one per Cluster slot.
+    fn refund_calls(
+        &self,
+        batch: &Batch,
+        keys: &[Bytes],
+        groups: &[Group],
+        slots: &[PartReply],
+        deadline: Deadline,
+    ) -> Vec<
+        impl std::future::Future<Output = Result<Result<i64, Error>, StoreError>> + Send + 'static,
+    > {
         // One call per slot: refund.lua declares every key it gives back to.
         let mut refunds: Vec<Refund<'_>> = Vec::new();
         for (group, reply) in groups.iter().zip(slots) {
@@ -559,19 +609,24 @@ impl RedisStore {
                 }
             }
         }
-        let calls = refunds.iter().map(|refund| {
-            let (group, checks) = (refund.group, &refund.checks);
-            let RefundCall { keys, args } = RefundCall::new(batch, keys, checks, refund.server_ms);
-            let backend = self.backend(group.backend);
-            let (until, late) = Self::wait_bound(backend, deadline);
-            let call =
-                backend.eval_on::<i64, _, _>(&group.node, self.refund.clone(), keys, args, until);
-            group.node.wait(&self.tasks, call, until, late)
-        });
-        for result in join_all(calls).await {
-            result?.map_err(redis_error)?;
-        }
-        Ok(())
+        refunds
+            .iter()
+            .map(|refund| {
+                let (group, checks) = (refund.group, &refund.checks);
+                let RefundCall { keys, args } =
+                    RefundCall::new(batch, keys, checks, refund.server_ms);
+                let backend = self.backend(group.backend);
+                let (until, late) = Self::wait_bound(backend, deadline);
+                let call = backend.eval_on::<i64, _, _>(
+                    &group.node,
+                    self.refund.clone(),
+                    keys,
+                    args,
+                    until,
+                );
+                group.node.wait(&self.tasks, call, until, late)
+            })
+            .collect()
     }
 }
 

@@ -445,6 +445,21 @@ fn a_per_second_redis_from_the_reference_variables_or_our_own() {
         .to_string();
         assert!(err.contains(named), "{name}={value}: {err}");
     }
+    // Its address is named as its own.
+    let err = Settings::load(
+        None,
+        &env(&[
+            ("REDIS_URL", "m:1"),
+            ("REDIS_PERSECOND", "true"),
+            ("REDIS_PERSECOND_URL", "fast:bad"),
+        ]),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("REDIS_PERSECOND_URL: bad port in \"fast:bad\""),
+        "{err}"
+    );
 }
 
 #[test]

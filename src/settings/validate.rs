@@ -158,10 +158,19 @@ impl Settings {
                 .check()
                 .map_err(|e| SettingsError::Unusable(e.to_string()))?;
             if let Some(per_second) = &self.redis_per_second {
+                // The messages name the main Redis's variables; the per-second one has its own
+                // address, kind and socket type (REDIS_PERSECOND_*) and shares the TLS files.
                 per_second.check().map_err(|e| {
-                    SettingsError::Unusable(format!(
-                        "{e} (the per-second Redis, REDIS_PERSECOND_*)"
-                    ))
+                    let text =
+                        ["URL", "TYPE", "SOCKET_TYPE"]
+                            .iter()
+                            .fold(e.to_string(), |text, name| {
+                                text.replace(
+                                    &format!("REDIS_{name}"),
+                                    &format!("REDIS_PERSECOND_{name}"),
+                                )
+                            });
+                    SettingsError::Unusable(format!("{text} (the per-second Redis)"))
                 })?;
             }
         }

@@ -11,30 +11,68 @@ use fred::{
 
 use super::{super::StoreError, tls, RedisSettings, RedisTopology, SocketType};
 
+/// `url` as it may be shown in a message: the credentials of a `redis://user:password@host` form left
+/// out.
+pub(super) fn shown(url: &str) -> String {
+    url.split(',')
+        .map(|part| match part.rsplit_once('@') {
+            Some((before, host)) => match before.split_once("://") {
+                Some((scheme, _)) => format!("{scheme}://***@{host}"),
+                None => format!("***@{host}"),
+            },
+            None => part.to_owned(),
+        })
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
 /// Splits `host:port` (IPv6 in brackets allowed).
-fn host_port(text: &str, default_port: u16) -> Result<(String, u16), StoreError> {
-    let text = text.trim();
-    let text = text
+fn host_port(written: &str, default_port: u16) -> Result<(String, u16), StoreError> {
+    let written = written.trim();
+    let quoted = shown(written);
+    let text = written
         .strip_prefix("redis://")
-        .or_else(|| text.strip_prefix("rediss://"))
-        .unwrap_or(text);
+        .or_else(|| written.strip_prefix("rediss://"))
+        .unwrap_or(written);
+    if let Some((scheme, _)) = text.split_once("://") {
+        return Err(StoreError::Config(format!(
+            "REDIS_URL: {scheme}:// is not a Redis address; write host:port, redis://, rediss:// or a socket path, in {quoted:?}"
+        )));
+    }
     let text = text.rsplit_once('@').map_or(text, |(_, host)| host);
     let text = text.split('/').next().unwrap_or(text);
     let (host, port) = match text.rsplit_once(':') {
         Some((host, port)) if !host.is_empty() && !port.contains(']') => (
             host,
             port.parse()
-                .map_err(|_| StoreError::Config(format!("REDIS_URL: bad port in {text:?}")))?,
+                .map_err(|_| StoreError::Config(format!("REDIS_URL: bad port in {quoted:?}")))?,
         ),
         _ => (text, default_port),
     };
     let host = host.trim_start_matches('[').trim_end_matches(']');
     if host.is_empty() {
         return Err(StoreError::Config(format!(
-            "REDIS_URL: no host in {text:?}"
+            "REDIS_URL: no host in {quoted:?}"
         )));
     }
     Ok((host.to_owned(), port))
+}
+
+/// The address of a single server: a list is a Cluster's seed nodes or a Sentinel set, which
+/// REDIS_TYPE names.
+fn single_host_port(written: &str) -> Result<(String, u16), StoreError> {
+    let quoted = shown(written);
+    if written.starts_with('/') {
+        return Err(StoreError::Config(format!(
+            "REDIS_URL: {quoted:?} is a socket path, and REDIS_SOCKET_TYPE is tcp: set it to unix, or leave it unset"
+        )));
+    }
+    if written.contains(',') {
+        return Err(StoreError::Config(format!(
+            "REDIS_URL: {quoted:?} is a list, and REDIS_TYPE is single: set REDIS_TYPE=cluster for a Cluster's nodes, or REDIS_TYPE=sentinel for mastername,host:port,..."
+        )));
+    }
+    host_port(written, 6379)
 }
 
 /// The fred configuration for the settings.
@@ -58,7 +96,7 @@ pub fn client_config(settings: &RedisSettings) -> Result<Config, StoreError> {
             Config::from_url(url).map_err(|e| StoreError::Config(format!("REDIS_URL: {e}")))?
         }
         RedisTopology::Single => {
-            let (host, port) = host_port(url, 6379)?;
+            let (host, port) = single_host_port(url)?;
             Config {
                 server: ServerConfig::new_centralized(host, port),
                 ..Config::default()
@@ -169,6 +207,41 @@ mod tests {
         );
         assert!(client_config(&settings("mymaster", RedisTopology::Sentinel)).is_err());
         assert!(client_config(&settings("h:port", RedisTopology::Single)).is_err());
+    }
+
+    /// Addresses that cannot be one server's say what to set, quoting the whole value.
+    #[test]
+    fn addresses_of_another_kind_name_the_setting_that_fits() {
+        let refused = |url: &str, socket_type| {
+            let mut s = settings(url, RedisTopology::Single);
+            s.socket_type = socket_type;
+            client_config(&s).unwrap_err().to_string()
+        };
+        let list = refused("127.0.0.1:7000,127.0.0.1:7001", None);
+        assert!(list.contains("REDIS_TYPE=cluster"), "{list}");
+        assert!(list.contains("\"127.0.0.1:7000,127.0.0.1:7001\""), "{list}");
+        let sentinel = refused("mymaster,10.0.0.5:26379", None);
+        assert!(sentinel.contains("REDIS_TYPE=sentinel"), "{sentinel}");
+        let http = refused("http://127.0.0.1:6379", None);
+        assert!(http.contains("http:// is not a Redis address"), "{http}");
+        assert!(http.contains("\"http://127.0.0.1:6379\""), "{http}");
+        let path = refused("/tmp/redis.sock", Some(SocketType::Tcp));
+        assert!(path.contains("REDIS_SOCKET_TYPE is tcp"), "{path}");
+        let port = refused("127.0.0.1:bad", None);
+        assert!(port.contains("bad port in \"127.0.0.1:bad\""), "{port}");
+        // Never the password of a URL.
+        let mut cluster = settings(
+            "redis://u:secret@a:1,redis://u:secret@b:x",
+            RedisTopology::Cluster,
+        );
+        cluster.socket_type = None;
+        let err = client_config(&cluster).unwrap_err().to_string();
+        assert!(
+            !err.contains("secret") && err.contains("redis://***@b:x"),
+            "{err}"
+        );
+        let list = refused("redis://u:secret@a:1,b:2", None);
+        assert!(!list.contains("secret"), "{list}");
     }
 
     #[test]

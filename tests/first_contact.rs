@@ -277,3 +277,55 @@ fn a_reference_subdirectory_without_its_root_reads_the_reference_default_root() 
         "{log}"
     );
 }
+
+/// A REDIS_TYPE that does not fit the server is named, not served: a Cluster node taken for a single
+/// server would fail nearly every request (MOVED, CROSSSLOT) while reporting ready, and a single server
+/// taken for a Cluster wrote a line every tenth of a second without naming the setting.
+#[test]
+fn a_redis_type_that_does_not_fit_the_server_is_named() {
+    let runtime = tempfile::tempdir().unwrap();
+    let config = runtime.path().join("ratelimit/config");
+    fs::create_dir_all(&config).unwrap();
+    fs::write(config.join("api.yaml"), RULES).unwrap();
+
+    let cluster = common::redis::RedisCluster::start(false);
+    let node = &cluster.masters[0];
+    let as_single = start_binary(&mut reference_deployment(runtime.path(), node));
+    as_single.wait_log(
+        "is a Cluster node: set REDIS_TYPE=cluster",
+        Duration::from_secs(20),
+    );
+    assert!(
+        !as_single.serving_within(Duration::from_secs(2)),
+        "ready on a Cluster node taken for a single server"
+    );
+    drop(as_single);
+
+    // A Cluster of one node holds every slot: as a single server it answers every call.
+    let alone = RedisProcess::start(&[
+        "--cluster-enabled",
+        "yes",
+        "--cluster-config-file",
+        "nodes.conf",
+    ]);
+    assert_eq!(alone.cli(&["CLUSTER", "ADDSLOTSRANGE", "0", "16383"]), "OK");
+    let one_node = start_binary(&mut reference_deployment(runtime.path(), &alone));
+    assert!(
+        one_node.serving_within(Duration::from_secs(20)),
+        "a Cluster of one node refused as a single server; log:\n{}",
+        one_node.log.lock().unwrap()
+    );
+    drop(one_node);
+
+    let plain = RedisProcess::start(&[]);
+    let as_cluster =
+        start_binary(reference_deployment(runtime.path(), &plain).env("REDIS_TYPE", "cluster"));
+    as_cluster.wait_log(
+        "the server is not in a Cluster: set REDIS_TYPE to single or sentinel",
+        Duration::from_secs(20),
+    );
+    std::thread::sleep(Duration::from_secs(2));
+    let log = as_cluster.log.lock().unwrap().clone();
+    let lines = log.matches("Redis client stopped").count();
+    assert!(lines <= 2, "{lines} lines in about 2 s:\n{log}");
+}

@@ -628,6 +628,15 @@ fn sentinels_with_a_password_of_their_own_need_redis_sentinel_auth() {
     for secret in [MASTER_PASSWORD, SENTINEL_PASSWORD] {
         assert!(!log.contains(secret), "{secret} in the log: {log}");
     }
+    drop(running);
+
+    // The Sentinels' password alone: the master refuses, though the error reads as the Sentinels'.
+    let running = on_sentinels(&set, rules.path(), None, Some(SENTINEL_PASSWORD));
+    running.wait_log(
+        "the Redis servers want a password: set REDIS_AUTH",
+        Duration::from_secs(20),
+    );
+    assert!(!running.serving_within(Duration::from_secs(1)));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -429,6 +429,10 @@ fn redis_tls_checks_the_host_name_unless_told_not_to() {
         !strict.serving_within(Duration::from_secs(3)),
         "a certificate for another host name was accepted"
     );
+    strict.wait_log(
+        "or set REDIS_TLS_SKIP_HOSTNAME_VERIFICATION=true",
+        Duration::from_secs(5),
+    );
     let mut relaxed_env = base.to_vec();
     relaxed_env.push(("REDIS_TLS_SKIP_HOSTNAME_VERIFICATION", "true"));
     let relaxed = start_redis_client(rules.path(), &relaxed_env);
@@ -444,6 +448,10 @@ fn redis_tls_checks_the_host_name_unless_told_not_to() {
     assert!(
         !untrusted.serving_within(Duration::from_secs(3)),
         "an unknown CA was accepted"
+    );
+    untrusted.wait_log(
+        "not signed by a CA in REDIS_TLS_CACERT",
+        Duration::from_secs(5),
     );
 }
 

@@ -153,20 +153,96 @@ impl std::fmt::Debug for Backend {
     }
 }
 
-/// What to set when a server refuses the connection's credentials: which password a refusal asks for is
-/// not in Redis's message, and a Sentinel set has two (the servers' and the Sentinels' own).
-fn auth_hint(message: &str, topology: RedisTopology) -> &'static str {
+/// What a Redis's logins are made of, for the hint a refused one gets.
+#[derive(Debug, Clone, Copy)]
+struct Login {
+    topology: RedisTopology,
+    /// `REDIS_` or `REDIS_PERSECOND_`.
+    variables: &'static str,
+    /// The settings file's section: `redis` or `redis_per_second`.
+    section: &'static str,
+    /// Whether a password for the servers, and one for the Sentinels, is set.
+    auth: bool,
+    sentinel_auth: bool,
+}
+
+impl Login {
+    fn of(name: &str, settings: &RedisSettings) -> Self {
+        Self {
+            topology: settings.topology,
+            variables: variables_of(name),
+            section: if name == "per-second" {
+                "redis_per_second"
+            } else {
+                "redis"
+            },
+            auth: !settings.auth.0.is_empty(),
+            sentinel_auth: !settings.sentinel_auth.0.is_empty(),
+        }
+    }
+}
+
+/// What to set when a server refuses the connection's credentials or certificate: which password a refusal asks for is
+/// not in Redis's message, and a Sentinel set has two (the servers' and the Sentinels' own). The Redis
+/// client words every error met on its way through the Sentinels alike, whoever refused, so which of
+/// the two is wanted is read from which is set.
+fn auth_hint(message: &str, login: Login) -> String {
+    let (v, section) = (login.variables, login.section);
+    // The TLS files and checks are the main Redis's, which the per-second one shares.
+    if message.contains("UnknownIssuer") {
+        return " (the server's certificate is not signed by a CA in REDIS_TLS_CACERT)".into();
+    }
+    if message.contains("NotValidForName") {
+        return format!(
+            " (the server's certificate does not name the host of {v}URL: use a name it was issued for, or set REDIS_TLS_SKIP_HOSTNAME_VERIFICATION=true)"
+        );
+    }
+    let noauth = message.contains("NOAUTH");
     let refused = message.contains("WRONGPASS") || message.contains("invalid username-password");
-    match (message.contains("NOAUTH"), refused, topology) {
-        (true, _, RedisTopology::Sentinel) if message.contains("Sentinel") => {
-            " (the Sentinels want a password of their own: set REDIS_SENTINEL_AUTH, or redis.sentinel_auth)"
+    if login.topology == RedisTopology::Sentinel {
+        if noauth {
+            return match (login.auth, login.sentinel_auth) {
+                (false, true) => format!(
+                    " (the Redis servers want a password: set {v}AUTH, or {section}.auth)"
+                ),
+                (true, false) => format!(
+                    " (the Sentinels want a password of their own: set {v}SENTINEL_AUTH, or {section}.sentinel_auth)"
+                ),
+                (false, false) => format!(
+                    " (the Redis servers' password is {v}AUTH and the Sentinels' own {v}SENTINEL_AUTH: set the one they want)"
+                ),
+                (true, true) => format!(
+                    " (check {v}AUTH for the Redis servers and {v}SENTINEL_AUTH for the Sentinels)"
+                ),
+            };
         }
-        (true, _, _) => " (the server wants a password: set REDIS_AUTH, or redis.auth)",
-        (false, true, RedisTopology::Sentinel) => {
-            " (check REDIS_AUTH for the Redis servers and REDIS_SENTINEL_AUTH for the Sentinels)"
+        if refused {
+            return format!(
+                " (check {v}AUTH for the Redis servers and {v}SENTINEL_AUTH for the Sentinels)"
+            );
         }
-        (false, true, _) => " (check REDIS_AUTH)",
-        (false, false, _) => "",
+        if message.contains("Failed to connect to all sentinel nodes") {
+            return format!(
+                " (check the Sentinels' addresses in {v}URL, and their own password, {v}SENTINEL_AUTH)"
+            );
+        }
+        return String::new();
+    }
+    if noauth {
+        format!(" (the server wants a password: set {v}AUTH, or {section}.auth)")
+    } else if refused {
+        format!(" (check {v}AUTH)")
+    } else {
+        String::new()
+    }
+}
+
+/// The prefix of the environment variables of the Redis named `name` (`main` or `per-second`).
+fn variables_of(name: &str) -> &'static str {
+    if name == "per-second" {
+        "REDIS_PERSECOND_"
+    } else {
+        "REDIS_"
     }
 }
 
@@ -271,9 +347,9 @@ impl Backend {
                     async { Ok(()) }
                 });
             }
-            let (weak, topology, url) = (
+            let (weak, login, url) = (
                 Arc::downgrade(&backend),
-                settings.topology,
+                Login::of(name, settings),
                 settings.url.clone(),
             );
             client.on_error(move |(err, server)| {
@@ -284,7 +360,7 @@ impl Backend {
                     .as_ref()
                     .filter(|b| !b.cluster)
                     .map(|b| b.single.clone());
-                connection_error(backend, node, name, topology, &url, &err, server);
+                connection_error(backend, node, name, login, &url, &err, server);
                 async { Ok(()) }
             });
         }
@@ -368,7 +444,11 @@ impl Backend {
             .node_settings
             .node(server.to_string(), Some(pool.clone()));
         // Its errors name it, whether the client does or not.
-        let (name, topology, url) = (self.name, settings.topology, server.to_string());
+        let (name, login, url) = (
+            self.name,
+            Login::of(self.name, settings),
+            server.to_string(),
+        );
         for client in pool.clients() {
             // The callbacks hold the node weakly, and no client: a client held by its own callback
             // would never be freed once retired.
@@ -393,7 +473,7 @@ impl Backend {
             let (backend, master, url) = (self.this.clone(), Arc::downgrade(&node), url.clone());
             client.on_error(move |(err, lost)| {
                 let master = master.upgrade();
-                connection_error(backend.upgrade(), master, name, topology, &url, &err, lost);
+                connection_error(backend.upgrade(), master, name, login, &url, &err, lost);
                 async { Ok(()) }
             });
             let (backend, master, keeper) = (
@@ -419,9 +499,47 @@ impl Backend {
         node
     }
 
+    /// Whether the Cluster the server is in has one master (a Cluster of one node, or a server that
+    /// emulates Cluster mode): every key's slot is on the server asked, so it works as a single one.
+    async fn serves_every_slot(&self) -> bool {
+        let Ok(Value::Array(ranges)) = self.pool.next().cluster_slots::<Value>().await else {
+            return false;
+        };
+        let mut masters = ranges.iter().filter_map(|range| match range {
+            Value::Array(range) => range.get(2).map(|master| format!("{master:?}")),
+            _ => None,
+        });
+        let first = masters.next();
+        first.is_some() && masters.all(|m| Some(m) == first)
+    }
+
+    /// The prefix of this Redis's environment variables: `REDIS_`, or `REDIS_PERSECOND_`.
+    fn variables(&self) -> &'static str {
+        variables_of(self.name)
+    }
+
     /// Waits until every connection is up and the scripts are loaded.
     pub async fn ready(&self, scripts: &[Script; 2]) -> Result<(), StoreError> {
         wait_connected(&self.pool).await?;
+        if !self.cluster {
+            // A Cluster node answers calls on its own slots' keys only (MOVED, CROSSSLOT otherwise):
+            // as a single server it would fail nearly every request. An error (a user refused INFO)
+            // is passed over.
+            let info = self
+                .pool
+                .next()
+                .info::<String>(Some(fred::types::InfoKind::Cluster))
+                .await;
+            if info.is_ok_and(|text| text.contains("cluster_enabled:1"))
+                && !self.serves_every_slot().await
+            {
+                let prefix = self.variables();
+                return Err(StoreError::Backend(format!(
+                    "redis: {} is a Cluster node: set {prefix}TYPE=cluster ({prefix}URL may name one or more of its nodes)",
+                    super::config::shown(&self.direct.settings.url)
+                )));
+            }
+        }
         load_scripts(self.pool.next(), scripts)
             .await
             .map_err(redis_error)?;
@@ -648,7 +766,7 @@ fn connection_error(
     backend: Option<Arc<Backend>>,
     node: Option<Arc<Node>>,
     name: &'static str,
-    topology: RedisTopology,
+    login: Login,
     url: &str,
     err: &Error,
     server: Option<Server>,
@@ -694,7 +812,7 @@ fn connection_error(
     let text = err.to_string();
     // Each pooled connection retries on its own: one line per error and server a while.
     if backend.is_none_or(|b| b.connection_errors.first_in_a_while(&server, &text)) {
-        let hint = auth_hint(&text, topology);
+        let hint = auth_hint(&text, login);
         tracing::warn!(
             server,
             backend = name,
@@ -728,10 +846,24 @@ fn supervise(
                 Ok(Err(err)) => err.to_string(),
                 Err(join) => join.to_string(),
             };
-            tracing::warn!(
-                backend = name,
-                "Redis client stopped ({why}): connecting it again"
-            );
+            // Each pooled client stops on its own, and one that cannot work (a Cluster client on a
+            // server that is not in one) stops every time: a line per error a while.
+            static STOPPED: std::sync::LazyLock<ErrorLog> =
+                std::sync::LazyLock::new(ErrorLog::default);
+            if STOPPED.first_in_a_while(name, &why) {
+                let hint = if why.contains("cluster support disabled") {
+                    let prefix = variables_of(name);
+                    format!(
+                        " (the server is not in a Cluster: set {prefix}TYPE to single or sentinel)"
+                    )
+                } else {
+                    String::new()
+                };
+                tracing::warn!(
+                    backend = name,
+                    "Redis client stopped ({why}): connecting it again{hint}"
+                );
+            }
             tokio::time::sleep(RESTART_AFTER).await;
             // Closed meanwhile: not connected again.
             if !in_use() {
@@ -855,24 +987,66 @@ pub(super) fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 #[cfg(test)]
 mod tests {
-    use super::{auth_hint, RedisTopology};
+    use super::{auth_hint, Login, RedisSettings, RedisTopology};
+
+    fn login(name: &str, topology: RedisTopology, auth: &str, sentinel_auth: &str) -> Login {
+        let mut settings = RedisSettings {
+            topology,
+            ..RedisSettings::default()
+        };
+        settings.auth.0 = auth.into();
+        settings.sentinel_auth.0 = sentinel_auth.into();
+        Login::of(name, &settings)
+    }
 
     #[test]
     fn a_refused_login_names_the_setting_to_set() {
-        let sentinel = "Sentinel Error: NOAUTH Authentication required.";
-        assert!(auth_hint(sentinel, RedisTopology::Sentinel).contains("REDIS_SENTINEL_AUTH"));
+        use RedisTopology::{Cluster, Sentinel, Single};
+        // Every error on the way through the Sentinels reads alike, whoever refused.
+        let noauth = "Sentinel Error: NOAUTH Authentication required.";
+        let hint = auth_hint(noauth, login("main", Sentinel, "pw", ""));
+        assert!(hint.contains("set REDIS_SENTINEL_AUTH"), "{hint}");
+        let hint = auth_hint(noauth, login("main", Sentinel, "", "spw"));
+        assert!(hint.contains("set REDIS_AUTH"), "{hint}");
+        let hint = auth_hint(noauth, login("main", Sentinel, "", ""));
+        assert!(
+            hint.contains("REDIS_AUTH") && hint.contains("REDIS_SENTINEL_AUTH"),
+            "{hint}"
+        );
+        let unreached = "Sentinel Error: Failed to connect to all sentinel nodes.";
+        let hint = auth_hint(unreached, login("main", Sentinel, "", "wrong"));
+        assert!(hint.contains("REDIS_SENTINEL_AUTH"), "{hint}");
         let master = "Auth Error: NOAUTH Authentication required.";
-        assert!(auth_hint(master, RedisTopology::Sentinel).contains("set REDIS_AUTH"));
-        assert!(auth_hint(master, RedisTopology::Single).contains("set REDIS_AUTH"));
+        let hint = auth_hint(master, login("main", Single, "", ""));
+        assert!(hint.contains("set REDIS_AUTH, or redis.auth"), "{hint}");
         let wrong = "Auth Error: WRONGPASS invalid username-password pair or user is disabled.";
         assert_eq!(
-            auth_hint(wrong, RedisTopology::Cluster),
+            auth_hint(wrong, login("main", Cluster, "x", "")),
             " (check REDIS_AUTH)"
         );
-        assert!(auth_hint(wrong, RedisTopology::Sentinel).contains("REDIS_SENTINEL_AUTH"));
+        assert!(auth_hint(wrong, login("main", Sentinel, "x", "y")).contains("REDIS_SENTINEL_AUTH"));
+        // The per-second Redis's own variables.
         assert_eq!(
-            auth_hint("IO Error: connection refused", RedisTopology::Single),
+            auth_hint(wrong, login("per-second", Single, "x", "")),
+            " (check REDIS_PERSECOND_AUTH)"
+        );
+        let hint = auth_hint(master, login("per-second", Single, "", ""));
+        assert!(
+            hint.contains("REDIS_PERSECOND_AUTH, or redis_per_second.auth"),
+            "{hint}"
+        );
+        assert_eq!(
+            auth_hint(
+                "IO Error: connection refused",
+                login("main", Single, "", "")
+            ),
             ""
         );
+        let issuer = "IO Error: invalid peer certificate: UnknownIssuer";
+        let hint = auth_hint(issuer, login("main", Single, "", ""));
+        assert!(hint.contains("REDIS_TLS_CACERT"), "{hint}");
+        // The per-second Redis shares the main one's TLS files.
+        let hint = auth_hint(issuer, login("per-second", Single, "", ""));
+        assert!(hint.contains(" REDIS_TLS_CACERT"), "{hint}");
     }
 }

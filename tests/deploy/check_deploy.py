@@ -136,10 +136,20 @@ def kubernetes():
     check("read-only root, no privilege escalation", sc["readOnlyRootFilesystem"] and not sc["allowPrivilegeEscalation"])
     check("non-root pod", spec["securityContext"]["runAsNonRoot"] is True)
     check("spread across nodes", any(t["topologyKey"] == "kubernetes.io/hostname" for t in spec["topologySpreadConstraints"]))
-    service = next(o for o in base if o["kind"] == "Service")
+    services = {o["metadata"]["name"]: o for o in base if o["kind"] == "Service"}
+    service = services["ratelimitd"]
     ports = {p["name"]: p for p in service["spec"]["ports"]}
     check("Service grpc 8081 appProtocol grpc", ports["grpc"]["port"] == 8081 and ports["grpc"]["appProtocol"] == "grpc")
     check("Service http 8080", ports["http"]["port"] == 8080)
+    # Envoy's STRICT_DNS clusters need every replica's address: a headless Service over the same pods,
+    # which deploy/envoy's files name.
+    headless = services.get("ratelimitd-headless", {}).get("spec", {})
+    check("headless Service over the Deployment's pods", headless.get("clusterIP") == "None"
+          and headless.get("selector") == deployment["spec"]["selector"]["matchLabels"]
+          and any(p["port"] == 8081 for p in headless.get("ports", [])), str(headless))
+    for name in ("envoy.yaml", "rlqs.yaml"):
+        text = open(path("deploy/envoy", name)).read()
+        check(f"deploy/envoy/{name} names the headless Service", "ratelimitd-headless.<namespace>.svc.cluster.local" in text)
     kinds = {o["kind"] for o in base}
     for kind in ("HorizontalPodAutoscaler", "PodDisruptionBudget", "NetworkPolicy", "ServiceMonitor", "PrometheusRule", "ConfigMap"):
         check(f"base has a {kind}", kind in kinds)

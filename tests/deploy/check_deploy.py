@@ -3,7 +3,8 @@
 - every kustomization under deploy/kubernetes renders with `kubectl kustomize`, and every rendered object
   of a built-in kind validates against the Kubernetes schemas (kubernetes-validate, strict: an unknown or
   misspelled field fails); ServiceMonitor and PrometheusRule are checked against what they must say;
-- the base's rules and PrometheusRule are the same as examples/config and deploy/monitoring/alerts.yaml;
+- the base's rules and the PrometheusRule are the same as examples/config and deploy/monitoring/alerts.yaml;
+  the base and the overlays hold no Prometheus Operator kind (deploy/kubernetes/monitoring has them);
 - deploy/envoy/token-budget.yaml is an Envoy Bootstrap that checks each budget of examples/config/ai.yaml
   before the request (hits_addend 0) and reports the tokens from dynamic metadata after it
   (apply_on_stream_done), on rules that count over their limit;
@@ -54,6 +55,7 @@ KUSTOMIZATIONS = [
     "deploy/kubernetes/overlays/redis-sentinel/example-redis",
     "deploy/kubernetes/overlays/redis-cluster",
     "deploy/kubernetes/overlays/redis-cluster/example-redis",
+    "deploy/kubernetes/monitoring",
 ]
 
 check = Tally("deploy")
@@ -151,8 +153,16 @@ def kubernetes():
         text = open(path("deploy/envoy", name)).read()
         check(f"deploy/envoy/{name} names the headless Service", "ratelimitd-headless.<namespace>.svc.cluster.local" in text)
     kinds = {o["kind"] for o in base}
-    for kind in ("HorizontalPodAutoscaler", "PodDisruptionBudget", "NetworkPolicy", "ServiceMonitor", "PrometheusRule", "ConfigMap"):
+    for kind in ("HorizontalPodAutoscaler", "PodDisruptionBudget", "NetworkPolicy", "ConfigMap"):
         check(f"base has a {kind}", kind in kinds)
+    # The base and the overlays hold built-in kinds only (each validated above against the Kubernetes
+    # schemas): they apply on a cluster without the Prometheus Operator, whose kinds are apart.
+    for k, objects in rendered.items():
+        operator_kinds = {o["kind"] for o in objects} & {"ServiceMonitor", "PrometheusRule"}
+        if k != "deploy/kubernetes/monitoring":
+            check(f"{k} needs no Prometheus Operator", not operator_kinds, str(operator_kinds))
+    monitoring = {o["kind"] for o in rendered["deploy/kubernetes/monitoring"]}
+    check("monitoring has the ServiceMonitor and the PrometheusRule", monitoring == {"ServiceMonitor", "PrometheusRule"}, str(monitoring))
     rules = next(o for o in base if o["kind"] == "ConfigMap")
     for name in sorted(os.listdir(path("examples/config"))):
         check(f"ConfigMap {name} equals examples/config/{name}", rules["data"].get(name) == open(path("examples/config", name)).read())

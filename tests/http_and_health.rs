@@ -95,6 +95,15 @@ async fn health_is_serving_on_both_names_and_on_healthcheck() {
     assert_eq!(grpc_health(&s, "").await, ServingStatus::Serving);
     assert_eq!(grpc_health(&s, SERVICE_NAME).await, ServingStatus::Serving);
     assert_eq!(s.http("GET", "/healthcheck", "").await, (200, "OK".into()));
+    // Any method, as the reference answers: HAProxy's httpchk sends OPTIONS.
+    for method in ["OPTIONS", "POST", "PUT"] {
+        assert_eq!(
+            s.http(method, "/healthcheck", "").await,
+            (200, "OK".into()),
+            "{method}"
+        );
+        assert_eq!(s.http(method, "/rlconfig", "").await.0, 200, "{method}");
+    }
     s.stop().await;
 }
 

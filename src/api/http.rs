@@ -58,7 +58,8 @@ pub fn router(limiter: Arc<Limiter>, health: Arc<Health>, metrics: Arc<Metrics>)
         rules_text: Arc::default(),
     };
     Router::new()
-        .route("/healthcheck", get(healthcheck))
+        // Any method, as the reference answers them: a load balancer's check may send OPTIONS.
+        .route("/healthcheck", any(healthcheck))
         .route(
             "/json",
             any(decide_json)
@@ -68,7 +69,7 @@ pub fn router(limiter: Arc<Limiter>, health: Arc<Health>, metrics: Arc<Metrics>)
                     declared_too_long,
                 )),
         )
-        .route("/rlconfig", get(rlconfig))
+        .route("/rlconfig", any(rlconfig))
         .route("/metrics", get(render_metrics))
         .route("/debug/top", get(top_offenders))
         .with_state(state)

@@ -490,14 +490,7 @@ async fn starts_before_redis_and_serves_once_it_is_up() {
 #[test]
 fn follows_a_sentinel_failover_and_says_so_once() {
     let mut set = SentinelSet::start();
-    let rules = tempfile::tempdir().unwrap();
-    std::fs::write(rules.path().join("fleet.yaml"), RULES).unwrap();
-    let running = on_sentinels(&set, rules.path(), None, None);
-    assert!(
-        running.serving_within(Duration::from_secs(20)),
-        "{}",
-        running.log.lock().unwrap()
-    );
+    let (running, _rules) = serving_on_sentinels(&set);
     assert_eq!(logins(&running, "before", 2), vec![200, 200]);
 
     let old_master = set.master.port;
@@ -541,6 +534,104 @@ fn follows_a_sentinel_failover_and_says_so_once() {
             && moved[0].contains(&format!(":{old_master})")),
         "{log}"
     );
+}
+
+/// A planned failover (`SENTINEL FAILOVER`, as Redis charts run before stopping a master) promotes the
+/// replica while the old master keeps taking writes until the Sentinels demote it, seconds later; what
+/// is counted there meanwhile is lost when it resyncs from the new master. The replica follows the
+/// Sentinels' announcement and counts on the new master from then on.
+#[test]
+fn a_planned_sentinel_failover_loses_no_count() {
+    let set = SentinelSet::start();
+    let (running, _rules) = serving_on_sentinels(&set);
+    std::thread::sleep(common::until_far_from_a_minute_end());
+    assert_eq!(logins(&running, "before", 1), vec![200]);
+
+    assert_eq!(
+        set.sentinels[0].cli(&["SENTINEL", "FAILOVER", "mymaster"]),
+        "OK"
+    );
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while set.master_port() != set.replica.port {
+        assert!(Instant::now() < deadline, "sentinel did not fail over");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // The switch is announced, and the replica follows it long before the Sentinels demote the old
+    // master (some ten seconds): from then on every count goes to the new master.
+    running.wait_log("Redis master is now", Duration::from_secs(5));
+    let users: Vec<String> = (0..10).map(|i| format!("switched{i}")).collect();
+    for user in &users {
+        assert_eq!(logins(&running, user, 1), vec![200], "{user}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // The old master, demoted, has synced from the new one: what it alone held is gone.
+    let deadline = Instant::now() + Duration::from_secs(40);
+    while !set
+        .master
+        .cli(&["INFO", "replication"])
+        .contains("master_link_status:up")
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the old master was never demoted"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let lost: Vec<&String> = users
+        .iter()
+        .filter(|user| {
+            let pattern = format!("fleet_login_{user}_*");
+            set.replica
+                .cli(&["--scan", "--pattern", &pattern])
+                .trim()
+                .is_empty()
+        })
+        .collect();
+    assert!(
+        lost.is_empty(),
+        "counts lost in the failover: {lost:?}; log:\n{}",
+        running.log.lock().unwrap()
+    );
+}
+
+/// A Sentinel named in REDIS_URL that never answers (its client still connecting to it) does not hold up
+/// the shutdown: the replica exits within moments of SIGTERM.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sentinel_that_never_answers_does_not_hold_up_the_shutdown() {
+    let set = SentinelSet::start();
+    let rules = tempfile::tempdir().unwrap();
+    std::fs::write(rules.path().join("fleet.yaml"), RULES).unwrap();
+    // A port nothing listens on, and one that takes connections and never answers.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!(
+        "{},127.0.0.1:{},{}",
+        set.url(),
+        common::redis::free_port(),
+        silent.local_addr().unwrap()
+    );
+    let mut cmd = common::binary(rules.path());
+    cmd.envs([("REDIS_TYPE", "sentinel"), ("REDIS_URL", url.as_str())]);
+    let mut running = common::start_binary(&mut cmd);
+    assert!(
+        running.serving_within(Duration::from_secs(20)),
+        "{}",
+        running.log.lock().unwrap()
+    );
+    let status = running.terminate(Duration::from_secs(8)).await;
+    assert!(status.success(), "{status:?}");
+}
+
+/// The binary on a passwordless Sentinel set, serving; with the folder of its rules.
+fn serving_on_sentinels(set: &SentinelSet) -> (common::Running, tempfile::TempDir) {
+    let rules = tempfile::tempdir().unwrap();
+    std::fs::write(rules.path().join("fleet.yaml"), RULES).unwrap();
+    let running = on_sentinels(set, rules.path(), None, None);
+    assert!(
+        running.serving_within(Duration::from_secs(20)),
+        "{}",
+        running.log.lock().unwrap()
+    );
+    (running, rules)
 }
 
 /// The binary on a Sentinel set through the reference variables, with the given REDIS_AUTH and

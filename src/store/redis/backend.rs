@@ -26,7 +26,9 @@ use super::{
     config::client_config,
     load_scripts,
     node::{is_cluster_down, never_written, Node, Probe},
-    redis_error, RedisSettings, RedisTopology,
+    redis_error,
+    sentinel::Switches,
+    RedisSettings, RedisTopology,
 };
 use crate::store::{breaker::Breaker, StoreError};
 
@@ -82,6 +84,10 @@ pub struct Backend {
     direct: Direct,
     /// The socket path when the server is reached by one; else servers are asked on their TCP port.
     unix_socket: Option<std::path::PathBuf>,
+    /// On Sentinel: the subscription to the Sentinels' announcements of a new master, and the master
+    /// the pooled connections are being moved to.
+    switches: Mutex<Option<Switches>>,
+    switching_to: Mutex<Option<Server>>,
 }
 
 /// The Cluster masters known from the slot map, by address.
@@ -308,6 +314,8 @@ impl Backend {
             closing: AtomicBool::new(false),
             connection_errors: ErrorLog::default(),
             unix_socket,
+            switches: Mutex::new(None),
+            switching_to: Mutex::new(None),
             master: Mutex::new(None),
             this: this.clone(),
             direct: Direct {
@@ -317,6 +325,17 @@ impl Backend {
                 scripts: scripts.clone(),
             },
         });
+        let weak = Arc::downgrade(&backend);
+        let switches = Switches::follow(
+            &backend.direct.config,
+            settings.connect_timeout,
+            move |to| {
+                if let Some(backend) = weak.upgrade() {
+                    backend.master_switched(to);
+                }
+            },
+        )?;
+        *lock(&backend.switches) = switches;
         for client in backend.pool.clients() {
             let (scripts, reloading) = (scripts.clone(), client.clone());
             let weak = Arc::downgrade(&backend);
@@ -668,6 +687,60 @@ impl Backend {
                 .any(|node| node.breaker.refusing())
     }
 
+    /// The Sentinels announced `to` as the master: the pooled connections go there now, not once the
+    /// old master is demoted (see [`Switches`]).
+    fn master_switched(&self, to: Server) {
+        if self.closing.load(Ordering::Relaxed) || self.reached(&to) {
+            return;
+        }
+        // Every Sentinel announces the switch: one move at a time.
+        if lock(&self.switching_to).replace(to.clone()).as_ref() == Some(&to) {
+            return;
+        }
+        tracing::warn!(
+            backend = self.name,
+            "the Sentinels switched the master to {to}: connecting to it"
+        );
+        let this = self.this.clone();
+        tokio::spawn(async move {
+            // The client asks one Sentinel for the master, which may not have heard of the switch yet
+            // and name the old one: asked again until the connections reach the new master.
+            for _ in 0..SWITCH_ATTEMPTS {
+                let Some(backend) = this.upgrade() else {
+                    return;
+                };
+                if backend.closing.load(Ordering::Relaxed) || backend.reached(&to) {
+                    break;
+                }
+                if lock(&backend.switching_to).as_ref() != Some(&to) {
+                    // Another switch came since: its own task follows it.
+                    return;
+                }
+                if let Err(err) = backend.pool.force_reconnection().await {
+                    tracing::warn!(
+                        backend = backend.name,
+                        "connecting to the new master: {err}"
+                    );
+                }
+                drop(backend);
+                tokio::time::sleep(SWITCH_PAUSE).await;
+            }
+            if let Some(backend) = this.upgrade() {
+                let mut switching = lock(&backend.switching_to);
+                if switching.as_ref() == Some(&to) {
+                    *switching = None;
+                }
+            }
+        });
+    }
+
+    /// Whether the pooled connections last reached `server` (its host and port).
+    fn reached(&self, server: &Server) -> bool {
+        lock(&self.master)
+            .as_ref()
+            .is_some_and(|m| m.host == server.host && m.port == server.port)
+    }
+
     /// Notes that a pooled connection reached `server`. Outside a Cluster they all reach one server, and
     /// a new one is a Sentinel failover (or a name that resolves elsewhere): said once, not once per
     /// pooled connection.
@@ -748,6 +821,10 @@ impl Backend {
     /// Closes the connections.
     pub async fn close(&self) {
         self.closing.store(true, Ordering::Relaxed);
+        let switches = lock(&self.switches).take();
+        if let Some(switches) = switches {
+            switches.close().await;
+        }
         let masters: Vec<Arc<Node>> = lock(&self.masters).values().cloned().collect();
         for node in masters {
             if let Some(pool) = node.direct() {
@@ -757,6 +834,11 @@ impl Backend {
         let _ = self.pool.quit().await;
     }
 }
+
+/// How many times the pooled connections are moved to a master the Sentinels announced before the
+/// replica waits for their next announcement, and the pause after each move.
+const SWITCH_ATTEMPTS: usize = 20;
+const SWITCH_PAUSE: Duration = Duration::from_millis(100);
 
 /// How long a client whose connection task ended waits before it is connected again.
 const RESTART_AFTER: Duration = Duration::from_millis(100);

@@ -36,6 +36,7 @@ mod node;
 mod operator;
 mod options;
 mod script;
+mod sentinel;
 mod share;
 mod tls;
 

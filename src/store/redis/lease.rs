@@ -73,6 +73,9 @@ pub struct Taken {
     /// request, or a grant for it, goes to no other when it ended meanwhile (an operator's reset dropped
     /// it, or its renewal took too long) and another took its place.
     lease_of: PerCheck<u64>,
+    /// Per check answered from a lease: when the hits it took were granted (the server's time), so
+    /// that they go back to the window that counted them.
+    granted_ms: PerCheck<u64>,
     /// A lease this request needs is empty while another request brings more: wait for it, then take
     /// again, rather than ask Redis alongside.
     pub wait: Option<Pin<Box<OwnedNotified>>>,
@@ -84,6 +87,7 @@ impl Taken {
             local: smallvec![None; checks],
             want: smallvec![0; checks],
             lease_of: smallvec![0; checks],
+            granted_ms: smallvec![0; checks],
             wait: None,
         }
     }
@@ -411,6 +415,7 @@ impl Leases {
                         lease.ends_at = (now + self.settings.lease_for).min(lease.window_ends);
                         lease.left -= cost;
                         taken.lease_of[i] = lease.id;
+                        taken.granted_ms[i] = lease.granted_ms;
                         lease.remaining = lease.remaining.saturating_sub(cost);
                         taken.local[i] = Some(Outcome {
                             allowed: true,
@@ -515,9 +520,28 @@ impl Leases {
         if !consumed {
             for (i, _) in taken.local.iter().enumerate().filter(|(_, o)| o.is_some()) {
                 if let Some(lease) = held_lease(&mut held, &keys[i], taken.lease_of[i]) {
-                    let cost = batch.checks[i].bounded_cost();
-                    lease.left += cost;
-                    lease.remaining = lease.remaining.saturating_add(cost);
+                    let (check, taken_ms) = (&batch.checks[i], taken.granted_ms[i]);
+                    let cost = check.bounded_cost();
+                    if cost == 0 {
+                        continue;
+                    }
+                    if in_another_window(check, taken_ms, lease.granted_ms) {
+                        // The lease ran dry and was granted again in the next sliding window
+                        // meanwhile: these hits were counted in the window before, and go back to it.
+                        lock(&self.moved_on).push(Ended {
+                            backend: lease.backend,
+                            give_back: Return {
+                                key: keys[i].clone(),
+                                slot: lease.slot,
+                                spec: lease.spec,
+                                hits: cost,
+                                granted_ms: taken_ms,
+                            },
+                        });
+                    } else {
+                        lease.left += cost;
+                        lease.remaining = lease.remaining.saturating_add(cost);
+                    }
                 }
             }
         }
@@ -682,6 +706,14 @@ mod tests {
         (0, grant, 0, [0, 1000, 3_600_000, 1000, 3600, 0, 0, 0])
     }
 
+    /// [`grant`] of a sliding window of a minute, answered at `server_ms`.
+    fn grant_at(hits: u64, server_ms: u64) -> (usize, Grant, u16, Spec) {
+        let (i, mut grant, slot, spec) = grant(hits);
+        grant.server_ms = server_ms;
+        grant.reset_ms = 120_000 - server_ms % 60_000;
+        (i, grant, slot, spec)
+    }
+
     fn take(leases: &Leases, batch: &Batch) -> Taken {
         leases.take(batch, &keys(), |_| 0, true)
     }
@@ -829,12 +861,6 @@ mod tests {
         batch.checks[0].params.algorithm = Algorithm::SlidingWindow;
         batch.checks[0].params.window_ms = 60_000;
         // Granted at 1 s and 31 s of the window from 0 to 60 s, then at 61 s, in the next one.
-        let grant_at = |hits, server_ms: u64| {
-            let (i, mut grant, slot, spec) = grant(hits);
-            grant.server_ms = server_ms;
-            grant.reset_ms = 120_000 - server_ms % 60_000;
-            (i, grant, slot, spec)
-        };
         let spend_until_renewing = |leases: &Leases| loop {
             let taken = take(leases, &batch);
             if taken.want[0] > 0 {
@@ -874,6 +900,50 @@ mod tests {
             (ended[0].give_back.hits, ended[0].give_back.granted_ms),
             (30, 61_000)
         );
+    }
+
+    /// A request takes a sliding window lease's last hits, and while it waits for its other checks the
+    /// lease is granted again in the next window; the request then consumes nothing: its hits go back
+    /// to the window that counted them, not into the new window's lease.
+    #[tokio::test(start_paused = true)]
+    async fn hits_a_request_gives_back_after_the_window_moved_on_go_to_their_own_window() {
+        let leases = leases();
+        let mut batch = batch(100_000, 1);
+        batch.checks[0].params.algorithm = Algorithm::SlidingWindow;
+        batch.checks[0].params.window_ms = 60_000;
+        warm(&leases, &batch, 9);
+        let asking = take(&leases, &batch);
+        Settling::new(&leases, &batch, &keys(), asking).finish(true, &[grant_at(10, 59_000)]);
+        // Spent to its last hit by requests still waiting, one of which asks for more.
+        let mut waiting = Vec::new();
+        let renewing = loop {
+            let taken = take(&leases, &batch);
+            if taken.want[0] > 0 {
+                break taken;
+            }
+            assert!(taken.local[0].is_some());
+            waiting.push(taken);
+        };
+        while leases.lock()[&keys()[0]].left > 0 {
+            waiting.push(take(&leases, &batch));
+        }
+        // The renewal is answered in the next window, with the lease empty.
+        Settling::new(&leases, &batch, &keys(), renewing).finish(true, &[grant_at(20, 61_000)]);
+        let given = waiting.len() as u64;
+        for taken in waiting {
+            // Denied by another of its checks: nothing consumed.
+            drop(Settling::new(&leases, &batch, &keys(), taken));
+        }
+        assert_eq!(
+            leases.lock()[&keys()[0]].left,
+            20,
+            "the new window's lease holds its own grant only"
+        );
+        let ended = leases.ended(false);
+        assert_eq!(ended.len() as u64, given);
+        assert!(ended
+            .iter()
+            .all(|e| (e.give_back.hits, e.give_back.granted_ms) == (1, 59_000)));
     }
 
     #[tokio::test(start_paused = true)]

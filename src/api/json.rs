@@ -213,6 +213,8 @@ fn list<'de, A: MapAccess<'de>, M: Message>(
 enum Token<'de> {
     Str(Cow<'de, str>),
     Unsigned(u64),
+    /// A number written with a fraction or an exponent.
+    Float(f64),
     Null,
     Other,
 }
@@ -222,10 +224,26 @@ impl Token<'_> {
         let wrong = || E::custom(format!("{field}: expected a non-negative integer"));
         match self {
             Token::Unsigned(n) => Ok(n),
-            Token::Str(s) => s.parse().map_err(|_| wrong()),
+            Token::Str(s) => s
+                .parse()
+                .or_else(|_| s.parse::<f64>().map_err(drop).and_then(whole))
+                .map_err(|()| wrong()),
+            Token::Float(x) => whole(x).map_err(|()| wrong()),
             Token::Null => Ok(0),
             Token::Other => Err(wrong()),
         }
+    }
+}
+
+/// A number written with an exponent (`1e2`) or a zero fraction (`100.0`), which protobuf's JSON reads as
+/// the integer it is; not one with a fraction, a negative one, or one past 2^53 (where a double no longer
+/// holds every integer).
+fn whole(x: f64) -> Result<u64, ()> {
+    const EXACT: f64 = 9_007_199_254_740_992.0;
+    if x.fract() == 0.0 && (0.0..=EXACT).contains(&x) {
+        Ok(x as u64)
+    } else {
+        Err(())
     }
 }
 
@@ -259,8 +277,8 @@ impl<'de> Visitor<'de> for Scalar {
     fn visit_i64<E: de::Error>(self, _: i64) -> Result<Token<'de>, E> {
         Ok(Token::Other)
     }
-    fn visit_f64<E: de::Error>(self, _: f64) -> Result<Token<'de>, E> {
-        Ok(Token::Other)
+    fn visit_f64<E: de::Error>(self, v: f64) -> Result<Token<'de>, E> {
+        Ok(Token::Float(v))
     }
     fn visit_bool<E: de::Error>(self, _: bool) -> Result<Token<'de>, E> {
         Ok(Token::Other)
@@ -355,7 +373,22 @@ impl<'de, M: Message> Visitor<'de> for Nullable<'_, M> {
     }
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Option<M>, A::Error> {
         let mut message = M::default();
+        // Each field once, under either of its names (protobuf's JSON refuses a repeated field: read
+        // last-wins, a request could count in another domain than a proxy in front of it read).
+        let mut seen: Vec<String> = Vec::new();
         while let Some(Name(name)) = map.next_key()? {
+            let field: String = name
+                .chars()
+                .filter(|&c| c != '_')
+                .map(|c| c.to_ascii_lowercase())
+                .collect();
+            if seen.contains(&field) {
+                return Err(de::Error::custom(format!(
+                    "field {:?} is written twice in {}",
+                    quoted(&name),
+                    M::NAME
+                )));
+            }
             if !message.field(&name, &mut map, self.limits)? {
                 return Err(de::Error::custom(format!(
                     "unknown field {:?} in {}",
@@ -363,6 +396,7 @@ impl<'de, M: Message> Visitor<'de> for Nullable<'_, M> {
                     M::NAME
                 )));
             }
+            seen.push(field);
         }
         Ok(Some(message))
     }
@@ -524,6 +558,12 @@ mod tests {
         );
         let r = parse(br#"{"domain":"d","descriptors":[{"limit":{"unit":7}}]}"#).unwrap();
         assert_eq!(r.descriptors[0].limit.unwrap().unit, Some(Unit::Week));
+        // Integers written with an exponent or a zero fraction, as numbers or strings.
+        let r = parse(br#"{"hitsAddend":1e2,"descriptors":[{"hitsAddend":"3E0","limit":{"requestsPerUnit":10.0}}]}"#)
+            .unwrap();
+        assert_eq!(r.hits_addend, 100);
+        assert_eq!(r.descriptors[0].hits_addend, Some(3));
+        assert_eq!(r.descriptors[0].limit.unwrap().requests_per_unit, 10);
     }
 
     #[test]
@@ -575,6 +615,18 @@ mod tests {
             (br#"[]"#, "RateLimitRequest: expected a JSON object"),
             (br#"null"#, "RateLimitRequest: expected a JSON object"),
             (br#"{"domain":"d"} {}"#, "invalid JSON"),
+            // A field written twice, under one name or both: refused, as protobuf's JSON refuses it,
+            // rather than read last-wins.
+            (
+                br#"{"domain":"t","domain":"zzz"}"#,
+                "field \"domain\" is written twice in RateLimitRequest",
+            ),
+            (
+                br#"{"hitsAddend":1,"hits_addend":9}"#,
+                "field \"hits_addend\" is written twice",
+            ),
+            (br#"{"hitsAddend":1e20}"#, "hitsAddend"),
+            (br#"{"hitsAddend":"2.5"}"#, "hitsAddend"),
         ] {
             let err = parse(body).unwrap_err();
             assert!(err.contains(want), "{err}");

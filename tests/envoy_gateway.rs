@@ -35,32 +35,54 @@ const STATSD_PORT: u16 = 9125;
 const WITHIN: Duration = Duration::from_secs(20);
 
 /// A rule set as Envoy Gateway's translator writes one for a BackendTrafficPolicy: the listener as
-/// domain and name, the route and the rule match as nested descriptors.
+/// domain and name, the route and the rule match as nested descriptors; and a token budget.
 fn gateway_rules() -> RateLimitConfig {
     let route = "httproute/default/backend/rule/0/match/0/www_example_com";
     RateLimitConfig {
         name: "default/eg/http".into(),
         domain: "default/eg/http".into(),
-        descriptors: vec![RateLimitDescriptor {
-            key: route.into(),
-            value: route.into(),
-            descriptors: vec![RateLimitDescriptor {
-                key: "rule-0-match-0".into(),
-                value: "rule-0-match-0".into(),
-                rate_limit: Some(RateLimitPolicy {
-                    unit: RateLimitUnit::Hour as i32,
-                    requests_per_unit: 3,
-                    ..RateLimitPolicy::default()
-                }),
+        descriptors: vec![
+            budget_rule(),
+            RateLimitDescriptor {
+                key: route.into(),
+                value: route.into(),
+                descriptors: vec![RateLimitDescriptor {
+                    key: "rule-0-match-0".into(),
+                    value: "rule-0-match-0".into(),
+                    rate_limit: Some(RateLimitPolicy {
+                        unit: RateLimitUnit::Hour as i32,
+                        requests_per_unit: 3,
+                        ..RateLimitPolicy::default()
+                    }),
+                    ..RateLimitDescriptor::default()
+                }],
                 ..RateLimitDescriptor::default()
-            }],
-            ..RateLimitDescriptor::default()
-        }],
+            },
+        ],
+    }
+}
+
+/// The route of a policy whose cost comes from the response (an AI gateway's token count): 10 000 tokens
+/// an hour.
+const BUDGET_ROUTE: &str = "httproute/default/llm/rule/0/match/0/llm_example_com";
+
+fn budget_rule() -> RateLimitDescriptor {
+    RateLimitDescriptor {
+        key: BUDGET_ROUTE.into(),
+        value: BUDGET_ROUTE.into(),
+        rate_limit: Some(RateLimitPolicy {
+            unit: RateLimitUnit::Hour as i32,
+            requests_per_unit: 10_000,
+            ..RateLimitPolicy::default()
+        }),
+        ..RateLimitDescriptor::default()
     }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn envoy_gateways_environment_serves_the_limit_its_control_plane_pushed() {
+    // Its limits are hourly windows on the real clock.
+    common::wait_for_room_in_the_hour_window();
     let statsd = StatsdListener::start_on(STATSD_PORT).await;
     let redis = RedisProcess::start(&[]);
     let ca = Ca::new("envoy-gateway");
@@ -157,6 +179,34 @@ async fn envoy_gateways_environment_serves_the_limit_its_control_plane_pushed() 
     }
     assert_eq!(codes, [Code::Ok, Code::Ok, Code::OverLimit]);
     assert_eq!(redis.cli(&["DBSIZE"]), "1", "the counter lives in Redis");
+
+    // A token budget, as Envoy asks for one: a check that counts nothing before each request, and the
+    // tokens the response used reported after it (an answer Envoy ignores). The fourth report takes the
+    // budget past its 10 000; from then on the check says OVER_LIMIT, as the reference says it.
+    let budget = |tokens| {
+        request(
+            "default/eg/http",
+            vec![common::with_hits(
+                descriptor(&[(BUDGET_ROUTE, BUDGET_ROUTE)]),
+                tokens,
+            )],
+        )
+    };
+    let mut checks = Vec::new();
+    for _ in 0..5 {
+        let check = client
+            .should_rate_limit(budget(0))
+            .await
+            .unwrap()
+            .into_inner();
+        checks.push(check.overall_code());
+        client.should_rate_limit(budget(3_000)).await.unwrap();
+    }
+    assert_eq!(
+        checks,
+        [Code::Ok, Code::Ok, Code::Ok, Code::Ok, Code::OverLimit],
+        "the budget never ran out"
+    );
     let ack = plane.answer_to("1", WITHIN).await.request;
     assert_eq!(
         (

@@ -3,12 +3,7 @@
 
 mod common;
 
-use std::{
-    fs,
-    path::Path,
-    process::Command,
-    time::{Duration, SystemTime, UNIX_EPOCH},
-};
+use std::{fs, path::Path, process::Command, time::Duration};
 
 use common::{descriptor, redis::RedisProcess, request, start_binary, Running};
 use ratelimitd::proto::{rate_limit_response::Code, RateLimitServiceClient};
@@ -76,15 +71,6 @@ fn redis_keys(redis: &RedisProcess) -> Vec<String> {
     keys
 }
 
-/// The test counts in one hour window, restart included: near the end of one, wait for the next.
-fn wait_for_room_in_the_hour_window() {
-    let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap();
-    let left = 3600 - now.as_secs() % 3600;
-    if left < 60 {
-        std::thread::sleep(Duration::from_secs(left + 1));
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_with_only_the_reference_variables_serves_hashes_api_keys_and_keeps_counting_across_a_restart(
 ) {
@@ -93,7 +79,7 @@ async fn redis_with_only_the_reference_variables_serves_hashes_api_keys_and_keep
     let config = runtime.path().join("ratelimit/config");
     fs::create_dir_all(&config).unwrap();
     fs::write(config.join("api.yaml"), RULES).unwrap();
-    wait_for_room_in_the_hour_window();
+    common::wait_for_room_in_the_hour_window();
 
     let first = start_serving(&mut reference_deployment(runtime.path(), &redis));
     for hit in 1..=3 {

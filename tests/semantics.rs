@@ -544,7 +544,7 @@ async fn run_table(store: &str, redis: Option<(String, RedisTopology)>) {
     for consume_on_deny in [false, true] {
         let redis = redis.clone();
         let s = TestServer::start_with_clock(&files, Clock::System, move |s| {
-            s.consume_on_deny = consume_on_deny;
+            s.consume_on_deny = Some(consume_on_deny);
             if let Some((url, topology)) = redis {
                 s.backend = Some(BackendKind::Redis);
                 s.redis.url = url;

@@ -78,7 +78,7 @@ pub(super) fn limiter(
             key_prefix: settings.cache_key_prefix.clone(),
             shadow_mode: settings.shadow_mode,
             quota_mode: settings.quota_mode,
-            consume_on_deny: settings.consume_on_deny,
+            consume_on_deny: settings.consumes_on_deny(),
             response_headers: settings.response_headers,
             header_names: settings.header_names.clone(),
             request_limits: settings.request_limits.clone(),

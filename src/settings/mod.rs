@@ -121,10 +121,10 @@ pub struct Settings {
     /// request is denied only when all of them are over, and not at all when one of its descriptors
     /// matched no limit. Env `QUOTA_MODE`; default false.
     pub quota_mode: bool,
-    /// Count every descriptor of a denied request, as the reference service does by default.
-    /// Default false: a denied request consumes nothing. Env `STOP_CACHE_KEY_INCREMENT_WHEN_OVERLIMIT=false`
-    /// sets this to true.
-    pub consume_on_deny: bool,
+    /// Count every descriptor of a denied request, as the reference service does by default. Unset: a
+    /// denied request consumes nothing, but with rules over xDS, which carry no `count_over_limit` (see
+    /// [`Settings::consumes_on_deny`]). Env `STOP_CACHE_KEY_INCREMENT_WHEN_OVERLIMIT`, inverted.
+    pub consume_on_deny: Option<bool>,
     /// Fraction of a limit above which hits count as "near limit" in metrics. Env `NEAR_LIMIT_RATIO`; default 0.8.
     pub near_limit_ratio: f64,
     /// Rate limit headers added to responses (`off`, `envoy` or `ietf`). Env
@@ -194,7 +194,7 @@ impl Default for Settings {
             request_limits: RequestLimits::default(),
             shadow_mode: false,
             quota_mode: false,
-            consume_on_deny: false,
+            consume_on_deny: None,
             near_limit_ratio: 0.8,
             response_headers: ResponseHeaders::Off,
             header_names: HeaderNames::default(),
@@ -313,6 +313,16 @@ impl Settings {
             ));
         }
         Ok(settings)
+    }
+
+    /// Whether a denied request consumes its descriptors' counters: as set, else only when the rules
+    /// come over xDS. An Envoy Gateway route that reports a cost after its response (a token count from
+    /// dynamic metadata) needs each report counted in full even when it takes the counter past its
+    /// limit; a rules file says so with `count_over_limit`, which xDS cannot carry, so such a deployment
+    /// counts as the reference does by default, and a budget runs out.
+    pub fn consumes_on_deny(&self) -> bool {
+        self.consume_on_deny
+            .unwrap_or(self.rules.config_type == ConfigType::GrpcXdsSotw)
     }
 
     /// The backend in use: the configured one, else `redis` when a Redis URL is set, else `memory`.

@@ -138,7 +138,7 @@ const REFERENCE: &[Row] = &[
         );
     }),
     // The reference counts every descriptor of a denied request unless told to stop.
-    row!("STOP_CACHE_KEY_INCREMENT_WHEN_OVERLIMIT", Trim, |s, v| s.consume_on_deny = !boolean(v)?),
+    row!("STOP_CACHE_KEY_INCREMENT_WHEN_OVERLIMIT", Trim, |s, v| s.consume_on_deny = Some(!boolean(v)?)),
     row!("LIMIT_RESPONSE_HEADERS_ENABLED", Trim, |s, v| s.response_headers = if boolean(v)? {
         ResponseHeaders::Envoy
     } else {

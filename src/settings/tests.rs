@@ -19,7 +19,7 @@ fn defaults_serve_on_the_reference_ports_with_memory_and_local_rules() {
     assert_eq!(s.backend(), BackendKind::Memory);
     assert_eq!(s.log.level, LogLevel::Warn);
     assert_eq!(s.rules.source().root, PathBuf::from("config"));
-    assert!(!s.consume_on_deny);
+    assert!(!s.consumes_on_deny());
 }
 
 #[test]
@@ -134,7 +134,7 @@ fn reference_env_vars_keep_their_meaning() {
     assert_eq!(s.log.format, LogFormat::Json);
     assert!(s.shadow_mode);
     assert!(s.quota_mode);
-    assert!(s.consume_on_deny);
+    assert!(s.consumes_on_deny());
     assert_eq!(s.response_headers, ResponseHeaders::Envoy);
     assert_eq!(s.header_names.remaining, "X-Left");
     assert!(s.rules.merge_domains);
@@ -934,6 +934,24 @@ fn xds_settings_from_the_reference_variables() {
         }
     );
     assert_eq!(x.max_message_bytes(), 16 << 20);
+    // Rules over xDS carry no count_over_limit: denied requests count, as the reference counts them,
+    // unless told otherwise.
+    assert!(s.consumes_on_deny());
+    let xds = [
+        ("CONFIG_TYPE", "GRPC_XDS_SOTW"),
+        ("CONFIG_GRPC_XDS_SERVER_URL", "envoy-gateway:18001"),
+    ];
+    for (stop, consumes) in [("true", false), ("false", true)] {
+        let mut vars = xds.to_vec();
+        vars.push(("STOP_CACHE_KEY_INCREMENT_WHEN_OVERLIMIT", stop));
+        let s = Settings::load(None, &env(&vars)).unwrap();
+        assert_eq!(s.consumes_on_deny(), consumes, "{stop}");
+    }
+    let mut vars = xds.to_vec();
+    vars.push(("RATELIMITD_CONSUME_ON_DENY", "false"));
+    assert!(!Settings::load(None, &env(&vars))
+        .unwrap()
+        .consumes_on_deny());
 
     for (name, value, says) in [
         ("CONFIG_TYPE", "CONSUL", "expected file or grpc_xds_sotw"),

@@ -82,6 +82,15 @@ pub fn until_far_from_a_minute_end() -> Duration {
     }
 }
 
+/// For a test that counts in one hour window: near the end of one (a minute or less left), waits for
+/// the next.
+pub fn wait_for_room_in_the_hour_window() {
+    let left = 3_600_000 - now_ms() % 3_600_000;
+    if left < 60_000 {
+        std::thread::sleep(Duration::from_millis(left + 1_000));
+    }
+}
+
 /// Waits [`until_far_from_a_minute_end`].
 pub async fn far_from_a_minute_end() {
     tokio::time::sleep(until_far_from_a_minute_end()).await;

@@ -1299,3 +1299,56 @@ async fn an_operators_api_that_cannot_start_stops_the_replica() {
         "{err}"
     );
 }
+
+/// One keep-alive connection to the operators' API outlives `grpc.handshake_timeout`, which bounds an
+/// HTTP/2 connection's TLS handshake and preface: HTTP/1.1 sends no preface, and every admin connection
+/// was cut that long after its accept, however busy.
+#[test]
+fn a_keep_alive_connection_to_the_api_outlives_the_handshake_bound() {
+    let files = Files::new();
+    let mut cmd = with_admin(&files);
+    cmd.env("RATELIMITD_GRPC__HANDSHAKE_TIMEOUT", "1s");
+    let running = start_binary(&mut cmd);
+    let addr = admin_addr(&running);
+    let mut stream = TcpStream::connect(addr).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .unwrap();
+    let request = format!(
+        "GET /v1/limits HTTP/1.1\r\nHost: test\r\nAuthorization: Bearer {TOKEN}\r\nX-Operator: tester\r\n\r\n"
+    );
+    for n in 0..3 {
+        if n > 0 {
+            std::thread::sleep(Duration::from_millis(800));
+        }
+        stream.write_all(request.as_bytes()).unwrap();
+        // The head, then the body its Content-Length gives.
+        let mut head = Vec::new();
+        let mut byte = [0u8; 1];
+        while !head.ends_with(b"\r\n\r\n") {
+            let read = stream.read(&mut byte).unwrap();
+            assert_eq!(
+                read,
+                1,
+                "closed before answer {n}: {}",
+                String::from_utf8_lossy(&head)
+            );
+            head.push(byte[0]);
+        }
+        let head = String::from_utf8(head).unwrap();
+        assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+        let length: usize = head
+            .lines()
+            .find_map(|l| {
+                l.to_ascii_lowercase()
+                    .strip_prefix("content-length: ")
+                    .map(str::to_owned)
+            })
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
+        let mut body = vec![0u8; length];
+        stream.read_exact(&mut body).unwrap();
+    }
+}

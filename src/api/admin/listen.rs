@@ -36,7 +36,7 @@ pub async fn serve(
                 certificate: None,
             });
             connections.spawn(http1::serve_connection(
-                place.connection(tcp),
+                place.http1().connection(tcp),
                 router,
                 caller,
                 timeouts,
@@ -71,7 +71,14 @@ pub async fn serve(
                 .and_then(|chain| chain.first())
                 .map(|leaf| fingerprint(leaf.as_ref()));
             let caller = extensions(Caller { peer, certificate });
-            http1::serve_connection(place.connection(stream), router, caller, timeouts, stop).await;
+            http1::serve_connection(
+                place.http1().connection(stream),
+                router,
+                caller,
+                timeouts,
+                stop,
+            )
+            .await;
         });
     }
     // Closes the listening socket before the drain: new clients are refused instead of left waiting.

@@ -35,6 +35,14 @@ impl Place {
             .map(|after| later(self.accepted, after))
     }
 
+    /// This place for an HTTP/1 connection, which sends no HTTP/2 client preface to end the handshake
+    /// bound: a TLS handshake is bounded by [`Place::handshake_deadline`] before, and the connection by
+    /// its other bounds after (it would otherwise be cut at the handshake bound, however busy).
+    pub fn http1(mut self) -> Self {
+        self.bounds.handshake = None;
+        self
+    }
+
     /// The connection over `io` (the TCP stream, or the TLS stream over it), holding this place.
     pub fn connection<IO>(self, io: IO) -> Counted<IO> {
         let timers = Timers::arm(self.bounds, self.accepted);

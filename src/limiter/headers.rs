@@ -8,7 +8,10 @@
 //! same descriptor as `envoy` mode (`"name";r=<remaining>;t=<seconds to reset>`). Whenever headers are
 //! on, an OVER_LIMIT answer also carries `Retry-After`.
 
-use super::{plan::Resolved, Code, DescriptorStatus, HeaderNames, ResponseHeaders};
+use super::{
+    plan::{passes_as_quota, Resolved},
+    Code, DescriptorStatus, HeaderNames, ResponseHeaders,
+};
 use crate::store::Role;
 
 /// The headers of an answer with these statuses, chosen from `resolved` (each descriptor's limits and
@@ -20,6 +23,7 @@ pub(super) fn build(
     resolved: &[Resolved<'_>],
     reported: &[Option<usize>],
     overall: Code,
+    quota_mode: bool,
 ) -> Vec<(String, String)> {
     if mode == ResponseHeaders::Off {
         return Vec::new();
@@ -64,15 +68,40 @@ pub(super) fn build(
         }
     };
     if overall == Code::OverLimit {
-        let retry_after = statuses
-            .iter()
-            .filter(|s| s.code == Code::OverLimit)
-            .filter_map(|s| s.retry_after.or(s.duration_until_reset))
-            .max()
-            .unwrap_or(reset);
-        headers.push(("Retry-After".into(), retry_after.to_string()));
+        headers.push((
+            "Retry-After".into(),
+            retry_after(statuses, resolved, quota_mode)
+                .unwrap_or(reset)
+                .to_string(),
+        ));
     }
     headers
+}
+
+/// How long before the same request could be allowed: every enforced descriptor over its limit must
+/// free (the longest of their waits), and when the quota descriptors deny it (all over, and none passing
+/// as one: see [`passes_as_quota`]), one of them must free too (the shortest of theirs).
+fn retry_after(
+    statuses: &[DescriptorStatus],
+    resolved: &[Resolved<'_>],
+    quota_mode: bool,
+) -> Option<u64> {
+    let pairs = || statuses.iter().zip(resolved);
+    let wait =
+        |(s, _): (&DescriptorStatus, &Resolved<'_>)| s.retry_after.or(s.duration_until_reset);
+    let quota = |(_, r): &(&DescriptorStatus, &Resolved<'_>)| r.role() == Some(Role::Quota);
+    let over = |(s, _): &(&DescriptorStatus, &Resolved<'_>)| s.code == Code::OverLimit;
+    let enforced = pairs()
+        .filter(|pair| over(pair) && !quota(pair))
+        .filter_map(wait)
+        .max();
+    let quota_denies = !passes_as_quota(resolved, quota_mode)
+        && pairs().any(|pair| quota(&pair))
+        && pairs().filter(quota).all(|pair| over(&pair));
+    let first_quota = quota_denies
+        .then(|| pairs().filter(quota).filter_map(wait).min())
+        .flatten();
+    enforced.max(first_quota)
 }
 
 /// A policy name as a structured-field string: the limit's `name`, or `d<descriptor index>` (a further

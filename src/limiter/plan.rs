@@ -321,7 +321,7 @@ pub(super) fn global_quota_mode(resolved: &mut [Resolved<'_>]) {
 /// deny nothing: a shadow rule's status is always OK, and a shadow rule with `quota_mode` is a quota
 /// descriptor (every shadow rule is in global quota mode, and so is a descriptor that matched no
 /// limit). Unlimited descriptors count for neither.
-fn passes_as_quota(resolved: &[Resolved<'_>], global: bool) -> bool {
+pub(super) fn passes_as_quota(resolved: &[Resolved<'_>], global: bool) -> bool {
     resolved.iter().any(|r| match r {
         Resolved::NoLimit => global,
         Resolved::Limited {

@@ -118,6 +118,7 @@ impl Decided<'_> {
             resolved,
             &self.reported,
             overall_code,
+            options.quota_mode,
         );
         Response {
             overall_code,

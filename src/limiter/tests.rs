@@ -22,6 +22,9 @@ descriptors:
   - key: quota_b
     quota_mode: true
     rate_limit: {unit: minute, requests_per_unit: 2}
+  - key: quota_hour
+    quota_mode: true
+    rate_limit: {unit: hour, requests_per_unit: 1}
   - key: free
     rate_limit: {unlimited: true}
   - key: banned
@@ -530,6 +533,53 @@ async fn ietf_headers_list_the_policies_and_describe_the_closest() {
         denied.response_headers[2],
         ("Retry-After".to_string(), "178".to_string())
     );
+}
+
+/// Retry-After is when the same request could pass: every enforced descriptor over its limit must free,
+/// but of quota descriptors that all denied it, one freeing is enough; a quota descriptor over its limit
+/// beside an enforced one that denies does not lengthen the wait.
+#[tokio::test]
+async fn retry_after_waits_for_every_enforced_limit_and_the_first_quota_to_free() {
+    let options = Options {
+        response_headers: ResponseHeaders::Envoy,
+        ..Options::default()
+    };
+    // 37 min 2 s into an hour: a minute frees in 58 s, the hour in 1 378 s.
+    let l = limiter_with(options, Clock::manual(2_222_000));
+    let retry_after = |resp: &Response| {
+        resp.response_headers
+            .iter()
+            .find(|(name, _)| name == "Retry-After")
+            .map(|(_, value)| value.clone())
+    };
+    let quotas = req(vec![desc(&[("quota_a", "")]), desc(&[("quota_hour", "")])]);
+    assert_eq!(ask(&l, &quotas).await.overall_code, Code::Ok);
+    let denied = ask(&l, &quotas).await;
+    assert_eq!(denied.overall_code, Code::OverLimit);
+    assert_eq!(
+        retry_after(&denied).as_deref(),
+        Some("58"),
+        "the minute frees first"
+    );
+
+    // An enforced limit of a minute denies; the hour's quota descriptor is over too, but another quota
+    // descriptor is within: the quota does not deny.
+    let mixed = req(vec![
+        desc(&[("small", "")]),
+        desc(&[("quota_hour", "")]),
+        desc(&[("quota_b", "")]),
+    ]);
+    let first = ask(&l, &mixed).await;
+    assert_eq!(first.overall_code, Code::Ok, "{first:?}");
+    let denied = ask(&l, &mixed).await;
+    assert_eq!(denied.overall_code, Code::OverLimit);
+    assert_eq!(retry_after(&denied).as_deref(), Some("58"));
+
+    // Both deny: the minute's limit frees in 58 s, the hour's quota descriptor (the only one) later.
+    let both = req(vec![desc(&[("small", "")]), desc(&[("quota_hour", "")])]);
+    let denied = ask(&l, &both).await;
+    assert_eq!(denied.overall_code, Code::OverLimit);
+    assert_eq!(retry_after(&denied).as_deref(), Some("1378"));
 }
 
 /// A descriptor with several limits lists each in the policy, and `RateLimit` names the one its status

@@ -15,6 +15,7 @@ use opentelemetry_proto::tonic::{
         ExportTraceServiceRequest, ExportTraceServiceResponse,
     },
     common::v1::any_value::Value,
+    resource::v1::Resource,
     trace::v1::Span,
 };
 use tokio_stream::wrappers::TcpListenerStream;
@@ -22,20 +23,48 @@ use tokio_stream::wrappers::TcpListenerStream;
 #[derive(Clone, Default)]
 struct Collector {
     spans: Arc<Mutex<Vec<Span>>>,
+    /// The resource of each batch exported.
+    resources: Arc<Mutex<Vec<Resource>>>,
 }
 
 impl Collector {
     /// A collector serving OTLP/gRPC on a free loopback port; returns it and its endpoint.
     async fn start() -> (Self, String) {
+        Self::start_with(None).await
+    }
+
+    /// [`Collector::start`], over TLS with `tls` (an `https://localhost:<port>` endpoint) when given.
+    async fn start_with(tls: Option<tonic::transport::ServerTlsConfig>) -> (Self, String) {
         let collector = Self::default();
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let endpoint = format!("http://{}", listener.local_addr().unwrap());
+        let port = listener.local_addr().unwrap().port();
+        let mut server = tonic::transport::Server::builder();
+        let endpoint = match tls {
+            Some(tls) => {
+                server = server.tls_config(tls).unwrap();
+                format!("https://localhost:{port}")
+            }
+            None => format!("http://127.0.0.1:{port}"),
+        };
         tokio::spawn(
-            tonic::transport::Server::builder()
+            server
                 .add_service(TraceServiceServer::new(collector.clone()))
                 .serve_with_incoming(TcpListenerStream::new(listener)),
         );
         (collector, endpoint)
+    }
+
+    /// A resource attribute of the exported batches, as text.
+    fn resource_attribute(&self, key: &str) -> Option<String> {
+        let resources = self.resources.lock().unwrap();
+        resources
+            .iter()
+            .flat_map(|r| &r.attributes)
+            .find(|a| a.key == key)
+            .and_then(|a| match a.value.as_ref()?.value.as_ref()? {
+                Value::StringValue(s) => Some(s.clone()),
+                _ => None,
+            })
     }
 }
 
@@ -47,12 +76,31 @@ impl TraceService for Collector {
     ) -> Result<tonic::Response<ExportTraceServiceResponse>, tonic::Status> {
         let mut spans = self.spans.lock().unwrap();
         for resource in request.into_inner().resource_spans {
+            if let Some(r) = resource.resource {
+                self.resources.lock().unwrap().push(r);
+            }
             for scope in resource.scope_spans {
                 spans.extend(scope.spans);
             }
         }
         Ok(tonic::Response::new(ExportTraceServiceResponse::default()))
     }
+}
+
+/// The binary with traces on and one rule, in `dir` (its rules in `dir/config`).
+fn traced(dir: &std::path::Path) -> std::process::Command {
+    std::fs::create_dir(dir.join("config")).unwrap();
+    std::fs::write(
+        dir.join("config/web.yaml"),
+        "domain: web\ndescriptors:\n  - key: user\n    rate_limit: {unit: minute, requests_per_unit: 5}\n",
+    )
+    .unwrap();
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_ratelimitd"));
+    cmd.env_clear()
+        .current_dir(dir)
+        .envs(common::LOOPBACK)
+        .env("TRACING_ENABLED", "true");
+    cmd
 }
 
 fn attribute(span: &Span, key: &str) -> Option<String> {
@@ -118,21 +166,12 @@ async fn spans_reach_the_collector_under_the_callers_w3c_or_b3_trace() {
     let (collector, endpoint) = Collector::start().await;
 
     let dir = tempfile::tempdir().unwrap();
-    std::fs::create_dir(dir.path().join("config")).unwrap();
-    std::fs::write(
-        dir.path().join("config/web.yaml"),
-        "domain: web\ndescriptors:\n  - key: user\n    rate_limit: {unit: minute, requests_per_unit: 5}\n",
-    )
-    .unwrap();
-    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_ratelimitd"));
-    cmd.env_clear()
-        .current_dir(dir.path())
-        .envs(common::LOOPBACK)
-        .envs([
-            ("TRACING_ENABLED", "true"),
-            ("TRACING_SERVICE_NAME", "ratelimitd-test"),
-            ("OTEL_EXPORTER_OTLP_ENDPOINT", &endpoint),
-        ]);
+    let mut cmd = traced(dir.path());
+    cmd.envs([
+        ("TRACING_SERVICE_NAME", "ratelimitd-test"),
+        ("TRACING_SERVICE_NAMESPACE", "edge"),
+        ("OTEL_EXPORTER_OTLP_ENDPOINT", &endpoint),
+    ]);
     let mut running = common::start_binary(&mut cmd);
     let mut client =
         ratelimitd::proto::RateLimitServiceClient::connect(format!("http://{}", running.grpc))
@@ -189,6 +228,20 @@ async fn spans_reach_the_collector_under_the_callers_w3c_or_b3_trace() {
         ("B3 multiple headers", b3_multi_unsampled),
     ];
     assert_traces_followed(&spans, &sampled, &unsampled);
+    // The service, its namespace and this replica, as the reference names them.
+    assert_eq!(
+        collector.resource_attribute("service.name").as_deref(),
+        Some("ratelimitd-test")
+    );
+    assert_eq!(
+        collector.resource_attribute("service.namespace").as_deref(),
+        Some("edge")
+    );
+    let instance = collector.resource_attribute("service.instance.id").unwrap();
+    assert!(
+        instance.len() == 36 && instance.chars().nth(14) == Some('4'),
+        "not a random UUID: {instance}"
+    );
     assert_eq!(
         spans.iter().filter(|s| s.name == "ShouldRateLimit").count(),
         3,
@@ -205,5 +258,56 @@ async fn spans_reach_the_collector_under_the_callers_w3c_or_b3_trace() {
         "{} other spans: {:?}",
         foreign.len(),
         &foreign[..foreign.len().min(10)]
+    );
+}
+
+/// A collector reached over TLS (an `https://` endpoint, the usual form for a collector outside the
+/// pod) gets the spans; the service used to refuse to start on such an endpoint. The collector's CA is
+/// trusted the way the system's are (`SSL_CERT_FILE`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spans_reach_a_collector_over_tls() {
+    let ca = common::certs::Ca::new("collector ca");
+    let leaf = ca.leaf(&["localhost"], false);
+    let identity = tonic::transport::Identity::from_pem(&leaf.cert, &leaf.key);
+    let tls = tonic::transport::ServerTlsConfig::new().identity(identity);
+    let (collector, endpoint) = Collector::start_with(Some(tls)).await;
+    let dir = tempfile::tempdir().unwrap();
+    let ca_file = common::certs::write(dir.path(), "ca.pem", &ca.pem());
+    let mut cmd = traced(dir.path());
+    cmd.envs([
+        ("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint.as_str()),
+        ("SSL_CERT_FILE", ca_file.to_str().unwrap()),
+        // A pod naming itself the standard way keeps its name.
+        ("OTEL_RESOURCE_ATTRIBUTES", "service.instance.id=pod-7"),
+    ]);
+    let mut running = common::start_binary(&mut cmd);
+    let mut client =
+        ratelimitd::proto::RateLimitServiceClient::connect(format!("http://{}", running.grpc))
+            .await
+            .unwrap();
+    let mut req = tonic::Request::new(common::request(
+        "web",
+        vec![common::descriptor(&[("user", "u")])],
+    ));
+    req.metadata_mut().insert(
+        "traceparent",
+        "00-3ce929d0e0e4736a4bf92f3577b34da6-00f067aa0ba902b7-01"
+            .parse()
+            .unwrap(),
+    );
+    client.should_rate_limit(req).await.unwrap();
+    let exit = running.terminate(Duration::from_secs(15)).await;
+    assert_eq!(exit.code(), Some(0), "{}", running.log.lock().unwrap());
+    let spans = collector.spans.lock().unwrap().clone();
+    assert!(
+        spans.iter().any(|s| s.name == "ShouldRateLimit"),
+        "no span over TLS; log:\n{}",
+        running.log.lock().unwrap()
+    );
+    assert_eq!(
+        collector
+            .resource_attribute("service.instance.id")
+            .as_deref(),
+        Some("pod-7")
     );
 }

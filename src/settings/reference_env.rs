@@ -155,6 +155,8 @@ const REFERENCE: &[Row] = &[
     row!("TRACING_ENABLED", Trim, |s, v| s.tracing.enabled = boolean(v)?),
     row!("TRACING_SERVICE_NAME", Trim, |s, v| s.tracing.service_name = v.to_owned()),
     row!("TRACING_SAMPLING_RATE", Trim, |s, v| s.tracing.sampling_rate = number(v)?),
+    row!("TRACING_SERVICE_NAMESPACE", Trim, |s, v| s.tracing.service_namespace = Some(v.to_owned())),
+    row!("TRACING_SERVICE_INSTANCE_ID", Trim, |s, v| s.tracing.service_instance_id = Some(v.to_owned())),
     // Sets nothing: with traces on, only the one protocol ratelimitd speaks is accepted.
     row!("TRACING_EXPORTER_PROTOCOL", Trim, |s, v| otlp_protocol(v, s.tracing.enabled)?),
     row!("USE_PROMETHEUS", Trim, |s, v| s.prometheus.enabled = boolean(v)?),

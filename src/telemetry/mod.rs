@@ -97,7 +97,14 @@ pub fn init(log: &LogSettings, traces: &TracingSettings) -> Result<Telemetry, St
 
 fn tracer_provider(traces: &TracingSettings) -> Result<SdkTracerProvider, String> {
     use opentelemetry_otlp::WithExportConfig;
+    use opentelemetry_otlp::WithTonicConfig;
     let mut exporter = opentelemetry_otlp::SpanExporter::builder().with_tonic();
+    // TLS only where the exporter will use it: setting it loads the system's CA certificates, and an
+    // image without any would refuse a plain endpoint for that.
+    if over_tls(traces.endpoint.as_deref(), |name| std::env::var(name).ok()) {
+        exporter =
+            exporter.with_tls_config(tonic::transport::ClientTlsConfig::new().with_native_roots());
+    }
     if let Some(endpoint) = &traces.endpoint {
         exporter = exporter.with_endpoint(endpoint.clone());
     }
@@ -108,10 +115,91 @@ fn tracer_provider(traces: &TracingSettings) -> Result<SdkTracerProvider, String
     Ok(SdkTracerProvider::builder()
         .with_batch_exporter(exporter)
         .with_sampler(sampler)
-        .with_resource(
-            opentelemetry_sdk::Resource::builder()
-                .with_service_name(traces.service_name.clone())
-                .build(),
-        )
+        .with_resource(resource(traces))
         .build())
+}
+
+/// Whether the exporter reaches the collector over TLS, as it resolves the endpoint: the configured one,
+/// else `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`, `OTEL_EXPORTER_OTLP_ENDPOINT`, `http://localhost:4317`;
+/// `https://`, or no scheme unless `OTEL_EXPORTER_OTLP_(TRACES_)INSECURE` is true.
+fn over_tls(configured: Option<&str>, var: impl Fn(&str) -> Option<String>) -> bool {
+    let endpoint = configured
+        .map(str::to_owned)
+        .or_else(|| var("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
+        .or_else(|| var("OTEL_EXPORTER_OTLP_ENDPOINT"))
+        .unwrap_or_else(|| "http://localhost:4317".into());
+    let endpoint = endpoint.trim().to_ascii_lowercase();
+    if endpoint.starts_with("https://") {
+        return true;
+    }
+    if endpoint.contains("://") {
+        return false;
+    }
+    let insecure = var("OTEL_EXPORTER_OTLP_TRACES_INSECURE")
+        .or_else(|| var("OTEL_EXPORTER_OTLP_INSECURE"))
+        .is_some_and(|v| v.trim().eq_ignore_ascii_case("true"));
+    !insecure
+}
+
+/// What the spans say of their service: its name, namespace and this replica's instance id, the last
+/// drawn at random unless set (`TRACING_SERVICE_INSTANCE_ID`, or `OTEL_RESOURCE_ATTRIBUTES`).
+fn resource(traces: &TracingSettings) -> opentelemetry_sdk::Resource {
+    use opentelemetry::{Key, KeyValue};
+    let mut attributes = Vec::new();
+    if let Some(namespace) = &traces.service_namespace {
+        attributes.push(KeyValue::new("service.namespace", namespace.clone()));
+    }
+    let from_environment = opentelemetry_sdk::Resource::builder()
+        .build()
+        .get(&Key::new("service.instance.id"))
+        .is_some();
+    match &traces.service_instance_id {
+        Some(id) => attributes.push(KeyValue::new("service.instance.id", id.clone())),
+        None if !from_environment => {
+            attributes.push(KeyValue::new("service.instance.id", random_instance_id()));
+        }
+        None => {}
+    }
+    opentelemetry_sdk::Resource::builder()
+        .with_service_name(traces.service_name.clone())
+        .with_attributes(attributes)
+        .build()
+}
+
+/// A random UUID (version 4), written as UUIDs are.
+fn random_instance_id() -> String {
+    let mut bytes: [u8; 16] = rand::random();
+    bytes[6] = (bytes[6] & 0x0f) | 0x40;
+    bytes[8] = (bytes[8] & 0x3f) | 0x80;
+    let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+    format!(
+        "{}-{}-{}-{}-{}",
+        &hex[..8],
+        &hex[8..12],
+        &hex[12..16],
+        &hex[16..20],
+        &hex[20..]
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::over_tls;
+
+    #[test]
+    fn the_collector_is_reached_over_tls_as_the_exporter_resolves_its_endpoint() {
+        let none = |_: &str| None;
+        assert!(
+            !over_tls(None, none),
+            "the default is http://localhost:4317"
+        );
+        assert!(over_tls(Some("https://otel:4317"), none));
+        assert!(!over_tls(Some("http://otel:4317"), none));
+        assert!(over_tls(Some("otel-collector.observability:4317"), none));
+        let insecure = |name: &str| (name == "OTEL_EXPORTER_OTLP_INSECURE").then(|| "true".into());
+        assert!(!over_tls(Some("otel-collector:4317"), insecure));
+        let from_env =
+            |name: &str| (name == "OTEL_EXPORTER_OTLP_ENDPOINT").then(|| "https://c:4317".into());
+        assert!(over_tls(None, from_env));
+    }
 }

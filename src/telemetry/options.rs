@@ -66,8 +66,14 @@ pub struct TracingSettings {
     /// started by the caller follow the caller's sampling decision.
     pub sampling_rate: f64,
     /// Collector endpoint; unset: the standard `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` /
-    /// `OTEL_EXPORTER_OTLP_ENDPOINT` variables, else `http://localhost:4317`.
+    /// `OTEL_EXPORTER_OTLP_ENDPOINT` variables, else `http://localhost:4317`. An `https://` endpoint is
+    /// reached over TLS, trusting the system's CA certificates.
     pub endpoint: Option<String>,
+    /// Env `TRACING_SERVICE_NAMESPACE`: the `service.namespace` resource; unset: none.
+    pub service_namespace: Option<String>,
+    /// Env `TRACING_SERVICE_INSTANCE_ID`: the `service.instance.id` resource; unset: a random id drawn at
+    /// start, as the reference draws one, so that replicas' spans can be told apart.
+    pub service_instance_id: Option<String>,
 }
 
 impl Default for TracingSettings {
@@ -77,6 +83,8 @@ impl Default for TracingSettings {
             service_name: "RateLimit".into(),
             sampling_rate: 1.0,
             endpoint: None,
+            service_namespace: None,
+            service_instance_id: None,
         }
     }
 }

@@ -303,6 +303,7 @@ impl Settings {
             settings.hashed_keys = list_items(&list);
         }
         reference_env::apply(&mut settings, env)?;
+        settings.ignore_client_certificates_without_tls(env);
         settings.validate()?;
         settings.check_files_and_addresses()?;
         if !unknown.is_empty() {
@@ -313,6 +314,24 @@ impl Settings {
             ));
         }
         Ok(settings)
+    }
+
+    /// Client certificates are asked for over TLS only: with `GRPC_SERVER_USE_TLS` off, the reference's
+    /// `GRPC_CLIENT_TLS_CACERT` and `GRPC_CLIENT_TLS_SAN` are left unread, as the reference leaves them,
+    /// and a warning says so. Set otherwise (the settings file), they still stop the start.
+    fn ignore_client_certificates_without_tls(&mut self, env: &HashMap<String, String>) {
+        let tls = &mut self.grpc_tls;
+        let reference = ["GRPC_CLIENT_TLS_CACERT", "GRPC_CLIENT_TLS_SAN"]
+            .iter()
+            .any(|name| env.contains_key(*name));
+        if tls.enabled || !reference {
+            return;
+        }
+        tls.client_ca = None;
+        tls.client_san = None;
+        self.warnings.push(
+            "GRPC_CLIENT_TLS_CACERT and GRPC_CLIENT_TLS_SAN are ignored: client certificates are asked for over TLS only, and GRPC_SERVER_USE_TLS is not true".into(),
+        );
     }
 
     /// Whether a denied request consumes its descriptors' counters: as set, else only when the rules

@@ -1162,3 +1162,57 @@ fn ratelimitd_variables_keep_text_as_text_and_read_numbers_from_it() {
     let err = Settings::load(None, &env(&[("RATELIMITD_GRPC__PORT", "ninety")])).unwrap_err();
     assert!(err.to_string().contains("grpc.port"), "{err}");
 }
+
+/// Client certificates are asked for over TLS only: without it, GRPC_CLIENT_TLS_CACERT and
+/// GRPC_CLIENT_TLS_SAN are left unread with a warning, as the reference leaves them (a Deployment it
+/// runs started; this one stopped with exit 64). With TLS, a SAN no certificate could be valid for is
+/// refused at start rather than refusing every client.
+#[test]
+fn client_certificate_settings_apply_over_tls_only() {
+    let s = Settings::load(
+        None,
+        &env(&[
+            ("GRPC_CLIENT_TLS_CACERT", "/etc/ca.pem"),
+            ("GRPC_CLIENT_TLS_SAN", "envoy.internal"),
+        ]),
+    )
+    .unwrap();
+    assert_eq!(
+        (
+            s.grpc_tls.client_ca.as_deref(),
+            s.grpc_tls.client_san.as_deref()
+        ),
+        (None, None)
+    );
+    assert!(
+        s.warnings
+            .iter()
+            .any(|w| w.contains("GRPC_CLIENT_TLS_CACERT")),
+        "{:?}",
+        s.warnings
+    );
+    let err = Settings::load(
+        None,
+        &env(&[
+            ("GRPC_SERVER_USE_TLS", "true"),
+            ("GRPC_SERVER_TLS_CERT", "/etc/tls.crt"),
+            ("GRPC_SERVER_TLS_KEY", "/etc/tls.key"),
+            ("GRPC_CLIENT_TLS_CACERT", "/etc/ca.pem"),
+            ("GRPC_CLIENT_TLS_SAN", "not a name!"),
+        ]),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("GRPC_CLIENT_TLS_SAN") && err.contains("not a DNS name"),
+        "{err}"
+    );
+    // ratelimitd's own setting still stops the start without TLS.
+    let err = Settings::load(
+        None,
+        &env(&[("RATELIMITD_GRPC_TLS__CLIENT_CA", "/etc/ca.pem")]),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("grpc_tls.client_ca"), "{err}");
+}

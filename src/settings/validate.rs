@@ -215,11 +215,15 @@ impl Settings {
                 }
             }
         } else if let Some(ca) = &tls.client_ca {
+            // Set in the settings file: the reference's variable is left unread (see
+            // `Settings::load`).
             return Err(SettingsError::invalid(
-                "GRPC_CLIENT_TLS_CACERT",
+                "grpc_tls.client_ca",
                 ca.display(),
-                "client certificates need GRPC_SERVER_USE_TLS=true",
+                "client certificates need TLS (grpc_tls.enabled, GRPC_SERVER_USE_TLS=true)",
             ));
+        } else if tls.client_san.is_none() {
+            return Ok(());
         }
         if let (Some(san), None) = (&tls.client_san, &tls.client_ca) {
             return Err(SettingsError::invalid(
@@ -227,6 +231,17 @@ impl Settings {
                 san,
                 "a required client SAN needs GRPC_CLIENT_TLS_CACERT (client certificates)",
             ));
+        }
+        if let Some(san) = &tls.client_san {
+            // Checked against each client certificate as a name it is valid for: one that is no DNS
+            // name or IP address would refuse every client.
+            if rustls::pki_types::ServerName::try_from(san.as_str()).is_err() {
+                return Err(SettingsError::invalid(
+                    "GRPC_CLIENT_TLS_SAN",
+                    san,
+                    "not a DNS name or an IP address, which a client certificate could be valid for",
+                ));
+            }
         }
         Ok(())
     }

@@ -173,3 +173,32 @@ async fn on_redis_the_debt_is_repaid_by_the_real_clock() {
     );
     server.stop().await;
 }
+
+/// A report on a budget counted over its limit is counted also when another descriptor denies its
+/// request, and the rule's metrics say so: its hits are within the limit and consumed, not only in the
+/// total (dashboards of within_limit missed every such report).
+#[tokio::test]
+async fn a_budgets_hits_in_a_denied_request_show_as_consumed_in_its_metrics() {
+    let server = TestServer::start(&[("ai.yaml", RULES)], |_| {}).await;
+    let mut client = server.client().await;
+    ask(&mut client, report("plain", 10_000)).await;
+    let both = request_costing(
+        "ai",
+        vec![
+            descriptor(&[("tenant", "plain")]),
+            descriptor(&[("tenant", "per_minute")]),
+        ],
+        40,
+    );
+    let denied = ask(&mut client, both).await;
+    assert_eq!(code(&denied), Code::OverLimit);
+    assert_eq!(denied.statuses[1].limit_remaining, 10_000 - 40, "counted");
+    let series = |name: &str| format!("{name}{{domain=\"ai\",rule=\"tenant_per_minute\"}}");
+    for name in [
+        "ratelimit_service_rate_limit_total_hits",
+        "ratelimit_service_rate_limit_within_limit",
+    ] {
+        assert_eq!(server.metric(&series(name)).await, Some(40.0), "{name}");
+    }
+    server.stop().await;
+}

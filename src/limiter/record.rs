@@ -237,7 +237,8 @@ impl Limiter {
             // Counted as the store decides them: what its limit could never allow counts as that bound,
             // so that no caller's `hits_addend` takes a counter to its end (where it would stay).
             let hits = plan::hits(request, descriptor).min(verdict.most_hits);
-            self.record_rule(counters, verdict, hits, consumed);
+            // A limit counting over its limit counts its hits in a denied request too.
+            self.record_rule(counters, verdict, hits, consumed || verdict.counts_over);
         }
         if denied && self.options.shadow_mode {
             self.series

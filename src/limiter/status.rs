@@ -30,6 +30,8 @@ pub(super) struct Verdict<'a> {
     pub outcome: Outcome,
     /// The local deny cache answered at least one of the descriptor's checks.
     pub from_cache: bool,
+    /// Its limit counts every hit (`count_over_limit`), also in a request that is denied.
+    pub counts_over: bool,
 }
 
 /// Every descriptor's status, and what the headers and the metrics need besides.
@@ -89,6 +91,7 @@ pub(super) fn choose<'a>(
                     most_hits: applicable.params().bounded_cost(u64::MAX),
                     outcome,
                     from_cache,
+                    counts_over: applicable.params().count_over_limit,
                 });
                 status(applicable.current_limit(), outcome, role)
             }

@@ -258,11 +258,7 @@ fn http_traces(settings: &Settings, env: &HashMap<String, String>) -> Option<Str
     }
     let endpoint = settings
         .tracing
-        .endpoint
-        .as_deref()
-        .or_else(|| var("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
-        .or_else(|| var("OTEL_EXPORTER_OTLP_ENDPOINT"))
-        .unwrap_or("http://localhost:4317");
+        .resolved_endpoint(|name| read(env, name, Read::Trim).map(str::to_owned));
     let protocol =
         var("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL").or_else(|| var("OTEL_EXPORTER_OTLP_PROTOCOL"));
     let http = match protocol {

@@ -101,7 +101,8 @@ fn tracer_provider(traces: &TracingSettings) -> Result<SdkTracerProvider, String
     let mut exporter = opentelemetry_otlp::SpanExporter::builder().with_tonic();
     // TLS only where the exporter will use it: setting it loads the system's CA certificates, and an
     // image without any would refuse a plain endpoint for that.
-    if over_tls(traces.endpoint.as_deref(), |name| std::env::var(name).ok()) {
+    let var = |name: &str| std::env::var(name).ok();
+    if over_tls(&traces.resolved_endpoint(var), var) {
         exporter =
             exporter.with_tls_config(tonic::transport::ClientTlsConfig::new().with_native_roots());
     }
@@ -119,15 +120,9 @@ fn tracer_provider(traces: &TracingSettings) -> Result<SdkTracerProvider, String
         .build())
 }
 
-/// Whether the exporter reaches the collector over TLS, as it resolves the endpoint: the configured one,
-/// else `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`, `OTEL_EXPORTER_OTLP_ENDPOINT`, `http://localhost:4317`;
-/// `https://`, or no scheme unless `OTEL_EXPORTER_OTLP_(TRACES_)INSECURE` is true.
-fn over_tls(configured: Option<&str>, var: impl Fn(&str) -> Option<String>) -> bool {
-    let endpoint = configured
-        .map(str::to_owned)
-        .or_else(|| var("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
-        .or_else(|| var("OTEL_EXPORTER_OTLP_ENDPOINT"))
-        .unwrap_or_else(|| "http://localhost:4317".into());
+/// Whether the exporter reaches the collector at `endpoint` (as [`TracingSettings::resolved_endpoint`]
+/// gives it) over TLS: `https://`, or no scheme unless `OTEL_EXPORTER_OTLP_(TRACES_)INSECURE` is true.
+fn over_tls(endpoint: &str, var: impl Fn(&str) -> Option<String>) -> bool {
     let endpoint = endpoint.trim().to_ascii_lowercase();
     if endpoint.starts_with("https://") {
         return true;
@@ -184,22 +179,26 @@ fn random_instance_id() -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::over_tls;
+    use super::{over_tls, TracingSettings};
 
     #[test]
     fn the_collector_is_reached_over_tls_as_the_exporter_resolves_its_endpoint() {
         let none = |_: &str| None;
-        assert!(
-            !over_tls(None, none),
-            "the default is http://localhost:4317"
-        );
-        assert!(over_tls(Some("https://otel:4317"), none));
-        assert!(!over_tls(Some("http://otel:4317"), none));
-        assert!(over_tls(Some("otel-collector.observability:4317"), none));
+        let traces = |endpoint: Option<&str>| TracingSettings {
+            endpoint: endpoint.map(str::to_owned),
+            ..TracingSettings::default()
+        };
+        let tls = |endpoint: Option<&str>, var: &dyn Fn(&str) -> Option<String>| {
+            over_tls(&traces(endpoint).resolved_endpoint(var), var)
+        };
+        assert!(!tls(None, &none), "the default is http://localhost:4317");
+        assert!(tls(Some("https://otel:4317"), &none));
+        assert!(!tls(Some("http://otel:4317"), &none));
+        assert!(tls(Some("otel-collector.observability:4317"), &none));
         let insecure = |name: &str| (name == "OTEL_EXPORTER_OTLP_INSECURE").then(|| "true".into());
-        assert!(!over_tls(Some("otel-collector:4317"), insecure));
+        assert!(!tls(Some("otel-collector:4317"), &insecure));
         let from_env =
             |name: &str| (name == "OTEL_EXPORTER_OTLP_ENDPOINT").then(|| "https://c:4317".into());
-        assert!(over_tls(None, from_env));
+        assert!(tls(None, &from_env));
     }
 }

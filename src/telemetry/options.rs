@@ -76,6 +76,19 @@ pub struct TracingSettings {
     pub service_instance_id: Option<String>,
 }
 
+impl TracingSettings {
+    /// The collector the exporter sends to, resolved as it resolves it: [`Self::endpoint`], else
+    /// `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`, `OTEL_EXPORTER_OTLP_ENDPOINT`, `http://localhost:4317`;
+    /// `var` reads an environment variable.
+    pub fn resolved_endpoint(&self, var: impl Fn(&str) -> Option<String>) -> String {
+        self.endpoint
+            .clone()
+            .or_else(|| var("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
+            .or_else(|| var("OTEL_EXPORTER_OTLP_ENDPOINT"))
+            .unwrap_or_else(|| "http://localhost:4317".into())
+    }
+}
+
 impl Default for TracingSettings {
     fn default() -> Self {
         Self {

@@ -90,15 +90,7 @@ fn a_replica_of_the_base_whose_rules_fail_to_load_is_not_ready() {
     )
     .unwrap();
     let broken = start_binary(&mut base_deployment(root.path(), &env));
-    let deadline = std::time::Instant::now() + Duration::from_secs(20);
-    while !broken.log.lock().unwrap().contains("edge.yaml") {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "no word of the broken file; log:\n{}",
-            broken.log.lock().unwrap()
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    broken.wait_log("edge.yaml", Duration::from_secs(20));
     // What the RateLimitNoRules alert reads.
     let (_, metrics) = http_request(broken.http, "GET", "/metrics", "");
     assert_eq!(domains_served(&metrics), 0.0, "{metrics}");

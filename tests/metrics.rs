@@ -398,3 +398,50 @@ descriptors:
     assert!(!rlconfig.contains("WRITTEN"), "{rlconfig}");
     s.stop().await;
 }
+
+/// A request whose value is empty is labelled by the rule as written; the requests after it still get a
+/// label of their own value (a caller sending an empty header once no longer folds every later value
+/// into the rule's label until the next reload).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_empty_value_leaves_the_next_values_their_own_labels() {
+    const RULES: &str = r#"
+domain: web
+descriptors:
+  - key: team
+    detailed_metric: true
+    rate_limit: {unit: minute, requests_per_unit: 10}
+  - key: route
+    value_to_metric: true
+    descriptors:
+      - key: method
+        rate_limit: {unit: minute, requests_per_unit: 10}
+"#;
+    let s = TestServer::start(&[("web.yaml", RULES)], |_| {}).await;
+    let mut c = s.client().await;
+    for value in ["", "alice", "bob"] {
+        for entries in [
+            &[("team", value)][..],
+            &[("route", value), ("method", "GET")],
+        ] {
+            ask(&mut c, request("web", vec![descriptor(entries)])).await;
+        }
+    }
+    let (_, text) = s.http("GET", "/metrics", "").await;
+    let hits = |rule: &str| {
+        sample(
+            &text,
+            &format!("ratelimit_service_rate_limit_total_hits{{domain=\"web\",rule=\"{rule}\"}}"),
+        )
+    };
+    for (rule, want) in [
+        ("team", 1.0),
+        ("team_alice", 1.0),
+        ("team_bob", 1.0),
+        ("route.method", 1.0),
+        ("route_alice.method", 1.0),
+        ("route_bob.method", 1.0),
+    ] {
+        assert_eq!(hits(rule), want, "rule {rule} in:\n{text}");
+    }
+    s.stop().await;
+}

@@ -272,7 +272,7 @@ impl Limiter {
             ),
             None => {
                 let counters = self.options.metrics.rule(domain, &rule.text);
-                if let Some(node) = node {
+                if let Some(node) = node.filter(|_| rule.same_for_every_request) {
                     node.counters.hold(self.series.owner, counters.clone());
                 }
                 counters
@@ -347,6 +347,9 @@ pub(super) struct RuleLabel {
     /// When the label carries request values: the rule's path as written, under which the number of
     /// such labels is bounded.
     pub request_values_of: Option<String>,
+    /// The label is the same for every request its rule matches: it takes no request values, not even
+    /// where a request's empty value leaves them out this time.
+    pub same_for_every_request: bool,
 }
 
 impl From<Cow<'static, str>> for RuleLabel {
@@ -354,6 +357,7 @@ impl From<Cow<'static, str>> for RuleLabel {
         Self {
             text,
             request_values_of: None,
+            same_for_every_request: true,
         }
     }
 }
@@ -373,14 +377,13 @@ pub(super) fn rule_label(
     };
     let path = node.path();
     // Most rules: the path as written.
-    {
-        let written_sensitive = path
-            .iter()
-            .any(|step| options.hides_written(&step.key, &step.value, step.flags.hash_value));
-        let any_to_metric = path.iter().any(|step| step.flags.value_to_metric);
-        if !node.flags.detailed_metric && !any_to_metric && !written_sensitive {
-            return Cow::<'static, str>::Owned(written_key(&path)).into();
-        }
+    let takes_request_values =
+        node.flags.detailed_metric || path.iter().any(|step| step.flags.value_to_metric);
+    let written_sensitive = path
+        .iter()
+        .any(|step| options.hides_written(&step.key, &step.value, step.flags.hash_value));
+    if !takes_request_values && !written_sensitive {
+        return Cow::<'static, str>::Owned(written_key(&path)).into();
     }
     let mut from_any_request_value = false;
     let mut parts = Vec::with_capacity(path.len());
@@ -408,6 +411,7 @@ pub(super) fn rule_label(
     RuleLabel {
         text: parts.join(".").into(),
         request_values_of: from_any_request_value.then(|| written_key(&path)),
+        same_for_every_request: !takes_request_values,
     }
 }
 

@@ -445,3 +445,46 @@ descriptors:
     }
     s.stop().await;
 }
+
+/// Long request values take a rule's labels too, but not without bound: a `detailed_metric` rule's
+/// labels of request values hold 128 bytes each on average besides the rule's own name (the default
+/// 1 000 labels of rule `team`: 132 000 bytes), and the values past that share the rule's
+/// `(other values)` label.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn long_values_share_a_label_once_a_rule_holds_its_bytes() {
+    const RULES: &str = r#"
+domain: web
+descriptors:
+  - key: team
+    detailed_metric: true
+    rate_limit: {unit: minute, requests_per_unit: 10}
+"#;
+    let s = TestServer::start(&[("web.yaml", RULES)], |_| {}).await;
+    let mut c = s.client().await;
+    for i in 0..200 {
+        // "team_" and 1 000 bytes: 1 005 a label, 131 of them in 132 000 bytes.
+        let value = format!("{i:0>1000}");
+        ask(
+            &mut c,
+            request("web", vec![descriptor(&[("team", &value)])]),
+        )
+        .await;
+    }
+    let (_, text) = s.http("GET", "/metrics", "").await;
+    let own = text
+        .lines()
+        .filter(|l| {
+            l.starts_with("ratelimit_service_rate_limit_total_hits{domain=\"web\",rule=\"team_")
+        })
+        .count();
+    assert_eq!(own, 131, "labels of their own value");
+    assert_eq!(
+        sample(
+            &text,
+            "ratelimit_service_rate_limit_total_hits{domain=\"web\",rule=\"team (other values)\"}"
+        ),
+        69.0
+    );
+    assert!(text.len() < 1 << 20, "/metrics is {} bytes", text.len());
+    s.stop().await;
+}

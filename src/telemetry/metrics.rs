@@ -276,8 +276,13 @@ const RULE_FAMILIES: &[(&str, &str, RuleCounter)] = &[
 /// The counters of one domain's rules, by rule label.
 type DomainRules = HashMap<Box<str>, Arc<RuleCounters>>;
 
-/// How many labels made of request values each (domain, rule as written) has.
-type ValueLabels = HashMap<(Box<str>, Box<str>), usize>;
+/// How many labels made of request values each (domain, rule as written) has, and their bytes.
+type ValueLabels = HashMap<(Box<str>, Box<str>), (usize, usize)>;
+
+/// The bytes of request values a rule's labels may hold on average: a rule written `w` allowed `max`
+/// such labels takes them while they hold at most `max` times (this + the length of `w`) bytes, so that
+/// long values (a caller's kilobyte headers) cannot make every scrape megabytes long.
+pub const VALUE_LABEL_BYTES: usize = 128;
 
 /// Every metric of the process.
 pub struct Metrics {
@@ -342,9 +347,9 @@ impl Metrics {
     }
 
     /// The counters of a rule label made of request values: created on first use while the rule
-    /// `written` has fewer than `max` such labels in `domain`; past that, the counters of the one label
-    /// `<written> (other values)`. Callers choose request values, so they must not choose how many
-    /// series there are.
+    /// `written` has fewer than `max` such labels in `domain`, holding [`VALUE_LABEL_BYTES`] on average;
+    /// past that, the counters of the one label `<written> (other values)`. Callers choose request
+    /// values, so they must not choose how many series there are, nor how long.
     pub fn rule_within(
         &self,
         domain: &str,
@@ -385,8 +390,8 @@ impl Metrics {
             .cloned()
     }
 
-    /// A label not seen yet: itself while `written` has fewer than `max` labels, else the one for
-    /// the rest.
+    /// A label not seen yet: itself while `written` has fewer than `max` labels and room for its bytes,
+    /// else the one for the rest.
     fn admit_label<'a>(
         &self,
         domain: &str,
@@ -395,9 +400,13 @@ impl Metrics {
         max: usize,
     ) -> Cow<'a, str> {
         let mut counts = self.value_labels.lock().unwrap_or_else(|p| p.into_inner());
-        let count = counts.entry((domain.into(), written.into())).or_insert(0);
-        if *count < max {
+        let (count, bytes) = counts
+            .entry((domain.into(), written.into()))
+            .or_insert((0, 0));
+        let room = max.saturating_mul(written.len() + VALUE_LABEL_BYTES);
+        if *count < max && *bytes + label.len() <= room {
             *count += 1;
+            *bytes += label.len();
             Cow::Borrowed(label)
         } else {
             Cow::Owned(format!("{written} (other values)"))

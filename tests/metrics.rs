@@ -488,3 +488,47 @@ descriptors:
     assert!(text.len() < 1 << 20, "/metrics is {} bytes", text.len());
     s.stop().await;
 }
+
+/// `/debug/top` lists what was denied: not a quota descriptor over its limit in a request another quota
+/// descriptor let through. A value that could read as several words of a name is quoted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn debug_top_lists_only_denials_and_quotes_ambiguous_values() {
+    const RULES: &str = r#"
+domain: web
+descriptors:
+  - key: plan
+    quota_mode: true
+    rate_limit: {unit: hour, requests_per_unit: 1}
+  - key: org
+    quota_mode: true
+    rate_limit: {unit: hour, requests_per_unit: 100}
+  - key: user
+    rate_limit: {unit: hour, requests_per_unit: 1}
+"#;
+    let s = TestServer::start(&[("web.yaml", RULES)], |_| {}).await;
+    let mut c = s.client().await;
+    for _ in 0..3 {
+        // `plan` is over its limit from the second request on; `org` is not, so each request passes.
+        let both = vec![
+            descriptor(&[("plan", "free")]),
+            descriptor(&[("org", "acme")]),
+        ];
+        let answer = ask(&mut c, request("web", both)).await;
+        assert_eq!(answer.overall_code, 1, "OK");
+        ask(
+            &mut c,
+            request("web", vec![descriptor(&[("user", "alice method=POST")])]),
+        )
+        .await;
+    }
+    let (_, body) = s.http("GET", "/debug/top?limit=10", "").await;
+    let json: serde_json::Value = serde_json::from_str(&body).unwrap();
+    let offenders = json["offenders"].as_array().unwrap();
+    assert_eq!(offenders.len(), 1, "{body}");
+    assert_eq!(
+        offenders[0]["descriptor"],
+        r#"web user="alice method=POST""#
+    );
+    assert_eq!(offenders[0]["denied"], 2);
+    s.stop().await;
+}

@@ -220,7 +220,8 @@ impl Limiter {
         let consumed = !denied || self.options.consume_on_deny;
         for verdict in verdicts {
             let descriptor = &request.descriptors[verdict.index];
-            if !verdict.outcome.allowed && verdict.role != Role::Shadow {
+            // A quota descriptor over its limit in a request that passed was not denied.
+            if denied && !verdict.outcome.allowed && verdict.role != Role::Shadow {
                 self.record_offender(&request.domain, descriptor, verdict.node);
             }
             let held = verdict
@@ -292,9 +293,9 @@ impl Limiter {
                 .options
                 .show(&e.key, &e.value, plan::hashed_at(&path, i));
             name.push(' ');
-            name.push_str(&e.key);
+            push_word(&mut name, &e.key);
             name.push('=');
-            name.push_str(&value);
+            push_word(&mut name, &value);
         }
         self.options.top.denied(&name);
         SCRATCH.set(name);
@@ -338,6 +339,18 @@ impl Limiter {
                 );
             }
         }
+    }
+}
+
+/// Writes a key or value of a `/debug/top` name as it is, or quoted with escapes where it could be read
+/// as more than one word of the name (a space, `=`, a quote, a backslash, a control character, nothing).
+fn push_word(name: &mut String, word: &str) {
+    if !word.is_empty() && !word.contains([' ', '=', '"', '\\']) && !word.contains(char::is_control)
+    {
+        name.push_str(word);
+    } else {
+        use std::fmt::Write;
+        let _ = write!(name, "{word:?}");
     }
 }
 

@@ -45,7 +45,7 @@ async fn alerts_and_dashboard_use_only_exported_metrics() {
     exprs(&alerts, &mut all);
     let alert_count = all.len();
     exprs(&dashboard, &mut all);
-    assert_eq!(alert_count, 6, "the six alerts");
+    assert_eq!(alert_count, 7, "the seven alerts");
     assert!(all.len() > alert_count + 8, "dashboard panels have queries");
 
     // Traffic that makes every family appear: allowed, denied, shadow and error answers.

@@ -36,9 +36,10 @@ use crate::{
     rules::{compile_runtime_limit, Limit, RateLimitSpec, RuleError, MAX_WINDOW_SECS},
 };
 
-/// The furthest ahead a runtime limit's expiry may be: 10 years, the longest window a rule may have. It
+/// The furthest ahead a runtime limit's expiry may be: 10 years as `expires_in` counts them (`10y`, years
+/// of 365.25 days), a little more than the longest window a rule may have (ten years of 365 days). It
 /// keeps every expiry a time that can be added to, compared and written as RFC 3339.
-pub const MAX_EXPIRY_MS: u64 = MAX_WINDOW_SECS * 1000;
+pub const MAX_EXPIRY_MS: u64 = MAX_WINDOW_SECS * 1000 + 10 * 21_600_000;
 
 /// The longest name a runtime limit may carry (answered in `current_limit.name`): every replica holds
 /// every record, and reads them all again after each change.

@@ -15,7 +15,7 @@ use std::{
 };
 
 use common::{
-    binary, certs, http_request,
+    binary, certs, http_request, output_within,
     redis::{AnswerDropper, RedisProcess},
     start_binary, wait_for, Running,
 };
@@ -1060,11 +1060,10 @@ async fn over_tls_the_api_asks_for_a_client_certificate() {
 }
 
 fn refuses_to_start(files: &Files, env: &[(&str, &str)], says: &str) {
-    let out = binary(&files.rules())
-        .env("RATELIMITD_ADMIN__ENABLED", "true")
-        .envs(env.iter().copied())
-        .output()
-        .unwrap();
+    let mut cmd = binary(&files.rules());
+    cmd.env("RATELIMITD_ADMIN__ENABLED", "true")
+        .envs(env.iter().copied());
+    let out = output_within(&mut cmd, Duration::from_secs(20));
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(64), "{err}");
     assert!(err.contains(says), "{err}");
@@ -1352,4 +1351,89 @@ fn a_keep_alive_connection_to_the_api_outlives_the_handshake_bound() {
         let mut body = vec![0u8; length];
         stream.read_exact(&mut body).unwrap();
     }
+}
+
+/// What a caller without the token can learn, and what an entry of a limit must hold: a path that is
+/// not the API's is refused for the token like the API's own (401, counted), and a limit on an entry
+/// without a key is refused as a rule without one is.
+#[test]
+fn unknown_paths_need_the_token_and_entries_need_a_key() {
+    let files = Files::new();
+    let running = start_binary(&mut with_admin(&files));
+    let admin = admin_addr(&running);
+    let (status, answer) = call(admin, "GET", "/v1/nothing", None, &Value::Null);
+    assert_eq!(status, 401, "{answer}");
+    let (status, answer) = call(admin, "GET", "/v1/nothing", Some(TOKEN), &Value::Null);
+    assert_eq!(status, 404, "{answer}");
+    let (_, metrics) = http_request(running.http, "GET", "/metrics", "");
+    assert!(
+        metrics.contains("ratelimitd_admin_refused_total 1"),
+        "{metrics}"
+    );
+    let (status, answer) = call(
+        admin,
+        "PUT",
+        "/v1/limits",
+        Some(TOKEN),
+        &json!({
+            "domain": "api",
+            "descriptor": [{ "key": "", "value": "" }],
+            "limit": { "requests_per_unit": 5, "unit": "hour" },
+        }),
+    );
+    assert_eq!(status, 400, "{answer}");
+    assert!(
+        answer["error"].as_str().unwrap().contains("empty key"),
+        "{answer}"
+    );
+}
+
+/// A token is text as written: a settings file's unquoted number (which its YAML parser would keep
+/// only 17 digits of) stops the start asking for quotes; an empty token file setting beside a token
+/// is no second token.
+#[test]
+fn a_token_is_kept_as_written_or_refused() {
+    let files = Files::new();
+    for (file, text, key, digits) in [
+        (
+            "settings.yaml",
+            "admin:\n  enabled: true\n  token: 98765432109876543210\n",
+            "admin.token",
+            "98765",
+        ),
+        (
+            "redis.yaml",
+            "redis:\n  auth: 31415926535\n",
+            "redis.auth",
+            "31415",
+        ),
+        (
+            "secret.toml",
+            "hash_secret = 27182818284\n",
+            "hash_secret",
+            "27182",
+        ),
+    ] {
+        let settings = files.dir.path().join(file);
+        std::fs::write(&settings, text).unwrap();
+        let out = output_within(
+            binary(&files.rules()).arg("--config").arg(&settings),
+            Duration::from_secs(20),
+        );
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(64), "{file}: {err}");
+        assert!(err.contains(key) && err.contains("quotes"), "{file}: {err}");
+        // Refused without being quoted: a secret written wrong stays out of the log too.
+        assert!(!err.contains(digits), "{file}: {err}");
+    }
+
+    let mut cmd = binary(&files.rules());
+    cmd.env("RATELIMITD_ADMIN__ENABLED", "true")
+        .env("RATELIMITD_ADMIN__PORT", "0")
+        .env("RATELIMITD_ADMIN__TOKEN", TOKEN)
+        .env("RATELIMITD_ADMIN__TOKEN_FILE", "");
+    let running = start_binary(&mut cmd);
+    let admin = admin_addr(&running);
+    let (status, answer) = call(admin, "GET", "/v1/limits", Some(TOKEN), &Value::Null);
+    assert_eq!(status, 200, "{answer}");
 }

@@ -455,6 +455,30 @@ impl Drop for Running {
     }
 }
 
+/// Runs `cmd` to its end and returns its output (for a start expected to be refused, whose messages are
+/// short); fails the test when it still runs after `within`, killing it: a binary that serves where it
+/// should have refused its settings fails the suite rather than hanging it.
+pub fn output_within(cmd: &mut Command, within: Duration) -> std::process::Output {
+    let mut child = cmd
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + within;
+    while child.try_wait().unwrap().is_none() {
+        if Instant::now() >= deadline {
+            let _ = child.kill();
+            let out = child.wait_with_output().unwrap();
+            panic!(
+                "still running after {within:?}; its log:\n{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child.wait_with_output().unwrap()
+}
+
 /// Starts the binary and reads the listening addresses from its log, which it keeps collecting.
 pub fn start_binary(cmd: &mut Command) -> Running {
     let child = cmd

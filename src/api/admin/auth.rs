@@ -76,7 +76,9 @@ impl Token {
     /// read.
     pub fn from_settings(settings: &AdminSettings) -> Result<Self, TokenError> {
         let token = settings.token.0.trim();
-        if let Some(path) = &settings.token_file {
+        // An empty path is no file, as an empty token is no token.
+        let file = settings.token_file.as_ref();
+        if let Some(path) = file.filter(|path| !path.as_os_str().is_empty()) {
             if !token.is_empty() {
                 return Err(TokenError::Both);
             }

@@ -93,7 +93,8 @@ pub fn router(state: AdminState, max_body_bytes: usize) -> Router {
             )
         })
         .layer(DefaultBodyLimit::max(max_body_bytes))
-        .route_layer(middleware::from_fn_with_state(state.clone(), authorize))
+        // Every call, to a path of the API or not: a caller without the token learns nothing of it.
+        .layer(middleware::from_fn_with_state(state.clone(), authorize))
         .with_state(state)
 }
 
@@ -240,6 +241,11 @@ fn target(domain: String, descriptor: Vec<EntryIn>) -> Result<Target, Refused> {
         return Err(bad_request(
             "a domain and a descriptor of at least one {key, value} entry are needed",
         ));
+    }
+    if let Some(at) = descriptor.iter().position(|e| e.key.is_empty()) {
+        return Err(bad_request(format!(
+            "entry {at} of the descriptor has an empty key (a rule's key is never empty)"
+        )));
     }
     Ok(Target {
         domain,

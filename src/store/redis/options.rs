@@ -29,9 +29,61 @@ pub enum SocketType {
 }
 
 /// A secret setting: kept out of `Debug` output, logs and error messages.
-#[derive(Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Default, PartialEq, Eq, Serialize)]
 #[serde(transparent)]
 pub struct Secret(pub String);
+
+/// Text only: a settings file's `token: 98765432109876543210` is a number to its YAML parser, which
+/// keeps 17 of its digits (and `00123` loses its zeros), so the secret the replica would hold is not
+/// the one written. Such a value stops the start, asking for quotes; environment values are text.
+impl<'de> Deserialize<'de> for Secret {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Text;
+        impl<'v> serde::de::Visitor<'v> for Text {
+            type Value = Secret;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("text")
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Secret, E> {
+                Ok(Secret(v.to_owned()))
+            }
+            fn visit_string<E: serde::de::Error>(self, v: String) -> Result<Secret, E> {
+                Ok(Secret(v))
+            }
+            fn visit_unit<E: serde::de::Error>(self) -> Result<Secret, E> {
+                Ok(Secret::default())
+            }
+            // Refused without the value, which serde's own messages would quote: a secret never
+            // reaches the log, not even one written wrong.
+            fn visit_bool<E: serde::de::Error>(self, _: bool) -> Result<Secret, E> {
+                Err(E::custom(NOT_TEXT))
+            }
+            fn visit_i64<E: serde::de::Error>(self, _: i64) -> Result<Secret, E> {
+                Err(E::custom(NOT_TEXT))
+            }
+            fn visit_u64<E: serde::de::Error>(self, _: u64) -> Result<Secret, E> {
+                Err(E::custom(NOT_TEXT))
+            }
+            fn visit_i128<E: serde::de::Error>(self, _: i128) -> Result<Secret, E> {
+                Err(E::custom(NOT_TEXT))
+            }
+            fn visit_u128<E: serde::de::Error>(self, _: u128) -> Result<Secret, E> {
+                Err(E::custom(NOT_TEXT))
+            }
+            fn visit_f64<E: serde::de::Error>(self, _: f64) -> Result<Secret, E> {
+                Err(E::custom(NOT_TEXT))
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'v>>(self, _: A) -> Result<Secret, A::Error> {
+                Err(serde::de::Error::custom(NOT_TEXT))
+            }
+            fn visit_map<A: serde::de::MapAccess<'v>>(self, _: A) -> Result<Secret, A::Error> {
+                Err(serde::de::Error::custom(NOT_TEXT))
+            }
+        }
+        const NOT_TEXT: &str = "a secret must be text: written as a number, a boolean, a list or a map it is not kept as written; put it in quotes";
+        d.deserialize_any(Text)
+    }
+}
 
 impl fmt::Debug for Secret {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

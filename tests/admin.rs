@@ -1437,3 +1437,61 @@ fn a_token_is_kept_as_written_or_refused() {
     let (status, answer) = call(admin, "GET", "/v1/limits", Some(TOKEN), &Value::Null);
     assert_eq!(status, 200, "{answer}");
 }
+
+/// `/json` for one entry of `domain`: 200 (OK) or 429 (OVER_LIMIT).
+fn ask_in(running: &Running, domain: &str, key: &str, value: &str) -> u16 {
+    let body = json!({ "domain": domain, "descriptors": [{ "entries": descriptor(key, value) }] });
+    http_request(running.http, "POST", "/json", &body.to_string()).0
+}
+
+/// On Redis, a fixed window's key does not carry its length (the reference's layout): a runtime limit
+/// of two seconds over a rule of one second counted in the rule's counter whenever both windows began
+/// together, and lost its count when the rule's second ended (5 admitted of 3). A runtime limit whose
+/// window no limit of the rule has counts in a counter of its own.
+#[tokio::test]
+async fn a_runtime_limit_of_another_window_counts_apart_from_the_rule() {
+    let files = Files::new();
+    std::fs::write(
+        files.rules().join("burst.yaml"),
+        "domain: burst\ndescriptors:\n  - key: user\n    rate_limit: {unit: second, requests_per_unit: 100}\n",
+    )
+    .unwrap();
+    let redis = RedisProcess::start(&[]);
+    let (running, admin) = admin_on_redis(&files, &redis);
+    assert!(running.serving_within(Duration::from_secs(10)));
+    // Just after an even second: a window of two seconds and one of one second begin together. A try
+    // whose calls do not all fit in that window (a slow machine) is made again, on another user.
+    let epoch_ms = || {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_millis()
+    };
+    for user in ["u1", "u2", "u3"] {
+        while epoch_ms() % 2000 > 50 {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let window_end = Instant::now() + Duration::from_millis(1900 - (epoch_ms() % 2000) as u64);
+        assert_eq!(ask_in(&running, "burst", "user", user), 200);
+        let (status, answer) = call(
+            admin,
+            "PUT",
+            "/v1/limits",
+            Some(TOKEN),
+            &json!({
+                "domain": "burst",
+                "descriptor": descriptor("user", user),
+                "limit": { "requests_per_unit": 3, "unit": "second", "unit_multiplier": 2 },
+            }),
+        );
+        assert_eq!(status, 200, "{answer}");
+        let answers: Vec<u16> = (0..4)
+            .map(|_| ask_in(&running, "burst", "user", user))
+            .collect();
+        if Instant::now() < window_end {
+            assert_eq!(answers, [200, 200, 200, 429], "3 of the runtime limit's 3");
+            return;
+        }
+    }
+    panic!("no try fitted in one window of two seconds");
+}

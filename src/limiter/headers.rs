@@ -45,12 +45,14 @@ pub(super) fn build(
             let mut policies = Vec::new();
             let mut chosen_name = String::new();
             for (i, (r, reported)) in resolved.iter().zip(reported).enumerate() {
-                let (Resolved::Limited { limits, .. }, Some(reported)) = (r, reported) else {
+                let (Resolved::Limited { limits, node, .. }, Some(reported)) = (r, reported) else {
                     continue;
                 };
                 for (nth, limit) in limits.iter().enumerate() {
-                    // Named by its place in its rule, which `replaces` dropping another leaves as it is.
-                    let name = policy_name(limit.name().map(|n| &**n), i, limit.index());
+                    // Named by its place in its rule, which `replaces` dropping another leaves as it is
+                    // (an override or a runtime limit is its descriptor's only limit).
+                    let in_rule = if node.is_some() { limit.index() } else { 0 };
+                    let name = policy_name(limit.name().map(|n| &**n), i, in_rule);
                     let window = limit.params().window_ms / 1000;
                     policies.push(format!("{name};q={};w={window}", limit.requests_per_unit()));
                     if i == index && nth == *reported {

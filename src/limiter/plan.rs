@@ -52,7 +52,9 @@ impl Applicable<'_> {
         }
     }
 
-    /// Position of the limit in its rule (0 for `rate_limit`, runtime limits and overrides).
+    /// Position of the limit in its rule (0 for `rate_limit` and overrides), which its counter's key
+    /// carries; a runtime limit's is that of the rule's limit with its algorithm and window, whose
+    /// counter it shares, else [`keys::OWN_WINDOW`].
     pub fn index(&self) -> usize {
         match *self {
             Applicable::Rule { index, .. } => index,
@@ -251,11 +253,23 @@ fn resolve_one<'a>(
     });
     let set = set.filter(|set| !keeps_raw_what_the_rule_hashes(domain, descriptor, set, runtime));
     if let Some(set) = set {
-        // Counted like an override (no rule): always enforced, in the counter its values make.
+        // Counted like an override (no rule): always enforced, in the counter its values make, and in
+        // the rule's own counter where a limit of the rule has its algorithm and window.
+        let own = set.limit.params();
+        let index = domain
+            .find(&descriptor.entries)
+            .and_then(|node| {
+                node.limits.iter().position(|limit| {
+                    let params = limit.params();
+                    !limit.unlimited
+                        && (params.algorithm, params.window_ms) == (own.algorithm, own.window_ms)
+                })
+            })
+            .unwrap_or(keys::OWN_WINDOW);
         return Ok(Resolved::Limited {
             limits: smallvec![Applicable::Rule {
                 limit: &set.limit,
-                index: 0
+                index
             }],
             node: None,
             role: Role::Enforce,

@@ -75,10 +75,17 @@ fn push_escaped(out: &mut String, part: &str) {
     }
 }
 
+/// The `index` of a limit that is no rule's (an operator's runtime limit whose algorithm and window no
+/// limit of the descriptor's rule has): a fixed window's key then carries its window's length
+/// (`#<seconds>s_`), since the reference layout's key does not, and windows that start together (a
+/// second's and two seconds', an hour's and a day's at midnight) would share one counter, each
+/// expiring it at its own end. The other algorithms' keys carry the window already; they take index 0.
+pub const OWN_WINDOW: usize = usize::MAX;
+
 /// Builds the key of one limit of a descriptor into `out`. Fixed windows keep the reference layout (the
-/// first limit of a rule exactly, further ones with a `#<index>_` marker) and get the window start
-/// appended by the store. The other algorithms keep their state under one key whose hash tag is the
-/// escaped descriptor, so all limits of a descriptor share a Cluster slot:
+/// first limit of a rule exactly, further ones with a `#<index>_` marker, see [`OWN_WINDOW`] for
+/// others) and get the window start appended by the store. The other algorithms keep their state under
+/// one key whose hash tag is the escaped descriptor, so all limits of a descriptor share a Cluster slot:
 /// `<prefix>{<domain>_<key>_<value>_...}:<algorithm>:<window seconds>:<index>`.
 pub fn limit_key<'a>(
     out: &mut String,
@@ -92,11 +99,18 @@ pub fn limit_key<'a>(
     use std::fmt::Write;
     if algorithm == Algorithm::FixedWindow {
         counter_key(out, prefix, domain, entries);
-        if index > 0 {
-            let _ = write!(out, "#{index}_");
+        match index {
+            0 => {}
+            OWN_WINDOW => {
+                let _ = write!(out, "#{window_secs}s_");
+            }
+            index => {
+                let _ = write!(out, "#{index}_");
+            }
         }
         return;
     }
+    let index = if index == OWN_WINDOW { 0 } else { index };
     out.clear();
     out.push_str(prefix);
     out.push('{');
@@ -254,6 +268,26 @@ mod tests {
             1,
         );
         assert_eq!(with_window(&k, 86_400), "d_ip_1.2.3.4_#1_86400");
+        limit_key(
+            &mut k,
+            "",
+            "d",
+            [("ip", "1.2.3.4")],
+            Algorithm::FixedWindow,
+            86_400,
+            OWN_WINDOW,
+        );
+        assert_eq!(with_window(&k, 86_400), "d_ip_1.2.3.4_#86400s_86400");
+        limit_key(
+            &mut k,
+            "p:",
+            "d",
+            [("ip", "1.2.3.4")],
+            Algorithm::Gcra,
+            60,
+            OWN_WINDOW,
+        );
+        assert_eq!(k, "p:{d_ip_1.2.3.4_}:gcra:60:0");
     }
 
     /// The escaped key of one limit (token bucket, 60 s, index 0) of a descriptor.

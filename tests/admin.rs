@@ -1495,3 +1495,48 @@ async fn a_runtime_limit_of_another_window_counts_apart_from_the_rule() {
     }
     panic!("no try fitted in one window of two seconds");
 }
+
+/// A reset clears what the descriptor is counted against: with a runtime limit on one value of a rule
+/// whose values share one counter (`share_threshold`), not that shared counter, which every other value
+/// still counts against.
+#[test]
+fn a_reset_leaves_the_counters_a_runtime_limit_stands_in_for() {
+    let files = Files::new();
+    std::fs::write(
+        files.rules().join("files.yaml"),
+        "domain: files\ndescriptors:\n  - key: path\n    value: f/*\n    share_threshold: true\n    rate_limit: {unit: hour, requests_per_unit: 2}\n",
+    )
+    .unwrap();
+    let running = start_binary(&mut with_admin(&files));
+    let admin = admin_addr(&running);
+    assert!(running.serving_within(Duration::from_secs(10)));
+    for value in ["f/b", "f/c"] {
+        assert_eq!(ask_in(&running, "files", "path", value), 200);
+    }
+    assert_eq!(ask_in(&running, "files", "path", "f/d"), 429);
+    let target = json!({ "domain": "files", "descriptor": descriptor("path", "f/a") });
+    let mut set = target.clone();
+    set["limit"] = json!({ "requests_per_unit": 10, "unit": "hour" });
+    let (status, answer) = call(admin, "PUT", "/v1/limits", Some(TOKEN), &set);
+    assert_eq!(status, 200, "{answer}");
+    let (status, answer) = call(admin, "POST", "/v1/reset", Some(TOKEN), &target);
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(answer["limits"], 1, "{answer}");
+    assert_eq!(ask_in(&running, "files", "path", "f/d"), 429, "{answer}");
+
+    // A rule whose counter is the value's own (2 an hour): the reset clears it beside the runtime
+    // limit's, so the value is free again once the runtime limit is gone.
+    for want in [200, 200, 429] {
+        assert_eq!(ask(&running, "tenant", "t"), want);
+    }
+    let target = json!({ "domain": "api", "descriptor": descriptor("tenant", "t") });
+    let mut set = target.clone();
+    set["limit"] = json!({ "requests_per_unit": 10, "unit": "minute" });
+    let (status, answer) = call(admin, "PUT", "/v1/limits", Some(TOKEN), &set);
+    assert_eq!(status, 200, "{answer}");
+    let (status, answer) = call(admin, "POST", "/v1/reset", Some(TOKEN), &target);
+    assert_eq!((status, &answer["limits"]), (200, &json!(2)), "{answer}");
+    let (status, answer) = call(admin, "DELETE", "/v1/limits", Some(TOKEN), &target);
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(ask(&running, "tenant", "t"), 200);
+}

@@ -75,6 +75,8 @@ pub struct Inspected {
 struct Planned {
     inspection: Inspection,
     checks: Vec<Check>,
+    /// The rule's counters are shared with other values (`share_threshold`, a shared `cidr:`).
+    rule_shared: bool,
 }
 
 /// What a reset cleared.
@@ -145,6 +147,7 @@ impl Limiter {
                 limits: Vec::new(),
             },
             checks: Vec::new(),
+            rule_shared: path.iter().any(|step| step.shared_value().is_some()),
         };
         let runtime = self.runtime.current();
         let lookup = runtime
@@ -224,6 +227,7 @@ impl Limiter {
         let Planned {
             mut inspection,
             checks,
+            ..
         } = self.plan(target)?;
         let read = self.shared.read(&checks, self.clock.now_millis()).await?;
         for (limit, state) in inspection.limits.iter_mut().zip(&read.states) {
@@ -237,19 +241,28 @@ impl Limiter {
     /// (denials, leases) when they see the change.
     pub async fn reset(&self, target: &Target) -> Result<Reset, OperatorError> {
         self.refresh_runtime_limits().await?;
-        let planned = self.plan(target)?;
+        let Planned {
+            inspection,
+            checks,
+            rule_shared,
+        } = self.plan(target)?;
+        // The descriptor's own counters: not those of the limits of its rule a runtime limit stands in
+        // for when the rule shares them with other values (`share_threshold`, a shared `cidr:`).
+        let checks: Vec<_> = checks
+            .into_iter()
+            .zip(&inspection.limits)
+            .filter(|(_, limit)| limit.applies || !rule_shared)
+            .map(|(check, _)| check)
+            .collect();
         // This replica's leases end first, so that none of their hits goes back into a counter that
         // requests create again after the delete.
         self.shared.operator_changed();
-        let counters = self
-            .shared
-            .clear(&planned.checks, self.clock.now_millis())
-            .await?;
+        let counters = self.shared.clear(&checks, self.clock.now_millis()).await?;
         self.shared.announce(&self.record_keys()).await?;
         self.refresh_runtime_limits().await?;
         Ok(Reset {
-            descriptor: planned.inspection.descriptor,
-            limits: planned.checks.len(),
+            descriptor: inspection.descriptor,
+            limits: checks.len(),
             counters,
         })
     }

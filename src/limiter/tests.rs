@@ -47,6 +47,10 @@ descriptors:
     rate_limit: {unit: minute, requests_per_unit: 2, unit_multiplier: 5}
   - key: bucket
     rate_limit: {unit: minute, requests_per_unit: 60, algorithm: token_bucket, burst: 2}
+  - key: closed_bucket
+    rate_limit: {unit: minute, requests_per_unit: 0, algorithm: token_bucket, burst: 5}
+  - key: closed_gcra
+    rate_limit: {unit: minute, requests_per_unit: 0, algorithm: gcra, burst: 5}
   - key: net
     value: "cidr:10.0.0.0/8"
     rate_limit: {unit: minute, requests_per_unit: 1}
@@ -123,6 +127,18 @@ async fn counts_up_to_the_limit_then_denies_with_status_details() {
     assert_eq!(resp.overall_code, Code::OverLimit);
     assert_eq!(resp.statuses[0].code, Code::OverLimit);
     assert_eq!(resp.statuses[0].limit_remaining, 0);
+}
+
+/// `requests_per_unit: 0` blocks everything whatever the burst, on both bucket algorithms alike (a token
+/// bucket admitted its burst once, then nothing, where GCRA admitted nothing).
+#[tokio::test]
+async fn a_limit_of_zero_blocks_everything_whatever_the_burst() {
+    let l = limiter();
+    for key in ["closed_bucket", "closed_gcra"] {
+        let resp = ask(&l, &req(vec![desc(&[(key, "v")])])).await;
+        assert_eq!(resp.overall_code, Code::OverLimit, "{key}");
+        assert_eq!(resp.statuses[0].limit_remaining, 0, "{key}");
+    }
 }
 
 #[tokio::test]

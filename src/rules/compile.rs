@@ -306,7 +306,12 @@ fn compile_limit(
         unit: unit.unwrap_or(Unit::Second),
         unit_multiplier,
         algorithm,
-        burst: spec.burst.unwrap_or(u64::from(spec.requests_per_unit)),
+        // A limit of 0 blocks everything: a bucket that is never refilled holds nothing either, as
+        // GCRA counts it (a token bucket would otherwise admit its burst once, then never again).
+        burst: match spec.requests_per_unit {
+            0 => 0,
+            per_unit => spec.burst.unwrap_or(u64::from(per_unit)),
+        },
         count_over_limit: spec.count_over_limit,
         unlimited: spec.unlimited,
         name,

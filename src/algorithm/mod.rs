@@ -265,7 +265,7 @@ pub struct Usage {
     pub remaining: u64,
     /// Time until the state is as if no hit had happened.
     pub reset_ms: u64,
-    /// A check that counts nothing (cost 0) is denied now: the limit is past its capacity.
+    /// A request of one hit would be denied now: the limit is at its capacity, or past it.
     pub over: bool,
 }
 
@@ -310,7 +310,7 @@ pub fn usage(p: &Params, state: Option<&State>, now_ms: u64) -> Usage {
         used,
         remaining: checked.remaining,
         reset_ms: checked.reset_ms,
-        over: !checked.allowed,
+        over: !decide(p, state, now_ms, 1).0.allowed,
     }
 }
 

@@ -420,5 +420,14 @@ fn usage_reads_what_each_algorithm_holds_without_changing_it() {
         );
         assert!(u.reset_ms > 0, "{algorithm:?}");
         assert_eq!(usage(&p, None, t0).used, 0.0);
+        // At its limit exactly, the next hit is denied: over, as a caller sees it.
+        let mut state = None;
+        run_counted(&p, &mut state, &[(t0, 10)]);
+        let u = usage(&p, state.as_ref(), t0);
+        assert_eq!(
+            (u.used, u.remaining, u.over),
+            (10.0, 0, true),
+            "{algorithm:?}"
+        );
     }
 }

@@ -151,15 +151,19 @@ enum LimitsCommand {
         domain: Option<String>,
     },
     /// Delete a runtime limit, by id or by its descriptor
+    #[command(
+        group(clap::ArgGroup::new("which").required(true).args(["id", "domain"])),
+        override_usage = "ratelimitd admin limits delete (--id <ID> | --domain <DOMAIN> <KEY=VALUE>...)"
+    )]
     Delete {
         /// The id `list` shows
-        #[arg(long, conflicts_with_all = ["domain", "entries"], required_unless_present = "domain")]
+        #[arg(long, conflicts_with_all = ["domain", "entries"])]
         id: Option<String>,
         /// The rules domain
         #[arg(long, requires = "entries")]
         domain: Option<String>,
         /// The descriptor's entries in order, as KEY=VALUE
-        #[arg(value_name = "KEY=VALUE", value_parser = entry)]
+        #[arg(value_name = "KEY=VALUE", value_parser = entry, requires = "domain")]
         entries: Vec<(String, String)>,
     },
 }

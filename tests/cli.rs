@@ -45,6 +45,43 @@ fn help_and_version() {
     );
 }
 
+/// `limits delete` with entries but no `--domain` says what is missing (exit 2, usage), never that
+/// `--id` is (which cannot be given with entries).
+#[test]
+fn limits_delete_without_its_domain_asks_for_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let delete = |args: &[&str]| {
+        let out = ratelimitd(
+            &[
+                &["admin", "--url", "http://127.0.0.1:1", "limits", "delete"],
+                args,
+            ]
+            .concat(),
+            &[],
+            dir.path(),
+        )
+        .output()
+        .unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    for args in [&["tenant=a"][..], &[]] {
+        let (code, err) = delete(args);
+        assert_eq!(code, Some(2), "{args:?}: {err}");
+        assert!(err.contains("--domain <DOMAIN>"), "{args:?}: {err}");
+        assert!(!err.contains("cannot be used"), "{args:?}: {err}");
+        assert!(
+            err.contains("(--id <ID> | --domain <DOMAIN> <KEY=VALUE>...)"),
+            "{args:?}: {err}"
+        );
+    }
+    let (code, err) = delete(&["--domain", "api"]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("<KEY=VALUE>"), "{err}");
+}
+
 /// `ratelimitd check-config <folder>` run in `cwd`, as it ended.
 fn check_config_output(folder: &Path, env: &[(&str, &str)], cwd: &Path) -> std::process::Output {
     ratelimitd(&["check-config", folder.to_str().unwrap()], env, cwd)

@@ -532,3 +532,36 @@ descriptors:
     assert_eq!(offenders[0]["denied"], 2);
     s.stop().await;
 }
+
+/// A bucket is near its limit near its capacity: with a burst of 20 over 10 a minute and the ratio 0.8,
+/// the hits past 16 of 20, not past 8 of 10 (of which a full bucket's first 20 hits showed only 2).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn near_limit_is_measured_against_a_buckets_burst() {
+    const RULES: &str = r#"
+domain: web
+descriptors:
+  - key: bucket
+    rate_limit: {unit: minute, requests_per_unit: 10, algorithm: token_bucket, burst: 20}
+  - key: gcra
+    rate_limit: {unit: minute, requests_per_unit: 10, algorithm: gcra, burst: 20}
+"#;
+    let s = TestServer::start(&[("web.yaml", RULES)], |_| {}).await;
+    let mut c = s.client().await;
+    for key in ["bucket", "gcra"] {
+        for _ in 0..20 {
+            ask(&mut c, request("web", vec![descriptor(&[(key, "b")])])).await;
+        }
+    }
+    let (_, text) = s.http("GET", "/metrics", "").await;
+    for key in ["bucket", "gcra"] {
+        let series = |name: &str| {
+            sample(
+                &text,
+                &format!("ratelimit_service_rate_limit_{name}{{domain=\"web\",rule=\"{key}\"}}"),
+            )
+        };
+        assert_eq!(series("within_limit"), 20.0, "{key}");
+        assert_eq!(series("near_limit"), 4.0, "{key}");
+    }
+    s.stop().await;
+}

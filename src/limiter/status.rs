@@ -23,7 +23,8 @@ pub(super) struct Verdict<'a> {
     /// Its limit is an operator's runtime limit.
     pub runtime: bool,
     pub role: Role,
-    /// The limit's requests per unit.
+    /// What the limit holds when full: its requests per unit, or its burst for `token_bucket` and
+    /// `gcra` (what "near the limit" is measured against).
     pub limit: u64,
     /// The most hits its check is decided on: past what the limit could ever allow, one more.
     pub most_hits: u64,
@@ -87,7 +88,7 @@ pub(super) fn choose<'a>(
                     // Runtime limits come as the limit of no rule (see `plan::resolve_one`).
                     runtime: node.is_none() && matches!(applicable, Applicable::Rule { .. }),
                     role,
-                    limit: u64::from(applicable.requests_per_unit()),
+                    limit: applicable.params().capacity(),
                     most_hits: applicable.params().bounded_cost(u64::MAX),
                     outcome,
                     from_cache,

@@ -1540,3 +1540,44 @@ fn a_reset_leaves_the_counters_a_runtime_limit_stands_in_for() {
     assert_eq!(status, 200, "{answer}");
     assert_eq!(ask(&running, "tenant", "t"), 200);
 }
+
+/// `runtime_limits.max_limits` holds for the fleet: two replicas of one Redis asked at once for a new
+/// limit each, with room for one, set one (the other is answered 409), round after round (the count and
+/// the write were two steps, and both were set in about two rounds of five).
+#[test]
+fn max_limits_holds_when_replicas_set_limits_at_once() {
+    let redis = RedisProcess::start(&[]);
+    let files = Files::new();
+    let replica = || {
+        let mut cmd = with_admin(&files);
+        on_redis(&mut cmd, &redis);
+        cmd.env("RATELIMITD_RUNTIME_LIMITS__MAX_LIMITS", "1");
+        let running = start_binary(&mut cmd);
+        let admin = admin_addr(&running);
+        (running, admin)
+    };
+    let (_one, first) = replica();
+    let (_two, second) = replica();
+    for round in 0..8 {
+        // No limits, under a generation no replica has seen: each reads the empty set again.
+        redis.cli(&["DEL", "{ratelimitd}:runtime_limits"]);
+        let generation = format!("{}", 1_000_000 + round);
+        redis.cli(&["SET", "{ratelimitd}:operator_changes", &generation]);
+        let set = |admin: SocketAddr, tenant: String| {
+            std::thread::spawn(move || {
+                let body = json!({
+                    "domain": "api",
+                    "descriptor": descriptor("tenant", &tenant),
+                    "limit": { "requests_per_unit": 5, "unit": "hour" },
+                });
+                call(admin, "PUT", "/v1/limits", Some(TOKEN), &body).0
+            })
+        };
+        let a = set(first, format!("a{round}"));
+        let b = set(second, format!("b{round}"));
+        let mut statuses = [a.join().unwrap(), b.join().unwrap()];
+        statuses.sort();
+        assert_eq!(statuses, [200, 409], "round {round}");
+        assert_eq!(redis.cli(&["HLEN", "{ratelimitd}:runtime_limits"]), "1");
+    }
+}

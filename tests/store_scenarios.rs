@@ -591,8 +591,11 @@ async fn operator_calls(store: &Store) {
     let first = store.records(&keys, None).await.unwrap().unwrap();
     assert_eq!(first.generation, 0, "nothing set yet");
     assert!(store.records(&keys, Some(0)).await.unwrap().is_none());
-    store.put_record(&keys, "one", "{\"a\":1}").await.unwrap();
-    store.put_record(&keys, "two", "{}").await.unwrap();
+    for (id, record) in [("one", "{\"a\":1}"), ("two", "{}")] {
+        assert!(store.put_record(&keys, id, record, 2, 0).await.unwrap());
+    }
+    // Two held, room for two: a third is refused and changes nothing, the generation included.
+    assert!(!store.put_record(&keys, "three", "{}", 2, 0).await.unwrap());
     let set = store.records(&keys, Some(0)).await.unwrap().unwrap();
     assert_ne!(set.generation, 0, "the generation moved on");
     assert_eq!(

@@ -323,7 +323,14 @@ impl Limiter {
         let text = serde_json::to_string(&record)
             .map_err(|e| OperatorError::Invalid(format!("cannot write the record: {e}")))?;
         let keys = self.record_keys();
-        self.shared.put_record(&keys, &record.id, &text).await?;
+        if !self
+            .shared
+            .put_record(&keys, &record.id, &text, max, now_ms)
+            .await?
+        {
+            // Another replica set one meanwhile.
+            return Err(OperatorError::TooMany { max });
+        }
         // Set: what follows only tidies up, and its failure must not make the caller (and the audit log)
         // take the limit for refused.
         self.after_change(&record.id).await;

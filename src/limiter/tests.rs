@@ -910,7 +910,13 @@ async fn expired_runtime_limits_leave_room_and_records_are_bounded_and_resolved(
 async fn a_record_that_no_longer_reads_is_deleted_by_its_id() {
     let l = limiter();
     l.shared
-        .put_record(&l.record_keys(), "0123456789abcdef", "not a runtime limit")
+        .put_record(
+            &l.record_keys(),
+            "0123456789abcdef",
+            "not a runtime limit",
+            1,
+            0,
+        )
         .await
         .unwrap();
     l.refresh_runtime_limits().await.unwrap();

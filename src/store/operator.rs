@@ -56,6 +56,25 @@ pub struct LocalRecords {
     held: Mutex<(u64, BTreeMap<String, String>)>,
 }
 
+/// Whether a record's text reads as a record not expired by `now_ms` (as records.lua counts them).
+fn in_force(text: &str, now_ms: u64) -> bool {
+    serde_json::from_str::<serde_json::Value>(text).is_ok_and(|record| {
+        record.is_object()
+            && record
+                .get("expires_at_ms")
+                .and_then(serde_json::Value::as_u64)
+                .is_none_or(|at| at > now_ms)
+    })
+}
+
+/// Whether a record's text says it expired by `now_ms`.
+fn expired(text: &str, now_ms: u64) -> bool {
+    serde_json::from_str::<serde_json::Value>(text)
+        .ok()
+        .and_then(|record| record.get("expires_at_ms")?.as_u64())
+        .is_some_and(|at| at <= now_ms)
+}
+
 impl LocalRecords {
     fn lock(&self) -> MutexGuard<'_, (u64, BTreeMap<String, String>)> {
         self.held.lock().unwrap_or_else(|p| p.into_inner())
@@ -69,10 +88,23 @@ impl LocalRecords {
         })
     }
 
-    fn put(&self, id: &str, record: &str) {
+    /// Writes a record unless `most` records not expired by `now_ms` are held beside it (a new id);
+    /// whether it was written.
+    fn put(&self, id: &str, record: &str, most: usize, now_ms: u64) -> bool {
         let mut held = self.lock();
+        if !held.1.contains_key(id) {
+            let live = held
+                .1
+                .values()
+                .filter(|text| in_force(text, now_ms))
+                .count();
+            if live >= most {
+                return false;
+            }
+        }
         held.1.insert(id.to_owned(), record.to_owned());
         held.0 += 1;
+        true
     }
 
     fn delete(&self, ids: &[String]) -> usize {
@@ -82,12 +114,7 @@ impl LocalRecords {
     /// Deletes those of `ids` whose record, as held now, expired by `now_ms` (see
     /// [`Store::purge_records`]).
     fn purge(&self, ids: &[String], now_ms: u64) -> usize {
-        self.delete_where(ids, |text| {
-            serde_json::from_str::<serde_json::Value>(text)
-                .ok()
-                .and_then(|record| record.get("expires_at_ms")?.as_u64())
-                .is_some_and(|at| at <= now_ms)
-        })
+        self.delete_where(ids, |text| expired(text, now_ms))
     }
 
     /// Deletes those of `ids` held whose record `doomed` picks, under one lock; how many.
@@ -155,19 +182,20 @@ impl Store {
         }
     }
 
-    /// Writes (or replaces) one record, and moves the generation on.
+    /// Writes (or replaces) one record, and moves the generation on, unless it is a new id and `most`
+    /// records not expired by `now_ms` are held already (checked in the same step as the write, so that
+    /// replicas setting limits at once never hold more): whether it was written.
     pub async fn put_record(
         &self,
         keys: &RecordKeys,
         id: &str,
         record: &str,
-    ) -> Result<(), StoreError> {
+        most: usize,
+        now_ms: u64,
+    ) -> Result<bool, StoreError> {
         match self {
-            Store::Memory(store) => {
-                store.records.put(id, record);
-                Ok(())
-            }
-            Store::Redis(store) => store.put_record(keys, id, record).await,
+            Store::Memory(store) => Ok(store.records.put(id, record, most, now_ms)),
+            Store::Redis(store) => store.put_record(keys, id, record, most, now_ms).await,
             Store::Noop => Err(keeps_nothing()),
         }
     }
@@ -264,7 +292,7 @@ mod tests {
         let first = store.records(&keys, None).await.unwrap().unwrap();
         assert_eq!(first, Records::default());
         assert!(store.records(&keys, Some(0)).await.unwrap().is_none());
-        store.put_record(&keys, "a", "{}").await.unwrap();
+        assert!(store.put_record(&keys, "a", "{}", 10, 0).await.unwrap());
         let next = store.records(&keys, Some(0)).await.unwrap().unwrap();
         assert_eq!((next.generation, next.records.len()), (1, 1));
         assert_eq!(store.delete_records(&keys, &["a".into()]).await.unwrap(), 1);
@@ -272,18 +300,39 @@ mod tests {
         assert_eq!(store.delete_records(&keys, &["a".into()]).await.unwrap(), 0);
         // A purge deletes only what has expired as held now.
         store
-            .put_record(&keys, "old", r#"{"expires_at_ms":100}"#)
+            .put_record(&keys, "old", r#"{"expires_at_ms":100}"#, 10, 0)
             .await
             .unwrap();
         store
-            .put_record(&keys, "new", r#"{"expires_at_ms":900}"#)
+            .put_record(&keys, "new", r#"{"expires_at_ms":900}"#, 10, 0)
             .await
             .unwrap();
+        // Room for two records in force: "old" has expired by 500, so a third fits; for one, it does not,
+        // and a record held already is replaced whatever the count.
+        assert!(!store
+            .put_record(&keys, "third", "{}", 1, 500)
+            .await
+            .unwrap());
+        assert!(store
+            .put_record(&keys, "new", r#"{"expires_at_ms":900}"#, 1, 500)
+            .await
+            .unwrap());
+        assert!(store
+            .put_record(&keys, "third", "{}", 2, 500)
+            .await
+            .unwrap());
+        assert_eq!(
+            store
+                .delete_records(&keys, &["third".into()])
+                .await
+                .unwrap(),
+            1
+        );
         let both = ["old".to_string(), "new".to_string()];
         assert_eq!(store.purge_records(&keys, &both, 500).await.unwrap(), 1);
         assert_eq!(store.purge_records(&keys, &both, 500).await.unwrap(), 0);
         let held = store.records(&keys, None).await.unwrap().unwrap();
-        assert_eq!((held.generation, held.records.len()), (5, 1));
+        assert_eq!((held.generation, held.records.len()), (8, 1));
         store.announce(&keys).await.unwrap();
         assert_eq!(
             store
@@ -292,7 +341,7 @@ mod tests {
                 .unwrap()
                 .unwrap()
                 .generation,
-            6
+            9
         );
     }
 }

@@ -368,14 +368,14 @@ impl RedisStore {
         }))
     }
 
-    /// One change of the records by `records.lua`, with a new random generation; how many records it
-    /// deleted.
+    /// One change of the records by `records.lua`, with a new random generation; its reply: how many
+    /// records it deleted, or -1 for a put refused.
     async fn change_records(
         &self,
         keys: &RecordKeys,
         change: &str,
         args: &[&str],
-    ) -> Result<usize, StoreError> {
+    ) -> Result<i64, StoreError> {
         // Never 0 (no generation yet), and below 2^63.
         let generation = (rand::random::<u64>() >> 1).max(1).to_string();
         let argv: Vec<String> = [generation.as_str(), change]
@@ -390,19 +390,26 @@ impl RedisStore {
             argv,
         );
         match tokio::time::timeout(self.main.timeout, call).await {
-            Ok(deleted) => Ok(usize::try_from(deleted.map_err(redis_error)?).unwrap_or(0)),
+            Ok(reply) => reply.map_err(redis_error),
             Err(_) => Err(StoreError::Timeout(self.main.timeout)),
         }
     }
 
+    /// Writes a record unless `most` records not expired by `now_ms` are held beside it (a new id):
+    /// whether it was written.
     pub(crate) async fn put_record(
         &self,
         keys: &RecordKeys,
         id: &str,
         record: &str,
-    ) -> Result<(), StoreError> {
-        self.change_records(keys, "put", &[id, record]).await?;
-        Ok(())
+        most: usize,
+        now_ms: u64,
+    ) -> Result<bool, StoreError> {
+        let (most, now) = (most.to_string(), now_ms.to_string());
+        let reply = self
+            .change_records(keys, "put", &[id, record, &most, &now])
+            .await?;
+        Ok(reply >= 0)
     }
 
     pub(crate) async fn delete_records(
@@ -411,7 +418,8 @@ impl RedisStore {
         ids: &[String],
     ) -> Result<usize, StoreError> {
         let ids: Vec<&str> = ids.iter().map(String::as_str).collect();
-        self.change_records(keys, "delete", &ids).await
+        let deleted = self.change_records(keys, "delete", &ids).await?;
+        Ok(usize::try_from(deleted).unwrap_or(0))
     }
 
     pub(crate) async fn purge_records(
@@ -424,7 +432,8 @@ impl RedisStore {
         let args: Vec<&str> = std::iter::once(now.as_str())
             .chain(ids.iter().map(String::as_str))
             .collect();
-        self.change_records(keys, "purge", &args).await
+        let deleted = self.change_records(keys, "purge", &args).await?;
+        Ok(usize::try_from(deleted).unwrap_or(0))
     }
 
     pub(crate) async fn announce(&self, keys: &RecordKeys) -> Result<(), StoreError> {

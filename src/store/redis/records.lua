@@ -6,7 +6,10 @@
 --           it, or a replica promoted before it saw the last changes, never shows a value a ratelimitd
 --           replica already knows beside other records.
 -- ARGV[1]   the new generation (decimal digits).
--- ARGV[2]   the change: 'put' (ARGV[3] the id, ARGV[4] the record), 'delete' (ARGV[3..] the ids),
+-- ARGV[2]   the change: 'put' (ARGV[3] the id, ARGV[4] the record, ARGV[5] the most records not expired
+--           by ARGV[6], a time in ms since the epoch, that may be held beside it: a new id past that
+--           changes nothing and replies -1, so that replicas setting limits at once never hold more
+--           than runtime_limits.max_limits), 'delete' (ARGV[3..] the ids),
 --           'purge' (ARGV[3] a time in ms since the epoch, ARGV[4..] ids: each is deleted only if its
 --           record as stored now has expired by then, so that a limit set again meanwhile, on another
 --           replica, under the same id, stays), or 'announce' (no record changes: after a reset, so
@@ -16,7 +19,7 @@
 -- moved on with the records unchanged, never records that no replica reads. A delete of ids none of
 -- which is held changes nothing, the generation included: every replica would otherwise read the
 -- records again and forget what it remembers of the counters (denials, leases) for nothing.
--- Reply: how many records were deleted (0 for 'put' and 'announce').
+-- Reply: how many records were deleted (0 for 'put' and 'announce'; -1 for a 'put' refused).
 
 local change = ARGV[2]
 if change ~= 'put' and change ~= 'delete' and change ~= 'purge' and change ~= 'announce' then
@@ -41,6 +44,24 @@ elseif change == 'purge' then
   end
 end
 if (change == 'delete' or change == 'purge') and #doomed == 0 then return 0 end
+if change == 'put' and not redis.call('HGET', KEYS[1], ARGV[3]) then
+  local most, now = tonumber(ARGV[5]), tonumber(ARGV[6])
+  -- Expired records count in HLEN until purged: below the bound, nothing needs decoding (an ACL user
+  -- set up without +hlen, as earlier versions documented it, reads them all instead).
+  local counted, len = pcall(redis.call, 'HLEN', KEYS[1])
+  if most and now and (not counted or len >= most) then
+    local held, all = 0, redis.call('HGETALL', KEYS[1])
+    for i = 2, #all, 2 do
+      -- Counted as the replicas count them: a record that does not read is in force nowhere.
+      local read, record = pcall(cjson.decode, all[i])
+      if read and type(record) == 'table' then
+        local at = record['expires_at_ms']
+        if type(at) ~= 'number' or at > now then held = held + 1 end
+      end
+    end
+    if held >= most then return -1 end
+  end
+end
 redis.call('SET', KEYS[2], ARGV[1])
 local deleted = 0
 if change == 'put' then

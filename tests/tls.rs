@@ -446,6 +446,11 @@ fn redis_tls_checks_the_host_name_unless_told_not_to() {
         "not signed by a CA in REDIS_TLS_CACERT",
         Duration::from_secs(5),
     );
+
+    // A plain connection to the TLS port: the server drops it, and the log says what may be missing.
+    let plain = start_redis_client(rules.path(), &[("REDIS_URL", url.as_str())]);
+    assert!(!plain.serving_within(Duration::from_secs(2)));
+    plain.wait_log("set REDIS_TLS=true", Duration::from_secs(5));
 }
 
 #[test]

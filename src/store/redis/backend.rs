@@ -170,6 +170,8 @@ struct Login {
     /// Whether a password for the servers, and one for the Sentinels, is set.
     auth: bool,
     sentinel_auth: bool,
+    /// Whether the connections use TLS (`REDIS_TLS`, a `rediss://` URL).
+    tls: bool,
 }
 
 impl Login {
@@ -184,6 +186,7 @@ impl Login {
             },
             auth: !settings.auth.0.is_empty(),
             sentinel_auth: !settings.sentinel_auth.0.is_empty(),
+            tls: settings.tls || settings.url.starts_with("rediss://"),
         }
     }
 }
@@ -201,6 +204,14 @@ fn auth_hint(message: &str, login: Login) -> String {
     if message.contains("NotValidForName") {
         return format!(
             " (the server's certificate does not name the host of {v}URL: use a name it was issued for, or set REDIS_TLS_SKIP_HOSTNAME_VERIFICATION=true)"
+        );
+    }
+    // A server that takes TLS only drops a plain connection at its first bytes.
+    if !login.tls
+        && (message.contains("Connection reset by peer") || message.contains("UnexpectedEof"))
+    {
+        return format!(
+            " (if the server takes TLS connections only, set {v}TLS=true or write a rediss:// {v}URL)"
         );
     }
     let noauth = message.contains("NOAUTH");
@@ -1079,6 +1090,23 @@ mod tests {
         settings.auth.0 = auth.into();
         settings.sentinel_auth.0 = sentinel_auth.into();
         Login::of(name, &settings)
+    }
+
+    #[test]
+    fn a_plain_connection_dropped_at_once_may_want_tls() {
+        let reset = "IO Error: Os { code: 104, kind: ConnectionReset, message: \"Connection reset by peer\" }";
+        let hint = auth_hint(reset, login("main", RedisTopology::Single, "", ""));
+        assert!(hint.contains("set REDIS_TLS=true"), "{hint}");
+        let hint = auth_hint(reset, login("per-second", RedisTopology::Single, "", ""));
+        assert!(hint.contains("set REDIS_PERSECOND_TLS=true"), "{hint}");
+        let mut settings = RedisSettings {
+            tls: true,
+            ..RedisSettings::default()
+        };
+        assert_eq!(auth_hint(reset, Login::of("main", &settings)), "");
+        settings.tls = false;
+        settings.url = "rediss://cache:6380".into();
+        assert_eq!(auth_hint(reset, Login::of("main", &settings)), "");
     }
 
     #[test]

@@ -311,3 +311,32 @@ async fn spans_reach_a_collector_over_tls() {
         Some("pod-7")
     );
 }
+
+/// A collector that cannot be reached loses the spans, and the log says so (once a minute at most),
+/// naming the setting: the exporter's own diagnostics are off, and its failures were silent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spans_that_cannot_be_exported_are_logged_as_lost() {
+    // A port nothing listens on.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let dir = tempfile::tempdir().unwrap();
+    let endpoint = format!("http://127.0.0.1:{port}");
+    let mut cmd = traced(dir.path());
+    cmd.envs([
+        ("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint.as_str()),
+        ("OTEL_BSP_SCHEDULE_DELAY", "100"),
+    ]);
+    let running = common::start_binary(&mut cmd);
+    let body = r#"{"domain":"web","descriptors":[{"entries":[{"key":"user","value":"u"}]}]}"#;
+    assert_eq!(
+        common::http_request(running.http, "POST", "/json", body).0,
+        200
+    );
+    running.wait_log("trace export failed", Duration::from_secs(20));
+    let log = running.log.lock().unwrap().clone();
+    assert_eq!(log.matches("trace export failed").count(), 1, "{log}");
+    assert!(log.contains("OTEL_EXPORTER_OTLP_ENDPOINT"), "{log}");
+}

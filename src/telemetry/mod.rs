@@ -114,10 +114,83 @@ fn tracer_provider(traces: &TracingSettings) -> Result<SdkTracerProvider, String
         .map_err(|e| format!("cannot set up the OTLP trace exporter: {e}"))?;
     let sampler = Sampler::ParentBased(Box::new(Sampler::TraceIdRatioBased(traces.sampling_rate)));
     Ok(SdkTracerProvider::builder()
-        .with_batch_exporter(exporter)
+        .with_batch_exporter(Logged::new(exporter))
         .with_sampler(sampler)
         .with_resource(resource(traces))
         .build())
+}
+
+/// A span exporter whose failures are logged: the SDK's own diagnostics are off in this build, so a
+/// collector that is unreachable or refuses the spans would otherwise lose them all without a word. One
+/// warning a minute at most, with the spans lost since the last.
+#[derive(Debug)]
+struct Logged<E> {
+    inner: E,
+    /// Seconds since the epoch of the last warning, and the spans lost since it.
+    last_warned: std::sync::atomic::AtomicU64,
+    lost: std::sync::atomic::AtomicU64,
+}
+
+impl<E> Logged<E> {
+    fn new(inner: E) -> Self {
+        Self {
+            inner,
+            last_warned: std::sync::atomic::AtomicU64::new(0),
+            lost: std::sync::atomic::AtomicU64::new(0),
+        }
+    }
+
+    fn failed(&self, spans: usize, err: &opentelemetry_sdk::error::OTelSdkError) {
+        use std::sync::atomic::Ordering;
+        let lost = self.lost.fetch_add(spans as u64, Ordering::Relaxed) + spans as u64;
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        let last = self.last_warned.load(Ordering::Relaxed);
+        if now >= last + 60
+            && self
+                .last_warned
+                .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+        {
+            self.lost.fetch_sub(lost, Ordering::Relaxed);
+            tracing::warn!(
+                spans_lost = lost,
+                "trace export failed: {err} (the collector is the tracing endpoint, OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or OTEL_EXPORTER_OTLP_ENDPOINT; at most one such line a minute)"
+            );
+        }
+    }
+}
+
+impl<E: opentelemetry_sdk::trace::SpanExporter> opentelemetry_sdk::trace::SpanExporter
+    for Logged<E>
+{
+    async fn export(
+        &self,
+        batch: Vec<opentelemetry_sdk::trace::SpanData>,
+    ) -> opentelemetry_sdk::error::OTelSdkResult {
+        let spans = batch.len();
+        let result = self.inner.export(batch).await;
+        if let Err(err) = &result {
+            self.failed(spans, err);
+        }
+        result
+    }
+
+    fn shutdown_with_timeout(
+        &self,
+        timeout: std::time::Duration,
+    ) -> opentelemetry_sdk::error::OTelSdkResult {
+        self.inner.shutdown_with_timeout(timeout)
+    }
+
+    fn force_flush(&self) -> opentelemetry_sdk::error::OTelSdkResult {
+        self.inner.force_flush()
+    }
+
+    fn set_resource(&mut self, resource: &opentelemetry_sdk::Resource) {
+        self.inner.set_resource(resource);
+    }
 }
 
 /// Whether the exporter reaches the collector at `endpoint` (as [`TracingSettings::resolved_endpoint`]

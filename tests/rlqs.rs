@@ -223,6 +223,30 @@ async fn a_subscription_is_answered_at_once_with_a_token_bucket_envoy_can_read()
     s.stop().await;
 }
 
+/// A bucket whose reports pause for longer than its TTL, but not its TTL and the second after it that
+/// the store still counts its share (the Envoy may be enforcing it), comes back under its own share: it
+/// was forgotten at its TTL and taken for a newcomer beside its own old share (1.5 of 50 per second).
+#[tokio::test]
+async fn a_bucket_back_within_its_ttls_margin_keeps_its_share() {
+    let s = start(|_| {}).await;
+    s.wait_serving(Duration::from_secs(5)).await;
+    let mut stream = Raw::open(&s).await.unwrap();
+    let rate = |response: &RateLimitQuotaResponse| {
+        let (strategy, _) = actions(response)[&key(SHARED)].unwrap();
+        let b = token_bucket(&strategy);
+        f64::from(b.tokens_per_fill.unwrap()) / b.fill_interval.unwrap().seconds as f64
+    };
+    stream.report("edge", &[(SHARED, 0, 1, 0)]);
+    let first = rate(&stream.next().await);
+    assert!(first >= 90.0, "alone, nearly the whole limit: {first}");
+    // Silent for 1.4 s: past the TTL of 1 s, within its margin.
+    tokio::time::sleep(Duration::from_millis(1400)).await;
+    stream.report("edge", &[(SHARED, 1, 60, 0)]);
+    let back = rate(&stream.next().await);
+    assert!(back >= 60.0, "its share again, not a newcomer's: {back}");
+    s.stop().await;
+}
+
 /// A report that comes much sooner than a report period after the last one of its bucket costs the
 /// store nothing: it is answered with the same assignment, and its requests are counted with the next
 /// report, which covers the time since the last counted one.

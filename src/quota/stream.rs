@@ -258,10 +258,12 @@ impl Stream {
         }
     }
 
-    /// Forgets the buckets not reported for an assignment's TTL: Envoy reports every bucket it has on
-    /// each period, so it no longer has them (or traffic will create them again).
+    /// Forgets the buckets not reported for an assignment's TTL and its margin: Envoy reports every
+    /// bucket it has on each period, so it no longer has them (or traffic will create them again). Not
+    /// sooner: the store counts a share that long (the Envoy may still enforce it), and a bucket back
+    /// before then would be taken for a newcomer beside its own old share.
     fn evict_idle(&self) {
-        let idle = self.quota.parts.settings.assignment_ttl;
+        let idle = self.quota.parts.settings.assignment_ttl + super::TTL_MARGIN;
         let now = Instant::now();
         let evicted: Vec<Tracked> = {
             let mut state = lock(&self.inner.state);

@@ -208,12 +208,12 @@ pub(super) fn resolve<'a>(
 /// reload added `hash_value: true` after the limit was set, which the set refuses): the limit is then
 /// ignored, with one warning, so that the raw value never reaches a counter key.
 fn keeps_raw_what_the_rule_hashes(
-    domain: &Domain,
+    node: Option<&Node>,
     descriptor: &Descriptor,
     set: &super::runtime::Applied,
-    runtime: Option<&RuntimeLookup<'_>>,
+    runtime: &RuntimeLookup<'_>,
 ) -> bool {
-    let (Some(runtime), Some(node)) = (runtime, domain.find(&descriptor.entries)) else {
+    let Some(node) = node else {
         return false;
     };
     let path = node.path();
@@ -249,31 +249,33 @@ fn resolve_one<'a>(
 ) -> Result<Resolved<'a>, LimitError> {
     let set = runtime.and_then(|r| {
         let show = |key: &str, value| r.options.show(key, value, false);
-        r.limits.find(&descriptor.entries, r.now_ms, show)
+        Some((r.limits.find(&descriptor.entries, r.now_ms, show)?, r))
     });
-    let set = set.filter(|set| !keeps_raw_what_the_rule_hashes(domain, descriptor, set, runtime));
-    if let Some(set) = set {
-        // Counted like an override (no rule): always enforced, in the counter its values make, and in
-        // the rule's own counter where a limit of the rule has its algorithm and window.
-        let own = set.limit.params();
-        let index = domain
-            .find(&descriptor.entries)
-            .and_then(|node| {
-                node.limits.iter().position(|limit| {
-                    let params = limit.params();
-                    !limit.unlimited
-                        && (params.algorithm, params.window_ms) == (own.algorithm, own.window_ms)
+    if let Some((set, runtime)) = set {
+        let node = domain.find(&descriptor.entries);
+        if !keeps_raw_what_the_rule_hashes(node, descriptor, set, runtime) {
+            // Counted like an override (no rule): always enforced, in the counter its values make, and
+            // in the rule's own counter where a limit of the rule has its algorithm and window.
+            let own = set.limit.params();
+            let index = node
+                .and_then(|node| {
+                    node.limits.iter().position(|limit| {
+                        let params = limit.params();
+                        !limit.unlimited
+                            && (params.algorithm, params.window_ms)
+                                == (own.algorithm, own.window_ms)
+                    })
                 })
-            })
-            .unwrap_or(keys::OWN_WINDOW);
-        return Ok(Resolved::Limited {
-            limits: smallvec![Applicable::Rule {
-                limit: &set.limit,
-                index
-            }],
-            node: None,
-            role: Role::Enforce,
-        });
+                .unwrap_or(keys::OWN_WINDOW);
+            return Ok(Resolved::Limited {
+                limits: smallvec![Applicable::Rule {
+                    limit: &set.limit,
+                    index
+                }],
+                node: None,
+                role: Role::Enforce,
+            });
+        }
     }
     if let Some(over) = &descriptor.limit {
         let unit = over.unit.ok_or(LimitError::UnknownOverrideUnit { index })?;

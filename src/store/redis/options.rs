@@ -53,35 +53,14 @@ impl<'de> Deserialize<'de> for Secret {
             fn visit_unit<E: serde::de::Error>(self) -> Result<Secret, E> {
                 Ok(Secret::default())
             }
-            // Refused without the value, which serde's own messages would quote: a secret never
-            // reaches the log, not even one written wrong.
-            fn visit_bool<E: serde::de::Error>(self, _: bool) -> Result<Secret, E> {
-                Err(E::custom(NOT_TEXT))
-            }
-            fn visit_i64<E: serde::de::Error>(self, _: i64) -> Result<Secret, E> {
-                Err(E::custom(NOT_TEXT))
-            }
-            fn visit_u64<E: serde::de::Error>(self, _: u64) -> Result<Secret, E> {
-                Err(E::custom(NOT_TEXT))
-            }
-            fn visit_i128<E: serde::de::Error>(self, _: i128) -> Result<Secret, E> {
-                Err(E::custom(NOT_TEXT))
-            }
-            fn visit_u128<E: serde::de::Error>(self, _: u128) -> Result<Secret, E> {
-                Err(E::custom(NOT_TEXT))
-            }
-            fn visit_f64<E: serde::de::Error>(self, _: f64) -> Result<Secret, E> {
-                Err(E::custom(NOT_TEXT))
-            }
-            fn visit_seq<A: serde::de::SeqAccess<'v>>(self, _: A) -> Result<Secret, A::Error> {
-                Err(serde::de::Error::custom(NOT_TEXT))
-            }
-            fn visit_map<A: serde::de::MapAccess<'v>>(self, _: A) -> Result<Secret, A::Error> {
-                Err(serde::de::Error::custom(NOT_TEXT))
-            }
         }
-        const NOT_TEXT: &str = "a secret must be text: written as a number, a boolean, a list or a map it is not kept as written; put it in quotes";
-        d.deserialize_any(Text)
+        // Every refusal in the same words, never serde's own, which would quote the value: a secret
+        // never reaches the log, not even one written wrong.
+        d.deserialize_any(Text).map_err(|_| {
+            serde::de::Error::custom(
+                "a secret must be text: written as a number, a boolean, a list or a map it is not kept as written; put it in quotes",
+            )
+        })
     }
 }
 

@@ -56,23 +56,25 @@ pub struct LocalRecords {
     held: Mutex<(u64, BTreeMap<String, String>)>,
 }
 
+/// A record's expiry as its text says: `None` for text that is no record (not a JSON object), inside
+/// it `None` for a record that does not expire.
+fn expiry_of(text: &str) -> Option<Option<u64>> {
+    let record = serde_json::from_str::<serde_json::Value>(text).ok()?;
+    record.is_object().then(|| {
+        record
+            .get("expires_at_ms")
+            .and_then(serde_json::Value::as_u64)
+    })
+}
+
 /// Whether a record's text reads as a record not expired by `now_ms` (as records.lua counts them).
 fn in_force(text: &str, now_ms: u64) -> bool {
-    serde_json::from_str::<serde_json::Value>(text).is_ok_and(|record| {
-        record.is_object()
-            && record
-                .get("expires_at_ms")
-                .and_then(serde_json::Value::as_u64)
-                .is_none_or(|at| at > now_ms)
-    })
+    expiry_of(text).is_some_and(|at| at.is_none_or(|at| at > now_ms))
 }
 
 /// Whether a record's text says it expired by `now_ms`.
 fn expired(text: &str, now_ms: u64) -> bool {
-    serde_json::from_str::<serde_json::Value>(text)
-        .ok()
-        .and_then(|record| record.get("expires_at_ms")?.as_u64())
-        .is_some_and(|at| at <= now_ms)
+    expiry_of(text).flatten().is_some_and(|at| at <= now_ms)
 }
 
 impl LocalRecords {

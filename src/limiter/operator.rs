@@ -298,19 +298,6 @@ impl Limiter {
         .map_err(|e| OperatorError::Invalid(e.to_string()))?;
         let now_ms = self.clock.now_millis();
         let expires_at_ms = expiry.map(|e| expires_at(e, now_ms)).transpose()?;
-        self.refresh_runtime_limits().await?;
-        let table = self.runtime.current();
-        // Expired records are purged after the set: they do not count.
-        let held = table.as_deref().map_or(0, |t| {
-            t.all()
-                .iter()
-                .filter(|a| a.record.expires_at_ms.is_none_or(|at| at > now_ms))
-                .count()
-        });
-        let max = self.options.runtime_limits.max_limits;
-        if held >= max && table.as_deref().and_then(|t| t.get(&id)).is_none() {
-            return Err(OperatorError::TooMany { max });
-        }
         let record = RuntimeLimit {
             id,
             domain: target.domain.clone(),
@@ -322,13 +309,14 @@ impl Limiter {
         };
         let text = serde_json::to_string(&record)
             .map_err(|e| OperatorError::Invalid(format!("cannot write the record: {e}")))?;
-        let keys = self.record_keys();
+        // The store counts the limits in force (expired ones are purged after the set) in the step
+        // that writes, so that replicas setting limits at once never hold more than the bound.
+        let (keys, max) = (self.record_keys(), self.options.runtime_limits.max_limits);
         if !self
             .shared
             .put_record(&keys, &record.id, &text, max, now_ms)
             .await?
         {
-            // Another replica set one meanwhile.
             return Err(OperatorError::TooMany { max });
         }
         // Set: what follows only tidies up, and its failure must not make the caller (and the audit log)

@@ -25,7 +25,9 @@ pub struct Health {
     shutting_down: AtomicBool,
     /// One publication at a time, each of the status when it got here: two interleaved could write an
     /// older status last (SERVING, decided as the backend connected, after a shutdown's NOT_SERVING).
-    publishing: tokio::sync::Mutex<()>,
+    /// Holds the status last published: watchers are sent changes only, as the health protocol says
+    /// (a reload republished SERVING to every watcher).
+    publishing: tokio::sync::Mutex<Option<ServingStatus>>,
 }
 
 impl Health {
@@ -44,7 +46,7 @@ impl Health {
             awaiting_rules: AtomicBool::new(await_rules),
             backend_ready: AtomicBool::new(backend_ready),
             shutting_down: AtomicBool::new(false),
-            publishing: tokio::sync::Mutex::new(()),
+            publishing: tokio::sync::Mutex::new(None),
         }
     }
 
@@ -76,12 +78,15 @@ impl Health {
     }
 
     pub async fn publish(&self) {
-        let _alone = self.publishing.lock().await;
+        let mut published = self.publishing.lock().await;
         let status = if self.is_serving() {
             ServingStatus::Serving
         } else {
             ServingStatus::NotServing
         };
+        if published.replace(status) == Some(status) {
+            return;
+        }
         for name in ["", SERVICE_NAME] {
             self.reporter.set_service_status(name, status).await;
         }
@@ -108,6 +113,37 @@ mod tests {
         assert!(
             !health.is_serving(),
             "a set without domains, when one is required"
+        );
+    }
+
+    /// A watcher is sent changes only: a publication of the status it has (a reload, the backend
+    /// reached again) sends nothing.
+    #[tokio::test]
+    async fn watchers_are_sent_changes_only() {
+        use tokio_stream::StreamExt;
+        use tonic_health::pb::{health_server::Health as _, HealthCheckRequest};
+        let reporter = HealthReporter::new();
+        let service = tonic_health::server::HealthService::from_health_reporter(reporter.clone());
+        let health = Health::new(reporter, false, true, false);
+        health.publish().await;
+        let request = tonic::Request::new(HealthCheckRequest {
+            service: SERVICE_NAME.into(),
+        });
+        let mut watch = service.watch(request).await.unwrap().into_inner();
+        let status = |item: Option<Result<tonic_health::pb::HealthCheckResponse, _>>| {
+            item.unwrap().unwrap().status
+        };
+        assert_eq!(status(watch.next().await), ServingStatus::Serving as i32);
+        health.rules_loaded(2);
+        health.publish().await;
+        health.backend_ready().await;
+        let quiet = tokio::time::timeout(std::time::Duration::from_millis(200), watch.next()).await;
+        assert!(quiet.is_err(), "an unchanged status was sent: {quiet:?}");
+        health.shutting_down().await;
+        assert_eq!(
+            status(watch.next().await),
+            ServingStatus::NotServing as i32,
+            "the next message is the change"
         );
     }
 }

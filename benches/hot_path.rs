@@ -187,7 +187,10 @@ fn statsd(c: &mut Criterion) {
         b.iter(|| time.observe(black_box(std::time::Duration::from_micros(180))))
     });
     let rules: Vec<_> = (0..1000)
-        .map(|i| metrics.rule("edge", &format!("remote_address.path_/p{i}.method_POST")))
+        .map(|i| {
+            let rule = format!("remote_address.path_/p{i}.method_POST");
+            metrics.rule("edge", &rule, Some(&rule))
+        })
         .collect();
     let mut statsd = Statsd::new(&StatsdSettings::default(), Arc::new(metrics));
     let first = statsd.due();

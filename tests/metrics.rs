@@ -2,7 +2,10 @@
 
 mod common;
 
-use common::{ask, descriptor, request, TestServer};
+use std::time::Duration;
+
+use common::{ask, descriptor, request, statsd::StatsdListener, wait_for, TestServer};
+use ratelimitd::proto::RateLimitServiceClient;
 
 const RULES: &str = r#"
 domain: web
@@ -564,4 +567,179 @@ descriptors:
         assert_eq!(series("near_limit"), 4.0, "{key}");
     }
     s.stop().await;
+}
+
+/// A server on the rules file `web.yaml` in `dir` (written as `rules`), reloading it as it changes,
+/// sending statsd to `statsd` every `flush`.
+async fn reloading_with_statsd(
+    dir: &std::path::Path,
+    rules: &str,
+    statsd: &StatsdListener,
+    flush: Duration,
+) -> TestServer {
+    std::fs::write(dir.join("web.yaml"), rules).unwrap();
+    let (root, port) = (dir.to_owned(), statsd.addr.port());
+    TestServer::start(&[], move |s| {
+        s.rules.path = Some(root);
+        s.rules.reload_delay = Duration::from_millis(100);
+        s.statsd.enabled = true;
+        s.statsd.host = "127.0.0.1".into();
+        s.statsd.port = port;
+        s.statsd.flush_interval = flush;
+    })
+    .await
+}
+
+/// A reload takes away the series of the rules it removed, with xDS as routes come and go: a removed
+/// rule's series and a rule's labels of request values once it no longer asks for them leave
+/// `/metrics`, the rules still there keep their counts, and statsd is sent a rule written back again
+/// from its new first hit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_removes_the_series_of_the_rules_it_took_away() {
+    const BEFORE: &str = r#"
+domain: web
+descriptors:
+  - key: kept
+    rate_limit: {unit: hour, requests_per_unit: 10}
+  - key: gone
+    rate_limit: {unit: hour, requests_per_unit: 10}
+  - key: team
+    detailed_metric: true
+    rate_limit: {unit: hour, requests_per_unit: 10}
+"#;
+    // `gone` removed, `team` no longer detailed; a limit changed so that /rlconfig shows the swap.
+    const AFTER: &str = r#"
+domain: web
+descriptors:
+  - key: kept
+    rate_limit: {unit: hour, requests_per_unit: 11}
+  - key: team
+    rate_limit: {unit: hour, requests_per_unit: 10}
+"#;
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("web.yaml");
+    let statsd = StatsdListener::start().await;
+    let s = reloading_with_statsd(dir.path(), BEFORE, &statsd, Duration::from_millis(50)).await;
+    let series = |text: &str, rule: &str| {
+        let label = format!("rule=\"{rule}\"");
+        text.lines().filter(|l| l.contains(&label)).count()
+    };
+    let hit = |key: &'static str, value: &'static str| {
+        let grpc_addr = s.grpc_addr;
+        async move {
+            let mut c = RateLimitServiceClient::connect(format!("http://{grpc_addr}"))
+                .await
+                .unwrap();
+            ask(&mut c, request("web", vec![descriptor(&[(key, value)])])).await;
+        }
+    };
+    let swap = async |text: &str, limit: &str| {
+        std::fs::write(&file, text).unwrap();
+        wait_for("the rules swapped", Duration::from_secs(10), async || {
+            s.http("GET", "/rlconfig", "")
+                .await
+                .1
+                .contains(limit)
+                .then_some(())
+        })
+        .await;
+    };
+    for (key, value) in [
+        ("kept", "a"),
+        ("gone", "a"),
+        ("gone", "b"),
+        ("team", "alice"),
+    ] {
+        hit(key, value).await;
+    }
+    let gone_hits = "ratelimit.service.rate_limit.web.gone.total_hits";
+    statsd
+        .wait_counter(gone_hits, 2, Duration::from_secs(10))
+        .await;
+    let (_, text) = s.http("GET", "/metrics", "").await;
+    assert!(
+        series(&text, "gone") > 0 && series(&text, "team_alice") > 0,
+        "{text}"
+    );
+
+    swap(AFTER, "web.kept: unit=HOUR requests_per_unit=11,").await;
+    hit("kept", "a").await;
+    hit("team", "bob").await;
+    let (_, text) = s.http("GET", "/metrics", "").await;
+    assert_eq!(
+        series(&text, "gone"),
+        0,
+        "the removed rule's series:\n{text}"
+    );
+    assert_eq!(
+        series(&text, "team_alice"),
+        0,
+        "a value label of a rule no longer detailed:\n{text}"
+    );
+    let hits = |rule: &str| {
+        sample(
+            &text,
+            &format!("ratelimit_service_rate_limit_total_hits{{domain=\"web\",rule=\"{rule}\"}}"),
+        )
+    };
+    assert_eq!(hits("kept"), 2.0, "a kept rule counts on:\n{text}");
+    assert_eq!(hits("team"), 1.0, "{text}");
+
+    // Written back, the rule counts from zero, and statsd is sent its new hits (more of them than it
+    // was sent before the removal).
+    swap(BEFORE, "web.kept: unit=HOUR requests_per_unit=10,").await;
+    for value in ["c", "d", "e"] {
+        hit("gone", value).await;
+    }
+    let (_, text) = s.http("GET", "/metrics", "").await;
+    assert_eq!(
+        sample(
+            &text,
+            "ratelimit_service_rate_limit_total_hits{domain=\"web\",rule=\"gone\"}"
+        ),
+        3.0,
+        "{text}"
+    );
+    s.stop().await;
+    let sent = statsd
+        .wait_counter(gone_hits, 5, Duration::from_secs(10))
+        .await;
+    assert_eq!(sent[gone_hits], 5, "statsd was sent every hit once");
+}
+
+/// The hits a rule took since statsd's last flush are sent even when a reload removes the rule before
+/// the next one: here no flush runs until the server stops, by which time the rule was removed and
+/// written back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn statsd_is_sent_the_hits_of_a_rule_removed_before_its_flush() {
+    const WITH: &str = "domain: web\ndescriptors:\n  - key: gone\n    rate_limit: {unit: hour, requests_per_unit: 10}\n";
+    const WITHOUT: &str = "domain: web\ndescriptors:\n  - key: other\n    rate_limit: {unit: hour, requests_per_unit: 10}\n";
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("web.yaml");
+    let statsd = StatsdListener::start().await;
+    let s = reloading_with_statsd(dir.path(), WITH, &statsd, Duration::from_secs(3_600)).await;
+    let mut c = s.client().await;
+    for (text, shows) in [
+        (None, "web.gone"),
+        (Some(WITHOUT), "web.other"),
+        (Some(WITH), "web.gone"),
+    ] {
+        if let Some(text) = text {
+            std::fs::write(&file, text).unwrap();
+        }
+        wait_for(shows, Duration::from_secs(10), async || {
+            let rules = s.http("GET", "/rlconfig", "").await.1;
+            rules.contains(shows).then_some(())
+        })
+        .await;
+        if shows == "web.gone" {
+            for _ in 0..2 {
+                ask(&mut c, request("web", vec![descriptor(&[("gone", "x")])])).await;
+            }
+        }
+    }
+    s.stop().await;
+    let name = "ratelimit.service.rate_limit.web.gone.total_hits";
+    let hits = statsd.wait_counter(name, 4, Duration::from_secs(10)).await;
+    assert_eq!(hits[name], 4, "every hit once");
 }

@@ -122,14 +122,16 @@ impl Limiter {
     /// labels per rule as `ShouldRateLimit` allows, shared with it.
     fn bucket_rule_label(&self, domain: &str, descriptor: &Descriptor, node: &Node) -> Arc<str> {
         let label = record::rule_label(Some(node), descriptor, &self.options);
-        match label.request_values_of {
-            Some(written) => Arc::from(&*self.options.metrics.rule_label_within(
-                domain,
-                &label.text,
-                &written,
-                self.options.metric_values_per_rule,
-            )),
-            None => Arc::from(&*label.text),
+        match &label.written {
+            Some(written) if label.request_values => {
+                Arc::from(&*self.options.metrics.rule_label_within(
+                    domain,
+                    &label.text,
+                    written,
+                    self.options.metric_values_per_rule,
+                ))
+            }
+            _ => Arc::from(&*label.text),
         }
     }
 

@@ -259,20 +259,21 @@ impl Limiter {
     ) -> Arc<RuleCounters> {
         let node = verdict.node;
         let rule = if verdict.runtime {
-            Cow::Borrowed("runtime").into()
+            RuleLabel::unowned("runtime")
         } else {
             rule_label(node, descriptor, &self.options)
         };
-        match rule.request_values_of {
+        let metrics = &self.options.metrics;
+        match &rule.written {
             // Request values in the label: at most so many series per rule, then one for the rest.
-            Some(written) => self.options.metrics.rule_within(
+            Some(written) if rule.request_values => metrics.rule_within(
                 domain,
                 &rule.text,
-                &written,
+                written,
                 self.options.metric_values_per_rule,
             ),
-            None => {
-                let counters = self.options.metrics.rule(domain, &rule.text);
+            written => {
+                let counters = metrics.rule(domain, &rule.text, written.as_deref());
                 if let Some(node) = node.filter(|_| rule.same_for_every_request) {
                     node.counters.hold(self.series.owner, counters.clone());
                 }
@@ -357,19 +358,23 @@ fn push_word(name: &mut String, word: &str) {
 /// The `rule` metric label of a descriptor.
 pub(super) struct RuleLabel {
     pub text: Cow<'static, str>,
-    /// When the label carries request values: the rule's path as written, under which the number of
-    /// such labels is bounded.
-    pub request_values_of: Option<String>,
+    /// The rule's path as written, under which the labels carrying request values are bounded, and
+    /// whose removal by a reload removes the label's series; `None` for a label no rule owns.
+    pub written: Option<String>,
+    /// The label carries request values.
+    pub request_values: bool,
     /// The label is the same for every request its rule matches: it takes no request values, not even
     /// where a request's empty value leaves them out this time.
     pub same_for_every_request: bool,
 }
 
-impl From<Cow<'static, str>> for RuleLabel {
-    fn from(text: Cow<'static, str>) -> Self {
+impl RuleLabel {
+    /// A label no rule owns: `override`, `runtime`.
+    fn unowned(text: &'static str) -> Self {
         Self {
-            text,
-            request_values_of: None,
+            text: Cow::Borrowed(text),
+            written: None,
+            request_values: false,
             same_for_every_request: true,
         }
     }
@@ -386,17 +391,22 @@ pub(super) fn rule_label(
     options: &Options,
 ) -> RuleLabel {
     let Some(node) = node else {
-        return Cow::Borrowed("override").into();
+        return RuleLabel::unowned("override");
     };
     let path = node.path();
     // Most rules: the path as written.
-    let takes_request_values =
-        node.flags.detailed_metric || path.iter().any(|step| step.flags.value_to_metric);
+    let takes_request_values = node.labels_request_values();
     let written_sensitive = path
         .iter()
         .any(|step| options.hides_written(&step.key, &step.value, step.flags.hash_value));
+    let written = written_key(&path);
     if !takes_request_values && !written_sensitive {
-        return Cow::<'static, str>::Owned(written_key(&path)).into();
+        return RuleLabel {
+            text: Cow::Owned(written.clone()),
+            written: Some(written),
+            request_values: false,
+            same_for_every_request: true,
+        };
     }
     let mut from_any_request_value = false;
     let mut parts = Vec::with_capacity(path.len());
@@ -423,7 +433,8 @@ pub(super) fn rule_label(
     }
     RuleLabel {
         text: parts.join(".").into(),
-        request_values_of: from_any_request_value.then(|| written_key(&path)),
+        written: Some(written),
+        request_values: from_any_request_value,
         same_for_every_request: !takes_request_values,
     }
 }

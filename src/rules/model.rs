@@ -308,4 +308,34 @@ impl Node {
     pub fn full_key(&self) -> String {
         self.at.full_key()
     }
+
+    /// Whether the rule's metric labels may carry request values: `detailed_metric` on the rule, or
+    /// `value_to_metric` on a level of its path.
+    pub fn labels_request_values(&self) -> bool {
+        self.flags.detailed_metric || self.path().iter().any(|s| s.flags.value_to_metric)
+    }
+}
+
+impl RuleSet {
+    /// Calls `f` with every node of every domain, nested ones included, each after its parent.
+    pub fn for_each_node<'a>(&'a self, mut f: impl FnMut(&'a str, &'a Node)) {
+        for (name, domain) in &self.domains {
+            each_node(name, &domain.root, &mut f);
+        }
+    }
+}
+
+fn each_node<'a>(domain: &'a str, level: &'a Level, f: &mut impl FnMut(&'a str, &'a Node)) {
+    for nodes in level.keys.values() {
+        let all = nodes
+            .values
+            .values()
+            .chain(nodes.cidrs.iter().map(|(_, n)| n))
+            .chain(nodes.wildcards.iter().map(|(_, n)| n))
+            .chain(nodes.default.iter());
+        for node in all {
+            f(domain, node);
+            each_node(domain, &node.children, f);
+        }
+    }
 }

@@ -4,7 +4,7 @@
 
 use std::fmt::Write;
 
-use super::model::{Level, Limit, Node, RuleSet};
+use super::model::{Limit, Node, RuleSet};
 use crate::algorithm::Algorithm;
 
 /// How a written value is shown: `(key, value, hash_value)` to the text to print.
@@ -19,29 +19,14 @@ impl RuleSet {
     /// [`RuleSet::describe`], with each written value shown as `show(key, value, hash_value)` says.
     pub fn describe_with(&self, show: ShowValue<'_>) -> Vec<String> {
         let mut out = Vec::new();
-        for (name, domain) in &self.domains {
-            describe_level(name, &domain.root, show, &mut out);
-        }
+        self.for_each_node(|domain, node| {
+            let name = rule_name(domain, node, show);
+            for limit in &node.limits {
+                out.push(limit_line(&name, node, limit));
+            }
+        });
         out.sort();
         out
-    }
-}
-
-/// Adds the lines of every node under `level`, nested ones included.
-fn describe_level(domain: &str, level: &Level, show: ShowValue<'_>, out: &mut Vec<String>) {
-    let nodes = level.keys.values().flat_map(|k| {
-        k.values
-            .values()
-            .chain(k.cidrs.iter().map(|(_, n)| n))
-            .chain(k.wildcards.iter().map(|(_, n)| n))
-            .chain(k.default.iter())
-    });
-    for node in nodes {
-        let name = rule_name(domain, node, show);
-        for limit in &node.limits {
-            out.push(limit_line(&name, node, limit));
-        }
-        describe_level(domain, &node.children, show, out);
     }
 }
 

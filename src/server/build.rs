@@ -17,7 +17,7 @@ use crate::{
     rules::{self, Rules},
     settings::{BackendKind, ConfigType, OnBackendError, Settings},
     store::{CounterStore, DenyCache, MemoryStore, RedisStore, Store, StoreHealth},
-    telemetry::{Metrics, TopOffenders},
+    telemetry::{metrics::ServedRules, Metrics, TopOffenders},
 };
 
 /// The configured store. Redis starts connecting in the background; nothing waits for it here.
@@ -156,23 +156,25 @@ fn sensitive(settings: &Settings) -> Option<limiter::Sensitive> {
 
 /// Loads the rules into `rules`: from the files (and, with `rules.watch`, starts the watcher that reloads
 /// them on change), or from the xDS control plane (starts the client that streams them). Every load that
-/// changes the rules is logged, clears the deny cache and tells `health` how many domains it has.
+/// changes the rules is logged, clears the deny cache, removes the metrics of the rules it took away and
+/// tells `health` how many domains it has.
 pub(super) fn load_rules(
     settings: &Settings,
     rules: &Arc<Rules>,
     health: &Arc<Health>,
     deny_cache: Option<Arc<DenyCache>>,
-    metrics: &Metrics,
+    metrics: &Arc<Metrics>,
     tasks: &Tasks,
 ) {
     let stats = Arc::new(rules::ReloadStats::default());
     let on_loaded: rules::OnLoaded = {
-        let (health, tasks) = (health.clone(), tasks.clone());
+        let (health, tasks, metrics) = (health.clone(), tasks.clone(), metrics.clone());
         Box::new(move |loaded: &rules::Loaded| {
             // Limits may have changed: remembered denials no longer hold.
             if let Some(cache) = &deny_cache {
                 cache.clear();
             }
+            forget_removed_rules(&metrics, &loaded.rules);
             let domains = loaded.rules.domains.len();
             let mut names: Vec<&String> = loaded.rules.domains.keys().collect();
             names.sort();
@@ -200,6 +202,23 @@ pub(super) fn load_rules(
         ConfigType::File => load_files(settings, publisher, tasks),
         ConfigType::GrpcXdsSotw => subscribe(settings, publisher, metrics, tasks),
     }
+}
+
+/// Tells the metrics which rules are served now: the per-rule series of the rules `now` no longer has
+/// go (with xDS, rules come and go as routes do, and their series would otherwise stay until the
+/// process ends), and so do those carrying request values of rules that no longer ask for them. The
+/// series of every rule still there keep counting.
+fn forget_removed_rules(metrics: &Metrics, now: &rules::RuleSet) {
+    let mut served = ServedRules::new();
+    now.for_each_node(|domain, node| {
+        // Two rules may be written alike (`a` + `b_c`, `a_b` + `c`): either may take request values.
+        *served
+            .entry(domain.into())
+            .or_default()
+            .entry(node.at.written_key().into())
+            .or_default() |= node.labels_request_values();
+    });
+    metrics.serve_rules(served);
 }
 
 /// Loads the rules files, and starts watching them with `rules.watch`.

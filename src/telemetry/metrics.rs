@@ -274,7 +274,52 @@ const RULE_FAMILIES: &[(&str, &str, RuleCounter)] = &[
 ];
 
 /// The counters of one domain's rules, by rule label.
-type DomainRules = HashMap<Box<str>, Arc<RuleCounters>>;
+type DomainRules = HashMap<Box<str>, RuleSeries>;
+
+/// A rule label's counters, and which rule they belong to, so that a reload that removes the rule
+/// removes them too (see [`Metrics::serve_rules`]).
+struct RuleSeries {
+    counters: Arc<RuleCounters>,
+    /// Which counters these are: a label removed and made again gets new ones, under a new id.
+    id: u64,
+    /// The rule's path as written; `None` for a label no rule owns (`override`, `runtime`).
+    written: Option<Box<str>>,
+    /// The label carries request values (`detailed_metric`, `value_to_metric`).
+    request_values: bool,
+}
+
+/// The rules served, as the per-rule metrics know them: by domain, each rule's path as written, and
+/// whether its labels may carry request values.
+pub type ServedRules = HashMap<Box<str>, HashMap<Box<str>, bool>>;
+
+/// The per-rule counters, and the rules they may be made for.
+#[derive(Default)]
+struct RuleTable {
+    by_domain: HashMap<Box<str>, DomainRules>,
+    /// `None` until the first rules are served.
+    served: Option<ServedRules>,
+}
+
+impl RuleTable {
+    /// Whether the rules served have the rule written `written` in `domain` (`None`: a label no rule
+    /// owns, always), and, for a label carrying request values, whether that rule asks for them.
+    fn serves(&self, domain: &str, written: Option<&str>, request_values: bool) -> bool {
+        let (Some(served), Some(written)) = (&self.served, written) else {
+            return true;
+        };
+        let takes = served.get(domain).and_then(|rules| rules.get(written));
+        takes.is_some_and(|takes| *takes || !request_values)
+    }
+}
+
+/// The counters of a rule label a reload removed, kept for statsd to read once more (see
+/// [`Metrics::take_retired`]).
+struct Retired {
+    domain: Box<str>,
+    label: Box<str>,
+    id: u64,
+    counters: Arc<RuleCounters>,
+}
 
 /// How many labels made of request values each (domain, rule as written) has, and their bytes.
 type ValueLabels = HashMap<(Box<str>, Box<str>), (usize, usize)>;
@@ -288,9 +333,12 @@ pub const VALUE_LABEL_BYTES: usize = 128;
 pub struct Metrics {
     families: RwLock<BTreeMap<&'static str, Family>>,
     /// Per-rule counters by domain, then rule: looked up with borrowed names, nothing built.
-    rules: RwLock<HashMap<Box<str>, DomainRules>>,
+    rules: RwLock<RuleTable>,
     /// Labels made of request values, counted per rule (see [`Metrics::rule_within`]).
     value_labels: std::sync::Mutex<ValueLabels>,
+    /// Counters of removed labels, while a reader wants them (see [`Metrics::keep_retired`]).
+    retired: std::sync::Mutex<Vec<Retired>>,
+    keep_retired: std::sync::atomic::AtomicBool,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -309,8 +357,10 @@ impl Metrics {
     pub fn new() -> Self {
         let m = Self {
             families: RwLock::new(BTreeMap::new()),
-            rules: RwLock::new(HashMap::new()),
+            rules: RwLock::new(RuleTable::default()),
             value_labels: std::sync::Mutex::new(HashMap::new()),
+            retired: std::sync::Mutex::new(Vec::new()),
+            keep_retired: std::sync::atomic::AtomicBool::new(false),
         };
         m.gauge_fn(
             "ratelimitd_build_info",
@@ -360,7 +410,11 @@ impl Metrics {
         if let Some(c) = self.existing_rule(domain, label) {
             return c;
         }
-        self.rule(domain, &self.admit_label(domain, label, written, max))
+        if !self.serves(domain, written) {
+            return Arc::default();
+        }
+        let admitted = self.admit_label(domain, label, written, max);
+        self.add_rule(domain, &admitted, Some(written), true)
     }
 
     /// The label [`Metrics::rule_within`] counts a rule label made of request values under: `label`
@@ -373,11 +427,11 @@ impl Metrics {
         written: &str,
         max: usize,
     ) -> Cow<'a, str> {
-        if self.existing_rule(domain, label).is_some() {
+        if self.existing_rule(domain, label).is_some() || !self.serves(domain, written) {
             return Cow::Borrowed(label);
         }
         let admitted = self.admit_label(domain, label, written, max);
-        self.rule(domain, &admitted);
+        self.add_rule(domain, &admitted, Some(written), true);
         admitted
     }
 
@@ -385,9 +439,16 @@ impl Metrics {
         self.rules
             .read()
             .unwrap_or_else(|p| p.into_inner())
+            .by_domain
             .get(domain)
             .and_then(|rules| rules.get(label))
-            .cloned()
+            .map(|series| series.counters.clone())
+    }
+
+    /// Whether the rules served still ask for labels of request values of the rule `written`.
+    fn serves(&self, domain: &str, written: &str) -> bool {
+        let rules = self.rules.read().unwrap_or_else(|p| p.into_inner());
+        rules.serves(domain, Some(written), true)
     }
 
     /// A label not seen yet: itself while `written` has fewer than `max` labels and room for its bytes,
@@ -413,25 +474,109 @@ impl Metrics {
         }
     }
 
-    /// The counters of one rule; created on first use.
-    pub fn rule(&self, domain: &str, rule: &str) -> Arc<RuleCounters> {
-        if let Some(c) = self
-            .rules
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(domain)
-            .and_then(|rules| rules.get(rule))
-        {
-            return c.clone();
+    /// The counters of the rule label `label`, which takes no request values; created on first use.
+    /// `written` is the rule's path as written, `None` for a label no rule owns (`override`,
+    /// `runtime`), which no reload removes.
+    pub fn rule(&self, domain: &str, label: &str, written: Option<&str>) -> Arc<RuleCounters> {
+        match self.existing_rule(domain, label) {
+            Some(c) => c,
+            None => self.add_rule(domain, label, written, false),
         }
-        self.rules
-            .write()
-            .unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn add_rule(
+        &self,
+        domain: &str,
+        label: &str,
+        written: Option<&str>,
+        request_values: bool,
+    ) -> Arc<RuleCounters> {
+        static IDS: AtomicU64 = AtomicU64::new(1);
+        let mut rules = self.rules.write().unwrap_or_else(|p| p.into_inner());
+        // A request decided on the rules before a reload, recorded after it: counted nowhere.
+        if !rules.serves(domain, written, request_values) {
+            return Arc::default();
+        }
+        rules
+            .by_domain
             .entry(domain.into())
             .or_default()
-            .entry(rule.into())
-            .or_default()
+            .entry(label.into())
+            .or_insert_with(|| RuleSeries {
+                counters: Arc::default(),
+                id: IDS.fetch_add(1, Ordering::Relaxed),
+                written: written.map(Into::into),
+                request_values,
+            })
+            .counters
             .clone()
+    }
+
+    /// The rules served from now on (at every load that changes them): the labels of rules they no
+    /// longer have go, with what counted their labels of request values, and so do the labels carrying
+    /// request values of a rule that no longer asks for them; nor are such labels made again, when a
+    /// request decided on the rules before records after. Labels no rule owns stay.
+    pub fn serve_rules(&self, served: ServedRules) {
+        let keep_retired = self.keep_retired.load(Ordering::Relaxed);
+        let mut retired = Vec::new();
+        let mut rules = self.rules.write().unwrap_or_else(|p| p.into_inner());
+        let table = &mut *rules;
+        table.served = Some(served);
+        for (domain, labels) in table.by_domain.iter_mut() {
+            labels.retain(|label, series| {
+                let keep = match &series.written {
+                    Some(written) => table
+                        .served
+                        .as_ref()
+                        .and_then(|served| served.get(domain))
+                        .and_then(|rules| rules.get(written))
+                        .is_some_and(|takes| *takes || !series.request_values),
+                    None => true,
+                };
+                if !keep && keep_retired {
+                    retired.push(Retired {
+                        domain: domain.clone(),
+                        label: label.clone(),
+                        id: series.id,
+                        counters: series.counters.clone(),
+                    });
+                }
+                keep
+            });
+        }
+        table.by_domain.retain(|_, labels| !labels.is_empty());
+        let served = table.served.clone();
+        drop(rules);
+        if keep_retired {
+            self.retired
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .extend(retired);
+        }
+        let served = served.unwrap_or_default();
+        self.value_labels
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .retain(|(domain, written), _| {
+                let takes = served.get(domain).and_then(|rules| rules.get(written));
+                takes.is_some_and(|takes| *takes)
+            });
+    }
+
+    /// Keeps the counters of the labels a reload removes until [`Metrics::take_retired`] takes them:
+    /// statsd, which sends what changed since its last flush, owes their last counts.
+    pub fn keep_retired(&self) {
+        self.keep_retired.store(true, Ordering::Relaxed);
+    }
+
+    /// The counters of the labels removed since the last call: each one's domain, label, id (see
+    /// [`Metrics::for_each_rule`]) and totals now.
+    pub fn take_retired(&self) -> Vec<(Box<str>, Box<str>, u64, RuleTotals)> {
+        let retired = std::mem::take(&mut *self.retired.lock().unwrap_or_else(|p| p.into_inner()));
+        retired
+            .into_iter()
+            .map(|r| (r.domain, r.label, r.id, r.counters.totals()))
+            .collect()
     }
 
     /// A counter series to add to without any lookup; it is exported from now on, at 0 until used.
@@ -513,11 +658,12 @@ impl Metrics {
                 .rules
                 .read()
                 .unwrap_or_else(|p| p.into_inner())
+                .by_domain
                 .iter()
                 .flat_map(|(domain, rules)| {
-                    rules
-                        .iter()
-                        .map(move |(rule, c)| (domain.clone(), rule.clone(), c.clone()))
+                    rules.iter().map(move |(rule, series)| {
+                        (domain.clone(), rule.clone(), series.counters.clone())
+                    })
                 })
                 .collect();
             sorted.sort_by(|a, b| (&a.0, &a.1).cmp(&(&b.0, &b.1)));
@@ -608,12 +754,13 @@ impl RuleCounters {
 }
 
 impl Metrics {
-    /// Calls `f` with every rule's counters now: its domain, its rule label and the totals.
-    pub fn for_each_rule(&self, mut f: impl FnMut(&str, &str, RuleTotals)) {
+    /// Calls `f` with every rule's counters now: its domain, its rule label, the counters' id (a label
+    /// removed by a reload and made again gets new counters, under a new id) and the totals.
+    pub fn for_each_rule(&self, mut f: impl FnMut(&str, &str, u64, RuleTotals)) {
         let rules = self.rules.read().unwrap_or_else(|p| p.into_inner());
-        for (domain, rules) in rules.iter() {
-            for (rule, counters) in rules {
-                f(domain, rule, counters.totals());
+        for (domain, rules) in rules.by_domain.iter() {
+            for (rule, series) in rules {
+                f(domain, rule, series.id, series.counters.totals());
             }
         }
     }
@@ -783,7 +930,7 @@ mod tests {
         let m = Metrics::new();
         let requests = m.striped_counter("r_total", "R.", vec![("result", "ok".to_string())]);
         let h = m.histogram("t_seconds", "T.", vec![]);
-        let rule = m.rule("d", "key_value");
+        let rule = m.rule("d", "key_value", Some("key_value"));
         std::thread::scope(|scope| {
             for t in 0..THREADS {
                 let (requests, h, rule) = (&requests, &h, &rule);

@@ -54,6 +54,7 @@ impl Statsd {
             "Flushes of the statsd stream that could not be sent (the counts are sent with the next one that can).",
             Vec::new(),
         );
+        metrics.keep_retired();
         Self {
             format: Format::new(settings.dogstatsd, &settings.extra_tags),
             sink: Sink::new(&settings.host, settings.port, settings.protocol()),

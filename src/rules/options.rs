@@ -144,10 +144,36 @@ impl RulesSettings {
     }
 }
 
+/// `base/part`, as the reference joins its runtime folders (Go's `filepath.Join`): a `part` written with
+/// a leading `/` (`RUNTIME_SUBDIRECTORY=/ratelimit`) stays under `base`, where `Path::join` would put
+/// it at the file system's root.
 fn join_nonempty(base: &Path, part: &str) -> PathBuf {
+    let part = part.trim_start_matches('/');
     if part.is_empty() {
         base.to_path_buf()
     } else {
         base.join(part)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `RUNTIME_SUBDIRECTORY=/ratelimit` and `RUNTIME_APPDIRECTORY=/config` are folders under
+    /// `RUNTIME_ROOT`, as the reference joins them, not at the file system's root.
+    #[test]
+    fn runtime_folders_written_with_a_leading_slash_stay_under_the_root() {
+        let mut settings = RulesSettings {
+            path: None,
+            runtime_root: Some("/data".into()),
+            runtime_subdirectory: "/ratelimit".into(),
+            runtime_appdirectory: "/config".into(),
+            runtime_watch_root: false,
+            ..RulesSettings::default()
+        };
+        assert_eq!(settings.source().root, Path::new("/data/ratelimit/config"));
+        settings.runtime_subdirectory = "/".into();
+        assert_eq!(settings.source().root, Path::new("/data/config"));
     }
 }

@@ -100,3 +100,35 @@ async fn fixed_windows_keep_the_reference_layout_and_its_ambiguity() {
     );
     s.stop().await;
 }
+
+/// A value YAML would read as a number or a boolean matches the request value written the same way, as
+/// with the reference (whose decoder gives a text field the scalar as written): `0x1F`, not `31`.
+#[tokio::test]
+async fn rules_written_as_numbers_or_booleans_match_their_text() {
+    const RULES: &str = r#"
+domain: web
+descriptors:
+  - {key: status, value: 0x1F, rate_limit: {unit: minute, requests_per_unit: 5, name: hex}}
+  - {key: beta, value: True, rate_limit: {unit: minute, requests_per_unit: 5, name: beta}}
+  - {key: phone, value: +441234567890, rate_limit: {unit: minute, requests_per_unit: 5, name: phone}}
+"#;
+    let s = TestServer::start(&[("web.yaml", RULES)], |_| {}).await;
+    let mut c = s.client().await;
+    for (key, as_written, as_typed, name) in [
+        ("status", "0x1F", "31", "hex"),
+        ("beta", "True", "true", "beta"),
+        ("phone", "+441234567890", "441234567890", "phone"),
+    ] {
+        let limit = |resp: RateLimitResponse| {
+            resp.statuses[0]
+                .current_limit
+                .as_ref()
+                .map(|l| l.name.clone())
+        };
+        let written = limit(ask(&mut c, &[(key, as_written)]).await);
+        assert_eq!(written.as_deref(), Some(name), "{key}={as_written}");
+        let typed = limit(ask(&mut c, &[(key, as_typed)]).await);
+        assert_eq!(typed, None, "{key}={as_typed}");
+    }
+    s.stop().await;
+}

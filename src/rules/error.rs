@@ -69,6 +69,8 @@ impl fmt::Display for Location {
 pub enum SyntaxProblem {
     #[error("the file has more than {0} YAML nodes (maps, lists and scalars, aliases expanded); raise rules.max_yaml_nodes to load it")]
     TooManyNodes(usize),
+    #[error("the file nests maps and lists more than {0} levels deep")]
+    TooDeep(usize),
     #[error("a key appears twice in one map")]
     DuplicateKey,
     #[error("error checking config")]

@@ -96,10 +96,13 @@ pub struct RateLimitSpec {
     pub count_over_limit: bool,
 }
 
-/// Most YAML events aliases (`*name`) may replay in one file, whatever `rules.max_yaml_nodes` allows: an
-/// alias bomb (nested aliases doubling at every level) is refused after this much work, in well under a
-/// second, while sharing a block of a few nodes among thousands of rules still fits.
-pub const MAX_ALIAS_REPLAYED_EVENTS: usize = 100_000;
+/// Deepest a rules file's YAML may nest (maps and lists): 31 levels of descriptors.
+pub const MAX_YAML_DEPTH: usize = 64;
+
+/// Most YAML events aliases (`*name`) may replay in a file of at most `max_yaml_nodes` nodes.
+pub fn max_alias_replay(max_yaml_nodes: usize) -> usize {
+    (max_yaml_nodes / 4).max(100_000)
+}
 
 /// Parses and validates the text of one rules file with the default node budget. Messages are those of
 /// the reference service, without the `<file>: ` prefix the caller adds.
@@ -107,8 +110,30 @@ pub fn parse_file(text: &str) -> Result<DomainFile, ParseError> {
     parse_file_within(text, DEFAULT_MAX_YAML_NODES)
 }
 
+/// Stack of the thread a file is parsed on. Reading YAML recurses at every level, and a level takes tens
+/// of kilobytes of stack in a debug build: the [`MAX_YAML_DEPTH`] levels a file may have must fit
+/// whichever thread loads the rules (a runtime's worker has 2 MiB).
+const PARSE_STACK_BYTES: usize = 32 << 20;
+
 /// [`parse_file`], refusing a file of more than `max_yaml_nodes` YAML nodes (`rules.max_yaml_nodes`).
 pub fn parse_file_within(text: &str, max_yaml_nodes: usize) -> Result<DomainFile, ParseError> {
+    std::thread::scope(|scope| {
+        let parse = || parse_here(text, max_yaml_nodes);
+        match std::thread::Builder::new()
+            .name("rules-parse".into())
+            .stack_size(PARSE_STACK_BYTES)
+            .spawn_scoped(scope, parse)
+        {
+            Ok(thread) => thread
+                .join()
+                .unwrap_or_else(|panic| std::panic::resume_unwind(panic)),
+            // No thread to be had: on this one, which holds the usual files.
+            Err(_) => parse(),
+        }
+    })
+}
+
+fn parse_here(text: &str, max_yaml_nodes: usize) -> Result<DomainFile, ParseError> {
     // YAML 1.2 booleans only, so that values such as `on`, `no` or `y` stay text, and numbers with a
     // leading zero stay text too (`value: 010` is the string "010").
     let mut options = serde_saphyr::Options::default();
@@ -121,14 +146,28 @@ pub fn parse_file_within(text: &str, max_yaml_nodes: usize) -> Result<DomainFile
     // Every node is one event, and closing a map or a list one more: this bound never trips before the
     // node budget does, which names the setting.
     budget.max_events = max_yaml_nodes.saturating_mul(2).saturating_add(4096);
+    // Aliases, anchors and merge keys are nodes too: one block shared by every rule (`rate_limit:
+    // *std`, `<<: *base`) is how large files are written, and yaml.v2 reads any number of them.
+    budget.max_aliases = max_yaml_nodes;
+    budget.max_anchors = max_yaml_nodes;
+    budget.max_merge_keys = max_yaml_nodes;
+    budget.enforce_alias_anchor_ratio = false;
+    budget.max_depth = MAX_YAML_DEPTH;
+    budget.flow_nesting_limit = MAX_YAML_DEPTH;
     options.budget = Some(budget);
-    options.alias_limits.max_total_replayed_events = MAX_ALIAS_REPLAYED_EVENTS;
+    // What aliases replay: a quarter of the node budget (250 000 YAML events by default: 50 000 rules
+    // sharing a one-line rate_limit), so that an alias bomb (aliases doubling at every level) is refused
+    // after a fraction of a second's work.
+    options.alias_limits.max_total_replayed_events = max_alias_replay(max_yaml_nodes);
     // A key written twice in one map is read as the reference reads it, the last one winning (see
     // `keep_last`).
     options.duplicate_keys = serde_saphyr::options::DuplicateKeyPolicy::PassThrough;
     // Like the reference, only the first document counts: what follows it is not even parsed.
-    let docs: Vec<Yaml> = serde_saphyr::from_multiple_with_options(first_document(text), options)
-        .map_err(|e| syntax_error(&e, max_yaml_nodes))?;
+    let first = first_document(text);
+    let docs: Vec<Yaml> = Yaml::spelled_in(first, || {
+        serde_saphyr::from_multiple_with_options(first, options)
+    })
+    .map_err(|e| syntax_error(&e, max_yaml_nodes))?;
     let mut root = docs.into_iter().next().unwrap_or(Yaml::Null);
     let mut ignored = Vec::new();
     keep_last(&mut root, &mut ignored);
@@ -183,15 +222,24 @@ fn syntax_error(err: &serde_saphyr::Error, max_yaml_nodes: usize) -> ParseError 
     };
     let problem = match err {
         Error::Budget {
-            breach: BudgetBreach::Nodes { .. } | BudgetBreach::Events { .. },
+            breach:
+                BudgetBreach::Nodes { .. }
+                | BudgetBreach::Events { .. }
+                | BudgetBreach::Aliases { .. }
+                | BudgetBreach::Anchors { .. }
+                | BudgetBreach::MergeKeys { .. },
             ..
-        } => SyntaxProblem::TooManyNodes(max_yaml_nodes),
+        }
+        | Error::AliasReplayLimitExceeded { .. } => SyntaxProblem::TooManyNodes(max_yaml_nodes),
+        Error::Budget {
+            breach: BudgetBreach::Depth { .. },
+            ..
+        } => SyntaxProblem::TooDeep(MAX_YAML_DEPTH),
         Error::DuplicateMappingKey { .. } => SyntaxProblem::DuplicateKey,
         Error::NonFiniteFloat { .. } => SyntaxProblem::NotFinite,
         Error::ExternalMessage { .. }
         | Error::Budget { .. }
         | Error::UnknownAnchor { .. }
-        | Error::AliasReplayLimitExceeded { .. }
         | Error::AliasExpansionLimitExceeded { .. }
         | Error::AliasReplayStackDepthExceeded { .. }
         | Error::InvalidScalar { .. }
@@ -292,7 +340,7 @@ fn validate_keys(node: &Yaml) -> Result<(), ParseError> {
             }
             Ok(())
         }
-        Yaml::Null | Yaml::Bool(_) | Yaml::Int(_) | Yaml::String(_) => Ok(()),
+        Yaml::Null | Yaml::Bool(..) | Yaml::Int(..) | Yaml::String(_) => Ok(()),
         Yaml::BigUint(_) | Yaml::Float(_) => Err(ParseError::UnsupportedNumber),
     }
 }
@@ -313,21 +361,29 @@ fn unmarshal_error(found: &Yaml, field: &str, expected: &'static str) -> ParseEr
     }
 }
 
-/// A string field; like the reference's YAML decoder, integer and boolean scalars are taken as text.
+/// A string field; like the reference's YAML decoder, integer and boolean scalars are taken as text, as
+/// written (`0x1F`, `True`, `+42`).
 fn scalar_string(v: &Yaml, field: &str) -> Result<String, ParseError> {
     match v {
         Yaml::Null => Ok(String::new()),
         Yaml::String(s) => Ok(s.clone()),
-        Yaml::Int(i) => Ok(i.to_string()),
-        Yaml::Bool(b) => Ok(b.to_string()),
+        Yaml::Int(_, text) | Yaml::Bool(_, text) => Ok(text.to_string()),
         other => Err(unmarshal_error(other, field, "a string")),
     }
 }
 
+/// A yes/no field. Plain `yes`, `on`, `y` and their opposites are text to the parser (so that a value
+/// written `on` stays the text `on`), but a flag written so is a boolean to the reference's YAML 1.1
+/// decoder, in the spellings it knows.
 fn boolean(v: &Yaml, field: &str) -> Result<bool, ParseError> {
     match v {
         Yaml::Null => Ok(false),
-        Yaml::Bool(b) => Ok(*b),
+        Yaml::Bool(b, _) => Ok(*b),
+        Yaml::String(s) => match s.as_str() {
+            "y" | "Y" | "yes" | "Yes" | "YES" | "on" | "On" | "ON" => Ok(true),
+            "n" | "N" | "no" | "No" | "NO" | "off" | "Off" | "OFF" => Ok(false),
+            _ => Err(unmarshal_error(v, field, "true or false")),
+        },
         other => Err(unmarshal_error(other, field, "true or false")),
     }
 }
@@ -364,9 +420,9 @@ fn descriptor(v: &Yaml, ignored: &mut Vec<String>) -> Result<DescriptorSpec, Par
         match key_str(k) {
             "key" => spec.key = scalar_string(v, "key")?,
             "value" => spec.value = scalar_string(v, "value")?,
-            "rate_limit" if !matches!(v, Yaml::Null) => {
-                spec.rate_limit = Some(rate_limit(v, &mut inside)?);
-            }
+            // Written empty: no limit, an allow-list entry, as with the reference.
+            "rate_limit" if matches!(v, Yaml::Null) => {}
+            "rate_limit" => spec.rate_limit = Some(rate_limit(v, &mut inside)?),
             "rate_limits" => {
                 for item in list(v, "rate_limits")? {
                     spec.rate_limits.push(rate_limit(item, &mut inside)?);
@@ -432,7 +488,7 @@ fn rate_limit(v: &Yaml, ignored: &mut Vec<String>) -> Result<RateLimitSpec, Pars
 fn uint32(v: &Yaml, field: &str) -> Result<Option<u32>, ParseError> {
     match v {
         Yaml::Null => Ok(None),
-        Yaml::Int(i) => u32::try_from(*i)
+        Yaml::Int(i, _) => u32::try_from(*i)
             .map(Some)
             .map_err(|_| unmarshal_error(v, field, "a uint32")),
         other => Err(unmarshal_error(other, field, "a uint32")),
@@ -443,7 +499,7 @@ fn uint32(v: &Yaml, field: &str) -> Result<Option<u32>, ParseError> {
 fn integer(v: &Yaml, field: &str) -> Result<Option<i64>, ParseError> {
     match v {
         Yaml::Null => Ok(None),
-        Yaml::Int(i) => Ok(Some(*i)),
+        Yaml::Int(i, _) => Ok(Some(*i)),
         other => Err(unmarshal_error(other, field, "an integer")),
     }
 }
@@ -475,8 +531,8 @@ fn to_json(v: &Yaml) -> Result<serde_json::Value, ParseError> {
     use serde_json::Value;
     Ok(match v {
         Yaml::Null => Value::Null,
-        Yaml::Bool(b) => Value::Bool(*b),
-        Yaml::Int(i) => Value::from(*i),
+        Yaml::Bool(b, _) => Value::Bool(*b),
+        Yaml::Int(i, _) => Value::from(*i),
         Yaml::BigUint(u) => Value::from(*u),
         Yaml::Float(x) => serde_json::Number::from_f64(*x)
             .map(Value::Number)
@@ -545,6 +601,109 @@ descriptors:
         );
     }
 
+    /// The reference's decoder gives a text field a plain scalar as written, whatever YAML would type
+    /// it as: a rule written `value: 0x1F` matches the request value `0x1F`, not `31`. Number fields
+    /// still read the number.
+    #[test]
+    fn numbers_and_booleans_in_text_fields_are_taken_as_written() {
+        let f = parse_file(
+            "domain: True
+descriptors:
+  - {key: hex, value: 0x1F}
+  - {key: flag, value: True}
+  - {key: phone, value: +441234567890}
+  - {key: n, value: 1_000}
+  - {key: octal, value: 0o17   }  # a comment
+  - {key: zero, value: -0}
+  - {key: 0x10, value: FALSE, rate_limit: {unit: minute, requests_per_unit: 0x10, name: 0b101}}
+  - key: alias
+    value: &spelled 0x2A
+  - {key: again, value: *spelled}
+  - {key: tagged, value: !!int \"0x1F\"}
+",
+        )
+        .unwrap();
+        assert_eq!(f.domain, "True");
+        let read: Vec<(&str, &str)> = f
+            .descriptors
+            .iter()
+            .map(|d| (d.key.as_str(), d.value.as_str()))
+            .collect();
+        assert_eq!(
+            read,
+            [
+                ("hex", "0x1F"),
+                ("flag", "True"),
+                ("phone", "+441234567890"),
+                ("n", "1_000"),
+                ("octal", "0o17"),
+                ("zero", "-0"),
+                ("0x10", "FALSE"),
+                ("alias", "0x2A"),
+                ("again", "0x2A"),
+                ("tagged", "0x1F"),
+            ]
+        );
+        let limit = f.descriptors[6].rate_limit.as_ref().unwrap();
+        assert_eq!(
+            (limit.requests_per_unit, limit.name.as_str()),
+            (16, "0b101")
+        );
+    }
+
+    /// Flags take the YAML 1.1 spellings of yes and no the reference's decoder reads as booleans.
+    #[test]
+    fn flags_take_yaml_1_1_booleans() {
+        let f = parse_file(
+            "domain: d
+descriptors:
+  - {key: a, shadow_mode: yes, detailed_metric: On, rate_limit: {unlimited: Y}}
+  - {key: b, shadow_mode: off, quota_mode: NO, rate_limit: {unit: hour, requests_per_unit: 1, count_over_limit: on}}
+",
+        )
+        .unwrap();
+        let (a, b) = (&f.descriptors[0], &f.descriptors[1]);
+        assert!(a.flags.shadow_mode && a.flags.detailed_metric);
+        assert!(a.rate_limit.as_ref().unwrap().unlimited);
+        assert!(!b.flags.shadow_mode && !b.flags.quota_mode);
+        assert!(b.rate_limit.as_ref().unwrap().count_over_limit);
+        let err = parse_file("domain: d\ndescriptors:\n  - {key: a, shadow_mode: maybe}\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("shadow_mode (expected true or false)"),
+            "{err}"
+        );
+    }
+
+    /// One block shared by many rules through an alias or a merge is how large files are written: any
+    /// number of uses loads, within the node budget.
+    #[test]
+    fn a_block_shared_by_many_rules_loads() {
+        let mut text = String::from(
+            "domain: d\ndescriptors:\n  - &base {key: k0, shadow_mode: true, rate_limit: &std {unit: minute, requests_per_unit: 100}}\n",
+        );
+        for i in 1..2_000 {
+            text.push_str(&format!("  - {{<<: *base, key: k{i}, rate_limit: *std}}\n"));
+        }
+        let f = parse_file(&text).unwrap();
+        assert_eq!(f.descriptors.len(), 2_000);
+        let last = &f.descriptors[1_999];
+        assert!(last.flags.shadow_mode);
+        assert_eq!(last.rate_limit.as_ref().unwrap().requests_per_unit, 100);
+        // Too deep is said in words.
+        let mut deep = String::from("domain: d\ndescriptors:\n");
+        for depth in 0..40 {
+            let pad = "  ".repeat(depth);
+            deep.push_str(&format!("{pad}- key: k{depth}\n{pad}  descriptors:\n"));
+        }
+        let err = parse_file(&deep).unwrap_err().to_string();
+        assert!(
+            err.ends_with("the file nests maps and lists more than 64 levels deep"),
+            "{err}"
+        );
+    }
+
     #[test]
     fn fields_where_they_mean_nothing_are_read_as_nothing_and_named() {
         let f = parse_file(
@@ -568,6 +727,13 @@ descriptors:
             .unwrap()
             .ignored
             .is_empty());
+        // An empty rate_limit is no limit, and nothing to warn of.
+        let f = parse_file("domain: d\ndescriptors:\n  - key: k\n    rate_limit:\n").unwrap();
+        assert!(
+            f.descriptors[0].rate_limit.is_none() && f.ignored.is_empty(),
+            "{:?}",
+            f.ignored
+        );
     }
 
     /// The reference's decoder reads a key written twice, the last one winning: so does ratelimitd, with

@@ -1,16 +1,21 @@
 //! A YAML document as a generic tree, before anything is known of rules: map order is kept (wildcards
-//! match in file order) and so are non-string keys (to refuse them with the reference's message).
+//! match in file order) and so are non-string keys (to refuse them with the reference's message), and a
+//! plain scalar read as a number or a boolean keeps its spelling, which a text field takes as written.
 
-use std::fmt;
+use std::{cell::RefCell, fmt};
 
 use serde::de::{Deserialize, Deserializer, MapAccess, SeqAccess, Visitor};
+use serde_saphyr::Spanned;
 
 /// A YAML node.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Yaml {
     Null,
-    Bool(bool),
-    Int(i64),
+    /// A boolean, and its spelling (`True`, `false`).
+    Bool(bool, Box<str>),
+    /// An integer, and its spelling (`0x1F`, `+42`, `1_000`): the reference's decoder gives a text field
+    /// the scalar as written, not the number.
+    Int(i64, Box<str>),
     /// Integers above `i64::MAX`.
     BigUint(u64),
     Float(f64),
@@ -23,8 +28,7 @@ impl fmt::Display for Yaml {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Yaml::Null => f.write_str("null"),
-            Yaml::Bool(b) => write!(f, "{b}"),
-            Yaml::Int(i) => write!(f, "{i}"),
+            Yaml::Bool(_, text) | Yaml::Int(_, text) => f.write_str(text),
             Yaml::BigUint(u) => write!(f, "{u}"),
             Yaml::Float(x) => write!(f, "{x}"),
             Yaml::String(s) => f.write_str(s),
@@ -58,6 +62,64 @@ impl<'de> Deserialize<'de> for Yaml {
     }
 }
 
+thread_local! {
+    /// The text [`Yaml::spelled_in`] is parsing on this thread, where a scalar's spelling is read.
+    static SOURCE: RefCell<Option<String>> = const { RefCell::new(None) };
+}
+
+impl Yaml {
+    /// Runs `parse` (which deserializes [`Yaml`] from `text`) so that the numbers and booleans it reads
+    /// keep their spelling in `text`.
+    pub fn spelled_in<T>(text: &str, parse: impl FnOnce() -> T) -> T {
+        struct Clear;
+        impl Drop for Clear {
+            fn drop(&mut self) {
+                SOURCE.with(|s| s.borrow_mut().take());
+            }
+        }
+        SOURCE.with(|s| *s.borrow_mut() = Some(text.to_owned()));
+        let _clear = Clear;
+        parse()
+    }
+
+    /// A node read with its place in the source: a number or a boolean takes its spelling there.
+    fn from_spanned(node: Spanned<Yaml>) -> Yaml {
+        let span = node.defined.span();
+        match node.value {
+            Yaml::Bool(b, text) => Yaml::Bool(b, spelling(span).unwrap_or(text)),
+            Yaml::Int(i, text) => Yaml::Int(i, spelling(span).unwrap_or(text)),
+            other => other,
+        }
+    }
+}
+
+/// The source text at `span`, when a text is being parsed and the span is within it.
+fn spelling(span: serde_saphyr::Span) -> Option<Box<str>> {
+    let start = usize::try_from(span.byte_offset()?).ok()?;
+    let len = usize::try_from(span.byte_len()?).ok()?;
+    SOURCE.with(|s| {
+        let source = s.borrow();
+        let text = source
+            .as_deref()?
+            .get(start..start.checked_add(len)?)?
+            .trim();
+        // A quoted scalar tagged as a number (`!!int "0x1F"`): the text between the quotes, when it
+        // holds no escape or line break; other styles are left to the number.
+        let plain = match text.as_bytes().first()? {
+            b'"' | b'\'' => text.get(1..text.len().checked_sub(1)?)?,
+            b'|' | b'>' | b'!' | b'&' | b'*' => return None,
+            _ => text,
+        };
+        let clean = !plain.contains(['\\', '"', '\'', '\n', '\r']);
+        (clean && !plain.is_empty()).then(|| plain.into())
+    })
+}
+
+/// An integer spelled as Rust prints it, until its spelling in the source is known.
+fn int(v: i64) -> Yaml {
+    Yaml::Int(v, v.to_string().into())
+}
+
 /// Builds a [`Yaml`] from whatever the parser reads.
 struct YamlVisitor;
 
@@ -67,20 +129,20 @@ impl<'de> Visitor<'de> for YamlVisitor {
         f.write_str("any YAML value")
     }
     fn visit_bool<E>(self, v: bool) -> Result<Yaml, E> {
-        Ok(Yaml::Bool(v))
+        Ok(Yaml::Bool(v, v.to_string().into()))
     }
     fn visit_i64<E>(self, v: i64) -> Result<Yaml, E> {
-        Ok(Yaml::Int(v))
+        Ok(int(v))
     }
     fn visit_u64<E>(self, v: u64) -> Result<Yaml, E> {
-        Ok(i64::try_from(v).map_or(Yaml::BigUint(v), Yaml::Int))
+        Ok(i64::try_from(v).map_or(Yaml::BigUint(v), int))
     }
     fn visit_i128<E>(self, v: i128) -> Result<Yaml, E> {
-        Ok(i64::try_from(v).map_or(Yaml::Float(v as f64), Yaml::Int))
+        Ok(i64::try_from(v).map_or(Yaml::Float(v as f64), int))
     }
     fn visit_u128<E>(self, v: u128) -> Result<Yaml, E> {
         Ok(u64::try_from(v).map_or(Yaml::Float(v as f64), |v| {
-            i64::try_from(v).map_or(Yaml::BigUint(v), Yaml::Int)
+            i64::try_from(v).map_or(Yaml::BigUint(v), int)
         }))
     }
     fn visit_f64<E>(self, v: f64) -> Result<Yaml, E> {
@@ -104,14 +166,16 @@ impl<'de> Visitor<'de> for YamlVisitor {
     fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Yaml, A::Error> {
         let mut items = Vec::new();
         while let Some(item) = seq.next_element()? {
-            items.push(item);
+            items.push(Yaml::from_spanned(item));
         }
         Ok(Yaml::List(items))
     }
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Yaml, A::Error> {
         let mut entries = Vec::new();
-        while let Some((k, v)) = map.next_entry()? {
-            entries.push((k, v));
+        // Keys without their place: a rules file's keys are field names (a number there is refused),
+        // and reading a node's place costs as much again as the node.
+        while let Some((k, v)) = map.next_entry::<Yaml, Spanned<Yaml>>()? {
+            entries.push((k, Yaml::from_spanned(v)));
         }
         Ok(Yaml::Map(entries))
     }

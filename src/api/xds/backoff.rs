@@ -1,6 +1,6 @@
 //! The waits between attempts to reach the control plane (`XDS_CLIENT_BACKOFF_*`): `initial` after the
 //! first failure, doubling up to `max`, each varied at random by up to `random_factor` of itself when
-//! `jitter` is on. The reference passes its random factor to its backoff as the growth factor, so with
+//! `jitter` is on, and never longer than `max`. The reference passes its random factor to its backoff as the growth factor, so with
 //! the default 0.5 its waits never grow past `initial`; here the variables mean what they say.
 
 use std::time::Duration;
@@ -47,7 +47,7 @@ impl Backoff {
         }
         // Uniform in [1 - factor, 1 + factor] times the wait.
         let scale = 1.0 + s.random_factor * (2.0 * unit.clamp(0.0, 1.0) - 1.0);
-        doubled.mul_f64(scale)
+        doubled.mul_f64(scale).min(s.max)
     }
 }
 
@@ -78,7 +78,9 @@ mod tests {
         assert_eq!(b.wait(0, 0.0), Duration::from_secs(5));
         assert_eq!(b.wait(0, 0.5), Duration::from_secs(10));
         assert_eq!(b.wait(0, 1.0), Duration::from_secs(15));
-        assert_eq!(b.wait(5, 1.0), Duration::from_secs(90));
+        // The max is the longest wait, jitter or not.
+        assert_eq!(b.wait(5, 1.0), Duration::from_secs(60));
+        assert_eq!(b.wait(5, 0.0), Duration::from_secs(30));
     }
 
     #[test]

@@ -227,6 +227,48 @@ async fn an_invalid_set_is_nacked_with_the_rules_file_message_and_the_old_rules_
     s.stop().await;
 }
 
+/// A control plane that answers every NACK by sending the refused set again at once (a go-control-plane
+/// cache does) does not make ratelimitd spin: the same set refused again is NACKed 1 s later, then 2 s,
+/// and so on, and the set that mends the rules is applied at once even while a NACK is held back.
+#[tokio::test]
+async fn a_refused_set_sent_again_and_again_is_nacked_ever_more_slowly() {
+    let (plane, s, mut client) = serving_version_1(&On::Memory, 2).await;
+    plane.resend_on_nack();
+    plane.push(
+        "2",
+        vec![
+            one_rule("a-route", "api", "user", 9, RateLimitUnit::Minute),
+            one_rule("b-route", "api", "user", 9, RateLimitUnit::Minute),
+        ],
+    );
+    let nacks = || plane.seen().iter().filter(|s| s.nack().is_some()).count();
+    common::wait_for("a first NACK", WITHIN, async || (nacks() > 0).then_some(())).await;
+    tokio::time::sleep(Duration::from_millis(4_500)).await;
+    // Sent at once, then held 1 s, 2 s (4 s): the fourth is due at 7 s. Without the hold, thousands.
+    let after = nacks();
+    assert!((2..=4).contains(&after), "{after} NACKs in 4.5 s");
+    assert_eq!(
+        limit_of(&mut client, "api", "a").await.unwrap(),
+        (Some(2), Code::Ok),
+        "the old rules serve"
+    );
+
+    let began = std::time::Instant::now();
+    plane.push("3", user_limit(9));
+    let ack = plane.answer_to("3", WITHIN).await.request;
+    assert_eq!((ack.version_info.as_str(), ack.error_detail), ("3", None));
+    assert!(
+        began.elapsed() < Duration::from_millis(900),
+        "the mending set waited {:?} for a held NACK",
+        began.elapsed()
+    );
+    assert_eq!(limit_of(&mut client, "api", "a").await.unwrap().0, Some(9));
+    // The NACK held when the mending set came is never sent: its nonce is stale.
+    tokio::time::sleep(Duration::from_millis(4_500)).await;
+    assert_eq!(nacks(), after, "a stale NACK was sent");
+    s.stop().await;
+}
+
 /// A response of a type ratelimitd never asked for is ignored, as Envoy ignores one: no NACK, which on
 /// an aggregated stream would subscribe ratelimitd to that type, and the rules served stay.
 #[tokio::test]

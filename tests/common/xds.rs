@@ -11,7 +11,7 @@ use std::{
     net::SocketAddr,
     pin::Pin,
     sync::{
-        atomic::{AtomicUsize, Ordering},
+        atomic::{AtomicBool, AtomicUsize, Ordering},
         Arc, Mutex,
     },
     time::Duration,
@@ -75,6 +75,9 @@ struct Shared {
     nonces: AtomicUsize,
     /// Nonces sent, with the version each carried.
     sent: Mutex<Vec<(String, String)>>,
+    /// Whether a NACK is answered with the snapshot again at once, as a go-control-plane cache does
+    /// (the NACK names another version than the snapshot's).
+    resend_on_nack: AtomicBool,
 }
 
 /// Server TLS: the control plane's certificate and, for mTLS, the CA its clients' certificates must
@@ -187,6 +190,12 @@ impl ControlPlane {
         self.serve(listener);
     }
 
+    /// From now on, answers a NACK by sending the snapshot again at once, as a go-control-plane cache
+    /// does.
+    pub fn resend_on_nack(&self) {
+        self.shared.resend_on_nack.store(true, Ordering::SeqCst);
+    }
+
     /// Every request received so far.
     pub fn seen(&self) -> Vec<Seen> {
         self.shared.seen.lock().unwrap().clone()
@@ -273,9 +282,11 @@ impl AggregatedDiscoveryService for Ads {
                         Ok(Some(request)) => {
                             subscribed = true;
                             let current = snapshots.borrow_and_update().clone();
-                            // Behind the snapshot, and not refusing it: send it.
+                            // Behind the snapshot, and not refusing it (or resending anyway): send it.
+                            let resend = shared.resend_on_nack.load(Ordering::SeqCst);
                             let send = current.is_some_and(|s| {
-                                s.version != request.version_info && request.error_detail.is_none()
+                                s.version != request.version_info
+                                    && (request.error_detail.is_none() || resend)
                             });
                             shared.seen.lock().unwrap().push(Seen {
                                 stream,

@@ -135,9 +135,18 @@ pub(super) async fn channel(settings: &XdsSettings) -> Result<Channel, XdsError>
 /// A transport error with its causes, which hold what went wrong (refused, a certificate not trusted),
 /// each said once (layers often repeat the one below them).
 fn transport_error(err: &tonic::transport::Error) -> String {
-    let mut text = err.to_string();
+    with_causes(err.to_string(), std::error::Error::source(err))
+}
+
+/// `text`, then each cause from `source` down that says something new: a TLS alert or a refused
+/// connection sits causes deep under the transport's own words.
+pub(super) fn with_causes(
+    text: String,
+    source: Option<&(dyn std::error::Error + 'static)>,
+) -> String {
+    let mut text = text;
     let mut last = text.clone();
-    let mut source = std::error::Error::source(err);
+    let mut source = source;
     while let Some(cause) = source {
         let said = cause.to_string();
         if said != last {

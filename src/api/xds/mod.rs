@@ -82,9 +82,53 @@ pub struct XdsClient {
     compile: Compile,
     /// True while a stream is open and answered: `ratelimitd_xds_connected`.
     connected: Arc<AtomicBool>,
-    /// The fingerprint of the last set refused, and why: the same set sent again is refused again
-    /// without compiling it.
-    refused: std::sync::Mutex<Option<(u64, String)>>,
+    /// The last set refused: the same set sent again is refused again without compiling it, and its
+    /// NACK held back longer each time.
+    refused: std::sync::Mutex<Option<Refused>>,
+}
+
+/// A rule set refused, by fingerprint, and why.
+struct Refused {
+    fingerprint: u64,
+    message: String,
+    /// Times it was refused in a row, nothing else applied between.
+    times: u32,
+}
+
+/// How long the NACK of a set refused `times` times in a row is held back: none the first time, then
+/// one second, doubling up to [`MOST_NACK_HOLD`]. A control plane that answers a NACK by sending the
+/// set again at once (go-control-plane's cache, whose version differs from the one a NACK names)
+/// would otherwise make both sides spin, a refusal and an error line each turn.
+fn nack_hold(times: u32) -> std::time::Duration {
+    if times <= 1 {
+        return std::time::Duration::ZERO;
+    }
+    let doubled = std::time::Duration::from_secs(1 << (times - 2).min(16));
+    doubled.min(MOST_NACK_HOLD)
+}
+
+/// Longest a NACK is held back (see [`nack_hold`]): a control plane waiting for it sends the set that
+/// mends the rules no later than this after it is ready.
+const MOST_NACK_HOLD: std::time::Duration = std::time::Duration::from_secs(16);
+
+/// How long a stream may stay unanswered before the log says so: a control plane that serves nothing
+/// for this node id (a `CONFIG_GRPC_XDS_NODE_ID` it does not know) leaves it open and silent.
+const UNANSWERED_WARNING: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// What to send for a response.
+struct Reply {
+    request: DiscoveryRequest,
+    /// How long to wait before sending it (a NACK of a set refused again).
+    hold: std::time::Duration,
+}
+
+impl Reply {
+    fn now(request: DiscoveryRequest) -> Self {
+        Self {
+            request,
+            hold: std::time::Duration::ZERO,
+        }
+    }
 }
 
 /// How one stream ended.
@@ -140,8 +184,9 @@ impl XdsClient {
             };
             tracing::warn!(
                 server = %self.settings.server_url,
-                "xDS stream ended: {}; {serving}; reconnecting in {wait:?}",
-                ended.reason
+                "xDS stream ended: {}{}; {serving}; reconnecting in {wait:?}",
+                ended.reason,
+                self.hint(&ended)
             );
             tokio::select! {
                 _ = stop.cancelled() => return,
@@ -180,23 +225,72 @@ impl XdsClient {
             }
             Err(err) => return not_answered(err.to_string()),
         }
-        let mut responses = match client.stream_aggregated_resources(call).await {
+        let opened = tokio::time::Instant::now();
+        let mut warned = false;
+        // A server that never answers may not even send the stream's headers.
+        let call = client.stream_aggregated_resources(call);
+        tokio::pin!(call);
+        let opening = tokio::select! {
+            opening = &mut call => opening,
+            () = tokio::time::sleep_until(opened + UNANSWERED_WARNING) => {
+                self.warn_unanswered();
+                warned = true;
+                call.await
+            }
+        };
+        let mut responses = match opening {
             Ok(response) => response.into_inner(),
             Err(status) => return not_answered(status_text(&status)),
         };
         let mut answered = false;
+        // A NACK held back, and when it is due: a response that comes first makes it stale.
+        let mut held: Option<(tokio::time::Instant, DiscoveryRequest)> = None;
         let reason = loop {
-            match responses.message().await {
+            let due = match &held {
+                Some((due, _)) => Some(*due),
+                None if !answered && !warned => Some(opened + UNANSWERED_WARNING),
+                None => None,
+            };
+            let message = match due {
+                None => responses.message().await,
+                Some(due) => tokio::select! {
+                    message = responses.message() => message,
+                    () = tokio::time::sleep_until(due) => {
+                        if let Some((_, nack)) = held.take() {
+                            if requests.send(nack).await.is_err() {
+                                break "the request stream closed".to_owned();
+                            }
+                        } else {
+                            warned = true;
+                            self.warn_unanswered();
+                        }
+                        continue;
+                    }
+                },
+            };
+            match message {
                 Ok(Some(response)) => {
                     if !answered {
                         answered = true;
                         self.connected.store(true, Ordering::Relaxed);
                     }
+                    // A response of a type not asked for leaves a held NACK as it is.
                     let Some(reply) = self.answer(response, applied).await else {
                         continue;
                     };
-                    if requests.send(reply).await.is_err() {
-                        break "the request stream closed".to_owned();
+                    if reply.hold.is_zero() {
+                        held = None;
+                        if requests.send(reply.request).await.is_err() {
+                            break "the request stream closed".to_owned();
+                        }
+                    } else {
+                        // The newest nonce, due no later than the NACK held already: a control plane
+                        // that resends faster than the hold still gets its answer.
+                        let mut due = tokio::time::Instant::now() + reply.hold;
+                        if let Some((held_due, _)) = &held {
+                            due = due.min(*held_due);
+                        }
+                        held = Some((due, reply.request));
                     }
                 }
                 Ok(None) => break "the xDS server closed the stream".to_owned(),
@@ -208,15 +302,12 @@ impl XdsClient {
 
     /// Applies one response and returns its ACK, or its NACK when the rule set is refused. A set the
     /// service already serves (sent again on a new stream, or by a control plane that resends) is ACKed
-    /// without being compiled, and the set refused last is refused again with its message; another is
-    /// compiled off the runtime's workers, since a large one takes seconds that requests would
-    /// otherwise wait through. A response of a type ratelimitd never asked for is ignored, as Envoy
-    /// ignores one: on an aggregated stream any request of that type, a NACK too, would subscribe to it.
-    async fn answer(
-        &self,
-        response: DiscoveryResponse,
-        applied: &mut String,
-    ) -> Option<DiscoveryRequest> {
+    /// without being compiled, and the set refused last is refused again with its message, its NACK
+    /// held back longer each time in a row (see [`nack_hold`]); another is compiled off the runtime's
+    /// workers, since a large one takes seconds that requests would otherwise wait through. A response
+    /// of a type ratelimitd never asked for is ignored, as Envoy ignores one: on an aggregated stream
+    /// any request of that type, a NACK too, would subscribe to it.
+    async fn answer(&self, response: DiscoveryResponse, applied: &mut String) -> Option<Reply> {
         let version = response.version_info.as_str();
         if response.type_url != RATE_LIMIT_CONFIG_TYPE {
             tracing::warn!(
@@ -235,12 +326,14 @@ impl XdsClient {
                 "xDS rules version {version} applied: the rules served already"
             );
             *applied = response.version_info.clone();
-            return Some(self.request(RATE_LIMIT_CONFIG_TYPE, version, &response.nonce, None));
+            self.forget_refusals();
+            let ack = self.request(RATE_LIMIT_CONFIG_TYPE, version, &response.nonce, None);
+            return Some(Reply::now(ack));
         }
         let known = (self.refused.lock().unwrap_or_else(|p| p.into_inner()))
             .as_ref()
-            .filter(|(refused, _)| *refused == print)
-            .map(|(_, message)| message.clone());
+            .filter(|refused| refused.fingerprint == print)
+            .map(|refused| refused.message.clone());
         let compiled = match known {
             Some(message) => Err(message),
             None => {
@@ -263,24 +356,87 @@ impl XdsClient {
                     "xDS rules version {version} applied"
                 );
                 *applied = response.version_info.clone();
-                Some(self.request(RATE_LIMIT_CONFIG_TYPE, version, &response.nonce, None))
+                self.forget_refusals();
+                let ack = self.request(RATE_LIMIT_CONFIG_TYPE, version, &response.nonce, None);
+                Some(Reply::now(ack))
             }
             Err(message) => {
                 self.publisher.refuse();
-                tracing::error!(
-                    version,
-                    applied = %applied,
-                    "Error loading new configuration: {message}"
-                );
-                *self.refused.lock().unwrap_or_else(|p| p.into_inner()) =
-                    Some((print, message.clone()));
-                Some(self.request(
+                let times = {
+                    let mut refused = self.refused.lock().unwrap_or_else(|p| p.into_inner());
+                    let times = match refused.as_ref() {
+                        Some(last) if last.fingerprint == print => last.times.saturating_add(1),
+                        _ => 1,
+                    };
+                    *refused = Some(Refused {
+                        fingerprint: print,
+                        message: message.clone(),
+                        times,
+                    });
+                    times
+                };
+                let hold = nack_hold(times);
+                if times == 1 {
+                    tracing::error!(
+                        version,
+                        applied = %applied,
+                        "Error loading new configuration: {message}"
+                    );
+                } else {
+                    tracing::warn!(
+                        version,
+                        applied = %applied,
+                        times,
+                        "the same refused rule set again ({times} times in a row), NACKed in {hold:?}: {message}"
+                    );
+                }
+                let nack = self.request(
                     RATE_LIMIT_CONFIG_TYPE,
                     applied,
                     &response.nonce,
                     Some(message),
-                ))
+                );
+                Some(Reply {
+                    request: nack,
+                    hold,
+                })
             }
+        }
+    }
+
+    /// A likely cause of a stream that ended unanswered, when the error itself cannot say it: over TLS
+    /// without a client certificate, a server that requires one closes the connection after the
+    /// handshake, and the client sees only the connection closed.
+    fn hint(&self, ended: &Ended) -> &'static str {
+        let closed = ended.reason.contains("connection closed")
+            || ended.reason.contains("close_notify")
+            || ended.reason.contains("reset by peer");
+        if !ended.answered && self.settings.tls && self.settings.client_cert.is_none() && closed {
+            " (the server closed the TLS connection: does it require a client certificate? set CONFIG_GRPC_XDS_CLIENT_TLS_CERT and CONFIG_GRPC_XDS_CLIENT_TLS_KEY)"
+        } else {
+            ""
+        }
+    }
+
+    /// The stream is open and unanswered for [`UNANSWERED_WARNING`].
+    fn warn_unanswered(&self) {
+        tracing::warn!(
+            server = %self.settings.server_url,
+            node = %self.settings.node_id,
+            "the xDS server has sent nothing in {UNANSWERED_WARNING:?} on this stream: does it serve rules for the node id {:?} (CONFIG_GRPC_XDS_NODE_ID)?",
+            self.settings.node_id
+        );
+    }
+
+    /// A set was applied: a refused one sent again later is answered at once, as a first refusal.
+    fn forget_refusals(&self) {
+        if let Some(refused) = self
+            .refused
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_mut()
+        {
+            refused.times = 0;
         }
     }
 
@@ -333,7 +489,21 @@ impl XdsClient {
     }
 }
 
-/// A gRPC status in a log line: its code and message.
+/// A gRPC status in a log line: its code and message, and what caused it (a client certificate the
+/// server wanted shows only there: the status itself says "transport error").
 fn status_text(status: &tonic::Status) -> String {
-    format!("{:?}: {}", status.code(), status.message())
+    let text = format!("{:?}: {}", status.code(), status.message());
+    connect::with_causes(text, std::error::Error::source(status))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_nack_is_held_back_longer_each_time_in_a_row_up_to_sixteen_seconds() {
+        let held: Vec<u64> = (1..=8).map(|n| nack_hold(n).as_secs()).collect();
+        assert_eq!(held, [0, 1, 2, 4, 8, 16, 16, 16]);
+        assert_eq!(nack_hold(u32::MAX), MOST_NACK_HOLD);
+    }
 }

@@ -200,7 +200,16 @@ pub(super) fn load_rules(
     register_rules_metrics(metrics, rules, &stats);
     match settings.rules.config_type {
         ConfigType::File => load_files(settings, publisher, tasks),
-        ConfigType::GrpcXdsSotw => subscribe(settings, publisher, metrics, tasks),
+        ConfigType::GrpcXdsSotw => {
+            if let Some(path) = &settings.rules.path {
+                tracing::warn!(
+                    path = %path.display(),
+                    "rules.path is set but CONFIG_TYPE=GRPC_XDS_SOTW takes every rule from the xDS server: {} is not read",
+                    path.display()
+                );
+            }
+            subscribe(settings, publisher, metrics, tasks)
+        }
     }
 }
 

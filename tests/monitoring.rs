@@ -45,7 +45,7 @@ async fn alerts_and_dashboard_use_only_exported_metrics() {
     exprs(&alerts, &mut all);
     let alert_count = all.len();
     exprs(&dashboard, &mut all);
-    assert_eq!(alert_count, 7, "the seven alerts");
+    assert_eq!(alert_count, 8, "the eight alerts");
     assert!(all.len() > alert_count + 8, "dashboard panels have queries");
 
     // Traffic that makes every family appear: allowed, denied, shadow and error answers.
@@ -57,7 +57,16 @@ async fn alerts_and_dashboard_use_only_exported_metrics() {
     c.should_rate_limit(request("", vec![descriptor(&[("user", "x")])]))
         .await
         .unwrap_err();
-    let (_, text) = s.http("GET", "/metrics", "").await;
+    let (_, mut text) = s.http("GET", "/metrics", "").await;
+    // And what a replica taking its rules over xDS exports beside (its control plane unreachable).
+    let xds = TestServer::start(&[], |s| {
+        s.rules.config_type = ratelimitd::settings::ConfigType::GrpcXdsSotw;
+        s.xds.server_url = "127.0.0.1:9".into();
+        s.xds.force_start_without_initial_config = true;
+    })
+    .await;
+    text.push_str(&xds.http("GET", "/metrics", "").await.1);
+    xds.stop().await;
     let exported: BTreeSet<&str> = text
         .lines()
         .filter_map(|l| l.strip_prefix("# TYPE "))

@@ -38,13 +38,30 @@ impl RuleSet {
         let mut set = RuleSet::default();
         // The composite keys of each domain's top level, which files merged into one domain share.
         let mut tops: HashMap<&str, Composites> = HashMap::new();
+        // The file that declared each domain first.
+        let mut firsts: HashMap<&str, &str> = HashMap::new();
         for (file_name, file) in files {
+            let refused = |error| BuildError {
+                file: file_name.clone(),
+                error,
+            };
+            let first = *firsts.entry(file.domain.as_str()).or_insert(file_name);
+            if first != file_name.as_str() && !merge_domains && !file.domain.is_empty() {
+                let hidden = |name: &str| name.contains("..");
+                let hint = if hidden(first) || hidden(file_name) {
+                    "; one is a hidden copy a Kubernetes volume keeps beside its files: set RUNTIME_IGNOREDOTFILES=true"
+                } else {
+                    ""
+                };
+                return Err(refused(RuleError::DuplicateDomain {
+                    domain: file.domain.clone(),
+                    first: first.to_owned(),
+                    hint,
+                }));
+            }
             let top = tops.entry(file.domain.as_str()).or_default();
-            set.add_file(file, top, merge_domains, default_algorithm)
-                .map_err(|error| BuildError {
-                    file: file_name.clone(),
-                    error,
-                })?;
+            set.add_file(file, top, default_algorithm)
+                .map_err(refused)?;
         }
         Ok(set)
     }
@@ -53,14 +70,10 @@ impl RuleSet {
         &mut self,
         file: &DomainFile,
         top: &mut Composites,
-        merge_domains: bool,
         default_algorithm: Algorithm,
     ) -> Result<(), RuleError> {
         if file.domain.is_empty() {
             return Err(RuleError::EmptyDomain);
-        }
-        if self.domains.contains_key(&file.domain) && !merge_domains {
-            return Err(RuleError::DuplicateDomain(file.domain.clone()));
         }
         let name: Arc<str> = file.domain.as_str().into();
         let domain = self.domains.entry(file.domain.clone()).or_default();
@@ -611,7 +624,7 @@ mod tests {
         let b = ("config.b.yaml", "domain: d\ndescriptors:\n  - key: b\n");
         assert_eq!(
             build(&[a, b], false).unwrap_err(),
-            "config.b.yaml: duplicate domain 'd' in config file"
+            "config.b.yaml: duplicate domain 'd' in config file (first declared in config.a.yaml)"
         );
         let merged = build(&[a, b], true).unwrap();
         let root = &merged.domains["d"].root;

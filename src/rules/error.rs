@@ -87,8 +87,14 @@ pub enum SyntaxProblem {
 pub enum RuleError {
     #[error("config file cannot have empty domain")]
     EmptyDomain,
-    #[error("duplicate domain '{0}' in config file")]
-    DuplicateDomain(String),
+    /// The reference's words, then the file that declared the domain first, and a hint when either is
+    /// a Kubernetes volume's hidden copy (`..2026_...`, `..data`).
+    #[error("duplicate domain '{domain}' in config file (first declared in {first}){hint}")]
+    DuplicateDomain {
+        domain: String,
+        first: String,
+        hint: &'static str,
+    },
     #[error("descriptor has empty key")]
     EmptyKey,
     /// Holds the rule's `domain.key_value...` name.

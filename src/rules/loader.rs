@@ -325,6 +325,11 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("duplicate domain 'one'"), "{}", err);
+        // Both files named, and what to set.
+        assert!(
+            err.contains("first declared in ") && err.ends_with("set RUNTIME_IGNOREDOTFILES=true"),
+            "{err}"
+        );
     }
 
     /// A folder outside the rules folder holding a file with a recognisable secret, which no message

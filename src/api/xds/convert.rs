@@ -246,7 +246,7 @@ mod tests {
                     ..good.clone()
                 },
                 // Taken in the order of their names: "again" first, then "good" repeats its domain.
-                "good: duplicate domain 'a' in config file",
+                "good: duplicate domain 'a' in config file (first declared in again)",
             ),
             (
                 RateLimitConfig {

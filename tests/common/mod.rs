@@ -45,14 +45,21 @@ pub async fn redis_store_as(
     topology: ratelimitd::settings::RedisTopology,
     auth: &str,
 ) -> Arc<ratelimitd::store::RedisStore> {
-    let settings = ratelimitd::settings::RedisSettings {
+    redis_store_from(ratelimitd::settings::RedisSettings {
         url,
         topology,
         auth: ratelimitd::store::redis::Secret(auth.into()),
         timeout: Duration::from_secs(2),
         pool_size: 2,
         ..Default::default()
-    };
+    })
+    .await
+}
+
+/// A Redis store of `settings`, connected and ready.
+pub async fn redis_store_from(
+    settings: ratelimitd::settings::RedisSettings,
+) -> Arc<ratelimitd::store::RedisStore> {
     let store =
         ratelimitd::store::RedisStore::connect(&settings, None, 0, Duration::from_secs(1)).unwrap();
     tokio::time::timeout(Duration::from_secs(20), store.ready())

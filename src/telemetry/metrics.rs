@@ -304,12 +304,22 @@ impl RuleTable {
     /// Whether the rules served have the rule written `written` in `domain` (`None`: a label no rule
     /// owns, always), and, for a label carrying request values, whether that rule asks for them.
     fn serves(&self, domain: &str, written: Option<&str>, request_values: bool) -> bool {
-        let (Some(served), Some(written)) = (&self.served, written) else {
-            return true;
-        };
-        let takes = served.get(domain).and_then(|rules| rules.get(written));
-        takes.is_some_and(|takes| *takes || !request_values)
+        serves(self.served.as_ref(), domain, written, request_values)
     }
+}
+
+/// [`RuleTable::serves`], of the rules `served` (`None`: none loaded yet, every rule).
+fn serves(
+    served: Option<&ServedRules>,
+    domain: &str,
+    written: Option<&str>,
+    request_values: bool,
+) -> bool {
+    let (Some(served), Some(written)) = (served, written) else {
+        return true;
+    };
+    let takes = served.get(domain).and_then(|rules| rules.get(written));
+    takes.is_some_and(|takes| *takes || !request_values)
 }
 
 /// The counters of a rule label a reload removed, kept for statsd to read once more (see
@@ -520,19 +530,15 @@ impl Metrics {
         let keep_retired = self.keep_retired.load(Ordering::Relaxed);
         let mut retired = Vec::new();
         let mut rules = self.rules.write().unwrap_or_else(|p| p.into_inner());
-        let table = &mut *rules;
-        table.served = Some(served);
-        for (domain, labels) in table.by_domain.iter_mut() {
+        let RuleTable {
+            by_domain,
+            served: now,
+        } = &mut *rules;
+        let served = now.insert(served);
+        for (domain, labels) in by_domain.iter_mut() {
             labels.retain(|label, series| {
-                let keep = match &series.written {
-                    Some(written) => table
-                        .served
-                        .as_ref()
-                        .and_then(|served| served.get(domain))
-                        .and_then(|rules| rules.get(written))
-                        .is_some_and(|takes| *takes || !series.request_values),
-                    None => true,
-                };
+                let written = series.written.as_deref();
+                let keep = serves(Some(served), domain, written, series.request_values);
                 if !keep && keep_retired {
                     retired.push(Retired {
                         domain: domain.clone(),
@@ -544,8 +550,12 @@ impl Metrics {
                 keep
             });
         }
-        table.by_domain.retain(|_, labels| !labels.is_empty());
-        let served = table.served.clone();
+        by_domain.retain(|_, labels| !labels.is_empty());
+        // Under the rules' lock, which no holder of this one ever waits for.
+        self.value_labels
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .retain(|(domain, written), _| serves(Some(served), domain, Some(written), true));
         drop(rules);
         if keep_retired {
             self.retired
@@ -553,14 +563,6 @@ impl Metrics {
                 .unwrap_or_else(|p| p.into_inner())
                 .extend(retired);
         }
-        let served = served.unwrap_or_default();
-        self.value_labels
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .retain(|(domain, written), _| {
-                let takes = served.get(domain).and_then(|rules| rules.get(written));
-                takes.is_some_and(|takes| *takes)
-            });
     }
 
     /// Keeps the counters of the labels a reload removes until [`Metrics::take_retired`] takes them:

@@ -359,6 +359,12 @@ fn check_config(settings: &Settings, dir: PathBuf) -> ExitCode {
             for what in &loaded.ignored {
                 eprintln!("ratelimitd: warning: {what}");
             }
+            for what in loaded
+                .rules
+                .unreachable(settings.request_limits.entry_bounds())
+            {
+                eprintln!("ratelimitd: warning: {what}");
+            }
             println!("all rate limit configs ok");
             ExitCode::SUCCESS
         }

@@ -165,6 +165,45 @@ fn check_config_names_fields_written_where_they_are_ignored() {
     assert_eq!(String::from_utf8_lossy(&out.stderr), "");
 }
 
+/// Rules nested 17 levels deep: a descriptor of 17 entries, one more than a request may carry with the
+/// default `request_limits.max_entries`.
+fn rules_nested_17_deep() -> String {
+    let mut text = String::from("domain: deep\ndescriptors:\n");
+    for level in 0..17 {
+        let pad = "    ".repeat(level);
+        text.push_str(&format!("{pad}  - key: k{level}\n"));
+        if level < 16 {
+            text.push_str(&format!("{pad}    descriptors:\n"));
+        } else {
+            text.push_str(&format!(
+                "{pad}    rate_limit: {{unit: minute, requests_per_unit: 1}}\n"
+            ));
+        }
+    }
+    text
+}
+
+/// A rule no request can reach (every request with 17 entries is refused by `request_limits`) loads,
+/// as the reference loads it, and is said at check-config and at every load of the service, naming the
+/// setting that serves it.
+#[test]
+fn a_rule_deeper_than_a_request_may_carry_is_said_with_the_setting_to_raise() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::create_dir(dir.path().join("config")).unwrap();
+    std::fs::write(dir.path().join("config/deep.yaml"), rules_nested_17_deep()).unwrap();
+    let warning = "rule 'deep.k0.k1.k2.k3.k4.k5.k6.k7.k8.k9.k10.k11.k12.k13.k14.k15.k16' is nested deeper than request_limits.max_entries (16)";
+    let out = check_config_output(Path::new("config"), &[], dir.path());
+    assert_eq!(out.status.code(), Some(0));
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(said.contains(warning), "{said}");
+    let raised = [("RATELIMITD_REQUEST_LIMITS__MAX_ENTRIES", "17")];
+    let out = check_config_output(Path::new("config"), &raised, dir.path());
+    assert_eq!(String::from_utf8_lossy(&out.stderr), "");
+
+    let running = serve(&[], dir.path());
+    running.wait_log(warning, Duration::from_secs(10));
+}
+
 #[test]
 fn check_config_refuses_a_window_longer_than_ten_years_naming_the_rule() {
     let dir = tempfile::tempdir().unwrap();

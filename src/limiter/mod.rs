@@ -256,6 +256,15 @@ impl Limiter {
         })
     }
 
+    /// The warnings of [`RuleSet::unreachable`] for `rules` against this service's request bounds,
+    /// rules named as `/rlconfig` names them (sensitive values hashed).
+    pub fn unreachable_rules(&self, rules: &RuleSet) -> Vec<String> {
+        let bounds = self.options.request_limits.entry_bounds();
+        rules.unreachable_with(bounds, &|key, value, hashed| {
+            self.options.show_written(key, value, hashed).into_owned()
+        })
+    }
+
     /// Decides one request that carries no deadline of its own, and records it in the metrics.
     pub async fn should_rate_limit(&self, request: &Request) -> Result<Response, LimitError> {
         self.should_rate_limit_by(request, None).await

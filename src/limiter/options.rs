@@ -100,6 +100,17 @@ impl Default for RequestLimits {
     }
 }
 
+impl RequestLimits {
+    /// What one descriptor may carry, which a rule must fit to ever match.
+    pub fn entry_bounds(&self) -> crate::rules::EntryBounds {
+        crate::rules::EntryBounds {
+            max_entries: self.max_entries,
+            max_key_bytes: self.max_key_bytes,
+            max_value_bytes: self.max_value_bytes,
+        }
+    }
+}
+
 /// Rate limit headers added to responses.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]

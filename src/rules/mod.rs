@@ -24,6 +24,7 @@ mod matcher;
 mod model;
 mod options;
 mod pattern;
+mod reach;
 mod rlconfig;
 mod unit;
 mod watcher;
@@ -47,6 +48,7 @@ pub use model::{
 };
 pub use options::{ConfigType, RulesSettings, Source, DEFAULT_MAX_YAML_NODES};
 pub use pattern::{Cidr, CidrError, Wildcard};
+pub use reach::EntryBounds;
 pub use unit::Unit;
 pub use watcher::{reload, OnLoaded, Publisher, ReloadStats, RulesWatch};
 pub use yaml::{parse_file, parse_file_within, DescriptorSpec, DomainFile, RateLimitSpec};

@@ -31,7 +31,7 @@ impl RuleSet {
 }
 
 /// `domain.key_value.key...`, each written value shown as `show` says.
-fn rule_name(domain: &str, node: &Node, show: ShowValue<'_>) -> String {
+pub(super) fn rule_name(domain: &str, node: &Node, show: ShowValue<'_>) -> String {
     let mut out = domain.to_owned();
     for step in node.path() {
         out.push('.');

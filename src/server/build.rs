@@ -160,6 +160,7 @@ fn sensitive(settings: &Settings) -> Option<limiter::Sensitive> {
 /// tells `health` how many domains it has.
 pub(super) fn load_rules(
     settings: &Settings,
+    limiter: &Arc<Limiter>,
     rules: &Arc<Rules>,
     health: &Arc<Health>,
     deny_cache: Option<Arc<DenyCache>>,
@@ -169,6 +170,7 @@ pub(super) fn load_rules(
     let stats = Arc::new(rules::ReloadStats::default());
     let on_loaded: rules::OnLoaded = {
         let (health, tasks, metrics) = (health.clone(), tasks.clone(), metrics.clone());
+        let limiter = limiter.clone();
         Box::new(move |loaded: &rules::Loaded| {
             // Limits may have changed: remembered denials no longer hold.
             if let Some(cache) = &deny_cache {
@@ -187,6 +189,9 @@ pub(super) fn load_rules(
                 fingerprint = format!("{:016x}", loaded.fingerprint),
                 "rules loaded"
             );
+            for warning in limiter.unreachable_rules(&loaded.rules) {
+                tracing::warn!("{warning}");
+            }
             health.rules_loaded(domains);
             let health = health.clone();
             tasks.spawn(async move { health.publish().await });

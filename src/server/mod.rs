@@ -133,6 +133,7 @@ pub async fn run_with_clock(
     let deciding = build::limiter(&settings, &rules, &store, &clock, &metrics);
     build::load_rules(
         &settings,
+        &deciding.limiter,
         &rules,
         &health,
         deciding.deny_cache.clone(),

@@ -526,3 +526,44 @@ fn a_link_to_a_file_outside_the_folder_is_refused_and_its_content_never_shown() 
         );
     }
 }
+
+/// A rules folder whose parent folders are not there at start either (a volume mounted later, a path
+/// made with `mkdir -p`): the service warns and serves no rules, then loads them once the path is made,
+/// and again after the path is removed several folders up and made anew. While it is missing, the
+/// folders above it made one by one, or a change to the folder watched, are no failed loads.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rules_folder_whose_parents_come_later_is_loaded_when_it_comes() {
+    use std::os::unix::fs::PermissionsExt;
+    let base = tempfile::tempdir().unwrap();
+    let top = base.path().join("srv");
+    let dir = top.join("runtime_data/current/config");
+    let root = dir.clone();
+    let s = TestServer::start(&[], move |s| {
+        s.rules.path = Some(root);
+        s.rules.reload_delay = RELOAD_DELAY;
+    })
+    .await;
+    let started = wait_loads(&s, "nothing there", |(ok, _)| ok >= 1).await;
+
+    fs::set_permissions(base.path(), fs::Permissions::from_mode(0o755)).unwrap();
+    for folder in [
+        top.clone(),
+        top.join("runtime_data"),
+        dir.parent().unwrap().into(),
+    ] {
+        fs::create_dir(&folder).unwrap();
+        tokio::time::sleep(RELOAD_DELAY * 3).await;
+    }
+    assert_eq!(loads(&s).await, started, "the path made folder by folder");
+    fs::create_dir(&dir).unwrap();
+    fs::write(dir.join("web.yaml"), V1).unwrap();
+    wait_rules(&s, "the path made", |t| t.contains(&user_limit(1))).await;
+    assert_eq!(loads(&s).await.1, 0, "no failed load on the way");
+
+    fs::remove_dir_all(&top).unwrap();
+    wait_loads(&s, "the path removed", |(_, errors)| errors >= 1).await;
+    fs::create_dir_all(&dir).unwrap();
+    fs::write(dir.join("web.yaml"), V2).unwrap();
+    wait_rules(&s, "the path made anew", |t| t.contains(&user_limit(7))).await;
+    s.stop().await;
+}

@@ -1,7 +1,8 @@
 //! Live reload of the rules folder.
 //!
 //! The watcher listens for file system events under the rules root and in its parent (so that a root
-//! which is itself a symlink, swapped whole, is noticed), waits for a quiet moment (editors and kubelet
+//! which is itself a symlink, swapped whole, is noticed; while the parent is missing, in the nearest
+//! folder above that exists), waits for a quiet moment (editors and kubelet
 //! write in bursts), then loads the whole folder again. The new rule set replaces the current one only
 //! when every file is valid; otherwise the current rules keep serving and the error is logged with the
 //! file and the rule, and counted. Kubernetes ConfigMap updates (a new hidden timestamped folder, then an
@@ -14,9 +15,9 @@
 //! those counted, every load would start the next one, forever.
 
 use std::{
-    path::{Path, PathBuf},
+    path::PathBuf,
     sync::{
-        atomic::{AtomicU64, Ordering},
+        atomic::{AtomicBool, AtomicU64, Ordering},
         Arc,
     },
     time::Duration,
@@ -49,6 +50,8 @@ pub struct Publisher {
     rules: Arc<Rules>,
     stats: Arc<ReloadStats>,
     on_loaded: OnLoaded,
+    /// The rules served are the empty set of a rules folder missing at start (see [`reload`]).
+    missing_root: AtomicBool,
 }
 
 impl Publisher {
@@ -57,6 +60,7 @@ impl Publisher {
             rules,
             stats,
             on_loaded,
+            missing_root: AtomicBool::new(false),
         }
     }
 
@@ -100,11 +104,17 @@ impl Publisher {
 }
 
 /// Loads the rules files once and publishes them if valid; returns whether the rules changed. A rules
-/// folder that is not there is an empty rule set only while none is served (at start, where the server
-/// warns of it): later it is a deploy between removing the folder and writing it anew, and the rules
-/// served stay.
+/// folder that is not there is an empty rule set while none is served (at start, where the server
+/// warns of it), and while that empty set is served a folder still missing is no news (the folders
+/// above it being made one by one, each watched in turn): later it is a deploy between removing the
+/// folder and writing it anew, and the rules served stay.
 pub fn reload(source: &Source, publisher: &Publisher) -> bool {
-    let loaded = match load(source) {
+    let loaded = load(source);
+    let missing = matches!(loaded, Err(LoadError::Missing { .. }));
+    if missing && publisher.missing_root.load(Ordering::Relaxed) {
+        return false;
+    }
+    let loaded = match loaded {
         Err(LoadError::Missing { .. }) if !publisher.serves() => Loaded::build(
             Vec::new(),
             Fingerprint::default().finish(),
@@ -119,7 +129,9 @@ pub fn reload(source: &Source, publisher: &Publisher) -> bool {
             for what in &loaded.ignored {
                 tracing::warn!(path = %source.root.display(), "rules file field ignored: {what}");
             }
-            publisher.publish(loaded)
+            let changed = publisher.publish(loaded);
+            publisher.missing_root.store(missing, Ordering::Relaxed);
+            changed
         }
         Err(err) => {
             publisher.refuse();
@@ -128,6 +140,9 @@ pub fn reload(source: &Source, publisher: &Publisher) -> bool {
         }
     }
 }
+
+/// Most folders of the rules path made while [`RulesWatch::watch_paths`] watches the nearest one.
+const MAX_PATH_STEPS: usize = 16;
 
 /// A burst of changes is loaded after this many quiet periods (`rules.reload_delay`) at most.
 const SETTLE_AT_MOST: u32 = 10;
@@ -138,6 +153,8 @@ pub struct RulesWatch {
     source: Source,
     watched: Watched,
     watcher: notify::RecommendedWatcher,
+    /// The folders [`Watched::parents`] gave at the last watch, watched without recursion.
+    parents: Vec<PathBuf>,
     changes: mpsc::UnboundedReceiver<()>,
 }
 
@@ -170,6 +187,7 @@ impl RulesWatch {
                 source: source.clone(),
                 watched,
                 watcher,
+                parents: Vec::new(),
                 changes,
             },
             Err(err) => {
@@ -182,8 +200,24 @@ impl RulesWatch {
     }
 
     fn watch_paths(&mut self) {
-        for parent in self.watched.parents() {
-            let _ = self.watcher.watch(parent, RecursiveMode::NonRecursive);
+        // A folder of the path made between finding the nearest one that exists and watching it is
+        // seen by no watch: look again until the same folders are found.
+        // Watched anew each time: a folder removed and made again under the same name lost its watch.
+        let mut parents = self.watched.parents();
+        for _ in 0..MAX_PATH_STEPS {
+            // A folder that no longer exists lost its watch with it (and unwatching it is an error).
+            let gone = self.parents.iter().filter(|p| !parents.contains(p));
+            for folder in gone.filter(|p| p.is_dir()) {
+                let _ = self.watcher.unwatch(folder);
+            }
+            for parent in &parents {
+                let _ = self.watcher.watch(parent, RecursiveMode::NonRecursive);
+            }
+            self.parents = parents;
+            parents = self.watched.parents();
+            if parents == self.parents {
+                break;
+            }
         }
         match self
             .watcher
@@ -230,7 +264,9 @@ impl RulesWatch {
             }
             // The root may have been replaced (a swapped symlink, a recreated folder): watch it anew,
             // before loading, so that what changes from here on is noticed.
-            let _ = self.watcher.unwatch(&self.watched.root);
+            if self.watched.root.exists() {
+                let _ = self.watcher.unwatch(&self.watched.root);
+            }
             self.watch_paths();
             // Reading, parsing and compiling a large folder takes a while: off the request workers.
             let (source, on) = (self.source.clone(), publisher.clone());
@@ -281,12 +317,21 @@ impl Watched {
         })
     }
 
-    /// The folders holding the root and the swap point, watched without recursion so that replacing
-    /// either whole (a symlink renamed over it, a folder created or removed) is noticed.
-    fn parents(&self) -> impl Iterator<Item = &Path> {
-        std::iter::once(&self.root)
-            .chain(self.swap_point.as_ref())
-            .filter_map(|p| p.parent())
+    /// The folders watched without recursion so that replacing the root or the swap point whole (a
+    /// symlink renamed over it, a folder created or removed) is noticed: the folder holding each, or,
+    /// while that is missing too, the nearest folder above it that exists, which sees the path come
+    /// back one folder at a time (each step a load, which watches the next).
+    fn parents(&self) -> Vec<PathBuf> {
+        let mut parents: Vec<PathBuf> = Vec::new();
+        for path in std::iter::once(&self.root).chain(self.swap_point.as_ref()) {
+            let existing = path.ancestors().skip(1).find(|folder| folder.is_dir());
+            if let Some(folder) = existing {
+                if !parents.iter().any(|p| p == folder) {
+                    parents.push(folder.to_path_buf());
+                }
+            }
+        }
+        parents
     }
 
     /// Whether an event can change what a load would read: a change of content, name or existence, under
@@ -308,7 +353,9 @@ impl Watched {
         // (a ConfigMap's `config.web.yaml` into `..data`), whose changes are then the file's.
         changes
             && event.paths.iter().any(|path| {
-                path.starts_with(&self.root) || self.swap_point.as_deref() == Some(path.as_path())
+                path.starts_with(&self.root)
+                    || self.root.starts_with(path)
+                    || self.swap_point.as_deref() == Some(path.as_path())
             })
     }
 }
@@ -361,6 +408,8 @@ mod tests {
                 "/srv/runtime/current/ratelimit",
             ),
             (data, "/srv/runtime/current/ratelimit/config.yaml"),
+            // A folder above, watched while the root's parent is missing: the path coming back.
+            (EventKind::Create(CreateKind::Folder), "/srv/runtime"),
             (EventKind::Other, "/anywhere"),
         ] {
             assert!(
@@ -384,6 +433,7 @@ mod tests {
                 "/srv/runtime/current.tmp",
             ),
             (data, "/srv/runtime/current/ratelimit2"),
+            (EventKind::Create(CreateKind::Folder), "/srv/runtime2"),
         ] {
             assert!(
                 !watched.may_change_rules(&event(kind, path)),

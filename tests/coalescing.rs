@@ -118,7 +118,7 @@ async fn same_answers_when_coalesced(redis: &Store, seed: u64, max_checks: usize
                 &memory.apply(batch, now_ms(), within()).await.unwrap(),
             ));
         }
-        let now = now_ms();
+        let now = now_in_one_hour_window();
         let answers = join_all(trace.iter().map(|batch| redis.apply(batch, now, within()))).await;
         for (step, (answer, expected)) in answers.into_iter().zip(expected).enumerate() {
             let answer = view(&answer.expect("the store decides"));
@@ -222,7 +222,7 @@ async fn on_cluster_a_requests_checks_on_one_server_are_decided_together() {
     }
 
     // Two counters in different slots of one master: one request on both is one call there.
-    let now = now_ms();
+    let now = now_in_one_hour_window();
     let (a, b) = two_slots_of_master_zero(&cluster, "pair", now);
     let before = cluster.calls("evalsha");
     let both = Batch {
@@ -282,7 +282,7 @@ async fn replicas_sharing_redis_count_each_admitted_hit_once() {
                 .collect()
         })
         .collect();
-    let now = now_ms();
+    let now = now_in_one_hour_window();
     let answers = join_all(fleet.iter().zip(&traces).map(|(store, trace)| async move {
         let store = Store::Redis(store.clone());
         join_all(trace.iter().map(|batch| store.apply(batch, now, within()))).await
@@ -352,7 +352,7 @@ async fn an_idle_store_sends_each_request_at_once_and_a_busy_one_within_bounds()
     // All at once: at most 4 per call.
     let before = calls();
     let trace: Vec<Batch> = (100..200).map(batch).collect();
-    let now = now_ms();
+    let now = now_in_one_hour_window();
     for answer in join_all(trace.iter().map(|b| store.apply(b, now, within()))).await {
         assert!(!answer.unwrap().denied);
     }
@@ -387,7 +387,7 @@ async fn a_request_too_large_to_count_fails_alone() {
     huge.checks[0].params.limit = 1 << 60;
     let mut trace: Vec<Batch> = (0..10).map(fine).collect();
     trace.insert(5, huge);
-    let now = now_ms();
+    let now = now_in_one_hour_window();
     let answers = join_all(trace.iter().map(|b| store.apply(b, now, within()))).await;
     for (i, answer) in answers.into_iter().enumerate() {
         match answer {
@@ -424,6 +424,14 @@ async fn one_call_at_a_time(cluster: &RedisCluster) -> Arc<RedisStore> {
         s.calls_in_flight = 1
     })
     .await
+}
+
+/// The time a test's hour-long counters are named at (their keys carry the window's start), with a
+/// minute of the window left at least: Redis counts in the window of its own clock, so a test that
+/// crossed into the next hour would look for keys of the last one and find none.
+fn now_in_one_hour_window() -> u64 {
+    common::wait_for_room_in_the_hour_window();
+    now_ms()
 }
 
 /// A fixed-window counter of 1 000 an hour, checked at cost 1.
@@ -532,7 +540,7 @@ fn count_on(node: &common::redis::RedisProcess, c: &Check, now: u64) -> u64 {
 async fn on_cluster_a_call_refused_after_a_slot_moved_is_sent_again_one_slot_per_call() {
     let cluster = RedisCluster::start(false);
     let store = Store::Redis(one_call_at_a_time(&cluster).await);
-    let now = now_ms();
+    let now = now_in_one_hour_window();
     // Two counters in different slots of master 0.
     let (staying, moving) = two_slots_of_master_zero(&cluster, "mig", now);
     // The replica learns the slot map before the move.
@@ -582,7 +590,7 @@ async fn on_cluster_a_call_refused_after_a_slot_moved_is_sent_again_one_slot_per
 async fn on_cluster_a_request_over_slots_of_which_one_moved_is_decided_again_by_slot() {
     let cluster = RedisCluster::start(false);
     let store = Store::Redis(one_call_at_a_time(&cluster).await);
-    let now = now_ms();
+    let now = now_in_one_hour_window();
     let (staying, moving) = two_slots_of_master_zero(&cluster, "both", now);
     let mut budget = (0..)
         .map(|i| counter(format!("budget{i}_")))
@@ -625,7 +633,7 @@ async fn on_cluster_a_request_over_slots_of_which_one_moved_is_decided_again_by_
 async fn a_key_moved_mid_migration_is_decided_on_the_master_importing_it() {
     let cluster = RedisCluster::start(false);
     let store = Store::Redis(redis_store(cluster.url(), RedisTopology::Cluster, |_| {}).await);
-    let now = now_ms();
+    let now = now_in_one_hour_window();
     let (staying, moving) = two_slots_of_master_zero(&cluster, "ask", now);
     for c in [&staying, &moving] {
         assert!(admitted(&store, &one(c), now).await);
@@ -682,7 +690,7 @@ async fn a_key_moved_mid_migration_is_decided_on_the_master_importing_it() {
 async fn a_request_whose_slot_is_split_by_a_migration_waits_for_it_alone() {
     let cluster = RedisCluster::start(false);
     let store = Arc::new(Store::Redis(one_call_at_a_time(&cluster).await));
-    let now = now_ms();
+    let now = now_in_one_hour_window();
     // Two counters of master 0 in one slot, and one in another of its slots.
     let mut names = (0..)
         .map(|i| counter(format!("split{i}_")))

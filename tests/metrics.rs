@@ -707,6 +707,51 @@ descriptors:
     assert_eq!(sent[gone_hits], 5, "statsd was sent every hit once");
 }
 
+/// A rule kept by a reload that now hashes the values its labels carry (`hash_value` turned on, as an
+/// operator does on finding customers' names in /metrics) no longer shows the values it labelled
+/// before: those series go, and its new labels are hashed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rule_that_hashes_its_values_after_a_reload_shows_no_value_it_labelled_before() {
+    const PLAIN: &str = "domain: web\ndescriptors:\n  - key: tenant\n    detailed_metric: true\n    rate_limit: {unit: hour, requests_per_unit: 10}\n";
+    const HASHED: &str = "domain: web\ndescriptors:\n  - key: tenant\n    detailed_metric: true\n    hash_value: true\n    rate_limit: {unit: hour, requests_per_unit: 11}\n";
+    let dir = tempfile::tempdir().unwrap();
+    let statsd = StatsdListener::start().await;
+    let s = reloading_with_statsd(dir.path(), PLAIN, &statsd, Duration::from_secs(3_600)).await;
+    let mut c = s.client().await;
+    let hit = async |c: &mut _| {
+        ask(
+            c,
+            request("web", vec![descriptor(&[("tenant", "acme-corp-42")])]),
+        )
+        .await;
+    };
+    hit(&mut c).await;
+    let (_, text) = s.http("GET", "/metrics", "").await;
+    assert!(text.contains("rule=\"tenant_acme-corp-42\""), "{text}");
+
+    std::fs::write(dir.path().join("web.yaml"), HASHED).unwrap();
+    wait_for("the rules swapped", Duration::from_secs(10), async || {
+        let rules = s.http("GET", "/rlconfig", "").await.1;
+        rules.contains("requests_per_unit=11").then_some(())
+    })
+    .await;
+    hit(&mut c).await;
+    let (_, text) = s.http("GET", "/metrics", "").await;
+    assert!(
+        !text.contains("acme-corp-42"),
+        "the value labelled before the reload:\n{text}"
+    );
+    let hashed: Vec<&str> = text
+        .lines()
+        .filter(|l| {
+            l.starts_with("ratelimit_service_rate_limit_total_hits{domain=\"web\",rule=\"tenant_")
+        })
+        .collect();
+    assert_eq!(hashed.len(), 1, "{text}");
+    assert!(hashed[0].ends_with(" 1"), "{hashed:?}");
+    s.stop().await;
+}
+
 /// The hits a rule took since statsd's last flush are sent even when a reload removes the rule before
 /// the next one: here no flush runs until the server stops, by which time the rule was removed and
 /// written back.

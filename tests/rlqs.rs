@@ -1137,6 +1137,57 @@ async fn a_rule_is_labelled_alike_over_both_protocols() {
     s.stop().await;
 }
 
+/// A rule kept by a reload that now hashes the values it labels (`hash_value` turned on) takes its
+/// plain-value series out of the quota service's metrics too, not only out of `ShouldRateLimit`'s.
+#[tokio::test]
+async fn a_rule_that_hashes_its_values_after_a_reload_leaves_no_plain_quota_series() {
+    const DETAILED: &str = "domain: edge\ndescriptors:\n  - key: team\n    detailed_metric: true\n    rate_limit: {unit: minute, requests_per_unit: 600}\n";
+    const HASHED: &str = "domain: edge\ndescriptors:\n  - key: team\n    detailed_metric: true\n    hash_value: true\n    rate_limit: {unit: minute, requests_per_unit: 601}\n";
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), DETAILED).await;
+    let root = dir.path().to_path_buf();
+    let s = TestServer::start_with_clock(&[], Clock::System, move |s| {
+        fast(s);
+        s.rules.path = Some(root);
+        s.rules.reload_delay = Duration::from_millis(50);
+    })
+    .await;
+    s.wait_serving(Duration::from_secs(5)).await;
+    let mut stream = Raw::open(&s).await.unwrap();
+    let blue: Entries<'_> = &[("team", "blue")];
+    stream.report("edge", &[(blue, 0, 4, 0)]);
+    stream.next().await;
+    let (_, text) = s.http("GET", "/metrics", "").await;
+    assert!(
+        text.contains("ratelimitd_rlqs_allowed_total{domain=\"edge\",rule=\"team_blue\"}"),
+        "{text}"
+    );
+
+    write(dir.path(), HASHED).await;
+    wait_for("the new rules", Duration::from_secs(5), async || {
+        let (_, text) = s.http("GET", "/rlconfig", "").await;
+        text.contains("requests_per_unit=601").then_some(())
+    })
+    .await;
+    tokio::time::sleep(APART).await;
+    stream.report("edge", &[(blue, 2, 0, 0)]);
+    stream.next().await;
+    let text = wait_for(
+        "the plain series gone",
+        Duration::from_secs(5),
+        async || {
+            let (_, text) = s.http("GET", "/metrics", "").await;
+            (!text.contains("team_blue")).then_some(text)
+        },
+    )
+    .await;
+    assert!(
+        text.contains("ratelimitd_rlqs_allowed_total{domain=\"edge\",rule=\"team_sha256-"),
+        "{text}"
+    );
+    s.stop().await;
+}
+
 /// An Envoy refused by a full bucket holds no share: it is not counted a subscriber.
 #[tokio::test]
 async fn an_envoy_refused_by_a_full_bucket_is_no_subscriber() {

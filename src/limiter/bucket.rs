@@ -37,6 +37,8 @@ pub enum BucketRule {
 pub struct BucketLimits {
     /// The rule as the `rule` metric label names it, for both protocols (see `record::rule_label`).
     pub rule: Arc<str>,
+    /// How `rule` carries request values: the rule's `Node::label_form` when it does, else 0.
+    pub rule_form: u64,
     /// The rule as written: each level's key and value (`""` for a key-only level), by which a rules
     /// reload is seen to keep or drop it (see [`Limiter::has_bucket_rule`]).
     pub rule_path: Arc<[(Box<str>, Box<str>)]>,
@@ -80,7 +82,7 @@ impl Limiter {
             Resolved::NoLimit => return BucketRule::Unmatched,
             Resolved::Unlimited(_) => {
                 return BucketRule::Unlimited {
-                    rule: self.bucket_rule_label(domain, descriptor, node),
+                    rule: self.bucket_rule_label(domain, descriptor, node).0,
                 }
             }
             Resolved::Limited { .. } => {}
@@ -107,8 +109,10 @@ impl Limiter {
             .iter()
             .map(|step| (step.key.clone(), step.value.clone()))
             .collect();
+        let (rule, rule_form) = self.bucket_rule_label(domain, descriptor, node);
         BucketRule::Limited(BucketLimits {
-            rule: self.bucket_rule_label(domain, descriptor, node),
+            rule,
+            rule_form,
             rule_path,
             shares_key,
             params: batch.checks.iter().map(|c| c.params).collect(),
@@ -119,26 +123,40 @@ impl Limiter {
 
     /// The rule's `rule` label, as `ShouldRateLimit` labels the same descriptor (see
     /// `record::rule_label`): request values only where the rule asks for them, and as many such
-    /// labels per rule as `ShouldRateLimit` allows, shared with it.
-    fn bucket_rule_label(&self, domain: &str, descriptor: &Descriptor, node: &Node) -> Arc<str> {
+    /// labels per rule as `ShouldRateLimit` allows, shared with it; and how it carries them (see
+    /// [`BucketLimits::rule_form`]).
+    fn bucket_rule_label(
+        &self,
+        domain: &str,
+        descriptor: &Descriptor,
+        node: &Node,
+    ) -> (Arc<str>, u64) {
         let label = record::rule_label(Some(node), descriptor, &self.options);
         match &label.written {
             Some(written) if label.request_values => {
-                Arc::from(&*self.options.metrics.rule_label_within(
+                let text = self.options.metrics.rule_label_within(
                     domain,
                     &label.text,
                     written,
+                    label.form,
                     self.options.metric_values_per_rule,
-                ))
+                );
+                (Arc::from(&*text), label.form)
             }
-            _ => Arc::from(&*label.text),
+            _ => (Arc::from(&*label.text), 0),
         }
     }
 
     /// Whether the rules being served still have, in `domain`, a rule with limits written at `path`
-    /// (each level's key and value as written, see [`BucketLimits::rule_path`]); `None` before any
-    /// rules are loaded.
-    pub fn has_bucket_rule(&self, domain: &str, path: &[(Box<str>, Box<str>)]) -> Option<bool> {
+    /// (each level's key and value as written, see [`BucketLimits::rule_path`]), whose labels carry
+    /// request values in the form `form` when it is not 0 (see [`BucketLimits::rule_form`]); `None`
+    /// before any rules are loaded.
+    pub fn has_bucket_rule(
+        &self,
+        domain: &str,
+        path: &[(Box<str>, Box<str>)],
+        form: u64,
+    ) -> Option<bool> {
         let rules = self.rules.snapshot()?;
         let Some(domain) = rules.domains.get(domain) else {
             return Some(false);
@@ -152,7 +170,9 @@ impl Limiter {
             level = &node.children;
             found = Some(node);
         }
-        Some(found.is_some_and(|node| !node.limits.is_empty()))
+        Some(found.is_some_and(|node| {
+            !node.limits.is_empty() && (form == 0 || node.label_form() == form)
+        }))
     }
 }
 

@@ -270,6 +270,7 @@ impl Limiter {
                 domain,
                 &rule.text,
                 written,
+                rule.form,
                 self.options.metric_values_per_rule,
             ),
             written => {
@@ -363,6 +364,8 @@ pub(super) struct RuleLabel {
     pub written: Option<String>,
     /// The label carries request values.
     pub request_values: bool,
+    /// How: its rule's `Node::label_form` when it carries them, else 0.
+    pub form: u64,
     /// The label is the same for every request its rule matches: it takes no request values, not even
     /// where a request's empty value leaves them out this time.
     pub same_for_every_request: bool,
@@ -375,6 +378,7 @@ impl RuleLabel {
             text: Cow::Borrowed(text),
             written: None,
             request_values: false,
+            form: 0,
             same_for_every_request: true,
         }
     }
@@ -405,6 +409,7 @@ pub(super) fn rule_label(
             text: Cow::Owned(written.clone()),
             written: Some(written),
             request_values: false,
+            form: 0,
             same_for_every_request: true,
         };
     }
@@ -435,6 +440,11 @@ pub(super) fn rule_label(
         text: parts.join(".").into(),
         written: Some(written),
         request_values: from_any_request_value,
+        form: if from_any_request_value {
+            node.label_form()
+        } else {
+            0
+        },
         same_for_every_request: !takes_request_values,
     }
 }

@@ -405,8 +405,9 @@ impl Quota {
     /// Drops the series of rules a rules reload removed.
     fn prune_rules(&self) {
         let limiter = &self.parts.limiter;
-        self.stats
-            .prune(|domain, path| limiter.has_bucket_rule(domain, path).unwrap_or(true));
+        self.stats.prune(|domain, path, form| {
+            limiter.has_bucket_rule(domain, path, form).unwrap_or(true)
+        });
     }
 
     /// Decides one bucket of a report.
@@ -438,7 +439,9 @@ impl Quota {
             }
             BucketRule::Limited(limits) => limits,
         };
-        let rule_stats = self.stats.rule(domain, &limits.rule, &limits.rule_path);
+        let rule_stats = self
+            .stats
+            .rule(domain, &limits.rule, &limits.rule_path, limits.rule_form);
         add_saturating(&rule_stats.allowed, usage.allowed);
         add_saturating(&rule_stats.denied, usage.denied);
         // A report is charged no more than the Envoy can have admitted: a buggy or hostile stream must

@@ -68,6 +68,9 @@ pub(super) type RuleStats = Mutex<HashMap<(String, String), Arc<RuleStat>>>;
 pub(super) struct RuleStat {
     /// The rule as written (see `BucketLimits::rule_path`): the series go when the rules drop it.
     pub rule_path: Arc<[(Box<str>, Box<str>)]>,
+    /// How the label carries request values (see `BucketLimits::rule_form`): the series go too when
+    /// the rule now writes them otherwise (`hash_value` turned on).
+    pub form: u64,
     pub allowed: AtomicU64,
     pub denied: AtomicU64,
     /// Buckets of this replica's streams under the rule, and the tokens per second sent to them.
@@ -134,6 +137,7 @@ impl Stats {
         domain: &str,
         rule: &str,
         rule_path: &Arc<[(Box<str>, Box<str>)]>,
+        form: u64,
     ) -> Arc<RuleStat> {
         let key = (domain.to_owned(), rule.to_owned());
         lock(&self.rules)
@@ -141,6 +145,7 @@ impl Stats {
             .or_insert_with(|| {
                 Arc::new(RuleStat {
                     rule_path: rule_path.clone(),
+                    form,
                     allowed: AtomicU64::new(0),
                     denied: AtomicU64::new(0),
                     live: Mutex::new((0, 0.0)),
@@ -149,10 +154,10 @@ impl Stats {
             .clone()
     }
 
-    /// Drops the series of every rule `kept` says the rules no longer have (Envoys still reporting
-    /// one of its buckets are told to abandon it at their next report).
-    pub fn prune(&self, kept: impl Fn(&str, &[(Box<str>, Box<str>)]) -> bool) {
-        lock(&self.rules).retain(|(domain, _), stat| kept(domain, &stat.rule_path));
+    /// Drops the series of every rule `kept` says the rules no longer have, or no longer label so
+    /// (Envoys still reporting one of its buckets are told to abandon it at their next report).
+    pub fn prune(&self, kept: impl Fn(&str, &[(Box<str>, Box<str>)], u64) -> bool) {
+        lock(&self.rules).retain(|(domain, _), stat| kept(domain, &stat.rule_path, stat.form));
     }
 }
 

@@ -314,6 +314,30 @@ impl Node {
     pub fn labels_request_values(&self) -> bool {
         self.flags.detailed_metric || self.path().iter().any(|s| s.flags.value_to_metric)
     }
+
+    /// How the rule's metric labels carry request values: 0 when they carry none, else a digest of the
+    /// flags that shape them (`detailed_metric`, and each level's `value_to_metric`, `hash_value` and
+    /// `share_threshold`). A reload that changes it for a kept rule (`hash_value` turned on) makes the
+    /// labels the rule took before stale: written otherwise, they would never be made again.
+    pub fn label_form(&self) -> u64 {
+        use std::hash::{Hash, Hasher};
+        if !self.labels_request_values() {
+            return 0;
+        }
+        let mut digest = std::hash::DefaultHasher::new();
+        self.flags.detailed_metric.hash(&mut digest);
+        for step in self.path() {
+            let flags = &step.flags;
+            (
+                flags.value_to_metric,
+                flags.hash_value,
+                flags.share_threshold,
+            )
+                .hash(&mut digest);
+        }
+        // 0 means no request values, and `u64::MAX` any form (see `telemetry::metrics::ServedRules`).
+        digest.finish().clamp(1, u64::MAX - 1)
+    }
 }
 
 impl RuleSet {

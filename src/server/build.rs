@@ -17,7 +17,10 @@ use crate::{
     rules::{self, Rules},
     settings::{BackendKind, ConfigType, OnBackendError, Settings},
     store::{CounterStore, DenyCache, MemoryStore, RedisStore, Store, StoreHealth},
-    telemetry::{metrics::ServedRules, Metrics, TopOffenders},
+    telemetry::{
+        metrics::{either_form, ServedRules},
+        Metrics, TopOffenders,
+    },
 };
 
 /// The configured store. Redis starts connecting in the background; nothing waits for it here.
@@ -226,11 +229,12 @@ fn forget_removed_rules(metrics: &Metrics, now: &rules::RuleSet) {
     let mut served = ServedRules::new();
     now.for_each_node(|domain, node| {
         // Two rules may be written alike (`a` + `b_c`, `a_b` + `c`): either may take request values.
-        *served
+        let form = served
             .entry(domain.into())
             .or_default()
             .entry(node.at.written_key().into())
-            .or_default() |= node.labels_request_values();
+            .or_default();
+        *form = either_form(*form, node.label_form());
     });
     metrics.serve_rules(served);
 }

@@ -11,7 +11,7 @@
 
 use std::{
     borrow::Cow,
-    collections::{BTreeMap, HashMap},
+    collections::{BTreeMap, HashMap, HashSet},
     fmt::Write,
     sync::{
         atomic::{AtomicU64, AtomicUsize, Ordering},
@@ -284,13 +284,27 @@ struct RuleSeries {
     id: u64,
     /// The rule's path as written; `None` for a label no rule owns (`override`, `runtime`).
     written: Option<Box<str>>,
-    /// The label carries request values (`detailed_metric`, `value_to_metric`).
-    request_values: bool,
+    /// How the label carries request values (`detailed_metric`, `value_to_metric`, hashed or not): the
+    /// rule's `Node::label_form` when the label was made; 0 when it carries none.
+    form: u64,
 }
 
-/// The rules served, as the per-rule metrics know them: by domain, each rule's path as written, and
-/// whether its labels may carry request values.
-pub type ServedRules = HashMap<Box<str>, HashMap<Box<str>, bool>>;
+/// The rules served, as the per-rule metrics know them: by domain, each rule's path as written, and how
+/// its labels carry request values (`Node::label_form`: 0 not at all; [`ANY_FORM`] when two rules
+/// written alike carry them differently).
+pub type ServedRules = HashMap<Box<str>, HashMap<Box<str>, u64>>;
+
+/// See [`ServedRules`].
+pub const ANY_FORM: u64 = u64::MAX;
+
+/// The form of two rules written alike (`a` + `b_c`, `a_b` + `c`), either of which may make a label.
+pub fn either_form(a: u64, b: u64) -> u64 {
+    match (a, b) {
+        (0, form) | (form, 0) => form,
+        (a, b) if a == b => a,
+        _ => ANY_FORM,
+    }
+}
 
 /// The per-rule counters, and the rules they may be made for.
 #[derive(Default)]
@@ -302,24 +316,20 @@ struct RuleTable {
 
 impl RuleTable {
     /// Whether the rules served have the rule written `written` in `domain` (`None`: a label no rule
-    /// owns, always), and, for a label carrying request values, whether that rule asks for them.
-    fn serves(&self, domain: &str, written: Option<&str>, request_values: bool) -> bool {
-        serves(self.served.as_ref(), domain, written, request_values)
+    /// owns, always), and, for a label carrying request values in the form `form`, whether that rule
+    /// asks for them so.
+    fn serves(&self, domain: &str, written: Option<&str>, form: u64) -> bool {
+        serves(self.served.as_ref(), domain, written, form)
     }
 }
 
 /// [`RuleTable::serves`], of the rules `served` (`None`: none loaded yet, every rule).
-fn serves(
-    served: Option<&ServedRules>,
-    domain: &str,
-    written: Option<&str>,
-    request_values: bool,
-) -> bool {
+fn serves(served: Option<&ServedRules>, domain: &str, written: Option<&str>, form: u64) -> bool {
     let (Some(served), Some(written)) = (served, written) else {
         return true;
     };
     let takes = served.get(domain).and_then(|rules| rules.get(written));
-    takes.is_some_and(|takes| *takes || !request_values)
+    takes.is_some_and(|&takes| form == 0 || takes == form || takes == ANY_FORM)
 }
 
 /// The counters of a rule label a reload removed, kept for statsd to read once more (see
@@ -410,21 +420,23 @@ impl Metrics {
     /// `written` has fewer than `max` such labels in `domain`, holding [`VALUE_LABEL_BYTES`] on average;
     /// past that, the counters of the one label `<written> (other values)`. Callers choose request
     /// values, so they must not choose how many series there are, nor how long.
+    /// `form` is how the label carries them (the rule's `Node::label_form`).
     pub fn rule_within(
         &self,
         domain: &str,
         label: &str,
         written: &str,
+        form: u64,
         max: usize,
     ) -> Arc<RuleCounters> {
         if let Some(c) = self.existing_rule(domain, label) {
             return c;
         }
-        if !self.serves(domain, written) {
+        if !self.serves(domain, written, form) {
             return Arc::default();
         }
         let admitted = self.admit_label(domain, label, written, max);
-        self.add_rule(domain, &admitted, Some(written), true)
+        self.add_rule(domain, &admitted, Some(written), form)
     }
 
     /// The label [`Metrics::rule_within`] counts a rule label made of request values under: `label`
@@ -435,13 +447,14 @@ impl Metrics {
         domain: &str,
         label: &'a str,
         written: &str,
+        form: u64,
         max: usize,
     ) -> Cow<'a, str> {
-        if self.existing_rule(domain, label).is_some() || !self.serves(domain, written) {
+        if self.existing_rule(domain, label).is_some() || !self.serves(domain, written, form) {
             return Cow::Borrowed(label);
         }
         let admitted = self.admit_label(domain, label, written, max);
-        self.add_rule(domain, &admitted, Some(written), true);
+        self.add_rule(domain, &admitted, Some(written), form);
         admitted
     }
 
@@ -455,10 +468,11 @@ impl Metrics {
             .map(|series| series.counters.clone())
     }
 
-    /// Whether the rules served still ask for labels of request values of the rule `written`.
-    fn serves(&self, domain: &str, written: &str) -> bool {
+    /// Whether the rules served still ask for labels of request values of the rule `written`, in the
+    /// form `form`.
+    fn serves(&self, domain: &str, written: &str, form: u64) -> bool {
         let rules = self.rules.read().unwrap_or_else(|p| p.into_inner());
-        rules.serves(domain, Some(written), true)
+        rules.serves(domain, Some(written), form)
     }
 
     /// A label not seen yet: itself while `written` has fewer than `max` labels and room for its bytes,
@@ -490,7 +504,7 @@ impl Metrics {
     pub fn rule(&self, domain: &str, label: &str, written: Option<&str>) -> Arc<RuleCounters> {
         match self.existing_rule(domain, label) {
             Some(c) => c,
-            None => self.add_rule(domain, label, written, false),
+            None => self.add_rule(domain, label, written, 0),
         }
     }
 
@@ -499,12 +513,12 @@ impl Metrics {
         domain: &str,
         label: &str,
         written: Option<&str>,
-        request_values: bool,
+        form: u64,
     ) -> Arc<RuleCounters> {
         static IDS: AtomicU64 = AtomicU64::new(1);
         let mut rules = self.rules.write().unwrap_or_else(|p| p.into_inner());
         // A request decided on the rules before a reload, recorded after it: counted nowhere.
-        if !rules.serves(domain, written, request_values) {
+        if !rules.serves(domain, written, form) {
             return Arc::default();
         }
         rules
@@ -516,7 +530,7 @@ impl Metrics {
                 counters: Arc::default(),
                 id: IDS.fetch_add(1, Ordering::Relaxed),
                 written: written.map(Into::into),
-                request_values,
+                form,
             })
             .counters
             .clone()
@@ -524,11 +538,14 @@ impl Metrics {
 
     /// The rules served from now on (at every load that changes them): the labels of rules they no
     /// longer have go, with what counted their labels of request values, and so do the labels carrying
-    /// request values of a rule that no longer asks for them; nor are such labels made again, when a
-    /// request decided on the rules before records after. Labels no rule owns stay.
+    /// request values of a rule that no longer asks for them, or asks for them otherwise (hashed now);
+    /// nor are such labels made again, when a request decided on the rules before records after.
+    /// Labels no rule owns stay.
     pub fn serve_rules(&self, served: ServedRules) {
         let keep_retired = self.keep_retired.load(Ordering::Relaxed);
         let mut retired = Vec::new();
+        // Rules whose labels of request values went: what counted them starts again.
+        let mut recounted: HashSet<(Box<str>, Box<str>)> = HashSet::new();
         let mut rules = self.rules.write().unwrap_or_else(|p| p.into_inner());
         let RuleTable {
             by_domain,
@@ -538,7 +555,12 @@ impl Metrics {
         for (domain, labels) in by_domain.iter_mut() {
             labels.retain(|label, series| {
                 let written = series.written.as_deref();
-                let keep = serves(Some(served), domain, written, series.request_values);
+                let keep = serves(Some(served), domain, written, series.form);
+                if !keep && series.form != 0 {
+                    if let Some(written) = written {
+                        recounted.insert((domain.clone(), written.into()));
+                    }
+                }
                 if !keep && keep_retired {
                     retired.push(Retired {
                         domain: domain.clone(),
@@ -555,7 +577,11 @@ impl Metrics {
         self.value_labels
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .retain(|(domain, written), _| serves(Some(served), domain, Some(written), true));
+            .retain(|(domain, written), _| {
+                let takes = served.get(domain).and_then(|rules| rules.get(written));
+                takes.is_some_and(|&form| form != 0)
+                    && !recounted.contains(&(domain.clone(), written.clone()))
+            });
         drop(rules);
         if keep_retired {
             self.retired

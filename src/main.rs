@@ -370,6 +370,9 @@ fn check_config(settings: &Settings, dir: PathBuf) -> ExitCode {
         }
         Err(err) => {
             println!("error loading rate limit configs: {err}");
+            if let Some(place) = err.place() {
+                eprintln!("ratelimitd: the error is in {place}");
+            }
             ExitCode::FAILURE
         }
     }

@@ -204,6 +204,52 @@ fn a_rule_deeper_than_a_request_may_carry_is_said_with_the_setting_to_raise() {
     running.wait_log(warning, Duration::from_secs(10));
 }
 
+/// The reference's messages name neither the line nor, mostly, the rule: check-config prints them as
+/// they are, and says where beside them; the service's log says it with the error.
+#[test]
+fn a_rules_error_is_placed_by_line_and_rule_beside_the_references_message() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::create_dir(dir.path().join("config")).unwrap();
+    let file = dir.path().join("config/web.yaml");
+    let rules = |unit: &str, requests: &str| {
+        format!("domain: web\ndescriptors:\n  - key: path\n    value: /a\n    rate_limit: {{unit: minute, requests_per_unit: 1}}\n  - key: user\n    descriptors:\n      - key: plan\n        value: free\n        rate_limit:\n          unit: {unit}\n          requests_per_unit: {requests}\n")
+    };
+    for (unit, requests, message, place) in [
+        (
+            "minutes",
+            "5",
+            "web.yaml: invalid rate limit unit 'minutes'",
+            "web.yaml: the rule starting at line 8 ('web.user.plan_free')",
+        ),
+        (
+            "minute",
+            "five",
+            "web.yaml: error loading config file: yaml: unmarshal errors: cannot unmarshal `five` into requests_per_unit (expected a uint32)",
+            "web.yaml: the map starting at line 11",
+        ),
+        (
+            "minute",
+            "5\n          ratelimit: 2",
+            "web.yaml: config error, unknown key 'ratelimit'",
+            "web.yaml: the map starting at line 11",
+        ),
+    ] {
+        std::fs::write(&file, rules(unit, requests)).unwrap();
+        let out = check_config_output(Path::new("config"), &[], dir.path());
+        assert_eq!(out.status.code(), Some(1));
+        assert_eq!(
+            String::from_utf8_lossy(&out.stdout),
+            format!("error loading rate limit configs: {message}\n")
+        );
+        assert_eq!(
+            String::from_utf8_lossy(&out.stderr),
+            format!("ratelimitd: the error is in {place}\n")
+        );
+    }
+    let running = serve(&[], dir.path());
+    running.wait_log("the map starting at line 11", Duration::from_secs(10));
+}
+
 #[test]
 fn check_config_refuses_a_window_longer_than_ten_years_naming_the_rule() {
     let dir = tempfile::tempdir().unwrap();

@@ -8,7 +8,7 @@
 use std::{collections::HashMap, sync::Arc};
 
 use super::{
-    error::{BuildError, LimitField, RuleError},
+    error::{BuildError, LimitField, RuleError, RulePlace},
     model::{
         Level, Limit, Node, PathStep, RuleMap, RulePath, RuleSet, MAX_WINDOW_SECS,
         SLIDING_LOG_MAX_LIMIT,
@@ -41,9 +41,10 @@ impl RuleSet {
         // The file that declared each domain first.
         let mut firsts: HashMap<&str, &str> = HashMap::new();
         for (file_name, file) in files {
-            let refused = |error| BuildError {
+            let refused = |(error, rule): Refusal| BuildError {
                 file: file_name.clone(),
                 error,
+                rule,
             };
             let first = *firsts.entry(file.domain.as_str()).or_insert(file_name);
             if first != file_name.as_str() && !merge_domains && !file.domain.is_empty() {
@@ -53,11 +54,14 @@ impl RuleSet {
                 } else {
                     ""
                 };
-                return Err(refused(RuleError::DuplicateDomain {
-                    domain: file.domain.clone(),
-                    first: first.to_owned(),
-                    hint,
-                }));
+                return Err(refused((
+                    RuleError::DuplicateDomain {
+                        domain: file.domain.clone(),
+                        first: first.to_owned(),
+                        hint,
+                    },
+                    None,
+                )));
             }
             let top = tops.entry(file.domain.as_str()).or_default();
             set.add_file(file, top, default_algorithm)
@@ -71,9 +75,9 @@ impl RuleSet {
         file: &DomainFile,
         top: &mut Composites,
         default_algorithm: Algorithm,
-    ) -> Result<(), RuleError> {
+    ) -> Result<(), Refusal> {
         if file.domain.is_empty() {
-            return Err(RuleError::EmptyDomain);
+            return Err((RuleError::EmptyDomain, None));
         }
         let name: Arc<str> = file.domain.as_str().into();
         let domain = self.domains.entry(file.domain.clone()).or_default();
@@ -94,6 +98,9 @@ type Composites = RuleMap<Box<str>, ()>;
 
 /// A rule's name for a message, built only when a message needs it.
 type RuleName<'a> = &'a dyn Fn() -> String;
+
+/// Why a file does not compile, and the rule at fault when it is about one.
+type Refusal = (RuleError, Option<Box<RulePlace>>);
 
 /// How a node's written value meets a request's value, which decides where in its level it goes.
 enum ValueMatch {
@@ -138,10 +145,18 @@ fn add_level(
     domain: &Arc<str>,
     parent: Option<&Arc<RulePath>>,
     default_algorithm: Algorithm,
-) -> Result<(), RuleError> {
+) -> Result<(), Refusal> {
     for spec in specs {
+        let place = |name: String| {
+            Some(Box::new(RulePlace {
+                name,
+                line: spec.line,
+            }))
+        };
         if spec.key.is_empty() {
-            return Err(RuleError::EmptyKey);
+            // Named by the rule it is written under, or its domain.
+            let above = parent.map_or_else(|| domain.to_string(), |p| p.full_key());
+            return Err((RuleError::EmptyKey, place(above)));
         }
         let step = PathStep {
             key: spec.key.as_str().into(),
@@ -153,6 +168,7 @@ fn add_level(
             None => RulePath::top(domain.clone(), step),
         };
         let name = || at.full_key();
+        let at_fault = |error| (error, place(name()));
         // The reference service keys a level by this string, so `key: a_b` and `key: a, value: b` are
         // duplicates there; they stay duplicates here, with its message, although matching tells them
         // apart.
@@ -162,13 +178,15 @@ fn add_level(
             format!("{}_{}", spec.key, spec.value)
         };
         if composites.contains_key(composite.as_str()) {
-            return Err(RuleError::DuplicateKey(name()));
+            return Err(at_fault(RuleError::DuplicateKey(name())));
         }
-        let limits = compile_limits(spec, &name, default_algorithm)?;
-        let value_match = ValueMatch::of(spec, &name)?;
+        let limits = compile_limits(spec, &name, default_algorithm).map_err(at_fault)?;
+        let value_match = ValueMatch::of(spec, &name).map_err(at_fault)?;
         if spec.flags.share_threshold && matches!(value_match, ValueMatch::Any | ValueMatch::Exact)
         {
-            return Err(RuleError::ShareThresholdWithoutWildcard(composite));
+            return Err(at_fault(RuleError::ShareThresholdWithoutWildcard(
+                composite,
+            )));
         }
         let mut node = Node {
             limits,
@@ -661,5 +679,36 @@ mod tests {
                 .requests_per_unit,
             0
         );
+    }
+
+    #[test]
+    fn a_refused_rule_is_placed_by_its_name_and_first_line() {
+        let place = |text: &str| {
+            let file = parse_file(text).unwrap();
+            let err = RuleSet::build(&[("f.yaml".into(), file)], false).unwrap_err();
+            err.rule.map(|r| (r.name.clone(), r.line))
+        };
+        // The innermost rule at fault, not the one it is written under.
+        assert_eq!(
+            place("domain: d\ndescriptors:\n  - key: a\n    descriptors:\n      - key: b\n        rate_limit: {unit: eon, requests_per_unit: 1}\n"),
+            Some(("d.a.b".into(), 5))
+        );
+        // The second of two rules written alike.
+        assert_eq!(
+            place("domain: d\ndescriptors:\n  - key: a\n  - key: b\n  - key: a\n"),
+            Some(("d.a".into(), 5))
+        );
+        // A rule without a key: named by the rule it is under.
+        assert_eq!(
+            place("domain: d\ndescriptors:\n  - key: a\n    descriptors:\n      - value: x\n"),
+            Some(("d.a".into(), 5))
+        );
+        // A rule brought in by an alias: where the alias is, not its anchor.
+        assert_eq!(
+            place("domain: d\ndescriptors:\n  - &r {key: a}\n  - key: b\n  - *r\n"),
+            Some(("d.a".into(), 5))
+        );
+        // Not about a rule.
+        assert_eq!(place("domain: ''\ndescriptors:\n  - key: a\n"), None);
     }
 }

@@ -46,6 +46,37 @@ pub enum ParseError {
     MetadataKeyNotString(String),
     #[error("error parsing metadata: {0} is not a finite number")]
     MetadataNotFinite(f64),
+    /// Another error, and the line of the map (a descriptor, a rate limit) it is in. Written as the
+    /// error alone: the reference's messages stay as they are, and the line is told beside them
+    /// ([`LoadError::place`]).
+    #[error("{error}")]
+    InMapAt { line: u32, error: Box<ParseError> },
+}
+
+impl ParseError {
+    /// The error, placed in the map starting at `line` unless it is placed already (in a map within)
+    /// or the line is not known (0).
+    pub fn at_line(self, line: u32) -> ParseError {
+        match self {
+            placed @ ParseError::InMapAt { .. } => placed,
+            error if line == 0 => error,
+            error => ParseError::InMapAt {
+                line,
+                error: Box::new(error),
+            },
+        }
+    }
+
+    /// The line of the map the error is in, when known.
+    pub fn line(&self) -> Option<u32> {
+        match self {
+            ParseError::InMapAt { line, .. } => Some(*line),
+            ParseError::Syntax { at, .. } => at
+                .line_column
+                .and_then(|(line, _)| u32::try_from(line).ok()),
+            _ => None,
+        }
+    }
 }
 
 /// Where in a file the YAML parser stopped, when it says; written `line L column C: ` in front of the
@@ -177,13 +208,22 @@ impl fmt::Display for LimitField {
     }
 }
 
-/// A rules file that does not compile, by name.
+/// A rules file that does not compile, by name, and the rule at fault when the error is about one.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{file}: {error}")]
 pub struct BuildError {
     pub file: String,
     #[source]
     pub error: RuleError,
+    pub rule: Option<Box<RulePlace>>,
+}
+
+/// The rule an error is about: its name, and the line it starts on in its file (0: not from a file).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RulePlace {
+    /// `domain.key_value...`, as `/rlconfig` names it.
+    pub name: String,
+    pub line: u32,
 }
 
 /// Why a rules folder could not be loaded. Every message starts with the file (or the folder) at fault.
@@ -209,4 +249,29 @@ pub enum LoadError {
     Parse { file: String, source: ParseError },
     #[error(transparent)]
     Build(#[from] BuildError),
+}
+
+impl LoadError {
+    /// Where the error is, when the message does not say (the reference's messages name neither a
+    /// line nor, mostly, the rule): `web.yaml: the rule starting at line 12 ('web.path_/a')`.
+    pub fn place(&self) -> Option<String> {
+        match self {
+            LoadError::Parse { file, source } => match source {
+                // A syntax error's message has its line.
+                ParseError::Syntax { .. } => None,
+                other => other
+                    .line()
+                    .map(|line| format!("{file}: the map starting at line {line}")),
+            },
+            LoadError::Build(BuildError {
+                file,
+                rule: Some(rule),
+                ..
+            }) => Some(match rule.line {
+                0 => format!("{file}: the rule '{}'", rule.name),
+                line => format!("{file}: the rule starting at line {line} ('{}')", rule.name),
+            }),
+            _ => None,
+        }
+    }
 }

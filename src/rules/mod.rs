@@ -37,7 +37,7 @@ use arc_swap::ArcSwapOption;
 
 pub use compile::compile_runtime_limit;
 pub use error::{
-    BuildError, LimitField, LoadError, Location, ParseError, RuleError, SyntaxProblem,
+    BuildError, LimitField, LoadError, Location, ParseError, RuleError, RulePlace, SyntaxProblem,
 };
 pub use flags::RuleFlags;
 pub use loader::{load, Fingerprint, Loaded};

@@ -135,7 +135,8 @@ pub fn reload(source: &Source, publisher: &Publisher) -> bool {
         }
         Err(err) => {
             publisher.refuse();
-            tracing::error!(path = %source.root.display(), "Error loading new configuration: {err}");
+            let at = err.place();
+            tracing::error!(path = %source.root.display(), at, "Error loading new configuration: {err}");
             false
         }
     }

@@ -77,6 +77,9 @@ pub struct DescriptorSpec {
     pub descriptors: Vec<DescriptorSpec>,
     pub flags: RuleFlags,
     pub metadata: Option<serde_json::Map<String, serde_json::Value>>,
+    /// The line the descriptor starts on in its file (from 1; 0 for rules not from a file), which
+    /// the errors about it name.
+    pub line: u32,
 }
 
 /// The `rate_limit` block of a descriptor node, before unit validation.
@@ -174,7 +177,7 @@ fn parse_here(text: &str, max_yaml_nodes: usize) -> Result<DomainFile, ParseErro
     validate_keys(&root)?;
     let mut domain = String::new();
     let mut descriptors = Vec::new();
-    if let Yaml::Map(entries) = &root {
+    if let Yaml::Map(entries, _) = &root {
         for (k, v) in entries {
             match key_str(k) {
                 "domain" => domain = scalar_string(v, "domain")?,
@@ -281,7 +284,7 @@ fn first_document(text: &str) -> &str {
 /// refusal would keep every rule of the file from loading.
 fn keep_last(node: &mut Yaml, ignored: &mut Vec<String>) {
     match node {
-        Yaml::Map(entries) => {
+        Yaml::Map(entries, _) => {
             // Where each key is written last.
             let mut last = std::collections::HashMap::with_capacity(entries.len());
             for (i, (k, _)) in entries.iter().enumerate() {
@@ -316,24 +319,25 @@ fn keep_last(node: &mut Yaml, ignored: &mut Vec<String>) {
 /// strings, integers, booleans or null. `metadata` contents are free-form.
 fn validate_keys(node: &Yaml) -> Result<(), ParseError> {
     match node {
-        Yaml::Map(entries) => {
+        Yaml::Map(entries, line) => {
+            let in_this_map = |error: ParseError| error.at_line(*line);
             for (k, v) in entries {
                 let Yaml::String(name) = k else {
-                    return Err(ParseError::KeyNotString(k.shown()));
+                    return Err(in_this_map(ParseError::KeyNotString(k.shown())));
                 };
                 if !VALID_KEYS.contains(&name.as_str()) && !RuleFlags::KEYS.contains(&name.as_str())
                 {
-                    return Err(ParseError::UnknownKey(name.clone()));
+                    return Err(in_this_map(ParseError::UnknownKey(name.clone())));
                 }
                 if name != "metadata" {
-                    validate_keys(v)?;
+                    validate_keys(v).map_err(in_this_map)?;
                 }
             }
             Ok(())
         }
         Yaml::List(items) => {
             for item in items {
-                if !matches!(item, Yaml::Map(_)) {
+                if !matches!(item, Yaml::Map(..)) {
                     return Err(ParseError::ListItemNotMap(item.shown()));
                 }
                 validate_keys(item)?;
@@ -399,7 +403,7 @@ fn list<'a>(v: &'a Yaml, field: &str) -> Result<&'a [Yaml], ParseError> {
 fn map<'a>(v: &'a Yaml, field: &str) -> Result<&'a [(Yaml, Yaml)], ParseError> {
     match v {
         Yaml::Null => Ok(&[]),
-        Yaml::Map(entries) => Ok(entries),
+        Yaml::Map(entries, _) => Ok(entries),
         other => Err(unmarshal_error(other, field, "a map")),
     }
 }
@@ -411,7 +415,23 @@ fn descriptor_list(v: &Yaml, ignored: &mut Vec<String>) -> Result<Vec<Descriptor
         .collect()
 }
 
+/// The line a map starts on; 0 for anything else, or when not known.
+fn line_of(v: &Yaml) -> u32 {
+    match v {
+        Yaml::Map(_, line) => *line,
+        _ => 0,
+    }
+}
+
+/// A descriptor; an error in it (or in one nested in it) names the line it starts on.
 fn descriptor(v: &Yaml, ignored: &mut Vec<String>) -> Result<DescriptorSpec, ParseError> {
+    let line = line_of(v);
+    let mut spec = descriptor_fields(v, ignored).map_err(|e| e.at_line(line))?;
+    spec.line = line;
+    Ok(spec)
+}
+
+fn descriptor_fields(v: &Yaml, ignored: &mut Vec<String>) -> Result<DescriptorSpec, ParseError> {
     let mut spec = DescriptorSpec::default();
     // Fields of a rate limit written beside it, and flags written inside it.
     let mut beside = Vec::new();
@@ -464,6 +484,10 @@ fn descriptor(v: &Yaml, ignored: &mut Vec<String>) -> Result<DescriptorSpec, Par
 /// A `rate_limit` block (or one of `rate_limits`); the names of fields it has that mean nothing there
 /// go to `ignored`.
 fn rate_limit(v: &Yaml, ignored: &mut Vec<String>) -> Result<RateLimitSpec, ParseError> {
+    rate_limit_fields(v, ignored).map_err(|e| e.at_line(line_of(v)))
+}
+
+fn rate_limit_fields(v: &Yaml, ignored: &mut Vec<String>) -> Result<RateLimitSpec, ParseError> {
     let mut spec = RateLimitSpec::default();
     for (k, v) in map(v, "rate_limit")? {
         match key_str(k) {
@@ -522,7 +546,7 @@ fn replaces(v: &Yaml) -> Result<Vec<String>, ParseError> {
 fn metadata(v: &Yaml) -> Result<Option<serde_json::Map<String, serde_json::Value>>, ParseError> {
     match v {
         Yaml::Null => Ok(None),
-        Yaml::Map(entries) => Ok(Some(to_json_map(entries)?)),
+        Yaml::Map(entries, _) => Ok(Some(to_json_map(entries)?)),
         other => Err(ParseError::MetadataNotMap(other.brief())),
     }
 }
@@ -539,7 +563,7 @@ fn to_json(v: &Yaml) -> Result<serde_json::Value, ParseError> {
             .ok_or(ParseError::MetadataNotFinite(*x))?,
         Yaml::String(s) => Value::String(s.clone()),
         Yaml::List(items) => Value::Array(items.iter().map(to_json).collect::<Result<_, _>>()?),
-        Yaml::Map(entries) => Value::Object(to_json_map(entries)?),
+        Yaml::Map(entries, _) => Value::Object(to_json_map(entries)?),
     })
 }
 

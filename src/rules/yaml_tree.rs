@@ -21,7 +21,9 @@ pub enum Yaml {
     Float(f64),
     String(String),
     List(Vec<Yaml>),
-    Map(Vec<(Yaml, Yaml)>),
+    /// A map's entries, and the line it starts on (from 1; 0 when not known), which messages about
+    /// the rule or the block it writes name.
+    Map(Vec<(Yaml, Yaml)>, u32),
 }
 
 impl fmt::Display for Yaml {
@@ -42,7 +44,7 @@ impl fmt::Display for Yaml {
                 }
                 f.write_str("]")
             }
-            Yaml::Map(entries) => {
+            Yaml::Map(entries, _) => {
                 f.write_str("map[")?;
                 for (i, (k, v)) in entries.iter().enumerate() {
                     if i > 0 {
@@ -88,6 +90,10 @@ impl Yaml {
         match node.value {
             Yaml::Bool(b, text) => Yaml::Bool(b, spelling(span).unwrap_or(text)),
             Yaml::Int(i, text) => Yaml::Int(i, spelling(span).unwrap_or(text)),
+            // Where the map is used: an alias's own line, not its anchor's.
+            Yaml::Map(entries, _) => {
+                Yaml::Map(entries, u32::try_from(node.referenced.line()).unwrap_or(0))
+            }
             other => other,
         }
     }
@@ -177,7 +183,7 @@ impl<'de> Visitor<'de> for YamlVisitor {
         while let Some((k, v)) = map.next_entry::<Yaml, Spanned<Yaml>>()? {
             entries.push((k, Yaml::from_spanned(v)));
         }
-        Ok(Yaml::Map(entries))
+        Ok(Yaml::Map(entries, 0))
     }
 }
 
@@ -202,7 +208,7 @@ impl Yaml {
     pub fn brief(&self) -> String {
         match self {
             Yaml::List(_) => "!!seq".into(),
-            Yaml::Map(_) => "!!map".into(),
+            Yaml::Map(..) => "!!map".into(),
             scalar => {
                 let text = scalar.to_string();
                 if text.chars().count() > 10 {

@@ -128,6 +128,7 @@ fn descriptor(d: &RateLimitDescriptor) -> Result<DescriptorSpec, ParseError> {
             ..RuleFlags::default()
         },
         metadata: d.metadata.as_ref().map(object).transpose()?,
+        line: 0,
     })
 }
 
@@ -221,6 +222,15 @@ mod tests {
             "domain: api\ndescriptors:\n  - key: method\n    value: GET\n    shadow_mode: true\n    rate_limit: {unit: MINUTE, requests_per_unit: 10}\n    descriptors:\n      - key: user\n        rate_limit: {unit: WEEK, requests_per_unit: 5}\n",
         )
         .unwrap();
+        // Rules from xDS have no lines in a file.
+        fn unplaced(specs: &mut [crate::rules::DescriptorSpec]) {
+            for spec in specs {
+                spec.line = 0;
+                unplaced(&mut spec.descriptors);
+            }
+        }
+        let mut written = written;
+        unplaced(&mut written.descriptors);
         assert_eq!(file, written);
     }
 

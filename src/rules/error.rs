@@ -243,7 +243,7 @@ pub enum LoadError {
     Unresolved { file: String, reason: String },
     #[error("{file}: cannot read file: {source}")]
     Read { file: String, source: io::Error },
-    #[error("{file}: error loading config file: not UTF-8 text")]
+    #[error("{file}: error loading config file: neither UTF-8 text nor UTF-16 text starting with a byte order mark")]
     NotUtf8 { file: String },
     #[error("{file}: {source}")]
     Parse { file: String, source: ParseError },

@@ -179,12 +179,32 @@ fn read(name: &str, path: &Path, max_yaml_nodes: usize) -> Result<(String, Domai
         file: file(),
         source,
     })?;
-    let text = String::from_utf8(text).map_err(|_| LoadError::NotUtf8 { file: file() })?;
+    let text = decode(text).ok_or_else(|| LoadError::NotUtf8 { file: file() })?;
     let parsed = parse_file_within(&text, max_yaml_nodes).map_err(|source| LoadError::Parse {
         file: file(),
         source,
     })?;
     Ok((text, parsed))
+}
+
+/// The text of a rules file: UTF-8 (with or without a byte order mark, which the YAML parser skips), or
+/// UTF-16 starting with one, as an editor on Windows may save it and as the reference's YAML decoder
+/// reads it.
+fn decode(bytes: Vec<u8>) -> Option<String> {
+    let utf16 = |from_pair: fn([u8; 2]) -> u16| {
+        let units = bytes[2..].chunks_exact(2);
+        if !units.remainder().is_empty() {
+            return None;
+        }
+        char::decode_utf16(units.map(|pair| from_pair([pair[0], pair[1]])))
+            .collect::<Result<String, _>>()
+            .ok()
+    };
+    match bytes.get(..2) {
+        Some([0xFF, 0xFE]) => utf16(u16::from_le_bytes),
+        Some([0xFE, 0xFF]) => utf16(u16::from_be_bytes),
+        _ => String::from_utf8(bytes).ok(),
+    }
 }
 
 /// A walk of the rules root. `root` is a real path (no symlinks), so every path built under it is real
@@ -464,5 +484,24 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert_eq!(err, "config: points outside the rules folder");
+    }
+
+    #[test]
+    fn a_file_is_read_as_utf8_or_as_utf16_after_its_byte_order_mark() {
+        let text = "domain: caf\u{e9}\n";
+        let utf16 = |bom: [u8; 2], unit: fn(u16) -> [u8; 2]| {
+            let mut bytes = bom.to_vec();
+            bytes.extend(text.encode_utf16().flat_map(unit));
+            bytes
+        };
+        assert_eq!(decode(text.into()).as_deref(), Some(text));
+        let le = utf16([0xFF, 0xFE], u16::to_le_bytes);
+        assert_eq!(decode(le).as_deref(), Some(text));
+        let be = utf16([0xFE, 0xFF], u16::to_be_bytes);
+        assert_eq!(decode(be.clone()).as_deref(), Some(text));
+        // Cut in the middle of a unit, a lone surrogate, Latin-1 without a mark: refused.
+        assert_eq!(decode(be[..be.len() - 1].to_vec()), None);
+        assert_eq!(decode(vec![0xFE, 0xFF, 0xD8, 0x00]), None);
+        assert_eq!(decode(b"domain: caf\xe9".to_vec()), None);
     }
 }

@@ -238,6 +238,10 @@ fn syntax_error(err: &serde_saphyr::Error, max_yaml_nodes: usize) -> ParseError 
             breach: BudgetBreach::Depth { .. },
             ..
         } => SyntaxProblem::TooDeep(MAX_YAML_DEPTH),
+        // The scanner's own limit on flow (`[...]`, `{...}`) nesting, which is set to the same depth.
+        Error::ExternalMessage { msg, .. } if msg == "recursion limit exceeded" => {
+            SyntaxProblem::TooDeep(MAX_YAML_DEPTH)
+        }
         Error::DuplicateMappingKey { .. } => SyntaxProblem::DuplicateKey,
         Error::NonFiniteFloat { .. } => SyntaxProblem::NotFinite,
         Error::ExternalMessage { .. }
@@ -722,6 +726,17 @@ descriptors:
             deep.push_str(&format!("{pad}- key: k{depth}\n{pad}  descriptors:\n"));
         }
         let err = parse_file(&deep).unwrap_err().to_string();
+        assert!(
+            err.ends_with("the file nests maps and lists more than 64 levels deep"),
+            "{err}"
+        );
+        // Written in flow style, too.
+        let flow = format!(
+            "domain: d\ndescriptors: {}{}\n",
+            "[".repeat(70),
+            "]".repeat(70)
+        );
+        let err = parse_file(&flow).unwrap_err().to_string();
         assert!(
             err.ends_with("the file nests maps and lists more than 64 levels deep"),
             "{err}"

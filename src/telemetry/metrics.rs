@@ -436,7 +436,9 @@ impl Metrics {
             return Arc::default();
         }
         let admitted = self.admit_label(domain, label, written, max);
-        self.add_rule(domain, &admitted, Some(written), form)
+        let took_room = matches!(admitted, Cow::Borrowed(_));
+        self.add_value_label(domain, (&admitted, took_room), written, form)
+            .unwrap_or_default()
     }
 
     /// The label [`Metrics::rule_within`] counts a rule label made of request values under: `label`
@@ -454,7 +456,8 @@ impl Metrics {
             return Cow::Borrowed(label);
         }
         let admitted = self.admit_label(domain, label, written, max);
-        self.add_rule(domain, &admitted, Some(written), form);
+        let took_room = matches!(admitted, Cow::Borrowed(_));
+        self.add_value_label(domain, (&admitted, took_room), written, form);
         admitted
     }
 
@@ -504,7 +507,7 @@ impl Metrics {
     pub fn rule(&self, domain: &str, label: &str, written: Option<&str>) -> Arc<RuleCounters> {
         match self.existing_rule(domain, label) {
             Some(c) => c,
-            None => self.add_rule(domain, label, written, 0),
+            None => self.add_rule(domain, label, written, 0).unwrap_or_default(),
         }
     }
 
@@ -514,14 +517,14 @@ impl Metrics {
         label: &str,
         written: Option<&str>,
         form: u64,
-    ) -> Arc<RuleCounters> {
+    ) -> Option<Arc<RuleCounters>> {
         static IDS: AtomicU64 = AtomicU64::new(1);
         let mut rules = self.rules.write().unwrap_or_else(|p| p.into_inner());
         // A request decided on the rules before a reload, recorded after it: counted nowhere.
         if !rules.serves(domain, written, form) {
-            return Arc::default();
+            return None;
         }
-        rules
+        let counters = rules
             .by_domain
             .entry(domain.into())
             .or_default()
@@ -533,7 +536,29 @@ impl Metrics {
                 form,
             })
             .counters
-            .clone()
+            .clone();
+        Some(counters)
+    }
+
+    /// Adds the label of request values `admitted` (see [`Metrics::admit_label`]; `took_room` when
+    /// it was admitted as itself, not as the label for the rest); when the rules served no longer take
+    /// it (a reload came between), gives back the room it took.
+    fn add_value_label(
+        &self,
+        domain: &str,
+        (admitted, took_room): (&str, bool),
+        written: &str,
+        form: u64,
+    ) -> Option<Arc<RuleCounters>> {
+        let added = self.add_rule(domain, admitted, Some(written), form);
+        if added.is_none() && took_room {
+            let mut counts = self.value_labels.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some((count, bytes)) = counts.get_mut(&(domain.into(), written.into())) {
+                *count = count.saturating_sub(1);
+                *bytes = bytes.saturating_sub(admitted.len());
+            }
+        }
+        added
     }
 
     /// The rules served from now on (at every load that changes them): the labels of rules they no
@@ -1016,5 +1041,27 @@ mod tests {
             "{text}"
         );
         assert_eq!(m.counter_values("r_total")[0].1, n);
+    }
+
+    /// A label of request values admitted just before a reload that changes how its rule labels them
+    /// is never made: the room it took in its rule's budget is given back, not lost until a restart.
+    #[test]
+    fn a_value_label_refused_after_a_reload_gives_its_room_back() {
+        let m = Metrics::new();
+        let serve = |form: u64| {
+            let rules = HashMap::from([("team".into(), form)]);
+            m.serve_rules(HashMap::from([("web".into(), rules)]));
+        };
+        serve(7);
+        // Admitted (the budget is one label), then the reload, then the label made under the old form.
+        let admitted = m.admit_label("web", "team_a", "team", 1);
+        serve(8);
+        assert!(m
+            .add_value_label("web", (&admitted, true), "team", 7)
+            .is_none());
+        // The next value takes the room.
+        m.rule_within("web", "team_b", "team", 8, 1);
+        assert!(m.existing_rule("web", "team_b").is_some());
+        assert!(m.existing_rule("web", "team (other values)").is_none());
     }
 }

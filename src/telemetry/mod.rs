@@ -62,7 +62,12 @@ pub fn init(log: &LogSettings, traces: &TracingSettings) -> Result<Telemetry, St
         LogLevel::Debug | LogLevel::Trace => format!("info,ratelimitd={}", log.level.as_str()),
         level => level.as_str().to_owned(),
     };
-    let filter = EnvFilter::new(format!("{filter},fred::router::responses=error"));
+    // The file watcher warns when it cannot unwatch a folder the kernel already dropped, which is
+    // every reload after a swapped RUNTIME_ROOT whose last target was deleted; the rules watcher
+    // reports the watches that matter itself.
+    let filter = EnvFilter::new(format!(
+        "{filter},fred::router::responses=error,notify::inotify=error"
+    ));
     let mut telemetry = Telemetry::default();
     let otel_layer = if traces.enabled {
         let provider = tracer_provider(traces)?;

@@ -94,7 +94,8 @@ impl LocalRecords {
     /// whether it was written.
     fn put(&self, id: &str, record: &str, most: usize, now_ms: u64) -> bool {
         let mut held = self.lock();
-        if !held.1.contains_key(id) {
+        // Below the bound the count decides, as HLEN does on Redis: a record is read only at it.
+        if !held.1.contains_key(id) && held.1.len() >= most {
             let live = held
                 .1
                 .values()

@@ -241,6 +241,15 @@ impl Level {
 }
 
 impl KeyNodes {
+    /// Every node of the key, however its value matches.
+    pub fn nodes(&self) -> impl Iterator<Item = &Node> {
+        self.values
+            .values()
+            .chain(self.cidrs.iter().map(|(_, n)| n))
+            .chain(self.wildcards.iter().map(|(_, n)| n))
+            .chain(self.default.iter())
+    }
+
     /// The first wildcard node, in file order, whose pattern matches `value`.
     pub(super) fn wildcard(&self, value: &str) -> Option<&Node> {
         let at = match &self.wildcard_index {
@@ -351,13 +360,7 @@ impl RuleSet {
 
 fn each_node<'a>(domain: &'a str, level: &'a Level, f: &mut impl FnMut(&'a str, &'a Node)) {
     for nodes in level.keys.values() {
-        let all = nodes
-            .values
-            .values()
-            .chain(nodes.cidrs.iter().map(|(_, n)| n))
-            .chain(nodes.wildcards.iter().map(|(_, n)| n))
-            .chain(nodes.default.iter());
-        for node in all {
+        for node in nodes.nodes() {
             f(domain, node);
             each_node(domain, &node.children, f);
         }

@@ -4,7 +4,7 @@
 //! reference has no such bounds; a rules file or an xDS route written for it can cross ours.
 
 use super::{
-    model::{KeyNodes, Level, Node, RuleSet},
+    model::{Level, Node, PathStep, RuleSet},
     rlconfig::{rule_name, ShowValue},
 };
 
@@ -30,16 +30,14 @@ struct Found<'a> {
 impl<'a> Found<'a> {
     fn add(&mut self, node: &'a Node) {
         self.count += 1;
-        let written = |n: &Node| {
-            let path = n.path();
-            path.iter()
-                .map(|step| (step.key.clone(), step.value.clone()))
-                .collect::<Vec<_>>()
-        };
-        if self
-            .first
-            .is_none_or(|first| written(node) < written(first))
-        {
+        let earlier = self.first.is_none_or(|first| {
+            fn written<'s>(step: &&'s PathStep) -> (&'s str, &'s str) {
+                (&step.key, &step.value)
+            }
+            let (path, first) = (node.path(), first.path());
+            path.iter().map(written).lt(first.iter().map(written))
+        });
+        if earlier {
             self.first = Some(node);
         }
     }
@@ -118,11 +116,11 @@ impl<'a> Unreachable<'a> {
     fn level(&mut self, level: &'a Level, depth: usize, bounds: EntryBounds) {
         for (key, nodes) in &level.keys {
             if depth > bounds.max_entries {
-                each(nodes, |node| self.deep.add(node));
+                nodes.nodes().for_each(|node| self.deep.add(node));
                 continue;
             }
             if key.len() > bounds.max_key_bytes {
-                each(nodes, |node| self.long_key.add(node));
+                nodes.nodes().for_each(|node| self.long_key.add(node));
                 continue;
             }
             for (value, node) in &nodes.values {
@@ -147,17 +145,6 @@ impl<'a> Unreachable<'a> {
             }
         }
     }
-}
-
-/// Calls `f` with each node of `nodes`, however its value matches.
-fn each<'a>(nodes: &'a KeyNodes, mut f: impl FnMut(&'a Node)) {
-    nodes
-        .values
-        .values()
-        .chain(nodes.cidrs.iter().map(|(_, n)| n))
-        .chain(nodes.wildcards.iter().map(|(_, n)| n))
-        .chain(nodes.default.iter())
-        .for_each(&mut f);
 }
 
 #[cfg(test)]

@@ -429,16 +429,7 @@ impl Metrics {
         form: u64,
         max: usize,
     ) -> Arc<RuleCounters> {
-        if let Some(c) = self.existing_rule(domain, label) {
-            return c;
-        }
-        if !self.serves(domain, written, form) {
-            return Arc::default();
-        }
-        let admitted = self.admit_label(domain, label, written, max);
-        let took_room = matches!(admitted, Cow::Borrowed(_));
-        self.add_value_label(domain, (&admitted, took_room), written, form)
-            .unwrap_or_default()
+        self.value_label(domain, label, written, form, max).1
     }
 
     /// The label [`Metrics::rule_within`] counts a rule label made of request values under: `label`
@@ -452,13 +443,49 @@ impl Metrics {
         form: u64,
         max: usize,
     ) -> Cow<'a, str> {
-        if self.existing_rule(domain, label).is_some() || !self.serves(domain, written, form) {
-            return Cow::Borrowed(label);
+        self.value_label(domain, label, written, form, max).0
+    }
+
+    /// The label of request values `label` is counted under, and its counters: those it has, else
+    /// made while its rule is served so (see [`Metrics::rule_within`]; counted nowhere otherwise).
+    fn value_label<'a>(
+        &self,
+        domain: &str,
+        label: &'a str,
+        written: &str,
+        form: u64,
+        max: usize,
+    ) -> (Cow<'a, str>, Arc<RuleCounters>) {
+        if let Some(c) = self.existing_rule(domain, label) {
+            return (Cow::Borrowed(label), c);
+        }
+        if !self.serves(domain, written, form) {
+            return (Cow::Borrowed(label), Arc::default());
         }
         let admitted = self.admit_label(domain, label, written, max);
-        let took_room = matches!(admitted, Cow::Borrowed(_));
-        self.add_value_label(domain, (&admitted, took_room), written, form);
-        admitted
+        let (admitted, counters) = self.add_admitted(domain, admitted, written, form);
+        (admitted, counters.unwrap_or_default())
+    }
+
+    /// Makes the label [`Metrics::admit_label`] admitted; when the rules served no longer take it (a
+    /// reload came between), gives back the room it took.
+    fn add_admitted<'a>(
+        &self,
+        domain: &str,
+        admitted: Cow<'a, str>,
+        written: &str,
+        form: u64,
+    ) -> (Cow<'a, str>, Option<Arc<RuleCounters>>) {
+        let counters = self.add_rule(domain, &admitted, Some(written), form);
+        // Only a label admitted as itself took room; the one for the rest takes none.
+        if let (None, Cow::Borrowed(label)) = (&counters, &admitted) {
+            let mut counts = self.value_labels.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some((count, bytes)) = counts.get_mut(&(domain.into(), written.into())) {
+                *count = count.saturating_sub(1);
+                *bytes = bytes.saturating_sub(label.len());
+            }
+        }
+        (admitted, counters)
     }
 
     fn existing_rule(&self, domain: &str, label: &str) -> Option<Arc<RuleCounters>> {
@@ -538,27 +565,6 @@ impl Metrics {
             .counters
             .clone();
         Some(counters)
-    }
-
-    /// Adds the label of request values `admitted` (see [`Metrics::admit_label`]; `took_room` when
-    /// it was admitted as itself, not as the label for the rest); when the rules served no longer take
-    /// it (a reload came between), gives back the room it took.
-    fn add_value_label(
-        &self,
-        domain: &str,
-        (admitted, took_room): (&str, bool),
-        written: &str,
-        form: u64,
-    ) -> Option<Arc<RuleCounters>> {
-        let added = self.add_rule(domain, admitted, Some(written), form);
-        if added.is_none() && took_room {
-            let mut counts = self.value_labels.lock().unwrap_or_else(|p| p.into_inner());
-            if let Some((count, bytes)) = counts.get_mut(&(domain.into(), written.into())) {
-                *count = count.saturating_sub(1);
-                *bytes = bytes.saturating_sub(admitted.len());
-            }
-        }
-        added
     }
 
     /// The rules served from now on (at every load that changes them): the labels of rules they no
@@ -1056,9 +1062,7 @@ mod tests {
         // Admitted (the budget is one label), then the reload, then the label made under the old form.
         let admitted = m.admit_label("web", "team_a", "team", 1);
         serve(8);
-        assert!(m
-            .add_value_label("web", (&admitted, true), "team", 7)
-            .is_none());
+        assert!(m.add_admitted("web", admitted, "team", 7).1.is_none());
         // The next value takes the room.
         m.rule_within("web", "team_b", "team", 8, 1);
         assert!(m.existing_rule("web", "team_b").is_some());

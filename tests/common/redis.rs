@@ -80,9 +80,15 @@ pub struct RedisProcess {
 }
 
 impl RedisProcess {
-    /// A standalone server on a free port, no persistence.
+    /// A standalone server on a free port, no persistence. A server started as a Cluster node gets a
+    /// port whose cluster bus (the port + 10 000) is free too: without it the server does not start.
     pub fn start(extra: &[&str]) -> Self {
-        Self::spawn(free_port(), extra, false)
+        let port = if extra.contains(&"--cluster-enabled") {
+            free_cluster_port()
+        } else {
+            free_port()
+        };
+        Self::spawn(port, extra, false)
     }
 
     /// A standalone server on the given port.
